@@ -1,0 +1,240 @@
+"""Per-op casting policy of mixed precision, reproduced while tracing on CPU.
+
+CUDA autocast and CPU autocast cast different ops (CPU autocast leaves softmax, layer_norm,
+exp, sum... in the low dtype; CUDA runs them in fp32), so a CPU trace made with
+``torch.autocast("cpu")`` would mispredict a GPU step. :class:`CudaAutocastEmulation` applies
+CUDA's op lists (``aten/src/ATen/autocast_mode.h``) as a ``TorchFunctionMode``: it acts above
+autograd, exactly where real autocast acts, so casts are recorded in the graph and tensors saved
+for backward have the dtype they would have on the GPU (which the memory predictor relies on).
+
+:class:`Fp8LinearEmulation` turns every ``F.linear`` into Transformer-Engine-style fp8 GEMMs
+(``torch._scaled_mm`` on e4m3 inputs in forward, e5m2 gradients in backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from predictors.precision import Precision, get_precision
+
+# CUDA autocast op lists (names of the Python-visible torch functions / Tensor methods).
+CUDA_LOWER_PRECISION_OPS = frozenset(
+    {
+        "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+        "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv",
+        "addr", "matmul", "__matmul__", "__rmatmul__", "einsum", "mm", "mv", "linalg_vecdot",
+        "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+    }
+)  # fmt: skip
+# Python-level composites whose internals are matmuls (their body runs outside the mode).
+CUDA_LOWER_PRECISION_OPS = CUDA_LOWER_PRECISION_OPS | {"multi_head_attention_forward"}
+CUDA_FP32_OPS = frozenset(
+    {
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
+        "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm", "nuclear_norm",
+        "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+        "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+        "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+        "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+        "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
+        "upsample_bicubic2d",
+        # aten::cross_entropy_loss is composite; under CUDA autocast its log_softmax and
+        # nll_loss both run in fp32, so the whole op does.
+        "cross_entropy_loss", "cross_entropy",
+    }
+)  # fmt: skip
+# fp32 unless the caller passed an explicit dtype; the kernel upcasts internally (no cast kernel).
+CUDA_FP32_SET_OPT_DTYPE_OPS = frozenset(
+    {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+     "linalg_matrix_norm", "sum"}
+)  # fmt: skip
+CUDA_PROMOTE_OPS = frozenset(
+    {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+     "index_put", "tensordot", "scatter_add"}
+)  # fmt: skip
+
+POLICY_LOWER, POLICY_FP32, POLICY_FP32_OPT_DTYPE, POLICY_PROMOTE = (
+    "lower_precision_fp",
+    "fp32",
+    "fp32_set_opt_dtype",
+    "promote",
+)
+
+
+def cuda_policy(op_name: str) -> str | None:
+    """CUDA autocast's policy for a torch function / Tensor method name (None: not listed)."""
+    if op_name in CUDA_LOWER_PRECISION_OPS:
+        return POLICY_LOWER
+    if op_name in CUDA_FP32_OPS:
+        return POLICY_FP32
+    if op_name in CUDA_FP32_SET_OPT_DTYPE_OPS:
+        return POLICY_FP32_OPT_DTYPE
+    if op_name in CUDA_PROMOTE_OPS:
+        return POLICY_PROMOTE
+    return None
+
+
+def _eligible(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+class CudaAutocastEmulation(TorchFunctionMode):
+    """``torch.autocast("cuda", dtype)`` semantics for tensors on any device (here: CPU/fake).
+
+    Like the real thing, lower-precision casts of fp32 leaf parameters are cached until the
+    outermost region exits, so each weight is cast once per forward.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> None:
+        super().__init__()
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"autocast dtype={dtype} must be torch.float16 or torch.bfloat16")
+        self.dtype = dtype
+        self.cache_enabled = cache_enabled
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._depth = 0
+
+    def __enter__(self):  # nesting depth decides when the weight cache is dropped
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            self._cache.clear()
+        return super().__exit__(*exc)
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if not _eligible(x) or x.dtype == dtype:
+            return x
+        cacheable = (
+            self.cache_enabled
+            and dtype == self.dtype
+            and x.dtype == torch.float32
+            and x.requires_grad
+            and x.is_leaf
+            and torch.is_grad_enabled()
+        )
+        if cacheable:
+            hit = self._cache.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]
+        y = x.to(dtype)
+        if cacheable:
+            self._cache[id(x)] = (x, y)
+        return y
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        policy = cuda_policy(name)
+        if policy is None:
+            # Unlisted ops run in their inputs' dtype. (A Python-level composite re-dispatches to
+            # this mode before its body runs, so its body runs outside it; the composites that
+            # matter are listed by their own name, e.g. layer_norm, softmax, cross_entropy.)
+            return func(*args, **kwargs)
+        if policy == POLICY_LOWER:
+            args, kwargs = tree_map(lambda x: self._cast(x, self.dtype), (args, kwargs))
+        elif policy == POLICY_FP32:
+            args, kwargs = tree_map(lambda x: self._cast(x, torch.float32), (args, kwargs))
+        elif policy == POLICY_FP32_OPT_DTYPE:
+            has_dtype = "dtype" in kwargs or any(isinstance(a, torch.dtype) for a in args)
+            if not has_dtype and any(_eligible(a) for a in args[:1]):
+                kwargs = {**kwargs, "dtype": torch.float32}
+        else:  # promote to the widest floating dtype among the inputs
+            dtypes = [a.dtype for a in tree_leaves((args, kwargs)) if _eligible(a)]
+            if dtypes:
+                widest = torch.float32 if torch.float32 in dtypes else self.dtype
+                args, kwargs = tree_map(lambda x: self._cast(x, widest), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (Transformer-Engine style delayed scaling is approximated by current scaling: amax of the
+# tensor being quantized).
+
+FP8_FORWARD = torch.float8_e4m3fn
+FP8_BACKWARD = torch.float8_e5m2
+
+
+def _quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.detach().abs().amax().float().clamp(min=1e-12)
+    scale = torch.finfo(fp8_dtype).max / amax
+    return (x.float() * scale).to(fp8_dtype), scale.reciprocal()
+
+
+def _fp8_mm(a: torch.Tensor, b: torch.Tensor, a_dtype, b_dtype, out_dtype) -> torch.Tensor:
+    """a @ b through ``torch._scaled_mm`` (first operand row-major, second column-major)."""
+    qa, sa = _quantize(a, a_dtype)
+    qb, sb = _quantize(b.t().contiguous(), b_dtype)  # column-major second operand
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        x2 = x.reshape(-1, x.shape[-1])
+        y = _fp8_mm(x2, weight.t(), FP8_FORWARD, FP8_FORWARD, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x = _fp8_mm(g2, weight, FP8_BACKWARD, FP8_FORWARD, x.dtype).reshape(x.shape)
+        grad_w = _fp8_mm(g2.t().contiguous(), x2, FP8_BACKWARD, FP8_FORWARD, weight.dtype)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+class Fp8LinearEmulation(TorchFunctionMode):
+    """Run every ``F.linear`` as fp8 GEMMs (forward e4m3 x e4m3, backward e5m2 x e4m3)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear or getattr(func, "__name__", "") == "linear":
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _Fp8Linear.apply(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+TARGETS = ("cuda", "cpu")
+
+
+def autocast_context(
+    precision: str | Precision, target: str = "cuda"
+) -> contextlib.AbstractContextManager:
+    """The casting context a forward pass at ``precision`` runs under on ``target``.
+
+    ``target="cuda"`` emulates CUDA rules on whatever device the tensors live on (tracing for a
+    GPU prediction); ``target="cpu"`` uses the real CPU autocast (measuring/tracing for a CPU).
+    """
+    p = get_precision(precision)
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} must be one of {TARGETS}")
+    stack = contextlib.ExitStack()
+    if p.fp8:
+        stack.enter_context(Fp8LinearEmulation())
+    if p.autocast:
+        if target == "cpu":
+            stack.enter_context(torch.autocast("cpu", dtype=p.compute_dtype))
+        else:
+            stack.enter_context(CudaAutocastEmulation(p.compute_dtype))
+    return stack

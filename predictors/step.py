@@ -1,0 +1,185 @@
+"""One full training step (forward, loss, backward, optimizer) at a given :class:`Precision`.
+
+The same :class:`TrainingStep` is timed on real tensors by ``predict collect`` and executed under
+``FakeTensorMode`` by :func:`trace_training_step` (no memory, no compute), so the traced op
+stream is the op stream that was measured. Extra ``TorchDispatchMode`` s (the time predictor's
+op tracer, the memory predictor's storage tracker) ride along, and ``on_phase`` is told when each
+phase of the step starts.
+
+Precision semantics (what Megatron / torch.amp users run):
+- autocast precisions keep fp32 weights and cast per op (CUDA rules when ``target="cuda"``);
+- pure precisions store weights, grads and Adam states in the low dtype;
+- ``*-mixed`` (and fp8) store weights/grads in the low dtype and keep fp32 master weights in the
+  optimizer: grads are cast up to fp32, AdamW updates the master, which is cast back down;
+- fp16 with autocast or fp32 masters uses dynamic loss scaling (``torch.amp.GradScaler``).
+AdamW is the fused kernel (``fused=True``): one multi-tensor kernel, as Apex/TE FusedAdam on GPUs,
+and it needs no host sync, which fake tensors could not provide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from predictors.autocast import autocast_context
+from predictors.precision import Precision, get_precision
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+PHASES = ("forward", "loss", "backward", "optimizer")
+PhaseCallback = Callable[[str], None]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer targets (language models, classifiers), MSE otherwise."""
+    if hasattr(output, "logits"):
+        output = output.logits
+    if not target.is_floating_point():
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+    return F.mse_loss(output, target)
+
+
+@dataclass
+class Batch:
+    """Model inputs (positional and keyword) and the loss target."""
+
+    inputs: Sequence[Any]
+    target: torch.Tensor
+    kwargs: dict[str, Any] | None = None
+
+
+def cast_floating_(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for floating parameters/buffers that also works on fake tensors
+    (``Module.to`` swaps tensors there, which fake-tensor weakrefs forbid)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, q in module._parameters.items():
+                if q is not None and q.is_floating_point() and q.dtype != dtype:
+                    module._parameters[name] = nn.Parameter(q.to(dtype), q.requires_grad)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+
+
+class TrainingStep:
+    """Callable that performs one optimizer step on ``model`` for a :class:`Batch`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        precision: str | Precision,
+        *,
+        target: str = "cuda",
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        loss_fn: LossFn = default_loss,
+        on_phase: PhaseCallback | None = None,
+    ) -> None:
+        self.precision = get_precision(precision)
+        self.target = target
+        self.model = model
+        self.loss_fn = loss_fn
+        self.on_phase = on_phase or (lambda phase: None)
+        p = self.precision
+        if p.param_dtype != torch.float32:
+            cast_floating_(model, p.param_dtype)
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        if p.master_weights_fp32:
+            self.masters = [q.detach().to(torch.float32) for q in self.params]
+            opt_params = self.masters
+        else:
+            self.masters = []
+            opt_params = self.params
+        # An empty optimizer is legal (fully frozen model): the step is then forward+backward.
+        self.optimizer = (
+            torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay, fused=True)
+            if opt_params
+            else None
+        )
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if p.grad_scaler else None
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        self.on_phase("forward")
+        inputs, kwargs = (
+            self._cast_inputs(list(batch.inputs)),
+            self._cast_inputs(batch.kwargs or {}),
+        )
+        with autocast_context(self.precision, self.target):
+            out = self.model(*inputs, **kwargs)
+            self.on_phase("loss")
+            loss = self.loss_fn(out, batch.target)
+        self.on_phase("backward")
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.on_phase("optimizer")
+        self._optimizer_step()
+        return loss.detach()
+
+    def _cast_inputs(self, tree: Any) -> Any:
+        """Floating inputs (images, embeddings) enter a low-precision model in its dtype."""
+        dtype = self.precision.param_dtype
+        if dtype == torch.float32:
+            return tree
+        return tree_map(lambda x: x.to(dtype) if _is_float(x) else x, tree)
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if self.masters:  # low-precision grads -> fp32 master grads (a cast kernel per tensor)
+            for q, m in zip(self.params, self.masters, strict=True):
+                m.grad = None if q.grad is None else q.grad.to(torch.float32)
+                q.grad = None
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters:  # fp32 master -> low-precision model weights
+            with torch.no_grad():
+                for q, m in zip(self.params, self.masters, strict=True):
+                    q.copy_(m)
+        else:
+            for q in self.params:
+                q.grad = None
+
+
+def trace_training_step(
+    build_model: Callable[[], nn.Module],
+    build_batch: Callable[[], Batch],
+    precision: str | Precision,
+    *,
+    target: str = "cuda",
+    modes: Sequence[Any] = (),
+    on_phase: PhaseCallback | None = None,
+    steps: int = 1,
+    loss_fn: LossFn = default_loss,
+) -> TrainingStep:
+    """Build the model and run ``steps`` training steps on fake ``cpu`` tensors.
+
+    ``modes`` are entered inside the fake mode (so they see every aten op, including the
+    parameter initialisation, first) and stay active for the whole run; ``on_phase`` receives
+    ``"init"`` before the model is built and then each of :data:`PHASES` per step. The returned
+    :class:`TrainingStep` holds fake tensors (parameters, optimizer state) for inspection.
+    """
+    phase = on_phase or (lambda name: None)
+    with FakeTensorMode(), contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        phase("init")
+        model = build_model()
+        step = TrainingStep(model, precision, target=target, loss_fn=loss_fn, on_phase=phase)
+        for _ in range(steps):
+            step(build_batch())
+    return step
