@@ -1,0 +1,169 @@
+"""Placement: which device each new chunk of a request goes to.
+
+``bandwidth`` stripes a request's chunks over the devices in proportion to their bandwidth, so
+that when the prefix is fetched back every device finishes its share at about the same time
+(fetch time = max_d(bytes_d / bw_d), minimised when bytes_d is proportional to bw_d).
+Shares come from the largest-remainder method with capacity caps (water filling); the order
+within a request interleaves devices (smooth weighted round robin) so any prefix of the request
+is striped too. ``round_robin`` uses equal weights; ``single_tier_serial`` fills devices in
+config order (host first, then SSD) like a tiered cache, for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_kvpool.config import PlacementPolicy
+
+
+def largest_remainder(total: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """Split ``total`` items proportionally to ``weights`` without exceeding ``caps``.
+
+    Water filling: devices whose proportional share exceeds their cap get the cap and the rest
+    is re-split over the others. Returns fewer than ``total`` only if all caps are reached.
+    """
+    n = len(weights)
+    shares = [0] * n
+    open_devs = [i for i in range(n) if weights[i] > 0 and caps[i] > 0]
+    remaining = min(total, sum(caps[i] for i in open_devs))
+    while remaining > 0 and open_devs:
+        wsum = sum(weights[i] for i in open_devs)
+        ideal = {i: remaining * weights[i] / wsum for i in open_devs}
+        capped = [i for i in open_devs if shares[i] + ideal[i] >= caps[i]]
+        if capped:  # give capped devices everything they can take, re-split the rest
+            for i in capped:
+                remaining -= caps[i] - shares[i]
+                shares[i] = caps[i]
+            open_devs = [i for i in open_devs if i not in capped]
+            continue
+        floors = {i: math.floor(ideal[i]) for i in open_devs}
+        for i in open_devs:
+            shares[i] += floors[i]
+        leftover = remaining - sum(floors.values())
+        by_remainder = sorted(open_devs, key=lambda i: (-(ideal[i] - floors[i]), -weights[i], i))
+        for i in by_remainder[:leftover]:
+            shares[i] += 1
+        remaining = 0
+    return shares
+
+
+def interleave(counts: Sequence[int]) -> list[int]:
+    """Device order for ``counts[d]`` chunks per device, spread evenly (smooth weighted RR)."""
+    total = sum(counts)
+    current = [0] * len(counts)
+    order: list[int] = []
+    left = list(counts)
+    for _ in range(total):
+        for d, c in enumerate(counts):
+            if left[d] > 0:
+                current[d] += c
+        best = max((d for d in range(len(counts)) if left[d] > 0), key=lambda d: current[d])
+        current[best] -= total
+        left[best] -= 1
+        order.append(best)
+    return order
+
+
+@dataclass
+class RequestStripe:
+    """Chunks of one request placed so far, per device (placement continues across steps)."""
+
+    counts: list[int]
+
+
+@dataclass
+class Placement:
+    policy: PlacementPolicy
+    num_devices: int
+    stripes: dict[str, RequestStripe] = field(default_factory=dict)
+
+    def assign(
+        self, req_id: str, num_chunks: int, weights: Sequence[float], free: Sequence[int]
+    ) -> list[int]:
+        """Devices for the next ``num_chunks`` chunks of ``req_id`` (may be shorter when full).
+
+        ``weights``: current bandwidth weights (0 for failed devices); ``free``: free slots.
+        """
+        stripe = self.stripes.setdefault(req_id, RequestStripe([0] * self.num_devices))
+        if self.policy == "single_tier_serial":
+            devices = self._fill_in_order(num_chunks, weights, free)
+        else:
+            w = [1.0 if x > 0 else 0.0 for x in weights] if self.policy == "round_robin" else weights
+            devices = self._continue_stripe(stripe.counts, num_chunks, w, free)
+        for d in devices:
+            stripe.counts[d] += 1
+        return devices
+
+    def forget(self, req_id: str) -> None:
+        self.stripes.pop(req_id, None)
+
+    @staticmethod
+    def _fill_in_order(num_chunks: int, weights: Sequence[float], free: Sequence[int]) -> list[int]:
+        devices: list[int] = []
+        for d, (w, f) in enumerate(zip(weights, free, strict=True)):
+            if w > 0:
+                devices += [d] * min(f, num_chunks - len(devices))
+        return devices
+
+    def _continue_stripe(
+        self, prior: list[int], num_chunks: int, weights: Sequence[float], free: Sequence[int]
+    ) -> list[int]:
+        # Target shares for the whole request so far, then hand the new chunks to the devices
+        # furthest below their target: the request as a whole stays bandwidth-proportional.
+        caps = [p + f for p, f in zip(prior, free, strict=True)]
+        target = largest_remainder(sum(prior) + num_chunks, weights, caps)
+        deficit = [max(t - p, 0) for t, p in zip(target, prior, strict=True)]
+        new = [min(x, f) for x, f in zip(deficit, free, strict=True)]
+        excess = sum(new) - num_chunks
+        while excess > 0:  # prior over-shoot elsewhere can make deficits sum above num_chunks
+            d = max(range(len(new)), key=lambda i: (new[i] - (target[i] - prior[i]), new[i]))
+            new[d] -= 1
+            excess -= 1
+        return interleave(new)
+
+
+def fetch_seconds(bytes_per_device: Sequence[int], gbps: Sequence[float]) -> float:
+    """Time to fetch when every device streams its share in parallel: max_d bytes_d / bw_d."""
+    times = [b / (g * 1e9) for b, g in zip(bytes_per_device, gbps, strict=True) if b > 0 and g > 0]
+    return max(times, default=0.0)
+
+
+@dataclass
+class DeviceWeights:
+    """Bandwidth weights (GB/s) with drift detection and failure marking."""
+
+    gbps: list[float]
+    drift_threshold: float = 0.3
+    smoothing: float = 0.3  # EWMA factor for observed bandwidth
+    failed: list[bool] = field(default_factory=list)
+    observed: list[float | None] = field(default_factory=list)
+    version: int = 0  # bumps whenever the weights change
+
+    def __post_init__(self) -> None:
+        n = len(self.gbps)
+        self.failed = self.failed or [False] * n
+        self.observed = self.observed or [None] * n
+
+    def effective(self) -> list[float]:
+        return [0.0 if f else g for g, f in zip(self.gbps, self.failed, strict=True)]
+
+    def observe(self, device: int, nbytes: int, seconds: float) -> bool:
+        """Fold one transfer's throughput in; returns True when the weight was refreshed."""
+        if seconds <= 0 or nbytes <= 0 or self.failed[device]:
+            return False
+        gbps = nbytes / seconds / 1e9
+        prev = self.observed[device]
+        ewma = gbps if prev is None else (1 - self.smoothing) * prev + self.smoothing * gbps
+        self.observed[device] = ewma
+        if abs(ewma - self.gbps[device]) > self.drift_threshold * self.gbps[device]:
+            self.gbps[device] = ewma
+            self.version += 1
+            return True
+        return False
+
+    def fail(self, device: int) -> None:
+        if not self.failed[device]:
+            self.failed[device] = True
+            self.version += 1

@@ -1,0 +1,201 @@
+"""The logical pool (scheduler side): devices as fixed-size chunk slots, the index, placement,
+eviction and device health. Pure Python, no vLLM and no I/O: workers do the bytes.
+
+Every device is cut into ``slot_bytes`` slots (one chunk each, aligned for O_DIRECT), the same
+geometry on the scheduler and on each worker, so a (device, slot) pair is a complete address.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_kvpool.config import DeviceConfig, PoolConfig
+from vllm_kvpool.eviction import evict_lru
+from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit, ChunkIndex, ChunkLocation
+from vllm_kvpool.metrics import DeviceUsage, LookupCounters, PoolStatus, TransferCounters
+from vllm_kvpool.placement import DeviceWeights, Placement
+
+SLOT_ALIGNMENT = 4096  # covers the logical block size of NVMe/loop devices and O_DIRECT files
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def layout_fingerprint(parts: Sequence[object]) -> int:
+    """Stable 63-bit id of a KV layout (layer names, page sizes, dtypes, block size)."""
+    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    block_bytes: int  # one vLLM block across all layers this worker holds
+    blocks_per_chunk: int
+    layout_version: int
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.block_bytes * self.blocks_per_chunk
+
+    @property
+    def slot_bytes(self) -> int:
+        return align_up(self.chunk_bytes, SLOT_ALIGNMENT)
+
+    def num_slots(self, device: DeviceConfig) -> int:
+        return device.capacity // self.slot_bytes
+
+    def check_capacity(self, config: PoolConfig) -> None:
+        from vllm_kvpool.config import PoolConfigError
+
+        for i, d in enumerate(config.devices):
+            if self.num_slots(d) < 1:
+                raise PoolConfigError(
+                    f"devices[{i}].{d.kind}.capacity",
+                    f"{d.capacity} bytes holds no chunk of {self.slot_bytes} bytes "
+                    f"({config.chunk_tokens} tokens)",
+                )
+
+
+@dataclass
+class SlotAllocator:
+    total: int
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.total - 1, -1, -1))  # pop() hands out low slots first
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+@dataclass(frozen=True)
+class PlannedSave:
+    entry: ChunkEntry
+    first_block: int  # index in the request of the chunk's first block
+
+
+class UnifiedPool:
+    """Index + slots + placement + eviction over all devices of one pool config."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        geometry: PoolGeometry,
+        weights: DeviceWeights,
+        world_size: int = 1,
+    ) -> None:
+        geometry.check_capacity(config)
+        self.config = config
+        self.geometry = geometry
+        self.weights = weights
+        self.world_size = world_size
+        self.index = ChunkIndex()
+        self.slots = [SlotAllocator(geometry.num_slots(d)) for d in config.devices]
+        self.placement = Placement(config.placement, len(config.devices))
+        self.lookups = LookupCounters()
+        self.transfers = TransferCounters()
+
+    # -- lookups ---------------------------------------------------------------------------
+    def match(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
+        """Committed chunks on healthy devices covering the longest prefix of ``hashes``."""
+        hits = self.index.match_prefix(hashes, self.geometry.blocks_per_chunk,
+                                       self.geometry.layout_version)  # fmt: skip
+        for n, hit in enumerate(hits):
+            if self.weights.failed[hit.entry.location.device]:
+                return hits[:n]
+        return hits
+
+    def pin(self, entries: Sequence[ChunkEntry]) -> None:
+        for e in entries:
+            e.readers += 1
+            self.index.touch(e.key)
+
+    def unpin(self, entries: Sequence[ChunkEntry]) -> None:
+        for e in entries:
+            e.readers -= 1
+            if e.dead and e.readers == 0:
+                self._release(e)
+
+    # -- saves -----------------------------------------------------------------------------
+    def plan_saves(
+        self, req_id: str, chunks: Sequence[tuple[int, Sequence[BlockHash]]]
+    ) -> list[PlannedSave]:
+        """Reserve slots for new chunks ``(first_block, block_hashes)`` of one request.
+
+        Chunks already indexed (committed or being written by another request) are skipped.
+        When the pool is full the least recently used chunks are evicted; if nothing can be
+        evicted the remaining chunks are simply not saved (a future miss, never an error).
+        Placement stops at the first chunk that cannot be placed: a prefix with a hole in it
+        could never be matched past the hole.
+        """
+        todo = [(first, tuple(h)) for first, h in chunks if h[0] not in self.index]
+        if not todo:
+            return []
+        free_total = sum(self._free_slots())
+        if free_total < len(todo):
+            victims = evict_lru(self.index, len(todo) - free_total, self._release)
+            self.lookups.evictions += len(victims)
+        devices = self.placement.assign(req_id, len(todo), self.weights.effective(),
+                                        self._free_slots())  # fmt: skip
+        self.lookups.save_skipped_full += len(todo) - len(devices)
+        planned = []
+        for (first, hashes), device in zip(todo, devices, strict=False):
+            loc = ChunkLocation(device=device, slot=self.slots[device].take(),
+                                num_blocks=len(hashes),
+                                nbytes=len(hashes) * self.geometry.block_bytes,
+                                layout_version=self.geometry.layout_version)  # fmt: skip
+            planned.append(PlannedSave(self.index.reserve(hashes[0], hashes, loc), first))
+        self.lookups.saves += len(planned)
+        return planned
+
+    def acknowledge_save(self, key: BlockHash, rank: int, checksum: int) -> None:
+        self.index.acknowledge(key, rank, checksum, self.world_size)
+
+    def forget_request(self, req_id: str) -> None:
+        self.placement.forget(req_id)
+
+    # -- failures --------------------------------------------------------------------------
+    def invalidate(self, key: BlockHash) -> None:
+        """Drop a chunk (failed write, corrupt read): later lookups miss and recompute it."""
+        entry = self.index.remove(key)
+        if entry is None:
+            return
+        self.lookups.invalidated += 1
+        if entry.readers:
+            entry.dead = True
+        else:
+            self._release(entry)
+
+    def fail_device(self, device: int) -> None:
+        """A device failed: its chunks become misses, it takes no new chunks, the pool serves."""
+        self.weights.fail(device)
+        for entry in self.index.on_device(device):
+            self.invalidate(entry.key)
+
+    # -- reporting -------------------------------------------------------------------------
+    def status(self) -> PoolStatus:
+        usage = [
+            DeviceUsage(d.name, d.kind, alloc.total - alloc.num_free, alloc.total,
+                        self.geometry.slot_bytes, w, failed)  # fmt: skip
+            for d, alloc, w, failed in zip(self.config.devices, self.slots, self.weights.gbps,
+                                           self.weights.failed, strict=True)  # fmt: skip
+        ]
+        return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,
+                          self.config.chunk_tokens)  # fmt: skip
+
+    def _free_slots(self) -> list[int]:
+        return [0 if failed else a.num_free
+                for a, failed in zip(self.slots, self.weights.failed, strict=True)]  # fmt: skip
+
+    def _release(self, entry: ChunkEntry) -> None:
+        self.slots[entry.location.device].give(entry.location.slot)
