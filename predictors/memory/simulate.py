@@ -1,0 +1,127 @@
+"""Ground truth without a GPU: one real training step traced under ``FakeTensorMode`` on cpu.
+
+The step is the time predictor's :class:`predictors.step.TrainingStep` (CUDA autocast rules,
+fused AdamW, fp32 masters, grad scaler). The :class:`MemoryTracker` sees every storage and
+replays the stream through the caching-allocator simulator. Two steps run: the first creates
+the Adam states; peaks are reset and the second (steady-state) step is the one reported, as a
+GPU measurement after a warm-up step would be.
+
+Modelled, not traced (CUDA kernel choices): SDPA runs the CPU flash kernel, which like CUDA's
+FlashAttention saves only the output and the log-sum-exp; cuBLAS workspaces are allocated by
+the tracker (see :mod:`overheads`); the CUDA context is outside the allocator and is added only
+for the OOM verdict. Not emulated: ZeRO sharding (traced at dp=1; the analytical model shards).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..step import Batch, TrainingStep
+from .build import build_model, make_inputs, tower_modules
+from .overheads import HOPPER, CudaOverheads
+from .towers import ModelSpec, ShardingError, TrainConfig, resolve_shapes
+from .tracker import MemoryTracker
+
+GROUND_TRUTH_SIM = "fake-tensor trace + caching-allocator simulation (cpu, CUDA rules)"
+
+
+@dataclass
+class Measurement:
+    ground_truth: str
+    peak_allocated: int
+    peak_reserved: int
+    peak_phase: str
+    trace_seconds: float
+    breakdown: dict[str, int]  # live bytes per label at the allocated peak
+    phase_peaks: dict[str, int]
+    saved_by_module: dict[str, int]  # activation bytes saved per module (forward end)
+
+    def as_row(self) -> dict:
+        row = asdict(self)
+        row.pop("saved_by_module")
+        for k, v in row.pop("breakdown").items():
+            row[f"gt_{k}"] = v
+        for k, v in row.pop("phase_peaks").items():
+            row[f"gt_phase_{k}"] = v
+        return row
+
+
+def _loss_from_output(out, target):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def prepare_model(spec: ModelSpec, cfg: TrainConfig) -> torch.nn.Module:
+    """Build, freeze and (optionally) checkpoint a model for ``cfg``."""
+    model = build_model(spec, cfg.attention)
+    model.train()
+    towers = tower_modules(spec, model)
+    for name in cfg.frozen_towers(spec):
+        if name in towers:
+            towers[name].requires_grad_(False)
+    if cfg.checkpointing == "full":
+        for mod in model.modules():
+            if hasattr(mod, "gradient_checkpointing_enable") and mod is not model:
+                continue
+        target = model.vision_tower if spec.text is None else model
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER,
+                  steps: int = 2) -> Measurement:
+    """Trace ``steps`` training steps of ``spec`` under ``cfg``; report the last one's peaks."""
+    if cfg.zero:
+        raise ShardingError("the traced ground truth runs one rank without ZeRO (zero=0)")
+    spec = spec.at_resolution(cfg.image_res)
+    resolve_shapes(spec, cfg)
+    t0 = time.perf_counter()
+    tracker = MemoryTracker(overheads=overheads)
+    with FakeTensorMode():
+        model = prepare_model(spec, cfg)
+        step = TrainingStep(model, cfg.precision, target="cuda", loss_fn=_loss_from_output,
+                            on_phase=lambda p: _enter_phase(tracker, p))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(lambda q: tracker.relabel([q.grad], "gradient"))
+        if step.optimizer is not None:
+            step.optimizer.register_step_pre_hook(lambda opt, a, k: tracker.relabel(
+                [q.grad for g in opt.param_groups for q in g["params"]], "gradient"))
+        hooks = tracker.attach(model)
+        with tracker:
+            tracker.register(model.parameters(), "parameter")
+            tracker.register(model.buffers(), "parameter")
+            tracker.register(step.masters, "optimizer_state")
+            for i in range(steps):
+                if i == steps - 1:
+                    tracker.phase = "setup"
+                    tracker.reset_peak()
+                kw = make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+                step(Batch((), kw["labels"], kw))
+                tracker.phase = "setup"
+                if step.optimizer is not None:
+                    tracker.relabel(
+                        [v for s in step.optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor)], "optimizer_state")
+        for h in hooks:
+            h.remove()
+    s = tracker.allocator.stats
+    return Measurement(
+        ground_truth=GROUND_TRUTH_SIM,
+        peak_allocated=s.peak_allocated,
+        peak_reserved=s.peak_reserved,
+        peak_phase=tracker.peak.phase,
+        trace_seconds=time.perf_counter() - t0,
+        breakdown=tracker.peak_breakdown(),
+        phase_peaks=dict(tracker.phase_peaks),
+        saved_by_module=dict(tracker.module_saved),
+    )
+
+
+def _enter_phase(tracker: MemoryTracker, phase: str) -> None:
+    if tracker.phase == "forward" or (tracker.phase == "loss" and phase == "backward"):
+        tracker.end_forward()
+    tracker.phase = phase

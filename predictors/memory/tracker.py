@@ -1,0 +1,186 @@
+"""A TorchDispatchMode that sees every storage a traced step allocates and frees.
+
+Run it inside ``FakeTensorMode`` (fake tensors on ``cpu``): no real memory is used, yet each op's
+outputs carry their real sizes. A storage is *allocated* the first time an op returns it and
+*freed* when its ``UntypedStorage`` is finalized (weak-ref finalizer), exactly when the CUDA
+caching allocator would get the block back. Each storage gets a label, and the stream is
+replayed live through :class:`CachingAllocatorSim`.
+
+Labels: ``parameter`` (registered before the step), ``gradient`` (becomes a ``.grad``),
+``optimizer_state`` (lives in ``optimizer.state``), ``activation`` (allocated in the forward and
+still alive when the forward ends, i.e. saved for backward), ``workspace`` (modelled cuBLAS
+workspaces) and ``temporary`` (everything else).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .allocator import CachingAllocatorSim
+from .overheads import NONE, CudaOverheads
+
+LABELS = ("parameter", "gradient", "optimizer_state", "activation", "workspace", "temporary")
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot"}
+
+
+@dataclass
+class _Record:
+    nbytes: int
+    label: str
+    phase: str
+    module: str
+    op: str
+    handle: int
+    alloc_seq: int
+    free_seq: int | None = None
+
+
+@dataclass
+class PeakSnapshot:
+    allocated: int = 0
+    phase: str = ""
+    seq: int = 0
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track storages; ``phase`` is set by the step driver (forward/loss/backward/optimizer)."""
+
+    def __init__(self, allocator: CachingAllocatorSim | None = None,
+                 overheads: CudaOverheads = NONE) -> None:
+        super().__init__()
+        self.allocator = allocator or CachingAllocatorSim()
+        self.overheads = overheads
+        self.phase = "setup"
+        self._live: dict[int, _Record] = {}
+        self._by_label: dict[str, int] = defaultdict(int)
+        self._module_stack: list[str] = []
+        self._workspace_phases: set[str] = set()
+        self._records: list[_Record] = []
+        self._seq = 0
+        self.peak = PeakSnapshot()
+        self.phase_peaks: dict[str, int] = {}
+        self.module_saved: dict[str, int] = defaultdict(int)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _alloc(self, key: int, nbytes: int, label: str, op: str) -> _Record:
+        handle = self.allocator.malloc(nbytes)
+        module = self._module_stack[-1] if self._module_stack else ""
+        self._seq += 1
+        rec = _Record(nbytes, label, self.phase, module, op, handle, self._seq)
+        self._live[key] = rec
+        self._records.append(rec)
+        self._by_label[label] += nbytes
+        allocated = self.allocator.stats.allocated
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), allocated)
+        if allocated > self.peak.allocated:
+            self.peak = PeakSnapshot(allocated, self.phase, self._seq)
+        return rec
+
+    def _free(self, key: int) -> None:
+        rec = self._live.pop(key, None)
+        if rec is None:
+            return
+        self._by_label[rec.label] -= rec.nbytes
+        self._seq += 1
+        rec.free_seq = self._seq
+        self.allocator.free(rec.handle)
+
+    def _watch(self, t: torch.Tensor, label: str, op: str) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._live or storage.nbytes() == 0:
+            return
+        self._alloc(key, storage.nbytes(), label, op)
+        weakref.finalize(storage, self._free, key)
+
+    def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
+        """Account for storages that exist before tracking starts (parameters, inputs)."""
+        for t in tensors:
+            self._watch(t, label, "register")
+
+    def relabel(self, tensors: Iterable[torch.Tensor | None], label: str) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            rec = self._live.get(_storage_key(t))
+            if rec is not None and rec.label != label:
+                self._by_label[rec.label] -= rec.nbytes
+                self._by_label[label] += rec.nbytes
+                rec.label = label
+
+    def end_forward(self) -> None:
+        """What the forward allocated and is still alive now is saved for backward."""
+        for rec in self._live.values():
+            if rec.phase == "forward" and rec.label == "temporary":
+                self._by_label["temporary"] -= rec.nbytes
+                self._by_label["activation"] += rec.nbytes
+                rec.label = "activation"
+                self.module_saved[rec.module] += rec.nbytes
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
+        self.peak = PeakSnapshot(self.allocator.stats.allocated, self.phase, self._seq)
+        self.phase_peaks = {}
+        self._records = [r for r in self._records if r.free_seq is None]
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes per (final) label of the storages live at the allocated peak."""
+        out = dict.fromkeys(LABELS, 0)
+        seq = self.peak.seq
+        for r in self._records:
+            if r.alloc_seq <= seq and (r.free_seq is None or r.free_seq > seq):
+                out[r.label] += r.nbytes
+        return out
+
+    def live_bytes(self, label: str | None = None) -> int:
+        if label is None:
+            return sum(self._by_label.values())
+        return self._by_label[label]
+
+    # -- module attribution ---------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> list:
+        """Attribute forward allocations to the innermost named module; returns hook handles."""
+        def enter(name: str) -> None:
+            self._module_stack.append(name)
+
+        def leave() -> None:
+            self._module_stack.pop()
+
+        handles = []
+        for name, mod in model.named_modules():
+            handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: enter(name)))
+            handles.append(mod.register_forward_hook(lambda m, a, o: leave()))
+        return handles
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _GEMMS and self.overheads.cublas_workspaces:
+            self._cublas_workspace()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._watch(t, "temporary", name)
+        return out
+
+    def _cublas_workspace(self) -> None:
+        # One handle for the Python thread (setup/forward/loss/optimizer), one for the autograd
+        # engine's device thread (backward).
+        thread = "backward" if self.phase == "backward" else "main"
+        if thread in self._workspace_phases or len(self._workspace_phases) >= \
+                self.overheads.cublas_workspaces:
+            return
+        self._workspace_phases.add(thread)
+        self._alloc(-1 - len(self._workspace_phases), self.overheads.cublas_workspace_bytes,
+                    "workspace", "cublas")
