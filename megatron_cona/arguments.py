@@ -1,0 +1,142 @@
+"""CONA's command-line flags, added Megatron-LM's way.
+
+Megatron-LM users pass ``extra_args_provider=add_cona_args`` to ``pretrain(...)`` (or to
+``megatron.training.arguments.parse_args``); ``megatron_cona.pretrain_gpt`` does the same.
+``validate_cona_args`` turns every bad combination into a :class:`ConaArgumentError` that names
+the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_cona.candidates import CandidateSpec, parse_candidate_list
+from megatron_cona.lr_scaling import RULES
+from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+
+
+class ConaArgumentError(StrategyError):
+    """A CONA or parallelism flag whose value cannot run; ``flag`` names it."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def add_cona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for Megatron-LM: adds the ``CONA`` argument group."""
+    group = parser.add_argument_group(title="CONA")
+    group.add_argument("--cona", action="store_true",
+                       help="Enable online parallelism-strategy chaining.")
+    group.add_argument("--cona-interval", type=int, default=50,
+                       help="Rank candidate strategies every this many iterations.")
+    group.add_argument("--cona-candidates", type=str, default="all",
+                       help="'all' or a comma-separated list like dp4tp1pp1,dp2tp2pp1 "
+                       "(entries may fix batches: dp2tp2pp1mb2gb16).")
+    group.add_argument("--cona-min-gain", type=float, default=0.05,
+                       help="Relative goodput gain the best candidate needs to be switched to.")
+    group.add_argument("--cona-global-batch-range", type=str, default=None,
+                       help="MIN,MAX global batch sizes CONA may use "
+                       "(default: only --global-batch-size).")
+    group.add_argument("--cona-micro-batches", type=str, default="1,2,4,8",
+                       help="Comma-separated micro-batch sizes CONA may use.")
+    group.add_argument("--cona-log", type=str, default=None,
+                       help="JSON-lines file receiving every ranking decision.")
+    group.add_argument("--cona-lr-scaling", type=str, default="sqrt", choices=RULES,
+                       help="How the learning rate follows the global batch size.")
+    group.add_argument("--cona-patience", type=int, default=2,
+                       help="Consecutive qualifying rankings before a switch.")
+    group.add_argument("--cona-cooldown", type=int, default=1,
+                       help="Rankings after a switch during which no switch happens.")
+    group.add_argument("--cona-horizon", type=float, default=20.0,
+                       help="A switch must repay its measured cost within this many intervals.")
+    group.add_argument("--cona-gns-decay", type=float, default=0.95,
+                       help="EMA decay of the gradient-noise-scale statistics.")
+    group.add_argument("--cona-device", type=str, default="auto",
+                       help="Device the time predictor ranks unseen strategies for "
+                       "('auto' = the local one).")
+    return parser
+
+
+@dataclass(frozen=True)
+class ConaSettings:
+    candidates: CandidateSpec
+    interval: int
+    min_gain: float
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(":", ",").split(",") if v.strip())
+    except ValueError:
+        raise ConaArgumentError(flag, f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise ConaArgumentError(flag, f"{text!r} must list integers >= 1")
+    return values
+
+
+def static_strategy(args: argparse.Namespace, world_size: int) -> ParallelStrategy:
+    """The strategy given by Megatron-LM's own parallelism and batch flags."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConaArgumentError(
+            "--tensor-model-parallel-size",
+            f"tp={tp} x pp={pp} does not divide world_size={world_size}")
+    dp = world_size // (tp * pp)
+    gb = args.global_batch_size if args.global_batch_size is not None else dp * args.micro_batch_size
+    if gb % (dp * args.micro_batch_size):
+        raise ConaArgumentError(
+            "--global-batch-size",
+            f"{gb} is not divisible by dp*micro_batch_size={dp}*{args.micro_batch_size}")
+    return ParallelStrategy(dp, tp, pp, args.micro_batch_size, gb)
+
+
+def validate_cona_args(
+    args: argparse.Namespace, world_size: int, model: TransformerSpec | None = None
+) -> ConaSettings:
+    """Check the CONA flags against the world and model; raise ConaArgumentError naming one."""
+    start = static_strategy(args, world_size)
+    try:
+        start.check(world_size, model)
+    except StrategyError as err:
+        raise ConaArgumentError("--tensor-model-parallel-size", str(err)) from None
+    if args.cona_interval < 1:
+        raise ConaArgumentError("--cona-interval", f"{args.cona_interval} must be >= 1")
+    if args.cona_min_gain < 0:
+        raise ConaArgumentError("--cona-min-gain", f"{args.cona_min_gain} must be >= 0")
+    for flag, value in (("--cona-patience", args.cona_patience),):
+        if value < 1:
+            raise ConaArgumentError(flag, f"{value} must be >= 1")
+    if args.cona_cooldown < 0:
+        raise ConaArgumentError("--cona-cooldown", f"{args.cona_cooldown} must be >= 0")
+    if args.cona_horizon <= 0:
+        raise ConaArgumentError("--cona-horizon", f"{args.cona_horizon} must be > 0")
+    if not 0 <= args.cona_gns_decay < 1:
+        raise ConaArgumentError("--cona-gns-decay", f"{args.cona_gns_decay} must be in [0, 1)")
+    if args.cona_global_batch_range is None:
+        lo = hi = start.global_batch_size
+    else:
+        bounds = _ints("--cona-global-batch-range", args.cona_global_batch_range)
+        if len(bounds) != 2 or bounds[0] > bounds[1]:
+            raise ConaArgumentError("--cona-global-batch-range",
+                                    f"{args.cona_global_batch_range!r} must be MIN,MAX with MIN <= MAX")
+        lo, hi = bounds
+    micro = _ints("--cona-micro-batches", args.cona_micro_batches)
+    try:
+        spec = parse_candidate_list(args.cona_candidates)
+    except StrategyError as err:
+        raise ConaArgumentError("--cona-candidates", str(err)) from None
+    for layout in spec.layouts or ():
+        try:
+            ParallelStrategy(*layout).check(world_size, model)
+        except StrategyError as err:
+            raise ConaArgumentError("--cona-candidates", str(err)) from None
+    for strategy in spec.fixed:
+        try:
+            strategy.check(world_size, model)
+        except StrategyError as err:
+            raise ConaArgumentError("--cona-candidates", str(err)) from None
+    spec = CandidateSpec(layouts=spec.layouts, fixed=spec.fixed, micro_batches=micro,
+                         global_batch_range=(lo, hi))
+    return ConaSettings(candidates=spec, interval=args.cona_interval, min_gain=args.cona_min_gain)

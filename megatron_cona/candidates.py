@@ -1,0 +1,183 @@
+"""Candidate strategies: every (DP, TP, PP) layout the world and model admit, times micro- and
+global-batch sizes, minus those predicted not to fit device memory (each drop logged)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from predictors.precision import Precision
+from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+
+log = logging.getLogger("megatron_cona.candidates")
+
+Layout = tuple[int, int, int]
+
+
+class MemoryModel(Protocol):
+    """Peak device memory of one rank for ``strategy`` (bytes)."""
+
+    def peak_bytes(
+        self, model: TransformerSpec, strategy: ParallelStrategy, precision: Precision
+    ) -> float: ...
+
+
+@dataclass(frozen=True)
+class Rejected:
+    strategy: ParallelStrategy
+    reason: str
+
+
+@dataclass
+class CandidateSet:
+    kept: list[ParallelStrategy] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __iter__(self):
+        return iter(self.kept)
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """What the user asked for: ``--cona-candidates`` entries and the batch ranges."""
+
+    layouts: tuple[Layout, ...] | None = None  # None = every admissible layout
+    fixed: tuple[ParallelStrategy, ...] = ()  # entries that also named mb/gb: taken as is
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    global_batch_range: tuple[int, int] = (1, 1 << 30)
+    batch_grid: str = "pow2"  # "pow2": global batches dp*mb*2^k; "all": every multiple
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def admissible_layouts(world_size: int, model: TransformerSpec) -> list[Layout]:
+    """(dp, tp, pp) with dp*tp*pp == world_size that ``model`` admits."""
+    out = []
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            try:
+                ParallelStrategy(dp, tp, pp).check(world_size, model)
+            except StrategyError:
+                continue
+            out.append((dp, tp, pp))
+    return sorted(out)
+
+
+_ENTRY = re.compile(r"^dp\d+tp\d+pp\d+(mb\d+)?(gb\d+)?$")
+
+
+def parse_candidate_list(text: str) -> CandidateSpec:
+    """``all`` or comma-separated ``dp4tp1pp1,dp2tp2pp1mb2gb16``; raises StrategyError."""
+    text = text.strip().lower()
+    if text == "all":
+        return CandidateSpec()
+    layouts: list[Layout] = []
+    fixed: list[ParallelStrategy] = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        if not _ENTRY.match(entry):
+            raise StrategyError(
+                f"--cona-candidates entry {entry!r} is not 'all' or dp<D>tp<T>pp<P>[mb<M>][gb<G>]"
+            )
+        strategy = ParallelStrategy.parse(entry)
+        if "mb" in entry or "gb" in entry:
+            fixed.append(strategy)
+        else:
+            layouts.append(strategy.layout)
+    if not layouts and not fixed:
+        raise StrategyError("--cona-candidates is empty")
+    return CandidateSpec(layouts=tuple(layouts), fixed=tuple(fixed))
+
+
+def global_batches(dp: int, micro: int, lo: int, hi: int, grid: str) -> list[int]:
+    step = dp * micro
+    first = max(step, -(-lo // step) * step)
+    if grid == "all":
+        return list(range(first, hi + 1, step))
+    if grid != "pow2":
+        raise StrategyError(f"batch_grid={grid!r} must be 'pow2' or 'all'")
+    out, k = [], 1
+    while step * k <= hi:
+        if step * k >= lo:
+            out.append(step * k)
+        k *= 2
+    return out
+
+
+def _batched(layouts: Iterable[Layout], spec: CandidateSpec) -> list[ParallelStrategy]:
+    lo, hi = spec.global_batch_range
+    out = []
+    for dp, tp, pp in layouts:
+        for mb in spec.micro_batches:
+            for gb in global_batches(dp, mb, lo, hi, spec.batch_grid):
+                out.append(ParallelStrategy(dp, tp, pp, mb, gb))
+    return out
+
+
+def enumerate_candidates(
+    world_size: int,
+    model: TransformerSpec,
+    spec: CandidateSpec = CandidateSpec(),
+    *,
+    precision: Precision | None = None,
+    memory_model: MemoryModel | None = None,
+    memory_limit_bytes: float | None = None,
+) -> CandidateSet:
+    """All candidates for ``world_size`` and ``model``; rejected ones keep their reason."""
+    result = CandidateSet()
+    admissible = set(admissible_layouts(world_size, model))
+    wanted = spec.layouts if spec.layouts is not None else tuple(sorted(admissible))
+    for layout in wanted:
+        if layout not in admissible:
+            try:
+                ParallelStrategy(*layout).check(world_size, model)
+                reason = "layout not admissible"
+            except StrategyError as err:
+                reason = str(err)
+            result.rejected.append(Rejected(ParallelStrategy(*layout), reason))
+    proposals = _batched((lay for lay in sorted(set(wanted)) if lay in admissible), spec)
+    for strategy in spec.fixed:
+        try:
+            strategy.check(world_size, model)
+        except StrategyError as err:
+            result.rejected.append(Rejected(strategy, str(err)))
+            continue
+        proposals.append(strategy)
+    for strategy in dict.fromkeys(proposals):
+        reason = _memory_reason(model, strategy, precision, memory_model, memory_limit_bytes)
+        if reason:
+            result.rejected.append(Rejected(strategy, reason))
+        else:
+            result.kept.append(strategy)
+    for rej in result.rejected:
+        log.info("candidate %s dropped: %s", rej.strategy.name, rej.reason)
+    if not result.kept:
+        raise StrategyError(
+            f"no candidate strategy remains for world_size={world_size} "
+            f"({len(result.rejected)} rejected; first: "
+            f"{result.rejected[0].reason if result.rejected else 'none proposed'})"
+        )
+    return result
+
+
+def _memory_reason(
+    model: TransformerSpec,
+    strategy: ParallelStrategy,
+    precision: Precision | None,
+    memory_model: MemoryModel | None,
+    limit: float | None,
+) -> str | None:
+    if memory_model is None or limit is None or precision is None:
+        return None
+    peak = memory_model.peak_bytes(model, strategy, precision)
+    if peak > limit:
+        return f"predicted peak memory {peak / 2**30:.2f} GiB > limit {limit / 2**30:.2f} GiB"
+    return None

@@ -1,0 +1,134 @@
+"""Gradient noise scale and statistical efficiency from live gradient statistics.
+
+For a gradient averaged over ``b`` i.i.d. samples with true gradient ``G`` and per-sample
+covariance ``S``: ``E|g_b|^2 = |G|^2 + tr(S)/b``. Two batch sizes ``b_small < b_big`` (one data-
+parallel replica's local gradient before the reduction, and the reduced global gradient after;
+or, with one replica, one micro-batch's gradient and the accumulated one) give unbiased
+estimates of ``|G|^2`` and ``tr(S)`` (McCandlish et al. 2018, appendix A). Their ratio is noisy,
+so numerator and denominator are smoothed separately with a bias-corrected EMA before dividing
+(as Pollux does). The noise scale ``phi = tr(S)/|G|^2`` is in samples (sequences).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class GradientStatsError(ValueError):
+    """Gradient statistics that cannot be used (NaN/inf norms, bad batch sizes)."""
+
+
+def unbiased_estimates(
+    small_sq: float, big_sq: float, small_batch: float, big_batch: float
+) -> tuple[float, float]:
+    """Unbiased ``(|G|^2, tr(S))`` from squared norms at two batch sizes."""
+    if not small_batch > 0 or not big_batch > small_batch:
+        raise GradientStatsError(
+            f"batch sizes small_batch={small_batch}, big_batch={big_batch}: need 0 < small < big"
+        )
+    for name, value in (("small_sq", small_sq), ("big_sq", big_sq)):
+        if not math.isfinite(value) or value < 0:
+            raise GradientStatsError(f"{name}={value} is not a finite squared norm")
+    grad_sq = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
+    trace_cov = (small_sq - big_sq) / (1.0 / small_batch - 1.0 / big_batch)
+    return grad_sq, trace_cov
+
+
+class BiasCorrectedEMA:
+    """Exponential moving average whose zero start is divided out (Adam-style)."""
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise GradientStatsError(f"decay={decay} must be in [0, 1)")
+        self.decay = decay
+        self._biased = 0.0
+        self._weight = 0.0
+
+    def update(self, value: float) -> None:
+        self._biased = self.decay * self._biased + (1.0 - self.decay) * value
+        self._weight = self.decay * self._weight + (1.0 - self.decay)
+
+    @property
+    def value(self) -> float:
+        if self._weight == 0.0:
+            return math.nan
+        return self._biased / self._weight
+
+    def state_dict(self) -> dict[str, float]:
+        return {"decay": self.decay, "biased": self._biased, "weight": self._weight}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.decay, self._biased, self._weight = state["decay"], state["biased"], state["weight"]
+
+
+@dataclass(frozen=True)
+class GradientSample:
+    """One iteration's statistics: squared norms of the ``small`` gradients (one per replica or
+    micro-batch, each over ``small_batch`` samples) and of their mean over ``big_batch``."""
+
+    small_sq: Sequence[float]
+    small_batch: int
+    big_sq: float
+    big_batch: int
+
+    @classmethod
+    def from_replicas(cls, replica_sq: Sequence[float], local_batch: int, global_sq: float):
+        return cls(tuple(replica_sq), local_batch, global_sq, local_batch * len(replica_sq))
+
+
+class GradientNoiseScale:
+    """Running estimate of ``|G|^2``, ``tr(S)`` and ``phi = tr(S)/|G|^2``."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.grad_sq = BiasCorrectedEMA(decay)
+        self.trace_cov = BiasCorrectedEMA(decay)
+        self.samples = 0
+
+    def observe(self, sample: GradientSample) -> None:
+        if not sample.small_sq:
+            raise GradientStatsError("small_sq is empty: need >= 1 replica or micro-batch norm")
+        small = sum(sample.small_sq) / len(sample.small_sq)
+        g2, tr = unbiased_estimates(small, sample.big_sq, sample.small_batch, sample.big_batch)
+        self.grad_sq.update(g2)
+        self.trace_cov.update(tr)
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples > 0
+
+    @property
+    def noise_scale(self) -> float:
+        """``phi`` in samples; small ``|G|^2`` estimates are floored so phi stays finite."""
+        if not self.ready:
+            return math.nan
+        g2 = self.grad_sq.value
+        tr = max(self.trace_cov.value, 0.0)
+        return tr / max(g2, 1e-12 * max(tr, 1e-30))
+
+    def efficiency(self, batch: float, base_batch: float) -> float:
+        return statistical_efficiency(self.noise_scale, batch, base_batch)
+
+    def state_dict(self) -> dict:
+        return {"grad_sq": self.grad_sq.state_dict(), "trace_cov": self.trace_cov.state_dict(),
+                "samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.grad_sq.load_state_dict(state["grad_sq"])
+        self.trace_cov.load_state_dict(state["trace_cov"])
+        self.samples = state["samples"]
+
+
+def statistical_efficiency(noise_scale: float, batch: float, base_batch: float) -> float:
+    """Progress per sample at ``batch`` relative to ``base_batch`` (Pollux):
+    ``(phi + base) / (phi + batch)``; with no estimate yet, batch-size-neutral (1.0)."""
+    if math.isnan(noise_scale):
+        return 1.0
+    return (noise_scale + base_batch) / (noise_scale + batch)
+
+
+def adascale_gain(noise_scale: float, batch: float, base_batch: float) -> float:
+    """AdaScale gain ``r``: how many base-batch steps one step at ``batch`` is worth."""
+    return batch / base_batch * statistical_efficiency(noise_scale, batch, base_batch)

@@ -1,0 +1,79 @@
+import argparse
+
+import pytest
+
+from megatron_cona.arguments import ConaArgumentError, add_cona_args, validate_cona_args
+from megatron_cona.pretrain_gpt import parse_args
+from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+
+GPT = TransformerSpec("gpt", 4, 64, 4, 32, 257)
+
+
+def megatron_parse(argv):
+    """How Megatron-LM's parse_args uses an extra_args_provider."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser = add_cona_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_parse_megatron_way():
+    args = megatron_parse(["--cona", "--cona-interval", "10", "--cona-candidates",
+                           "dp4tp1pp1,dp2tp2pp1", "--cona-min-gain", "0.2",
+                           "--cona-global-batch-range", "8,64", "--cona-log", "x.jsonl",
+                           "--micro-batch-size", "1", "--global-batch-size", "8"])
+    assert args.cona and args.cona_interval == 10 and args.cona_min_gain == 0.2
+    settings = validate_cona_args(args, world_size=4, model=GPT)
+    assert settings.candidates.layouts == ((4, 1, 1), (2, 2, 1))
+    assert settings.candidates.global_batch_range == (8, 64)
+    defaults = megatron_parse([])
+    assert not defaults.cona and defaults.cona_candidates == "all"
+    with pytest.raises(SystemExit):  # Megatron-LM disables abbreviations
+        megatron_parse(["--cona-int", "3"])
+
+
+def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
+    args = parse_args([], extra_args_provider=add_cona_args)
+    assert args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1
+    assert args.micro_batch_size is None or args.micro_batch_size >= 1
+    assert args.clip_grad == 1.0 and args.adam_beta2 == 0.999 and args.seed == 1234
+    assert args.weight_decay == 0.01 and args.init_method_std == 0.02
+    assert not args.cona
+
+
+@pytest.mark.parametrize(
+    "argv, world, flag",
+    [
+        (["--cona-candidates", "dp3tp1pp1"], 4, "--cona-candidates"),
+        (["--cona-candidates", "dp2tp2pp1mb2gb6"], 4, "--cona-candidates"),
+        (["--cona-candidates", "dp1tp4pp1"], 4, "--cona-candidates"),  # heads=4 ok, hidden 64 ok
+        (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size"),
+        (["--micro-batch-size", "2", "--global-batch-size", "6"], 4, "--global-batch-size"),
+        (["--cona-global-batch-range", "64,8"], 4, "--cona-global-batch-range"),
+        (["--cona-global-batch-range", "eight"], 4, "--cona-global-batch-range"),
+        (["--cona-interval", "0"], 4, "--cona-interval"),
+        (["--cona-min-gain", "-0.1"], 4, "--cona-min-gain"),
+        (["--cona-candidates", "tp2"], 4, "--cona-candidates"),
+    ],
+)
+def test_bad_flags_named(argv, world, flag):
+    args = megatron_parse(["--cona", "--micro-batch-size", "1", "--global-batch-size", "8",
+                           *argv])
+    if argv == ["--cona-candidates", "dp1tp4pp1"]:
+        assert validate_cona_args(args, world, GPT)  # admissible: control case
+        return
+    with pytest.raises(ConaArgumentError) as err:
+        validate_cona_args(args, world, GPT)
+    assert err.value.flag == flag and str(err.value).startswith(flag)
+    assert isinstance(err.value, StrategyError)
+
+
+def test_static_strategy_from_megatron_flags():
+    from megatron_cona.arguments import static_strategy
+
+    args = megatron_parse(["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                           "--global-batch-size", "16"])
+    assert static_strategy(args, 4) == ParallelStrategy(2, 2, 1, 2, 16)

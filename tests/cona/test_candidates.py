@@ -1,0 +1,79 @@
+import logging
+
+import pytest
+
+from megatron_cona.candidates import (
+    CandidateSpec,
+    admissible_layouts,
+    enumerate_candidates,
+    global_batches,
+    parse_candidate_list,
+)
+from predictors.precision import get_precision
+from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+
+GPT = TransformerSpec("gpt", num_layers=6, hidden_size=96, num_attention_heads=6,
+                      seq_length=64, vocab_size=257)
+
+
+def test_layouts_respect_world_heads_and_layers():
+    layouts = admissible_layouts(8, GPT)
+    # tp must divide 6 heads (tp in 1,2); pp must divide 6 layers (pp in 1,2)
+    assert layouts == [(2, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
+    for dp, tp, pp in layouts:
+        assert dp * tp * pp == 8
+
+
+def test_batches_are_multiples_of_dp_times_micro_within_range():
+    spec = CandidateSpec(micro_batches=(1, 2), global_batch_range=(8, 32), batch_grid="all")
+    cands = enumerate_candidates(4, GPT, spec)
+    assert cands.kept
+    for s in cands.kept:
+        assert s.global_batch_size % (s.dp * s.micro_batch) == 0
+        assert 8 <= s.global_batch_size <= 32
+    assert ParallelStrategy(4, 1, 1, 2, 24) in cands.kept
+    pow2 = global_batches(4, 2, 8, 64, "pow2")
+    assert pow2 == [8, 16, 32, 64]
+
+
+def test_user_list_mixes_layouts_and_fixed_entries():
+    spec = parse_candidate_list("dp4tp1pp1, dp2tp2pp1mb2gb16")
+    assert spec.layouts == ((4, 1, 1),)
+    assert spec.fixed == (ParallelStrategy(2, 2, 1, 2, 16),)
+    with pytest.raises(StrategyError, match="cona-candidates"):
+        parse_candidate_list("dp4tp1")
+    with pytest.raises(StrategyError, match="global_batch=15"):
+        parse_candidate_list("dp2tp1pp1mb2gb15")
+
+
+def test_inadmissible_layout_rejected_with_reason():
+    spec = CandidateSpec(layouts=((1, 4, 1), (4, 1, 1)), global_batch_range=(4, 4),
+                         micro_batches=(1,))
+    cands = enumerate_candidates(4, GPT, spec)
+    assert cands.kept == [ParallelStrategy(4, 1, 1, 1, 4)]
+    assert "tp=4 does not divide num_attention_heads=6" in cands.rejected[0].reason
+
+
+class LinearMemory:
+    """Peak memory that grows with micro-batch and shrinks with model parallelism."""
+
+    def peak_bytes(self, model, strategy, precision):
+        return 1e9 * strategy.micro_batch / (strategy.tp * strategy.pp)
+
+
+def test_memory_model_drops_and_logs(caplog):
+    spec = CandidateSpec(micro_batches=(1, 4), global_batch_range=(16, 16))
+    with caplog.at_level(logging.INFO, logger="megatron_cona.candidates"):
+        cands = enumerate_candidates(4, GPT, spec, precision=get_precision("bf16"),
+                                     memory_model=LinearMemory(), memory_limit_bytes=2.5e9)
+    dropped = {r.strategy for r in cands.rejected}
+    assert ParallelStrategy(4, 1, 1, 4, 16) in dropped  # 4 GB > 2.5 GB
+    assert ParallelStrategy(2, 2, 1, 4, 16) not in dropped  # 2 GB fits
+    assert all(s not in dropped for s in cands.kept)
+    assert "predicted peak memory" in caplog.text and "dp4tp1pp1mb4gb16" in caplog.text
+
+
+def test_nothing_left_is_an_error():
+    spec = CandidateSpec(layouts=((1, 4, 1),))
+    with pytest.raises(StrategyError, match="no candidate strategy remains"):
+        enumerate_candidates(4, GPT, spec)

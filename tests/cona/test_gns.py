@@ -1,0 +1,88 @@
+import math
+
+import numpy as np
+import pytest
+
+from megatron_cona.gns import (
+    BiasCorrectedEMA,
+    GradientNoiseScale,
+    GradientSample,
+    GradientStatsError,
+    statistical_efficiency,
+    unbiased_estimates,
+)
+from megatron_cona.lr_scaling import LRScalingError, lr_scale
+
+# Per-sample gradients g ~ N(mu, Sigma): |G|^2 = |mu|^2 and tr(S) = tr(Sigma) in closed form.
+RNG = np.random.default_rng(0)
+DIM = 50
+MU = RNG.normal(size=DIM) * 0.3
+A = RNG.normal(size=(DIM, DIM)) / math.sqrt(DIM)
+SIGMA = A @ A.T * 4.0
+TRUE_G2 = float(MU @ MU)
+TRUE_TR = float(np.trace(SIGMA))
+
+
+def replica_grads(replicas, local_batch, rng):
+    per_sample = rng.multivariate_normal(MU, SIGMA, size=(replicas, local_batch))
+    return per_sample.mean(axis=1)  # one gradient per data-parallel replica
+
+
+def test_single_step_estimators_are_unbiased():
+    rng = np.random.default_rng(1)
+    g2s, trs, bigs = [], [], []
+    for _ in range(3000):
+        g = replica_grads(4, 2, rng)
+        small = float(np.mean((g**2).sum(axis=1)))
+        big = float((g.mean(axis=0) ** 2).sum())
+        g2, tr = unbiased_estimates(small, big, 2, 8)
+        g2s.append(g2)
+        trs.append(tr)
+        bigs.append(big)
+    assert np.mean(g2s) == pytest.approx(TRUE_G2, rel=0.1)
+    assert np.mean(trs) == pytest.approx(TRUE_TR, rel=0.05)
+    # the naive |g_big|^2 is biased by tr(S)/8, the estimator removes that bias
+    assert np.mean(bigs) == pytest.approx(TRUE_G2 + TRUE_TR / 8, rel=0.05)
+    assert np.mean(bigs) > TRUE_G2 * 1.5
+
+
+def test_ema_noise_scale_converges_to_closed_form():
+    rng = np.random.default_rng(2)
+    gns = GradientNoiseScale(decay=0.99)
+    for _ in range(1500):
+        g = replica_grads(4, 4, rng)
+        sample = GradientSample.from_replicas([float((x**2).sum()) for x in g], 4,
+                                              float((g.mean(0) ** 2).sum()))
+        gns.observe(sample)
+    assert gns.noise_scale == pytest.approx(TRUE_TR / TRUE_G2, rel=0.25)
+
+
+def test_bias_correction_removes_zero_start():
+    ema = BiasCorrectedEMA(0.9)
+    ema.update(5.0)
+    assert ema.value == pytest.approx(5.0)
+    ema.update(5.0)
+    assert ema.value == pytest.approx(5.0)
+    assert math.isnan(BiasCorrectedEMA(0.9).value)
+
+
+def test_efficiency_and_lr_rules():
+    phi = 64.0
+    assert statistical_efficiency(phi, 8, 8) == 1.0
+    assert statistical_efficiency(phi, 64, 8) == pytest.approx(72 / 128)
+    assert statistical_efficiency(math.nan, 64, 8) == 1.0
+    assert lr_scale("sqrt", 32, 8) == pytest.approx(2.0)
+    assert lr_scale("linear", 32, 8) == pytest.approx(4.0)
+    assert 1.0 < lr_scale("adascale", 32, 8, phi) < 4.0
+    assert lr_scale("none", 32, 8) == 1.0
+    with pytest.raises(LRScalingError, match="cona-lr-scaling"):
+        lr_scale("cubic", 32, 8)
+
+
+def test_bad_statistics_are_named():
+    with pytest.raises(GradientStatsError, match="small_sq"):
+        unbiased_estimates(math.nan, 1.0, 1, 4)
+    with pytest.raises(GradientStatsError, match="big_batch"):
+        unbiased_estimates(1.0, 1.0, 4, 4)
+    with pytest.raises(GradientStatsError, match="small_sq is empty"):
+        GradientNoiseScale().observe(GradientSample((), 4, 1.0, 8))
