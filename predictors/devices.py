@@ -1,0 +1,225 @@
+"""Device descriptions: peak FLOP/s per dtype, memory and interconnect bandwidth.
+
+GPUs come from a table of datasheet numbers (dense tensor-core rates), looked up by name or
+detected through NVML (``nvidia-ml-py``); without a GPU or NVML the local CPU is described from
+``/proc/cpuinfo`` flags plus a short calibration run (GEMM rate per dtype, streaming bandwidth
+per dtype, per-op dispatch overhead), because CPU rates depend on ISA extensions (AMX,
+AVX-512 BF16/FP16) far more than on clock speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class UnknownDeviceError(ValueError):
+    """A device name that is neither in :data:`DEVICES` nor ``cpu``/``local``."""
+
+
+class UnsupportedPrecisionError(ValueError):
+    """A precision the device cannot run (fp8 without fp8 tensor cores)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    family: str  # model family key for the learned correction: a100, h100, cpu, ...
+    kind: str  # "gpu" | "cpu"
+    peak_flops: dict[str, float]  # matmul FLOP/s per dtype key (tensor cores where present)
+    mem_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per device inside a node (NVLink / shared memory)
+    inter_bw: float  # bytes/s per device across nodes (InfiniBand / TCP)
+    memory_bytes: float
+    devices_per_node: int = 8
+    launch_overhead: float = 5e-6  # seconds per kernel (GPU launch, CPU dispatch)
+    comm_latency: float = 10e-6  # seconds per collective step
+    vec_bw: dict[str, float] = field(default_factory=dict)  # elementwise bytes/s per dtype key
+    flags: tuple[str, ...] = ()
+
+    @property
+    def supports_fp8(self) -> bool:
+        return self.peak_flops.get("fp8", 0.0) > 0
+
+    def matmul_rate(self, dtype_key: str) -> float:
+        rate = self.peak_flops.get(dtype_key, 0.0)
+        return rate if rate > 0 else self.peak_flops["fp32"]
+
+    def vector_bw(self, dtype_key: str) -> float:
+        return self.vec_bw.get(dtype_key, self.mem_bw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Device:
+        return cls(**{**d, "flags": tuple(d.get("flags", ()))})
+
+
+def _gpu(name, family, fp32, tf32, half, fp8, mem_bw, nvlink, ib, mem_gb, bf16=None) -> Device:
+    peaks = {"fp32": fp32, "tf32": tf32, "bf16": half if bf16 is None else bf16, "fp16": half,
+             "fp8": fp8}  # fmt: skip
+    return Device(name, family, "gpu", peaks, mem_bw, nvlink, ib, mem_gb * 2**30)
+
+
+T = 1e12
+G = 1e9
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        _gpu("a100-40gb", "a100", 19.5 * T, 156 * T, 312 * T, 0, 1555 * G, 300 * G, 25 * G, 40),
+        _gpu("a100-80gb", "a100", 19.5 * T, 156 * T, 312 * T, 0, 2039 * G, 300 * G, 25 * G, 80),
+        _gpu(
+            "h100-80gb", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 3350 * G, 450 * G, 50 * G, 80
+        ),  # fmt: skip
+        _gpu("h200", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 4800 * G, 450 * G, 50 * G, 141),
+        _gpu("l40s", "l40s", 91.6 * T, 183 * T, 362 * T, 733 * T, 864 * G, 32 * G, 25 * G, 48),
+        # V100 has no bf16 tensor cores: bf16 matmuls fall back to CUDA-core fp32 rates.
+        _gpu(
+            "v100", "v100", 15.7 * T, 0, 125 * T, 0, 900 * G, 150 * G, 12.5 * G, 32, bf16=15.7 * T
+        ),  # fmt: skip
+    )
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200", "v100-32gb": "v100"}
+
+
+def get_device(name: str | Device) -> Device:
+    """Look a device up by name (``a100-80gb``, ``h100``, ``cpu``/``local`` = this machine)."""
+    if isinstance(name, Device):
+        return name
+    key = name.strip().lower()
+    if key in ("cpu", "local"):
+        return local_device() if key == "local" else cpu_device()
+    key = ALIASES.get(key, key)
+    if key not in DEVICES:
+        raise UnknownDeviceError(
+            f"device={name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu, local"
+        )
+    return DEVICES[key]
+
+
+def require_precision_support(device: Device, precision) -> None:
+    if getattr(precision, "fp8", False) and not device.supports_fp8:
+        raise UnsupportedPrecisionError(
+            f"precision={precision.name!r} needs fp8 tensor cores; device={device.name!r} has none "
+            "(fp8 runs on h100-80gb, h200, l40s)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Local detection
+
+
+def nvml_device() -> Device | None:
+    """The first local GPU as a table device (with NVML's memory size), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver / no library: a CPU-only machine
+        return None
+    try:
+        if pynvml.nvmlDeviceGetCount() == 0:
+            return None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        memory = float(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    return match_gpu_name(name, memory, count)
+
+
+def match_gpu_name(name: str, memory_bytes: float, count: int = 8) -> Device | None:
+    n = name.upper()
+    gb = memory_bytes / 2**30
+    for token, key in (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"),
+                       ("V100", "v100"), ("A100", "a100-80gb" if gb > 50 else "a100-40gb")):  # fmt: skip
+        if token in n:
+            base = DEVICES[key]
+            return Device(**{**base.__dict__, "memory_bytes": memory_bytes,
+                             "devices_per_node": count})  # fmt: skip
+    return None
+
+
+def local_device() -> Device:
+    return nvml_device() or cpu_device()
+
+
+def cpu_flags() -> tuple[str, ...]:
+    wanted = {"amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f",
+              "avx2", "fma"}  # fmt: skip
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return tuple(sorted(wanted & set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return ()
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_device(threads: int | None = None) -> Device:
+    """Describe this CPU by calibration (≈1 s). Rates are minima-of-repeats, robust to the
+    contention episodes of shared VMs. ``threads`` defaults to torch's current setting."""
+    prev = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        n = 384
+        peaks = {}
+        for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                           ("fp16", torch.float16)):  # fmt: skip
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            peaks[key] = 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, 5)
+        peaks["tf32"] = peaks["fp32"]
+        if hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
+            peaks["fp8"] = 0.0  # CPU _scaled_mm exists but is an emulation, not a rate
+        vec = {}
+        for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                           ("fp16", torch.float16)):  # fmt: skip
+            x = torch.randn(1 << 21, dtype=dtype)
+            vec[key] = 3 * x.numel() * x.element_size() / _best_time(lambda x=x: x + x, 5)
+        tiny = torch.randn(8)
+        overhead = _best_time(lambda: [tiny + tiny for _ in range(100)], 3) / 100
+        name = "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), name)
+        except OSError:
+            pass
+        return Device(
+            name=f"cpu:{name}:{torch.get_num_threads()}t",
+            family="cpu",
+            kind="cpu",
+            peak_flops=peaks,
+            mem_bw=vec["fp32"],
+            intra_bw=vec["fp32"] / 8,  # gloo over loopback: copies through the kernel
+            inter_bw=1.25e9,
+            memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+            devices_per_node=os.cpu_count() or 1,
+            launch_overhead=overhead,
+            comm_latency=50e-6,
+            vec_bw=vec,
+            flags=cpu_flags(),
+        )
+    finally:
+        torch.set_num_threads(prev)

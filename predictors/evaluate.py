@@ -1,0 +1,147 @@
+"""Held-out evaluation: MAPE on configurations whose model family or size was never trained on.
+
+Rows of one model that differ only in batch size or strategy are near-duplicates, so a random
+row split would leak; every split here holds out whole groups (a family, a size). Each
+evaluation is run twice: precision-aware, and the paper's ablation with the step traced at fp32
+and all precision features removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from predictors.model import mape, train_time_model
+
+
+@dataclass
+class HeldOutResult:
+    name: str
+    mape: float
+    per_group: dict[str, float]
+    predicted: np.ndarray = field(repr=False)
+    measured: np.ndarray = field(repr=False)
+
+
+def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
+                    groups: Sequence[str], family: str) -> HeldOutResult:  # fmt: skip
+    """Train on all groups but one, predict that one; every group in turn."""
+    y = np.asarray(seconds, dtype=float)
+    pred = np.zeros(len(rows))
+    per_group = {}
+    for g in sorted(set(groups)):
+        train = [i for i, x in enumerate(groups) if x != g]
+        test = [i for i, x in enumerate(groups) if x == g]
+        model = train_time_model([rows[i] for i in train], y[train], family)
+        pred[test] = model.predict([rows[i] for i in test])
+        per_group[g] = mape(pred[test], y[test])
+    return HeldOutResult(name, mape(pred, y), per_group, pred, y)
+
+
+def split_train_test(name: str, rows: Sequence[dict], seconds: Sequence[float],
+                     is_test: Sequence[bool], family: str) -> HeldOutResult:  # fmt: skip
+    y = np.asarray(seconds, dtype=float)
+    train = [i for i, t in enumerate(is_test) if not t]
+    test = [i for i, t in enumerate(is_test) if t]
+    model = train_time_model([rows[i] for i in train], y[train], family)
+    pred = model.predict([rows[i] for i in test])
+    return HeldOutResult(name, mape(pred, y[test]), {}, pred, y[test])
+
+
+# ---------------------------------------------------------------------------------------------
+# vTrain (A100, Megatron, fp16 mixed)
+
+
+def vtrain_features(precision_aware: bool = True, rows=None):
+    from predictors.devices import get_device
+    from predictors.features import features
+    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
+
+    rows = rows if rows is not None else load_vtrain()
+    dev = get_device(VTRAIN_DEVICE)
+    feats = [features(r.spec, r.strategy, VTRAIN_PRECISION, dev,
+                      precision_aware=precision_aware) for r in rows]  # fmt: skip
+    return rows, feats
+
+
+def evaluate_vtrain() -> dict[str, HeldOutResult]:
+    """Leave-one-model-size-out (hidden x depth) and train-small/test-large (h1024 -> h2048)."""
+    rows, feats = vtrain_features()
+    y = [r.seconds for r in rows]
+    by_size = leave_group_out("vtrain_by_size", feats, y, [r.size for r in rows], "a100")
+    large = split_train_test("vtrain_h1024_to_h2048", feats, y,
+                             [r.spec.hidden_size == 2048 for r in rows], "a100")  # fmt: skip
+    analytical = mape([f["analytical_s"] for f in feats], y)
+    return {"by_size": by_size, "small_to_large": large,
+            "analytical_only": HeldOutResult("vtrain_analytical", analytical, {},
+                                             np.array([]), np.array([]))}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Local measurements (predict collect)
+
+
+def measurement_features(df, precision_aware: bool, device=None) -> list[dict]:
+    from predictors.collect import row_spec_strategy
+    from predictors.devices import Device, cpu_device
+    from predictors.features import features
+
+    out = []
+    for _, r in df.iterrows():
+        dev = Device.from_dict(_device_dict(r)) if "device_json" in r else (device or cpu_device())
+        spec, strategy = row_spec_strategy(r)
+        out.append(features(spec, strategy, r["precision"], dev, precision_aware=precision_aware))
+    return out
+
+
+def _device_dict(row) -> dict:
+    import json
+
+    return json.loads(row["device_json"])
+
+
+def evaluate_measurements(df, family: str = "cpu") -> dict[str, HeldOutResult]:
+    """Leave-one-family-out and leave-one-size-out, precision-aware vs precision-unaware."""
+    y = df["seconds"].to_numpy()
+    results = {}
+    for aware in (True, False):
+        feats = measurement_features(df, aware)
+        tag = "" if aware else "_unaware"
+        results["by_family" + tag] = leave_group_out("by_family" + tag, feats, y,
+                                                     list(df["family"]), family)  # fmt: skip
+        results["by_size" + tag] = leave_group_out("by_size" + tag, feats, y,
+                                                   list(df["model"]), family)  # fmt: skip
+    return results
+
+
+def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_dir: str | Path,
+                         title: str) -> Path:  # fmt: skip
+    """Predicted-vs-measured scatter, one colour per precision, to ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    precisions = np.asarray(list(precisions))
+    for p in sorted(set(precisions)):
+        m = precisions == p
+        err = mape(result.predicted[m], result.measured[m])
+        ax.scatter(result.measured[m] * 1e3, result.predicted[m] * 1e3, s=12,
+                   label=f"{p} (MAPE {err:.1f}%)")  # fmt: skip
+    lo = min(result.measured.min(), result.predicted.min()) * 1e3
+    hi = max(result.measured.max(), result.predicted.max()) * 1e3
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax.set(xscale="log", yscale="log", xlabel="measured iteration time (ms)",
+           ylabel="predicted iteration time (ms)", title=f"{title}: MAPE {result.mape:.2f}%")  # fmt: skip
+    ax.legend(fontsize=7)
+    path = out_dir / f"{result.name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,231 @@
+"""From (model, strategy, precision, device) to the per-rank work and the feature vector.
+
+Transformer stacks are traced one layer at a time: a TP-sharded layer and the embedding/LM-head
+shard, each at micro-batch 1 and 2 (every kernel's FLOPs and bytes are affine in the batch, so
+those two traces give any micro-batch exactly), cached, then composed into the critical pipeline
+stage. Other models (ViT, conv nets) are traced whole. Nothing here is a hand-written FLOP table:
+the numbers come from the traced kernels.
+
+``precision_aware=False`` is the paper's ablation: the step is traced at fp32 and every
+precision-describing feature is dropped, as a static-graph predictor would see it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+
+import torch
+
+from predictors.analytical import StepWork, class_times, iteration_time
+from predictors.devices import Device
+from predictors.precision import Precision, get_precision
+from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.step import Batch
+from predictors.trace import OP_CLASSES, Trace, trace_step
+from predictors.zoo import EmbeddingHead, ModelSpec, TransformerLayer, build, make_batch
+
+PRECISION_FEATURES = (
+    "param_bits", "compute_bits", "autocast", "master_fp32", "grad_scaler", "tf32", "fp8",
+    "cast_bytes", "cast_count", "tc_flop_frac", "matmul_flops_fp32", "matmul_flops_bf16",
+    "matmul_flops_fp16", "matmul_flops_fp8", "vec_bytes_fp32", "vec_bytes_bf16",
+    "vec_bytes_fp16",
+)  # fmt: skip
+
+
+def _bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
+def target_of(device: Device) -> str:
+    return "cpu" if device.kind == "cpu" else "cuda"
+
+
+def _split(trace: Trace) -> tuple[Trace, Trace]:
+    step = Trace([r for r in trace.records if r.phase != "optimizer"])
+    opt = Trace([r for r in trace.records if r.phase == "optimizer"])
+    return step, opt
+
+
+@functools.lru_cache(maxsize=512)
+def _part_trace(part: str, spec: TransformerSpec, tp: int, batch: int, precision: str,
+                target: str) -> tuple[Trace, Trace]:  # fmt: skip
+    """(forward+backward, optimizer) trace of one layer shard or the embedding/head shard."""
+    p = get_precision(precision)
+    s, h = spec.seq_length, spec.hidden_size
+    if part == "layer":
+
+        def model():
+            return TransformerLayer(spec, tp)
+
+        def batch_fn():
+            x = torch.randn(batch, s, h, dtype=p.param_dtype, requires_grad=True)
+            return Batch([x], x)
+
+        loss = lambda out, _: out.float().sum()  # noqa: E731 - the layer's output feeds the next
+    else:
+
+        def model():
+            return EmbeddingHead(spec, tp)
+
+        vocab = spec.vocab_size
+
+        def batch_fn():
+            return Batch([torch.randint(0, vocab, (batch, s))],
+                         torch.randint(0, vocab // tp, (batch, s)))  # fmt: skip
+
+        from predictors.step import default_loss as loss
+    trace = trace_step(model, batch_fn, p, target=target, loss_fn=loss)
+    return _split(trace)
+
+
+def _at_batch(part: str, spec: TransformerSpec, tp: int, micro: int, precision: str,
+              target: str) -> tuple[Trace, Trace]:  # fmt: skip
+    one = _part_trace(part, spec, tp, 1, precision, target)
+    if micro == 1:
+        return one
+    two = _part_trace(part, spec, tp, 2, precision, target)
+    return one[0].scaled(two[0], micro - 1), one[1]
+
+
+def _canonical(spec: TransformerSpec) -> TransformerSpec:
+    # traces do not depend on the layer count: share the cache across depths
+    return replace(spec, num_layers=1)
+
+
+def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precision: Precision,
+                     device: Device) -> StepWork:  # fmt: skip
+    strategy.check(strategy.world_size, spec)
+    target = target_of(device)
+    key = _canonical(spec)
+    layer_step, layer_opt = _at_batch("layer", key, strategy.tp, strategy.micro_batch,
+                                      precision.name, target)  # fmt: skip
+    head_step, head_opt = _at_batch("head", key, strategy.tp, strategy.micro_batch,
+                                    precision.name, target)  # fmt: skip
+    layers = spec.num_layers // strategy.pp
+    fwd_bwd = layer_step.repeated(layers) + head_step
+    optimizer = layer_opt.repeated(layers) + head_opt
+    act_bytes = strategy.micro_batch * spec.seq_length * spec.hidden_size
+    act_bytes *= _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8
+    params_layer = sum(_numel(s) for s in _opt_param_shapes(layer_opt))
+    params_head = sum(_numel(s) for s in _opt_param_shapes(head_opt))
+    grad_elems = layers * params_layer + params_head
+    return StepWork(
+        fwd_bwd=fwd_bwd,
+        optimizer=optimizer,
+        tp_bytes=4 * layers * act_bytes if strategy.tp > 1 else 0.0,
+        tp_collectives=4 * layers if strategy.tp > 1 else 0,
+        dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
+        dp_grad_elements=grad_elems,
+        pp_bytes=act_bytes,
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _opt_param_shapes(opt: Trace) -> list[tuple[int, ...]]:
+    for r in opt.records:
+        if r.name in ("_fused_adamw_", "_fused_adam_"):
+            n = len(r.in_shapes) // 4  # params, grads, exp_avgs, exp_avg_sqs (+ scalars)
+            return list(r.in_shapes[:n])
+    return []
+
+
+@functools.lru_cache(maxsize=256)
+def _module_trace(spec: ModelSpec, micro: int, precision: str, target: str) -> tuple[Trace, Trace]:
+    trace = trace_step(lambda: build(spec), lambda: make_batch(spec, micro), precision,
+                       target=target)  # fmt: skip
+    return _split(trace)
+
+
+def module_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precision,
+                device: Device) -> StepWork:  # fmt: skip
+    """Data parallelism only (any model): the whole model is one rank's work."""
+    if strategy.tp != 1 or strategy.pp != 1:
+        from predictors.spec import StrategyError
+
+        raise StrategyError(
+            f"strategy {strategy.name}: {spec.family} supports data parallelism only"
+        )
+    fwd_bwd, opt = _module_trace(spec, strategy.micro_batch, precision.name, target_of(device))
+    grad_elems = sum(_numel(s) for s in _opt_param_shapes(opt))
+    return StepWork(fwd_bwd, opt, dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
+                    dp_grad_elements=grad_elems)  # fmt: skip
+
+
+def step_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precision,
+              device: Device) -> StepWork:  # fmt: skip
+    if isinstance(spec, TransformerSpec):
+        return transformer_work(spec, strategy, precision, device)
+    return module_work(spec, strategy, precision, device)
+
+
+def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
+             device: Device, *, precision_aware: bool = True) -> dict[str, float]:  # fmt: skip
+    """Feature vector for the learned model; ``analytical_s`` is the roofline estimate."""
+    p = get_precision(precision)
+    if not precision_aware:
+        p = get_precision("fp32")
+    work = step_work(spec, strategy, p, device)
+    est = iteration_time(work, strategy, device)
+    f: dict[str, float] = {
+        "log_analytical": math.log(est.total),
+        "analytical_s": est.total,
+        "log_compute_mb": math.log(est.compute_mb),
+        "comm_frac": (est.tp_comm_mb * strategy.num_microbatches + est.dp_comm) / est.total,
+        "bubble_frac": est.bubble / est.total,
+        "opt_frac": est.optimizer / est.total,
+        "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp,
+        "micro_batch": strategy.micro_batch, "num_microbatches": strategy.num_microbatches,
+        "log_params": math.log1p(work.dp_grad_elements),
+        "kernels_mb": len(work.fwd_bwd.records),
+    }  # fmt: skip
+    times = class_times(work.fwd_bwd, device)
+    agg = work.fwd_bwd.by("op_class")
+    for cls in OP_CLASSES:
+        a = agg.get((cls,), {"flops": 0.0, "bytes": 0.0, "count": 0.0})
+        f[f"log_flops_{cls}"] = math.log1p(a["flops"])
+        f[f"log_bytes_{cls}"] = math.log1p(a["bytes"])
+        f[f"time_frac_{cls}"] = times.get(cls, 0.0) / est.compute_mb
+    if precision_aware:
+        f.update(_precision_features(work.fwd_bwd, p))
+    return f
+
+
+def _precision_features(trace: Trace, p: Precision) -> dict[str, float]:
+    from predictors.analytical import dtype_key
+
+    mm = {"fp32": 0.0, "tf32": 0.0, "bf16": 0.0, "fp16": 0.0, "fp8": 0.0}
+    vec = {"fp32": 0.0, "tf32": 0.0, "bf16": 0.0, "fp16": 0.0, "fp8": 0.0}
+    tc = total = 0.0
+    for r in trace.records:
+        k = dtype_key(r)
+        if r.op_class in ("matmul", "conv", "attention"):
+            mm[k] += r.flops
+            total += r.flops
+            tc += r.flops if r.tensor_core else 0.0
+        else:
+            vec[k] += r.bytes
+    casts = [r for r in trace.records if r.op_class == "cast"]
+    return {
+        "param_bits": _bits(p.param_dtype),
+        "compute_bits": _bits(p.compute_dtype),
+        "autocast": float(p.autocast),
+        "master_fp32": float(p.master_weights_fp32),
+        "grad_scaler": float(p.grad_scaler),
+        "tf32": float(p.tf32),
+        "fp8": float(p.fp8),
+        "cast_bytes": math.log1p(sum(r.bytes for r in casts)),
+        "cast_count": float(len(casts)),
+        "tc_flop_frac": tc / total if total else 0.0,
+        "matmul_flops_fp32": math.log1p(mm["fp32"] + mm["tf32"]),
+        "matmul_flops_bf16": math.log1p(mm["bf16"]),
+        "matmul_flops_fp16": math.log1p(mm["fp16"]),
+        "matmul_flops_fp8": math.log1p(mm["fp8"]),
+        "vec_bytes_fp32": math.log1p(vec["fp32"]),
+        "vec_bytes_bf16": math.log1p(vec["bf16"]),
+        "vec_bytes_fp16": math.log1p(vec["fp16"]),
+    }
