@@ -70,8 +70,18 @@ class ViTClassifier(nn.Module):
 
 
 def build_model(spec: ModelSpec, attention: str = "flash") -> nn.Module:
-    """Instantiate the model on the current default device (use under FakeTensorMode)."""
+    """Instantiate the model on the current default device (use under FakeTensorMode).
+
+    Weight initialisation is skipped: values are irrelevant to memory, and some initialisers
+    (truncated normal) read data back to the host, which fake tensors cannot."""
+    from transformers.initialization import no_init_weights
+
     kernels.register()
+    with no_init_weights():
+        return _build(spec, attention)
+
+
+def _build(spec: ModelSpec, attention: str) -> nn.Module:
     from transformers import (
         AutoModelForCausalLM,
         CLIPVisionModel,

@@ -1,0 +1,303 @@
+"""Analytical per-layer memory factorization.
+
+Each layer of each tower is factorized into parameter bytes (by dtype), gradient bytes,
+optimizer-state bytes and the bytes of the tensors autograd saves for backward, as closed forms
+of the shapes. The saved-tensor rules follow what the ``transformers`` implementations (Llama,
+Qwen2, CLIP, SigLIP, LLaVA) keep alive under CUDA autocast rules, checked against the tracker
+(tests/predictors/test_memory_factorize.py):
+
+* non-autocast precisions save tensors in the weight dtype ``b``; under autocast matmul-class
+  outputs are in the low dtype, the residual stream and norms stay fp32, every ``Linear`` keeps
+  its own low-precision copy of its input and the autocast cache keeps one of its weight;
+* RMSNorm (HF) saves ``rsqrt`` (fp32) and the fp32 normalized input; LayerNorm saves its output
+  plus fp32 mean/rstd; the residual stream is saved once per norm input;
+* FlashAttention saves q, k, v (GQA k/v at their own head count), the output and an fp32
+  log-sum-exp; eager attention additionally saves the fp32 softmax ``(B, H, S, S)`` (and its
+  low-precision copy);
+* activation checkpointing keeps only each checkpointed layer's input, and the layer being
+  recomputed re-materializes its own saved tensors in the backward;
+* a frozen tower with nothing trainable upstream saves nothing; a frozen tower downstream of a
+  trainable one (or upstream of nothing) saves only what the input gradient needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..precision import Precision
+from .towers import ModelSpec, Shapes, TextTowerSpec, TrainConfig, VisionTowerSpec, resolve_shapes
+
+F32 = 4
+
+
+def _bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class LayerMemory:
+    """One layer's factorized bytes (per GPU, before ZeRO sharding)."""
+
+    name: str
+    tower: str
+    params: int  # number of parameters
+    param_bytes: int
+    trainable: bool
+    saved: int = 0  # activation bytes saved for backward
+    largest: int = 0  # largest single activation tensor (transient scale in backward)
+
+
+@dataclass
+class Factorization:
+    layers: list[LayerMemory] = field(default_factory=list)
+    loss_saved: int = 0  # logits (+ fp32 log-softmax) kept for the cross-entropy backward
+    loss_transient: int = 0  # extra live bytes while the loss and its gradient are computed
+    input_bytes: int = 0
+    num_param_tensors: int = 0
+    num_trainable_tensors: int = 0
+
+    def total(self, attr: str, tower: str | None = None) -> int:
+        return sum(getattr(x, attr) for x in self.layers if tower in (None, x.tower))
+
+
+@dataclass(frozen=True)
+class _Dt:
+    """Byte widths for a precision: weights, matmul outputs, residual stream, autocast flag."""
+
+    w: int
+    mm: int
+    res: int
+    autocast: bool
+
+    @classmethod
+    def of(cls, p: Precision) -> _Dt:
+        w = _bytes(p.param_dtype)
+        mm = _bytes(p.compute_dtype) if p.autocast else w
+        return cls(w, mm, w, p.autocast)
+
+
+# -- parameter counts ----------------------------------------------------------------------------
+def vision_layer_params(v: VisionTowerSpec) -> tuple[int, int]:
+    h, f = v.hidden_size, v.intermediate_size
+    return 4 * (h * h + h) + 2 * h * f + f + h + 4 * h, 16
+
+
+def vision_embed_params(v: VisionTowerSpec) -> tuple[int, int]:
+    h, p = v.hidden_size, v.patch_size
+    n = v.num_patches()
+    if v.has_cls:  # CLIP: class token, bias-free patch conv, pre-LN
+        return 3 * p * p * h + h + (n + 1) * h + 2 * h, 5
+    return 3 * p * p * h + h + n * h, 3
+
+
+def vision_post_params(v: VisionTowerSpec) -> tuple[int, int]:
+    h, f = v.hidden_size, v.intermediate_size
+    if v.has_cls:
+        return 2 * h, 2
+    # SigLIP post-LN + attention-pooling head (probe, MHA, LN, MLP)
+    return 2 * h + h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (2 * h * f + f + h), 12
+
+
+def text_layer_params(t: TextTowerSpec) -> tuple[int, int]:
+    h, f = t.hidden_size, t.intermediate_size
+    kv = t.kv_heads * (h // t.num_heads)
+    n = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    tensors = 9
+    if t.kind == "qwen2":
+        n += h + 2 * kv
+        tensors += 3
+    return n, tensors
+
+
+def projector_params(spec: ModelSpec) -> tuple[int, int]:
+    vh, th = spec.vision.hidden_size, spec.text.hidden_size
+    if spec.projector == "linear":
+        return vh * th + th, 2
+    return vh * th + th + th * th + th, 4
+
+
+# -- saved activations ----------------------------------------------------------------------------
+def linear_saved(tokens: int, d_in: int, d_out: int, bias: bool, dt: _Dt, *,
+                 input_grad: bool, weight_trainable: bool, input_low: bool) -> int:
+    """Saved bytes of one Linear beyond its (already counted) input tensor.
+
+    Under autocast the Linear saves a low-precision copy of an fp32 input (when its weight
+    needs a gradient) and its cached low-precision weight (when its input needs a gradient)."""
+    if not dt.autocast:
+        return 0
+    out = 0
+    if weight_trainable and not input_low:
+        out += tokens * d_in * dt.mm
+    if input_grad:
+        out += (d_in * d_out + (d_out if bias else 0)) * dt.mm
+    return out
+
+
+def rmsnorm_saved(tokens: int, h: int, dt: _Dt) -> int:
+    """HF RMSNorm computes in fp32: rsqrt and the fp32 normalized input are saved."""
+    if dt.res == F32:
+        return tokens * F32 + tokens * h * F32
+    # low-precision input: fp32 upcast, rsqrt, and the down-cast normalized input
+    return tokens * h * F32 + tokens * F32 + tokens * h * dt.res
+
+
+def layernorm_saved(tokens: int, h: int, dt: _Dt) -> int:
+    """Output (saved by the consumer when it is not an autocast Linear) + fp32 mean/rstd."""
+    return 2 * tokens * F32
+
+
+def flash_saved(batch: int, heads: int, seq: int, q: int, kv: int, tokens: int, b: int) -> int:
+    return tokens * (2 * q + 2 * kv) * b + batch * heads * seq * F32
+
+
+def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> int:
+    return batch * heads * seq * seq * (F32 + (b if b != F32 else 0))
+
+
+def llama_layer_saved(t: TextTowerSpec, batch: int, seq: int, dt: _Dt, attention: str,
+                      trainable: bool) -> tuple[int, int]:
+    """Bytes a Llama/Qwen2 decoder layer saves, and its largest single saved tensor."""
+    n = batch * seq
+    h, f, heads = t.hidden_size, t.intermediate_size, t.num_heads
+    kv = t.kv_heads * (h // heads)
+    bias = t.kind == "qwen2"
+    lin = dict(input_grad=True, weight_trainable=trainable)
+    # two RMSNorms; their output is saved once for the Linears that need it for weight grads
+    norm_out = n * h * dt.res if trainable and not dt.autocast else 0
+    s = 2 * (rmsnorm_saved(n, h, dt) + norm_out)
+    if dt.res == F32:  # residual adds feed the norms directly (else their fp32 upcast is saved)
+        s += 2 * n * h * dt.res
+    s += linear_saved(n, h, h, bias, dt, input_low=False, **lin)
+    s += 2 * linear_saved(n, h, kv, bias, dt, input_low=False, **lin)
+    s += linear_saved(n, h, h, False, dt, input_low=True, **lin)  # o_proj: input already low
+    if attention == "flash":
+        s += flash_saved(batch, heads, seq, h, kv, n, dt.mm)
+    else:  # q and repeated k/v made contiguous for bmm, output copy for o_proj, scores
+        s += 4 * n * h * dt.mm + eager_scores_saved(batch, heads, seq, dt.mm)
+    s += (4 if trainable else 3) * n * f * dt.mm  # gate, silu, up (, gate*up for down_proj)
+    s += 2 * linear_saved(n, h, f, False, dt, input_low=False, **lin)
+    s += linear_saved(n, f, h, False, dt, input_low=True, **lin)
+    largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "eager" else 0)
+    return s, largest
+
+
+def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, attention: str,
+                    trainable: bool) -> tuple[int, int]:
+    """Bytes a CLIP/SigLIP encoder layer saves (``tokens`` per image)."""
+    n = images * tokens
+    h, f, heads = v.hidden_size, v.intermediate_size, v.num_heads
+    lin = dict(input_grad=True, weight_trainable=trainable)
+    s = 2 * (layernorm_saved(n, h, dt) + (0 if dt.autocast else n * h * dt.res))
+    s += 2 * n * h * dt.res  # the two residual adds
+    s += 3 * linear_saved(n, h, h, True, dt, input_low=False, **lin)
+    s += linear_saved(n, h, h, True, dt, input_low=True, **lin)
+    if attention == "flash":
+        s += flash_saved(images, heads, tokens, h, h, n, dt.mm)
+    else:
+        s += n * 4 * h * dt.mm + eager_scores_saved(images, heads, tokens, dt.mm)
+    act = 3 * n * f * dt.mm if v.kind == "clip" else 2 * n * f * dt.mm  # quick_gelu vs tanh-gelu
+    s += act
+    s += linear_saved(n, h, f, True, dt, input_low=False, **lin)
+    s += linear_saved(n, f, h, True, dt, input_low=True, **lin)
+    largest = max(n * f * dt.mm, images * heads * tokens * tokens * F32 if attention == "eager" else 0)
+    return s, largest
+
+
+# -- whole model ------------------------------------------------------------------------------------
+def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
+    """Per-layer factorization of ``spec`` trained under ``cfg`` (one GPU, before sharding)."""
+    spec = spec.at_resolution(cfg.image_res)
+    shapes: Shapes = resolve_shapes(spec, cfg)
+    p = cfg.prec
+    dt = _Dt.of(p)
+    frozen = set(cfg.frozen_towers(spec))
+    fz = Factorization()
+    wbytes = dt.w
+
+    def add(name, tower, counts, saved=0, largest=0, trainable=None):
+        n, tensors = counts
+        tr = tower not in frozen if trainable is None else trainable
+        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest))
+        fz.num_param_tensors += tensors
+        fz.num_trainable_tensors += tensors if tr else 0
+
+    grad_flows = False  # does anything upstream of the current point need a gradient?
+    v, t = spec.vision, spec.text
+    if v is not None:
+        train_v = "vision" not in frozen
+        images = shapes.images if spec.multimodal else cfg.batch
+        tok = shapes.vision_tokens
+        used = v.num_layers - 1 if spec.multimodal else v.num_layers  # LLaVA reads layer -2
+        per, largest = vit_layer_saved(v, images, tok, dt, cfg.attention, train_v)
+        if not train_v:
+            per, largest = 0, 0
+        nv = images * tok
+        emb = nv * v.hidden_size * dt.res  # embeddings output
+        if v.has_cls:  # pre-LN: fp32 mean/rstd, and its output unless Linears copy it
+            emb += layernorm_saved(nv, v.hidden_size, dt) + (0 if dt.autocast else emb)
+        if dt.autocast:  # patch conv keeps low-precision copies of pixels and kernel
+            emb += images * 3 * v.image_size ** 2 * dt.mm + 3 * v.patch_size ** 2 * v.hidden_size * dt.mm
+        add("vision.embeddings", "vision", vision_embed_params(v), saved=emb if train_v else 0)
+        for i in range(v.num_layers):
+            saved = per if i < used else 0
+            if i >= used and dt.autocast and train_v:  # the autocast cache holds weight casts
+                saved = (4 * v.hidden_size ** 2 + 2 * v.hidden_size * v.intermediate_size) * dt.mm
+            if i == used - 1 and spec.multimodal and saved:  # its output only feeds the slice
+                saved -= images * tok * v.hidden_size * dt.res
+            if cfg.checkpointing == "full" and train_v and i < used:
+                saved = images * tok * v.hidden_size * dt.res
+            add(f"vision.layers.{i}", "vision", vision_layer_params(v), saved, largest)
+        add("vision.post", "vision", vision_post_params(v))
+        grad_flows = train_v
+        fz.input_bytes += images * 3 * v.image_size ** 2 * wbytes
+    if spec.multimodal:
+        train_p = "projector" not in frozen
+        n = shapes.images * shapes.patches
+        saved = 0
+        if train_p or grad_flows:
+            th = t.hidden_size
+            saved = (0 if dt.autocast else n * v.hidden_size * dt.res) + 2 * n * th * dt.mm + (
+                linear_saved(n, v.hidden_size, th, True, dt, input_grad=grad_flows,
+                             weight_trainable=train_p, input_low=False)
+                + linear_saved(n, th, th, True, dt, input_grad=True, weight_trainable=train_p,
+                               input_low=True))
+        add("projector", "projector", projector_params(spec), saved)
+        grad_flows = grad_flows or train_p
+    if t is not None:
+        train_t = "llm" not in frozen
+        n = cfg.batch * cfg.seq
+        needs = train_t or grad_flows
+        per, largest = llama_layer_saved(t, cfg.batch, cfg.seq, dt, cfg.attention, train_t)
+        if not needs:
+            per, largest = 0, 0
+        emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_heads) * dt.res
+        if spec.multimodal:  # concatenated image features + placeholder mask
+            emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
+        add("llm.embed", "llm", (t.vocab_size * t.hidden_size, 1), saved=emb if needs else 0)
+        for i in range(t.num_layers):
+            saved = per
+            if cfg.checkpointing == "full" and needs:
+                saved = n * t.hidden_size * dt.res
+            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest)
+        head = 0 if t.tie_embeddings else t.vocab_size * t.hidden_size
+        add("llm.head", "llm", (t.hidden_size + head, 1 + (0 if t.tie_embeddings else 1)),
+            saved=(rmsnorm_saved(n, t.hidden_size, dt)
+                   + (0 if dt.autocast or dt.res != F32 else n * t.hidden_size * dt.res)
+                   + linear_saved(n, t.hidden_size, t.vocab_size, False, dt, input_grad=True,
+                                  weight_trainable=train_t, input_low=False)) if needs else 0)
+        logits = n * t.vocab_size
+        if needs:
+            fz.loss_saved = logits * (dt.mm + F32)  # logits (held by the output) + log-softmax
+            fz.loss_transient = logits * F32 * 2  # fp32 upcast, then d(log-softmax)
+        else:
+            fz.loss_saved = logits * dt.mm
+        fz.input_bytes += n * 8 * 2
+    else:
+        h = v.hidden_size
+        add("head", "head", (h * spec.num_classes + spec.num_classes, 2),
+            saved=cfg.batch * h * dt.res * 3)
+        fz.loss_saved = cfg.batch * spec.num_classes * (dt.mm + F32)
+        fz.loss_transient = cfg.batch * spec.num_classes * F32 * 2
+    return fz
