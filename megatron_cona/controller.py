@@ -128,16 +128,14 @@ def base_throughput(model: TransformerSpec, precision: str, device: str) -> Thro
         log.warning("predictors.predict_iteration_time unavailable: ranking unseen strategies "
                     "with the analytical prior, calibrated by measurement")
         return AnalyticalThroughput(model)
-    if device == "auto":
-        from predictors.devices import local_device
-
-        device = local_device()
-    return PredictorThroughput(model, precision, device)
+    return PredictorThroughput(model, precision, "local" if device == "auto" else device)
 
 
 def controller_from_args(args, settings: ConaSettings, model: TransformerSpec, world_size: int,
-                         precision: str, base: ThroughputModel | None = None) -> ConaController:
-    """The controller ``--cona`` and its flags describe (candidates enumerated and filtered)."""
+                         precision: str, base: ThroughputModel | None = None,
+                         write_log: bool = True) -> ConaController:
+    """The controller ``--cona`` and its flags describe (candidates enumerated and filtered);
+    ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer."""
     candidates = enumerate_candidates(world_size, model, settings.candidates)
     log.info("CONA: %d candidates, %d rejected", len(candidates), len(candidates.rejected))
     policy = SwitchPolicy(PolicyConfig(min_gain=settings.min_gain,
@@ -148,4 +146,4 @@ def controller_from_args(args, settings: ConaSettings, model: TransformerSpec, w
     config = ControllerConfig(interval=settings.interval, base_batch=args.global_batch_size,
                               lr_rule=args.cona_lr_scaling)
     return ConaController(candidates.kept, times, policy, GradientNoiseScale(args.cona_gns_decay),
-                          config, DecisionLog(args.cona_log))
+                          config, DecisionLog(args.cona_log if write_log else None))

@@ -205,8 +205,8 @@ def train(args: argparse.Namespace) -> RunSummary:
         init_method_std=args.init_method_std, seed=args.seed,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     state = runtime.build_state(cfg, start)
-    controller = (controller_from_args(args, settings, spec, world, cfg.precision)
-                  if args.cona else None)
+    controller = (controller_from_args(args, settings, spec, world, cfg.precision,
+                                       write_log=rank == 0) if args.cona else None)
     summary = RunSummary(timeline=[(0, start.name)])
     eval_samples = min(args.eval_iters * gb, len(corpus.valid))
     for it in range(1, args.train_iters + 1):

@@ -1,0 +1,97 @@
+"""Plots: loss vs (simulated) time with each chain's strategy timeline, and a training run's
+strategy timeline from its CONA decision log (``--cona-log``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"static": "tab:gray", "cona": "tab:blue", "oracle": "tab:green"}
+
+
+def _segments(xs: list[float], labels: list[str]) -> list[tuple[float, float, str]]:
+    """Consecutive runs of equal label as (start, end, label)."""
+    out: list[tuple[float, float, str]] = []
+    start = 0.0
+    for i, label in enumerate(labels):
+        if i + 1 == len(labels) or labels[i + 1] != label:
+            out.append((start, xs[i], label))
+            start = xs[i]
+    return out
+
+
+def _timeline(ax, segments, row: float, palette: dict[str, tuple]) -> None:
+    for start, end, label in segments:
+        color = palette.setdefault(label, plt.cm.tab20(len(palette) % 20))
+        ax.barh(row, end - start, left=start, height=0.8, color=color, edgecolor="white")
+        if end - start > 0:
+            ax.text((start + end) / 2, row, label.replace("mb", "\nmb"), ha="center",
+                    va="center", fontsize=6)
+
+
+def plot_ttp(report: dict, path: Path) -> Path:
+    runs = report["runs"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.4]})
+    for name, run in runs.items():
+        pts = run["points"]
+        top.plot([p["sim_time"] for p in pts], [p["val_loss"] for p in pts], marker=".",
+                 color=COLORS.get(name), label=f"{name} (TTP {run['ttp_s']:.0f}s)")
+    top.axhline(report["target_val_loss"], color="k", ls="--", lw=0.8,
+                label=f"target ppl {report['target_ppl']:.2f}")
+    top.set_ylabel("validation loss (real)")
+    top.set_title(f"speedup vs static {report['speedup_vs_static']:.2f}x, "
+                  f"gap to oracle {report['gap_to_oracle_pct']:+.1f}%", fontsize=10)
+    top.legend(fontsize=8)
+    palette: dict[str, tuple] = {}
+    for row, run in enumerate(runs.values()):
+        pts = run["points"]
+        _timeline(bottom, _segments([p["sim_time"] for p in pts], [p["strategy"] for p in pts]),
+                  row, palette)
+    bottom.set_yticks(range(len(runs)), list(runs))
+    bottom.set_xlabel("SIMULATED time (s)")
+    fig.text(0.01, 0.005, report["note"], fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def read_decisions(log_path: Path) -> list[dict]:
+    with open(log_path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_run_timeline(log_path: Path, path: Path, losses: list[float] | None = None) -> Path:
+    """Strategy timeline (and training loss, when given) of a run from its decision log."""
+    decisions = read_decisions(log_path)
+    if not decisions:
+        raise ValueError(f"--cona-log {log_path} holds no decisions")
+    iters = [d["iteration"] for d in decisions]
+    labels = [d["current"]["strategy"] for d in decisions]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    if losses:
+        top.plot(range(1, len(losses) + 1), losses, lw=0.8)
+        top.set_ylabel("training loss")
+    for d in decisions:
+        if d["switch"]:
+            top.axvline(d["iteration"], color="tab:red", lw=0.8, ls=":")
+    xs, names = list(iters), list(labels)
+    if decisions[-1]["switch"]:  # show the strategy the last decision switched to
+        xs.append(iters[-1] + (iters[-1] - iters[-2] if len(iters) > 1 else 1))
+        names.append(decisions[-1]["best"]["strategy"])
+    _timeline(bottom, _segments(xs, names), 0, {})
+    bottom.set_yticks([0], ["strategy"])
+    bottom.set_xlabel("iteration")
+    top.set_title(f"CONA: {sum(d['switch'] for d in decisions)} switch(es) in "
+                  f"{len(decisions)} rankings", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
