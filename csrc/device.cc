@@ -1,0 +1,355 @@
+#include "device.h"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+
+#include "checksum.h"
+#include "common.h"
+
+namespace kvio {
+namespace {
+
+std::string hex64(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof(b), "0x%016" PRIx64, v);
+  return b;
+}
+
+}  // namespace
+
+std::vector<std::string> compiled_backends() {
+  std::vector<std::string> names{"posix", "uring"};
+#ifdef KVPOOL_HAVE_SPDK
+  names.push_back("spdk");
+#endif
+  return names;
+}
+
+Device::Device(const DeviceOptions& opts) : opts_(opts) {
+  name_ = opts_.name.empty() ? opts_.path : opts_.name;
+  if (opts_.queue_depth == 0 || opts_.queue_depth > 4096) {
+    throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                "device '" + name_ + "': queue_depth must be in 1..4096, got " +
+                    std::to_string(opts_.queue_depth));
+  }
+  const auto names = compiled_backends();
+  bool known = false;
+  for (const auto& n : names) known |= (n == opts_.backend);
+  if (!known) {
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                "device '" + name_ + "': backend '" + opts_.backend +
+                    "' is not compiled into this build (available: " + list + ")");
+  }
+
+  BackendOptions bo;
+  bo.device = name_;
+  bo.queue_depth = opts_.queue_depth;
+  bo.sqpoll = opts_.sqpoll;
+  bo.threads = opts_.threads;
+  bo.complete = [this](Request* r, int err, const std::string& detail) {
+    on_complete(r, err, detail);
+  };
+
+  if (opts_.backend == "spdk") {
+#ifdef KVPOOL_HAVE_SPDK
+    SpdkGeometry geo;
+    backend_ = make_spdk_backend(bo, opts_.path, &geo);
+    kind_ = "spdk";
+    align_ = geo.sector_size;
+    mem_align_ = 4;  // NVMe PRP/SGL entries need dword-aligned payloads
+    if (opts_.capacity > geo.capacity) {
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': capacity " + std::to_string(opts_.capacity) +
+                      " exceeds the namespace size " + std::to_string(geo.capacity));
+    }
+    capacity_ = opts_.capacity ? opts_.capacity : geo.capacity;
+#endif
+  } else {
+    open_fd_device();
+    bo.fd = fd_;
+    try {
+      backend_ = opts_.backend == "uring" ? make_uring_backend(bo) : make_posix_backend(bo);
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
+  const uint64_t gran = std::max<uint64_t>(align_, 4096);
+  capacity_ = capacity_ / gran * gran;
+  alloc_ = std::make_unique<ExtentAllocator>("device", name_, capacity_, gran);
+}
+
+void Device::open_fd_device() {
+  const std::string& path = opts_.path;
+  struct stat st {};
+  bool created = false;
+  const bool direct = opts_.backend == "uring";
+  int flags = O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0);
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISBLK(st.st_mode)) {
+      kind_ = "block";
+    } else if (S_ISREG(st.st_mode)) {
+      kind_ = "file";
+    } else {
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': '" + path + "' is neither a block device nor a file");
+    }
+  } else {
+    if (errno != ENOENT || !opts_.create) throw_errno(name_, "open", -1, 0, errno);
+    if (opts_.capacity == 0) {
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': '" + path + "' does not exist and capacity is 0");
+    }
+    kind_ = "file";
+    flags |= O_CREAT | O_EXCL;
+    created = true;
+  }
+  fd_ = ::open(path.c_str(), flags, 0644);
+  if (fd_ < 0) {
+    const int err = errno;
+    if (err == EINVAL && direct) {
+      throw Error(ErrorKind::Io, name_, -1, err,
+                  "device '" + name_ + "': the filesystem of '" + path +
+                      "' does not support O_DIRECT; use backend='posix'");
+    }
+    throw_errno(name_, "open", -1, 0, err);
+  }
+  auto fail = [&](const char* what, int err) {
+    ::close(fd_);
+    fd_ = -1;
+    if (created) ::unlink(path.c_str());
+    throw_errno(name_, what, -1, opts_.capacity, err);
+  };
+
+  if (kind_ == "block") {
+    uint64_t size = 0;
+    if (ioctl(fd_, BLKGETSIZE64, &size) != 0) fail("BLKGETSIZE64", errno);
+    if (opts_.capacity > size) {
+      ::close(fd_);
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': capacity " + std::to_string(opts_.capacity) +
+                      " exceeds the block device size " + std::to_string(size));
+    }
+    capacity_ = opts_.capacity ? opts_.capacity : size;
+  } else {
+    const uint64_t size = created ? 0 : static_cast<uint64_t>(st.st_size);
+    if (opts_.capacity > size) {
+      // Preallocate so later writes never hit ENOSPC halfway through a chunk.
+      if (fallocate(fd_, 0, 0, static_cast<off_t>(opts_.capacity)) != 0) {
+        const int err = errno;
+        if (err != EOPNOTSUPP) fail("fallocate", err);
+        if (ftruncate(fd_, static_cast<off_t>(opts_.capacity)) != 0) fail("ftruncate", errno);
+        note_ = "fallocate unsupported by the filesystem; file extended with ftruncate";
+      }
+    }
+    capacity_ = opts_.capacity ? opts_.capacity : size;
+    if (capacity_ == 0) {
+      ::close(fd_);
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': '" + path + "' is empty and capacity is 0");
+    }
+  }
+
+  if (!direct) {
+    align_ = mem_align_ = 1;
+    return;
+  }
+  struct statx stx {};
+  if (statx(fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
+      stx.stx_dio_offset_align > 0) {
+    align_ = stx.stx_dio_offset_align;
+    mem_align_ = std::max<uint32_t>(stx.stx_dio_mem_align, 1);
+    return;
+  }
+  int lbs = 0;
+  if (kind_ == "block" && ioctl(fd_, BLKSSZGET, &lbs) == 0 && lbs > 0) {
+    align_ = mem_align_ = static_cast<uint64_t>(lbs);
+  } else {
+    align_ = mem_align_ = 4096;  // safe for every filesystem that takes O_DIRECT
+  }
+}
+
+Device::~Device() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+bool Device::sqpoll() const { return backend_ && backend_->sqpoll(); }
+
+std::string Device::note() const {
+  std::string n = note_;
+  if (backend_) {
+    const std::string b = backend_->note();
+    if (!b.empty()) n += (n.empty() ? "" : "; ") + b;
+  }
+  return n;
+}
+
+void Device::register_host_pools(const std::vector<std::shared_ptr<HostPool>>& pools) {
+  if (closed_) throw_errno(name_, "register_host_pools", -1, 0, EBADF);
+  std::vector<Region> regions;
+  for (const auto& p : pools) regions.push_back({p->address(), p->capacity()});
+  backend_->register_regions(regions);
+  std::lock_guard<std::mutex> l(mu_);
+  pools_ = pools;
+}
+
+void Device::check_op(bool write, const IoOp& op) const {
+  const char* what = write ? "write" : "read";
+  const auto off = static_cast<int64_t>(op.offset);
+  auto misaligned = [&](const std::string& detail) {
+    throw Error(ErrorKind::Alignment, name_, off, EINVAL,
+                describe(name_, what, off, op.length, detail));
+  };
+  if (op.length == 0) misaligned("length is 0");
+  if (op.offset % align_) misaligned("offset is not a multiple of " + std::to_string(align_));
+  if (op.length % align_) misaligned("length is not a multiple of " + std::to_string(align_));
+  if (op.addr % mem_align_) {
+    misaligned("host address " + hex64(op.addr) + " is not a multiple of " +
+               std::to_string(mem_align_));
+  }
+  if (op.length > (1ull << 31)) misaligned("length exceeds 2 GiB per op");
+  if (op.offset > capacity_ || op.length > capacity_ - op.offset) {
+    const int err = write ? ENOSPC : EINVAL;
+    throw Error(ErrorKind::Io, name_, off, err,
+                describe(name_, what, off, op.length,
+                         "range ends past the device capacity " + std::to_string(capacity_) +
+                             " (" + errno_text(err) + ")"));
+  }
+}
+
+uint64_t Device::submit(bool write, const std::vector<IoOp>& ops) {
+  if (closed_) throw_errno(name_, write ? "write" : "read", -1, 0, EBADF);
+  for (const IoOp& op : ops) check_op(write, op);
+  auto t = std::make_shared<Ticket>();
+  const size_t n = ops.size();
+  t->reqs.resize(n);
+  t->results.resize(n);
+  t->expected.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Request& r = t->reqs[i];
+    r.offset = ops[i].offset;
+    r.addr = ops[i].addr;
+    r.length = ops[i].length;
+    r.write = write;
+    r.ticket = t.get();
+    r.index = static_cast<uint32_t>(i);
+    IoResult& res = t->results[i];
+    res.index = r.index;
+    res.offset = r.offset;
+    res.length = r.length;
+    // The checksum of a write describes the bytes handed to us, computed before they move.
+    if (write) res.checksum = xxh64(reinterpret_cast<const void*>(r.addr), r.length);
+    t->expected[i] = write ? std::nullopt : ops[i].expected;
+  }
+  t->remaining = n;
+  t->done = (n == 0);
+  std::vector<Request*> ptrs;
+  ptrs.reserve(n);
+  for (auto& r : t->reqs) ptrs.push_back(&r);
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) throw_errno(name_, write ? "write" : "read", -1, 0, EBADF);
+  const uint64_t id = next_ticket_++;
+  tickets_.emplace(id, t);
+  if (n) backend_->submit(ptrs);
+  return id;
+}
+
+void Device::on_complete(Request* r, int err, const std::string& detail) {
+  Ticket* t = r->ticket;
+  IoResult& res = t->results[r->index];
+  const char* what = r->write ? "write" : "read";
+  const auto off = static_cast<int64_t>(r->offset);
+  if (err) {
+    res.status = Status::Error;
+    res.err = err;
+    res.checksum = 0;
+    res.message = describe(name_, what, off, r->length,
+                           detail.empty() ? errno_text(err) : detail + " (" + errno_text(err) + ")");
+    ++errors_;
+  } else if (r->write) {
+    bytes_written_ += r->length;
+    ++writes_;
+  } else {
+    bytes_read_ += r->length;
+    ++reads_;
+    if (const auto& want = t->expected[r->index]) {
+      res.checksum = xxh64(reinterpret_cast<const void*>(r->addr), r->length);
+      if (res.checksum != *want) {
+        res.status = Status::Corrupt;
+        res.err = EBADMSG;
+        res.message = describe(name_, what, off, r->length,
+                               "checksum mismatch (expected " + hex64(*want) + ", read " +
+                                   hex64(res.checksum) + "): chunk is corrupt");
+        ++corrupt_;
+      }
+    }
+  }
+  if (t->remaining.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> l(t->mu);
+    t->done = true;
+    t->cv.notify_all();
+  }
+}
+
+std::shared_ptr<Ticket> Device::find(uint64_t ticket) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                "device '" + name_ + "': unknown or already waited ticket " +
+                    std::to_string(ticket));
+  }
+  return it->second;
+}
+
+bool Device::poll(uint64_t ticket) { return find(ticket)->remaining.load() == 0; }
+
+bool Device::wait(uint64_t ticket, double timeout_s, std::vector<IoResult>* out) {
+  auto t = find(ticket);
+  {
+    std::unique_lock<std::mutex> l(t->mu);
+    if (timeout_s < 0) {
+      t->cv.wait(l, [&] { return t->done; });
+    } else if (!t->cv.wait_for(l, std::chrono::duration<double>(timeout_s),
+                               [&] { return t->done; })) {
+      return false;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    tickets_.erase(ticket);
+  }
+  *out = std::move(t->results);
+  return true;
+}
+
+DeviceStats Device::stats() const {
+  return {bytes_read_.load(), bytes_written_.load(), reads_.load(), writes_.load(),
+          errors_.load(),     corrupt_.load(),       backend_ ? backend_->inflight() : 0};
+}
+
+void Device::close() {
+  std::lock_guard<std::mutex> c(close_mu_);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  if (backend_) backend_->shutdown();  // completes everything queued first
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+}  // namespace kvio

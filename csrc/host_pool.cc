@@ -1,0 +1,163 @@
+#include "host_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include "common.h"
+
+#ifdef KVPOOL_HAVE_NUMA
+#include <numa.h>
+#endif
+
+#ifndef MAP_HUGE_2MB
+#define MAP_HUGE_2MB (21 << 26)
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace kvio {
+namespace {
+
+std::string pool_label(const std::string& name) { return "host pool '" + name + "'"; }
+
+uint64_t free_hugepages_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t value = 0, free_pages = 0, page_kb = 2048;
+  while (f >> key >> value) {
+    if (key == "HugePages_Free:") free_pages = value;
+    if (key == "Hugepagesize:") page_kb = value;
+    f.ignore(256, '\n');
+  }
+  return page_kb == 2048 ? free_pages * kHugePage : 0;
+}
+
+void add_note(std::string& note, const std::string& s) {
+  if (!note.empty()) note += "; ";
+  note += s;
+}
+
+}  // namespace
+
+bool numa_compiled() {
+#ifdef KVPOOL_HAVE_NUMA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<int> numa_nodes() {
+  std::vector<int> nodes;
+#ifdef KVPOOL_HAVE_NUMA
+  if (numa_available() >= 0) {
+    for (int n = 0; n <= numa_max_node(); ++n) {
+      long long free_b = 0;
+      if (numa_node_size64(n, &free_b) > 0) nodes.push_back(n);
+    }
+  }
+#endif
+  if (nodes.empty()) nodes.push_back(0);
+  return nodes;
+}
+
+HostPool::HostPool(uint64_t capacity, int numa_node, bool hugepages, bool want_mlock,
+                   std::string name)
+    : name_(name.empty() ? (numa_node >= 0 ? "numa" + std::to_string(numa_node) : "host")
+                         : std::move(name)),
+      capacity_(round_up(capacity, kHugePage)),
+      alloc_("host pool", name_, capacity_, 512) {
+  if (capacity == 0) {
+    throw Error(ErrorKind::Value, name_, -1, EINVAL, pool_label(name_) + ": capacity must be > 0");
+  }
+  if (numa_node >= 0) {
+    const auto nodes = numa_nodes();
+    bool known = false;
+    for (int n : nodes) known |= (n == numa_node);
+    if (!known) {
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  pool_label(name_) + ": numa_node " + std::to_string(numa_node) +
+                      " does not exist on this machine");
+    }
+  }
+
+  if (hugepages) {
+    const uint64_t avail = free_hugepages_bytes();
+    if (avail >= capacity_) {
+      void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB, -1, 0);
+      if (p != MAP_FAILED) {
+        map_base_ = base_ = static_cast<uint8_t*>(p);
+        map_len_ = capacity_;
+        hugetlb_ = true;
+      } else {
+        add_note(note_, "MAP_HUGETLB failed (" + errno_text(errno) + "), using THP");
+      }
+    } else {
+      add_note(note_, "huge pages unavailable (/proc/sys/vm/nr_hugepages free " +
+                          std::to_string(avail / kHugePage) + " x 2 MiB < " +
+                          std::to_string(capacity_ / kHugePage) +
+                          " needed), using transparent huge pages");
+    }
+  }
+  if (!base_) {
+    // Over-map by 2 MiB and trim so the pool starts on a 2 MiB boundary (THP friendly).
+    map_len_ = capacity_ + kHugePage;
+    void* p = mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      throw Error(ErrorKind::PoolFull, name_, -1, err,
+                  pool_label(name_) + ": cannot map " + std::to_string(capacity_) +
+                      " bytes: " + errno_text(err));
+    }
+    map_base_ = static_cast<uint8_t*>(p);
+    base_ = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uint64_t>(p), kHugePage));
+    const uint64_t head = base_ - map_base_;
+    if (head) munmap(map_base_, head);
+    const uint64_t tail = map_len_ - head - capacity_;
+    if (tail) munmap(base_ + capacity_, tail);
+    map_base_ = base_;
+    map_len_ = capacity_;
+    if (hugepages) madvise(base_, capacity_, MADV_HUGEPAGE);
+  }
+
+  // Bind before the first touch so pages are faulted on the requested node.
+  if (numa_node >= 0) {
+#ifdef KVPOOL_HAVE_NUMA
+    if (numa_available() >= 0) {
+      numa_tonode_memory(base_, capacity_, numa_node);
+      numa_node_ = numa_node;
+    } else {
+      add_note(note_, "libnuma reports NUMA unavailable; memory not bound to node " +
+                          std::to_string(numa_node));
+    }
+#else
+    add_note(note_, "built without libnuma; memory not bound to node " + std::to_string(numa_node));
+#endif
+  }
+
+  // Pre-fault now so the first I/O does not pay for page faults.
+  if (madvise(base_, capacity_, MADV_POPULATE_WRITE) != 0) {
+    for (uint64_t off = 0; off < capacity_; off += 4096) base_[off] = 0;
+  }
+
+  if (want_mlock) {
+    if (::mlock(base_, capacity_) == 0) {
+      mlocked_ = true;
+    } else {
+      add_note(note_, "mlock failed (" + errno_text(errno) + "), pool is not locked");
+    }
+  }
+}
+
+HostPool::~HostPool() {
+  if (mlocked_) munlock(base_, capacity_);
+  if (map_base_) munmap(map_base_, map_len_);
+}
+
+}  // namespace kvio

@@ -1,0 +1,173 @@
+// C++ unit tests of the I/O engine core (run by ctest). Usage: kvio_unit_tests <scratch-dir>
+// The scratch dir must be on a real filesystem (O_DIRECT), e.g. the CMake build dir.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "checksum.h"
+#include "common.h"
+#include "copy.h"
+#include "device.h"
+#include "extent_allocator.h"
+#include "host_pool.h"
+
+using namespace kvio;
+
+static int g_failures = 0;
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                   \
+    }                                                                 \
+  } while (0)
+
+template <typename F>
+static bool throws_kind(ErrorKind kind, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.kind() == kind;
+  }
+  return false;
+}
+
+static void test_xxh64() {
+  // Reference values of XXH64 (seed 0 unless noted).
+  CHECK(xxh64("", 0) == 0xEF46DB3751D8E999ull);
+  CHECK(xxh64("a", 1) == 0xD24EC4F1A98C6E5Bull);
+  CHECK(xxh64("abc", 3) == 0x44BC2CF5AD770999ull);
+  const char* fox = "The quick brown fox jumps over the lazy dog";
+  CHECK(xxh64(fox, std::strlen(fox)) == 0x0B242D361FDA71BCull);
+  // Every tail length must change the hash (catches tail-loop bugs).
+  std::vector<unsigned char> buf(100);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 7);
+  uint64_t prev = 0;
+  for (size_t n = 1; n < buf.size(); ++n) {
+    const uint64_t h = xxh64(buf.data(), n);
+    CHECK(h != prev);
+    prev = h;
+  }
+  CHECK(xxh64("abc", 3, 1) != xxh64("abc", 3, 0));
+}
+
+static void test_allocator() {
+  ExtentAllocator a("device", "t", 1 << 20, 4096);
+  const uint64_t x = a.alloc(4096), y = a.alloc(5000), z = a.alloc(4096);
+  CHECK(x % 4096 == 0 && y % 4096 == 0 && z % 4096 == 0);
+  CHECK(a.size_of(y) == 8192);
+  CHECK(a.used_bytes() == 16384);
+  a.free(y);
+  CHECK(a.used_bytes() == 8192);
+  CHECK(throws_kind(ErrorKind::Value, [&] { a.free(y); }));     // double free
+  CHECK(throws_kind(ErrorKind::Value, [&] { a.free(12345); })); // not an extent
+  a.free(x);
+  a.free(z);
+  CHECK(a.used_bytes() == 0 && a.largest_free() == (1u << 20));  // fully coalesced
+  const uint64_t aligned = a.alloc(4096, 65536);
+  CHECK(aligned % 65536 == 0);
+  a.free(aligned);
+  CHECK(a.largest_free() == (1u << 20));
+  std::vector<uint64_t> offs;
+  for (int i = 0; i < 256; ++i) offs.push_back(a.alloc(4096));
+  CHECK(a.free_bytes() == 0);
+  CHECK(throws_kind(ErrorKind::PoolFull, [&] { a.alloc(1); }));
+  // Free every other extent: fragmentation means an 8 KiB request cannot fit.
+  for (size_t i = 0; i < offs.size(); i += 2) a.free(offs[i]);
+  CHECK(a.free_bytes() == 128 * 4096);
+  CHECK(throws_kind(ErrorKind::PoolFull, [&] { a.alloc(8192); }));
+  for (size_t i = 1; i < offs.size(); i += 2) a.free(offs[i]);
+  CHECK(a.largest_free() == (1u << 20));
+}
+
+static void test_host_pool() {
+  HostPool p(3 * kMiB, -1, true, false, "t");
+  CHECK(p.capacity() == 4 * kMiB);
+  CHECK(p.address() % kHugePage == 0);
+  std::memset(p.data(), 1, p.capacity());
+  CHECK(p.allocator().alloc(kMiB) == 0);
+}
+
+static void test_copy() {
+  std::vector<unsigned char> a(24 << 20), b(24 << 20, 0);
+  std::mt19937 rng(1);
+  for (auto& c : a) c = static_cast<unsigned char>(rng());
+  std::vector<CopyOp> ops;
+  // Reverse the order of 1 MiB blocks, copied by 2 threads.
+  const uint64_t blk = 1 << 20;
+  for (uint64_t i = 0; i < 24; ++i) {
+    ops.push_back({reinterpret_cast<uint64_t>(b.data()) + (23 - i) * blk,
+                   reinterpret_cast<uint64_t>(a.data()) + i * blk, blk});
+  }
+  CHECK(copy_many(ops.data(), ops.size(), 2) == 24 * blk);
+  bool same = true;
+  for (uint64_t i = 0; i < 24; ++i) same &= std::memcmp(b.data() + (23 - i) * blk, a.data() + i * blk, blk) == 0;
+  CHECK(same);
+}
+
+static void roundtrip(const std::string& path, const std::string& backend) {
+  DeviceOptions o;
+  o.path = path;
+  o.capacity = 16 * kMiB;
+  o.backend = backend;
+  Device d(o);
+  CHECK(d.capacity() == 16 * kMiB);
+  HostPool pool(8 * kMiB, -1, true, false, "rt");
+  d.register_host_pools({std::shared_ptr<HostPool>(&pool, [](HostPool*) {})});
+  std::mt19937_64 rng(7);
+  auto* w = reinterpret_cast<uint64_t*>(pool.data());
+  for (uint64_t i = 0; i < 4 * kMiB / 8; ++i) w[i] = rng();
+  std::vector<IoOp> writes, reads;
+  for (int i = 0; i < 16; ++i) {
+    const uint64_t len = 64 * 1024 * (i % 4 + 1);
+    writes.push_back({i * kMiB, pool.address() + i * 256 * 1024, len, std::nullopt});
+  }
+  std::vector<IoResult> wres, rres;
+  CHECK(d.wait(d.submit(true, writes), -1, &wres));
+  for (auto& r : wres) CHECK(r.status == Status::Ok && r.checksum != 0);
+  for (size_t i = 0; i < writes.size(); ++i) {
+    reads.push_back({writes[i].offset, pool.address() + 4 * kMiB + i * 256 * 1024,
+                     writes[i].length, wres[i].checksum});
+  }
+  CHECK(d.wait(d.submit(false, reads), -1, &rres));
+  for (size_t i = 0; i < rres.size(); ++i) {
+    CHECK(rres[i].status == Status::Ok);
+    CHECK(std::memcmp(reinterpret_cast<void*>(reads[i].addr),
+                      reinterpret_cast<void*>(writes[i].addr), writes[i].length) == 0);
+  }
+  // Wrong expected checksum -> corrupt, never ok.
+  std::vector<IoOp> bad{{0, pool.address() + 4 * kMiB, writes[0].length, wres[0].checksum ^ 1}};
+  CHECK(d.wait(d.submit(false, bad), -1, &rres));
+  CHECK(rres[0].status == Status::Corrupt && rres[0].err == EBADMSG);
+  if (backend == "uring") {
+    std::vector<IoOp> mis{{1, pool.address(), 4096, std::nullopt}};
+    CHECK(throws_kind(ErrorKind::Alignment, [&] { d.submit(false, mis); }));
+  }
+  std::vector<IoOp> past{{16 * kMiB, pool.address(), 4096, std::nullopt}};
+  CHECK(throws_kind(ErrorKind::Io, [&] { d.submit(true, past); }));
+  d.close();
+  CHECK(throws_kind(ErrorKind::Io, [&] { d.submit(true, writes); }));
+  ::unlink(path.c_str());
+}
+
+int main(int argc, char** argv) {
+  const std::string dir = argc > 1 ? argv[1] : ".";
+  test_xxh64();
+  test_allocator();
+  test_host_pool();
+  test_copy();
+  roundtrip(dir + "/kvio_unit_uring.img", "uring");
+  roundtrip(dir + "/kvio_unit_posix.img", "posix");
+  if (g_failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
+    return 1;
+  }
+  std::printf("kvio unit tests passed\n");
+  return 0;
+}
