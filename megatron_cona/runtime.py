@@ -356,16 +356,17 @@ def _causal_mask(seq: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
 
 
-def _microbatches(state: TrainState, dataset: TokenDataset) -> Iterator[dict]:
+def _microbatches(state: TrainState, dataset: TokenDataset, start: int, count: int
+                  ) -> Iterator[dict]:
+    """``count`` micro-batches of this DP rank, reading samples from ``start`` on."""
     s = state.strategy
     seq = dataset.seq_length
     device = _device()
     mask = _causal_mask(seq).to(device)
     positions = torch.arange(seq, device=device)[None].expand(s.micro_batch, seq)
-    for m in range(s.num_microbatches):
-        start = state.consumed_samples + m * s.dp * s.micro_batch + state.groups.dp_rank * (
-            s.micro_batch)
-        batch = dataset.samples(start, s.micro_batch).to(device)
+    for m in range(count):
+        first = start + m * s.dp * s.micro_batch + state.groups.dp_rank * s.micro_batch
+        batch = dataset.samples(first, s.micro_batch).to(device)
         yield {"tokens": batch[:, :-1], "labels": batch[:, 1:], "position_ids": positions,
                "attention_mask": mask, "loss_mask": torch.ones(s.micro_batch, seq, device=device)}
 
@@ -452,20 +453,16 @@ def _train_step(state: TrainState, dataset: TokenDataset, grad_stats: bool) -> S
     state._collect = {"local": grad_stats,
                       "first_mb": grad_stats and s.pp == 1 and s.num_microbatches > 1}
     fwd_bwd = get_forward_backward_func(pp_size=s.pp, vp_size=None)
-    kwargs = {}
-    if s.pp > 1:
-        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=state.groups.pg.pp,
-                                                     config=state.transformer_config)
     losses = fwd_bwd(
         forward_step_func=partial(_forward_step, state),
-        data_iterator=_microbatches(state, dataset),
+        data_iterator=_microbatches(state, dataset, state.consumed_samples, s.num_microbatches),
         model=state.model,
         num_microbatches=s.num_microbatches,
         seq_length=state.config.model.seq_length,
         micro_batch_size=s.micro_batch,
         forward_only=False,
         pg_collection=state.groups.pg,
-        **kwargs,
+        **_p2p(state),
     )
     update_ok, grad_norm, _ = state.optimizer.step()
     if update_ok:
@@ -492,6 +489,31 @@ def _train_step(state: TrainState, dataset: TokenDataset, grad_stats: bool) -> S
         iteration=state.iteration, consumed_samples=state.consumed_samples, loss=loss,
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         lr=state.optimizer.param_groups[0]["lr"], skipped=not update_ok, grad_stats=stats)
+
+
+def evaluate(state: TrainState, dataset: TokenDataset, start: int, num_samples: int) -> float:
+    """Token-mean loss of samples ``[start, start + num_samples)`` without updating anything
+    (identical on every rank; collective).  ``num_samples`` must be a multiple of dp * mb."""
+    s = state.strategy
+    if num_samples <= 0 or num_samples % (s.dp * s.micro_batch):
+        raise ValueError(f"num_samples={num_samples} must be a positive multiple of "
+                         f"dp*micro_batch={s.dp * s.micro_batch}")
+    count = num_samples // (s.dp * s.micro_batch)
+    with torch.no_grad(), megatron_globals(state.groups):
+        losses = get_forward_backward_func(pp_size=s.pp, vp_size=None)(
+            forward_step_func=partial(_forward_step, state), data_iterator=_microbatches(state, dataset, start,
+                                                                      count),
+            model=state.model, num_microbatches=count, seq_length=dataset.seq_length,
+            micro_batch_size=s.micro_batch, forward_only=True, pg_collection=state.groups.pg,
+            **_p2p(state))
+        return _reduce_loss(state, losses)
+
+
+def _p2p(state: TrainState) -> dict:
+    if state.strategy.pp == 1:
+        return {}
+    return {"p2p_communicator": P2PCommunicator(pp_group=state.groups.pg.pp,
+                                                config=state.transformer_config)}
 
 
 def _reduce_loss(state: TrainState, losses: list) -> float:
@@ -522,15 +544,11 @@ def forward_logits(state: TrainState, tokens: torch.Tensor) -> torch.Tensor | No
         return out, lambda output, non_loss_data=True: output
 
     fwd_bwd = get_forward_backward_func(pp_size=state.strategy.pp, vp_size=None)
-    kwargs = {}
-    if state.strategy.pp > 1:
-        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=state.groups.pg.pp,
-                                                     config=state.transformer_config)
     with torch.no_grad(), megatron_globals(state.groups):
         out = fwd_bwd(forward_step_func=step, data_iterator=iter([batch]), model=state.model,
                       num_microbatches=1, seq_length=seq, micro_batch_size=tokens.shape[0],
                       forward_only=True, collect_non_loss_data=True,
-                      pg_collection=state.groups.pg, **kwargs)
+                      pg_collection=state.groups.pg, **_p2p(state))
     if not state.groups.is_last_stage:
         return None
     logits = out[0].float()  # [b, s, v/tp]
