@@ -148,7 +148,7 @@ def _check_keys(obj: Any, allowed: set[str], field_path: str) -> dict[str, Any]:
 def _int(obj: dict, key: str, default: int, field_path: str, minimum: int = 0) -> int:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PoolConfigError(f"{field_path}.{key}", f"expected an integer >= {minimum}, "
+        raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected an integer >= {minimum}, "
                                                      f"got {value!r}")  # fmt: skip
     return value
 
@@ -158,7 +158,8 @@ def _float(obj: dict, key: str, default: float | None, field_path: str) -> float
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise PoolConfigError(f"{field_path}.{key}", f"expected a positive number, got {value!r}")
+        raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
+                              f"expected a positive number, got {value!r}")  # fmt: skip
     return float(value)
 
 

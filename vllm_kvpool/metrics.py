@@ -184,3 +184,45 @@ def plot_usage(status: PoolStatus, path: str | os.PathLike, title: str = "") -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def flat_counters(status: PoolStatus) -> dict[str, float]:
+    """Cumulative counters as one flat dict (what goes through vLLM's stats hook)."""
+    out: dict[str, float] = {
+        "query_tokens": status.lookups.query_tokens,
+        "hit_tokens": status.lookups.hit_tokens,
+        "evictions": status.lookups.evictions,
+        "saves": status.lookups.saves,
+        "invalidated": status.lookups.invalidated,
+        "fetch_count": len(status.transfers.fetch_seconds),
+        "fetch_seconds_sum": sum(status.transfers.fetch_seconds),
+    }
+    for name, c in status.transfers.devices.items():
+        out[f"bytes_read:{name}"] = c.bytes_read
+        out[f"read_seconds:{name}"] = c.read_seconds
+        out[f"bytes_written:{name}"] = c.bytes_written
+    return out
+
+
+def counter_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
+def reduce_counters(data: dict[str, float]) -> dict[str, float]:
+    """Interval summary for vLLM's logger: hit rate, GB/s per device, mean fetch time."""
+    out: dict[str, float] = {}
+    if data.get("query_tokens"):
+        out["hit_rate"] = round(data.get("hit_tokens", 0) / data["query_tokens"], 4)
+    for key in ("hit_tokens", "evictions", "saves", "invalidated"):
+        if data.get(key):
+            out[key] = data[key]
+    if data.get("fetch_count"):
+        out["fetch_ms_mean"] = round(1e3 * data["fetch_seconds_sum"] / data["fetch_count"], 2)
+    for key, value in data.items():
+        if key.startswith("bytes_read:") and value:
+            name = key.split(":", 1)[1]
+            out[f"read_GiB:{name}"] = round(value / 2**30, 3)
+            secs = data.get(f"read_seconds:{name}", 0)
+            if secs > 0:
+                out[f"read_GBps:{name}"] = round(value / secs / 1e9, 2)
+    return out

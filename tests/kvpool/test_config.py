@@ -1,0 +1,88 @@
+"""Pool config parsing: YAML file, inline JSON, dicts; malformed configs name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_kvpool.config import PoolConfigError, load_pool_config, parse_size, pool_config_from_extra
+
+YAML = """
+chunk_tokens: 256
+placement: bandwidth
+devices:
+  - host: {numa_node: 0, capacity: 2GiB}
+  - ssd: {path: {tmp}/ssd0.bin, capacity: 8GiB, backend: uring}
+  - ssd: {path: {tmp}/ssd1.bin, capacity: 8GiB, backend: posix, name: slow}
+probe: {seconds: 0.2, size: 16MiB}
+"""
+
+
+def test_yaml_file_and_inline_json_agree(tmp_path):
+    path = tmp_path / "kvpool.yaml"
+    path.write_text(YAML.replace("{tmp}", str(tmp_path)))
+    cfg = load_pool_config(str(path))
+    assert [d.name for d in cfg.devices] == ["host0", "ssd0", "slow"]
+    assert cfg.hosts[0].capacity == 2 * 2**30 and cfg.ssds[0].backend == "uring"
+    assert cfg.probe.size == 16 * 2**20 and cfg.placement == "bandwidth"
+    again = load_pool_config(json.dumps(cfg.to_dict()))
+    assert again == cfg
+    assert pool_config_from_extra({"pool": str(path)}) == cfg
+    assert pool_config_from_extra(cfg.to_dict()) == cfg
+
+
+def test_sizes():
+    assert parse_size("1.5GiB", "x") == int(1.5 * 2**30)
+    assert parse_size("512MB", "x") == 512 * 10**6
+    assert parse_size(4096, "x") == 4096
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({}, "devices"),
+        ({"devices": []}, "devices"),
+        ({"devices": [{"gpu": {}}]}, "devices[0]"),
+        ({"devices": [{"host": {}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": "12 parsecs"}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": -1}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": "1GiB", "numa": 0}}]}, "devices[0].host.numa"),
+        ({"devices": [{"ssd": {"capacity": "1GiB"}}]}, "devices[0].ssd.path"),
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x", "backend": "aio"}}]},
+         "devices[0].ssd.backend"),
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/nonexistent/dir/x"}}]},
+         "devices[0].ssd.path"),
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "nvme", "backend": "spdk"}}]},
+         "devices[0].ssd.spdk_trid"),
+        ({"devices": [{"host": {"capacity": "1GiB", "name": "a"}},
+                      {"host": {"capacity": "1GiB", "name": "a"}}]}, "devices[1].host.name"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "placement": "random"}, "placement"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "chunk_tokens": 0}, "chunk_tokens"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"seconds": "fast"}},
+         "probe.seconds"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "chunk": 5}, "chunk"),
+    ],
+)  # fmt: skip
+def test_malformed_configs_name_the_field(raw, field):
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config(raw)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"kvpool config: {field}: ")
+
+
+def test_missing_file_and_bad_text():
+    with pytest.raises(PoolConfigError, match="kv_connector_extra_config.pool"):
+        pool_config_from_extra({"pool": "/nonexistent/kvpool.yaml"})
+    with pytest.raises(PoolConfigError, match="kv_connector_extra_config.pool: missing"):
+        pool_config_from_extra({})
+    with pytest.raises(PoolConfigError, match="pool"):
+        load_pool_config("{not json: [")
+
+
+def test_chunk_tokens_must_be_block_multiple():
+    cfg = load_pool_config({"devices": [{"host": {"capacity": "1GiB"}}], "chunk_tokens": 48})
+    with pytest.raises(PoolConfigError, match="chunk_tokens: 48 is not a multiple"):
+        cfg.check_block_size(32)
+    assert load_pool_config({"devices": [{"host": {"capacity": "1GiB"}}],
+                             "chunk_tokens": 64}).check_block_size(32) == 2  # fmt: skip

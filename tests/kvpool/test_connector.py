@@ -1,0 +1,178 @@
+"""The connector against vLLM's real Scheduler / KVCacheManager and vLLM-made KV views (CPU).
+
+Shapes: 2 layers x 2 KV heads x head 32 x fp32, block 32 tokens -> 32 KiB per block, chunks of
+64 tokens (2 blocks, 64 KiB). Devices: a host pool and two file-backed SSDs (uring, O_DIRECT).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("vllm_kvpool._kvio")
+
+from tests.kvpool.vllm_harness import BLOCK_SIZE, Harness, make_vllm_config, write_tiny_llama  # noqa: E402
+
+PROMPT = list(range(3, 3 + 640))  # 20 blocks = 10 chunks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def pool_cfg(tmp_path, load_mode="async", host="512KiB", ssd="4MiB", backend="uring"):
+    return {
+        "chunk_tokens": 64,
+        "load_mode": load_mode,
+        "staging": "1MiB",
+        "devices": [
+            {"host": {"capacity": host, "bandwidth_gbps": 6.0}},
+            {"ssd": {"path": str(tmp_path / "ssd0.bin"), "capacity": ssd, "backend": backend,
+                     "bandwidth_gbps": 2.0}},
+            {"ssd": {"path": str(tmp_path / "ssd1.bin"), "capacity": ssd, "backend": backend,
+                     "bandwidth_gbps": 2.0}},
+        ],
+    }  # fmt: skip
+
+
+def build(model_dir, tmp_path, layout="LBHNC", **kw) -> Harness:
+    cfg = make_vllm_config(model_dir, pool_cfg(tmp_path, **kw),
+                           extra={"status_file": str(tmp_path / "status.json")})  # fmt: skip
+    return Harness.build(cfg, num_blocks=128, layout=layout)
+
+
+def save_first_request(h: Harness) -> None:
+    h.add("A", PROMPT + [900, 901, 902])
+    h.run(["A"])
+    h.drain()
+
+
+def run_and_capture(h: Harness, req_id: str, tokens: list[int], n_blocks: int):
+    """Run a request to the end. Returns (its first n_blocks right after the pool load, the
+    same blocks when it finished)."""
+    h.add(req_id, tokens, max_tokens=2)
+    snapshot, ids = None, None
+    for _ in range(100):
+        h.step()
+        req = h.requests[req_id]
+        running = req_id in [r.request_id for r in h.scheduler.running]
+        if running:
+            ids = h.block_ids(req_id)[:n_blocks]
+        if snapshot is None and running and req.num_computed_tokens >= n_blocks * BLOCK_SIZE:
+            snapshot = {name: t[ids].clone() for name, t in h.kv.items()}
+        if req_id in h.finished:
+            break
+    assert snapshot is not None and req_id in h.finished
+    return snapshot, {name: t[ids].clone() for name, t in h.kv.items()}
+
+
+def expected(h: Harness, tokens: list[int], n_blocks: int) -> dict:
+    per_block = [h.expected_block(tokens, b) for b in range(n_blocks)]
+    return {name: torch.stack([pb[name] for pb in per_block]) for name in h.kv}
+
+
+@pytest.mark.parametrize(("load_mode", "layout"), [("async", "LBHNC"), ("sync", "BLHNC")])
+def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, layout):
+    h = build(model_dir, tmp_path, load_mode=load_mode, layout=layout)
+    save_first_request(h)
+    pool = h.connector.pool
+    committed = [e for e in pool.index.entries.values() if e.committed]
+    assert len(committed) == 10  # every prompt chunk saved
+    # striped in bandwidth proportion 6:2:2
+    assert Counter(e.location.device for e in committed) == {0: 6, 1: 2, 2: 2}
+
+    b_tokens = PROMPT[:600] + list(range(2000, 2100))  # shares 18 full blocks with A
+    probe = Harness.make_request("probe", b_tokens)
+    matched, is_async = h.connector.get_num_new_matched_tokens(probe, 0)
+    assert matched == 18 * BLOCK_SIZE and is_async == (load_mode == "async")
+    got, _ = run_and_capture(h, "B", b_tokens, 18)
+    want = expected(h, b_tokens, 18)
+    for name in h.kv:
+        assert torch.equal(got[name], want[name]), name
+    assert pool.lookups.hit_tokens >= 18 * BLOCK_SIZE
+    per_dev = pool.transfers.devices
+    assert per_dev["ssd0"].bytes_read > 0 and per_dev["ssd1"].bytes_read > 0
+    assert per_dev["host0"].bytes_read > 0  # all three devices served the prefix
+
+
+def test_corrupt_chunk_is_a_miss_and_recomputed(model_dir, tmp_path):
+    h = build(model_dir, tmp_path)
+    save_first_request(h)
+    pool = h.connector.pool
+    victim = next(e for e in pool.index.entries.values() if e.location.device == 1)
+    tier = h.worker.engine.tiers[1]
+    with open(tier.cfg.path, "r+b") as f:  # flip one byte of the chunk on "disk"
+        f.seek(tier.offset(victim.location.slot) + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+    _, final = run_and_capture(h, "B", PROMPT + [5, 6], 20)
+    assert victim.dead and pool.index.get(victim.key) is not victim  # dropped from the index
+    assert pool.transfers.devices["ssd0"].corrupt >= 1
+    assert pool.lookups.invalidated >= 1
+    want = expected(h, PROMPT, 20)  # vLLM recomputed the bad blocks: the KV is right
+    for name in h.kv:
+        assert torch.equal(final[name], want[name]), name
+    h.drain()  # ...and B saved the recomputed chunk again, a fresh entry
+    fresh = pool.index.get(victim.key)
+    assert fresh is not None and fresh.committed and fresh is not victim
+
+
+def test_failed_device_turns_into_misses_engine_keeps_serving(model_dir, tmp_path):
+    h = build(model_dir, tmp_path)
+    save_first_request(h)
+    h.worker.engine.tiers[2].device.close()  # the device "disappears"
+    got, _ = run_and_capture(h, "B", PROMPT + [5, 6], 2)
+    pool = h.connector.pool
+    assert pool.weights.failed[2]
+    assert all(e.location.device != 2 for e in pool.index.entries.values())
+    for name in h.kv:
+        assert torch.equal(got[name], expected(h, PROMPT, 2)[name])
+    # new prompts are still saved, on the healthy devices only
+    other = list(range(5000, 5000 + 320))
+    h.add("C", other)
+    h.run(["C"])
+    h.drain()
+    new = [e for e in pool.index.entries.values() if e.block_hashes[0] in
+           set(h.requests["C"].block_hashes)]  # fmt: skip
+    assert new and all(e.location.device in (0, 1) for e in new)
+
+
+def test_full_pool_evicts_instead_of_failing(model_dir, tmp_path):
+    h = build(model_dir, tmp_path, host="128KiB", ssd="128KiB")  # 2 slots per device
+    for i in range(4):
+        h.add(f"R{i}", list(range(10000 * (i + 1), 10000 * (i + 1) + 256)))
+        h.run([f"R{i}"])
+        h.drain()
+    pool = h.connector.pool
+    assert pool.lookups.evictions > 0
+    assert sum(u.used_slots for u in pool.status().usage) == 6
+    last = h.requests["R3"]
+    hits = pool.match(last.block_hashes)
+    assert sum(x.num_blocks for x in hits) == 8  # the newest prompt is fully in the pool
+
+
+def test_stats_hook_and_status_file(model_dir, tmp_path):
+    from vllm_kvpool.metrics import PoolStatus
+
+    h = build(model_dir, tmp_path)
+    save_first_request(h)
+    run_and_capture(h, "B", PROMPT + [5], 4)
+    h.drain()
+    assert h.kv_stats  # vLLM's scheduler collected our stats into its SchedulerStats
+    cls = type(h.connector)
+    stats = cls.build_kv_connector_stats(h.kv_stats[0])
+    for data in h.kv_stats[1:]:
+        stats = stats.aggregate(cls.build_kv_connector_stats(data))
+    summary = stats.reduce()
+    assert summary["hit_rate"] > 0.4
+    assert any(k.startswith("read_GBps:") for k in summary)
+    h.connector._write_status()
+    status = PoolStatus.read(tmp_path / "status.json")
+    assert status.lookups.hit_tokens == h.connector.pool.lookups.hit_tokens
+    assert {u.name for u in status.usage} == {"host0", "ssd0", "ssd1"}

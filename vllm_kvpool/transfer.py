@@ -1,0 +1,603 @@
+"""Worker side: move chunks between vLLM's paged KV tensors and the pool's devices.
+
+A chunk holds ``num_blocks`` vLLM blocks of every layer this worker owns, layer-major:
+``[layer][block][page bytes]`` where a page is the block's bytes of that layer in vLLM's logical
+``[H, N, C]`` order. Layer-major lets a layer of many blocks be gathered/scattered in one
+``index_select``/``index_copy_`` straight between KV tensor and pool memory, whatever physical
+``KVCacheLayout`` vLLM chose.
+
+Loads issue every device's reads at once (one batched ticket per SSD, host chunks need none)
+into staging buffers, then scatter into the KV blocks; when the whole load fits the staging
+buffers it scatters layer by layer and signals each layer so ``wait_for_layer_load`` releases
+early layers first. Saves gather on a background thread (``save_kv_layer`` only enqueues) and
+write asynchronously; the scheduler keeps the source blocks until the save is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvpool.metrics import TransferCounters
+from vllm_kvpool.storage import HostTier, SsdTier, Tier, kvio
+
+logger = logging.getLogger("vllm_kvpool")
+
+
+# ----------------------------------------------------------------------------- step jobs
+@dataclass(frozen=True)
+class ChunkSave:
+    req_id: str
+    key: bytes
+    device: int
+    slot: int
+    block_ids: tuple[int, ...]  # vLLM block ids holding the chunk, in order
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    key: bytes
+    device: int
+    slot: int
+    stored_blocks: int  # blocks in the stored chunk (its layout)
+    checksums: dict[int, int]  # worker rank -> checksum of that rank's shard
+    skip: int  # leading blocks of the chunk already present (local prefix-cache hit)
+    block_ids: tuple[int, ...]  # destination vLLM blocks for chunk blocks skip, skip+1, ...
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    req_id: str
+    reads: tuple[ChunkRead, ...]
+    is_async: bool
+
+
+@dataclass
+class WorkerReport:
+    """What a worker tells the scheduler-side pool after a step (mergeable across ranks)."""
+
+    committed: list[tuple[bytes, int, int]] = field(default_factory=list)  # key, rank, checksum
+    failed_saves: list[bytes] = field(default_factory=list)
+    corrupt: list[bytes] = field(default_factory=list)
+    failed_devices: dict[int, str] = field(default_factory=dict)
+    observations: list[tuple[int, int, float]] = field(default_factory=list)  # dev, bytes, secs
+    counters: TransferCounters = field(default_factory=TransferCounters)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        self.committed += other.committed
+        self.failed_saves += other.failed_saves
+        self.corrupt += other.corrupt
+        self.failed_devices.update(other.failed_devices)
+        self.observations += other.observations
+        self.counters.merge(other.counters)
+        return self
+
+    def is_empty(self) -> bool:
+        return not (self.committed or self.failed_saves or self.corrupt or self.failed_devices
+                    or self.observations or not self.counters.is_empty())  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- KV layout
+@dataclass(frozen=True)
+class LayerPages:
+    name: str
+    tensor: torch.Tensor  # vLLM's per-layer view, logical [kernel_blocks, H, N, C]
+    ratio: int  # kernel blocks per vLLM block (vLLM may split a block for the kernel)
+    page_bytes: int  # bytes of one vLLM block of this layer
+
+
+@dataclass
+class KVLayout:
+    layers: list[LayerPages]
+    layer_prefix: list[int] = field(default_factory=list)  # page bytes of the layers before
+
+    def __post_init__(self) -> None:
+        acc = 0
+        self.layer_prefix = []
+        for layer in self.layers:
+            self.layer_prefix.append(acc)
+            acc += layer.page_bytes
+        self.index = {layer.name: i for i, layer in enumerate(self.layers)}
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(layer.page_bytes for layer in self.layers)
+
+    @classmethod
+    def from_kv_caches(
+        cls, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+    ) -> KVLayout:
+        """Learn vLLM's real per-layer KV views (as ``register_kv_caches`` hands them over)."""
+        layers = []
+        for name in layer_names:
+            t = kv_caches[name]
+            if t.shape[0] % num_blocks:
+                raise ValueError(f"kvpool: KV tensor of {name} has {t.shape[0]} blocks, not a "
+                                 f"multiple of the {num_blocks} blocks vLLM allocated")  # fmt: skip
+            ratio = t.shape[0] // num_blocks
+            page = t[0].numel() * t.element_size() * ratio
+            layers.append(LayerPages(name, t, ratio, page))
+        return cls(layers)
+
+    def offset(self, layer: int, num_blocks: int) -> int:
+        """Byte offset of ``layer`` inside a chunk of ``num_blocks`` blocks."""
+        return num_blocks * self.layer_prefix[layer]
+
+    def _ids(self, layer: LayerPages, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if layer.ratio > 1:
+            ids = (ids[:, None] * layer.ratio + torch.arange(layer.ratio)).reshape(-1)
+        return ids.to(layer.tensor.device, non_blocking=True)
+
+    def _host_view(self, buf: torch.Tensor, layer: LayerPages, n: int) -> torch.Tensor:
+        t = layer.tensor
+        return buf[: n * layer.page_bytes].view(t.dtype).view(n * layer.ratio, *t.shape[1:])
+
+    def gather(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int) -> None:
+        """Copy layer ``li`` of ``block_ids`` from the KV tensor into the chunk buffer."""
+        layer = self.layers[li]
+        n = len(block_ids)
+        dst = self._host_view(chunk[self.offset(li, stored) :], layer, n)
+        ids = self._ids(layer, block_ids)
+        if layer.tensor.device.type == "cpu":
+            torch.index_select(layer.tensor, 0, ids, out=dst)
+        else:
+            dst.copy_(layer.tensor.index_select(0, ids))
+
+    def scatter(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int,
+                skip: int = 0) -> None:  # fmt: skip
+        """Copy chunk blocks ``skip..skip+len(block_ids)`` of layer ``li`` into the KV."""
+        layer = self.layers[li]
+        start = self.offset(li, stored) + skip * layer.page_bytes
+        src = self._host_view(chunk[start:], layer, len(block_ids))
+        ids = self._ids(layer, block_ids)
+        layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
+
+
+def _sync_device(layout: KVLayout) -> None:
+    if layout.layers and layout.layers[0].tensor.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+# ----------------------------------------------------------------------------- engine
+class _Worker(ThreadPoolExecutor):
+    """A one-thread FIFO executor whose task failures are logged, never silently dropped."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1, thread_name_prefix=name)
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(_log_failure)
+        return future
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("kvpool: background transfer task failed", exc_info=future.exception())
+
+
+@dataclass
+class _PendingRead:
+    req: LoadRequest
+    read: ChunkRead
+    nbytes: int
+    buf: torch.Tensor | None = None  # chunk bytes once available
+    staging: tuple[Any, int] | None = None  # (StagingSlots, slot) to give back
+    ok: bool = True
+
+
+@dataclass
+class _SaveBuffer:
+    job: ChunkSave
+    buf: torch.Tensor
+    addr: int
+    staging: tuple[Any, int] | None
+
+
+class TransferEngine:
+    """All worker-side data movement of one rank; thread-safe entry points for the connector."""
+
+    def __init__(self, tiers: list[Tier], layout: KVLayout, rank: int = 0,
+                 verify_checksums: bool = True) -> None:  # fmt: skip
+        self.tiers = tiers
+        self.layout = layout
+        self.rank = rank
+        self.verify = verify_checksums
+        self.io = kvio()
+        self._views: dict[int, torch.Tensor] = {}
+        self._saver = _Worker("kvpool-save")
+        self._loader = _Worker("kvpool-load")
+        self._reaper = _Worker("kvpool-reap")
+        self._lock = threading.Lock()
+        self._report = WorkerReport()
+        self._pending_saves: dict[str, int] = defaultdict(int)
+        self._finished_loads: set[str] = set()
+        self._awaiting_free: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._layer_events: list[threading.Event] = []
+        self._step_buffers: Future | None = None
+        self._step_layers: set[int] = set()
+        self._failed = [False] * len(tiers)
+
+    # -- memory views ----------------------------------------------------------------------
+    def _view(self, pool: Any) -> torch.Tensor:
+        key = id(pool)
+        if key not in self._views:
+            self._views[key] = torch.frombuffer(pool, dtype=torch.uint8)
+        return self._views[key]
+
+    def _host_chunk(self, tier: HostTier, slot: int, nbytes: int) -> torch.Tensor:
+        start = slot * tier.slot_bytes
+        return self._view(tier.pool)[start : start + nbytes]
+
+    def _staging_chunk(self, tier: SsdTier, slot: int, nbytes: int) -> torch.Tensor:
+        start = slot * tier.slot_bytes
+        return self._view(tier.staging.pool)[start : start + nbytes]
+
+    def _device_failed(self, device: int, reason: str) -> None:
+        with self._lock:
+            if not self._failed[device]:
+                logger.error("kvpool: device %s failed: %s", self.tiers[device].cfg.name, reason)
+            self._failed[device] = True
+            self._report.failed_devices[device] = reason
+            self._report.counters.device(self.tiers[device].cfg.name).errors += 1
+
+    # -- saves -----------------------------------------------------------------------------
+    def save_layer(self, saves: Sequence[ChunkSave], layer_name: str) -> None:
+        """Enqueue the gather of one layer for this step's saves (never blocks the forward)."""
+        if not saves or layer_name not in self.layout.index:
+            return
+        self._ensure_step_buffers(saves)
+        li = self.layout.index[layer_name]
+        self._step_layers.add(li)
+        event = self._record_event()
+        self._saver.submit(self._gather_layer, self._step_buffers, li, event)
+
+    def finish_step_saves(self, saves: Sequence[ChunkSave]) -> None:
+        """Enqueue the rest of this step's saves: missing layers, checksum, device writes."""
+        if not saves:
+            return
+        self._ensure_step_buffers(saves)
+        missing = [i for i in range(len(self.layout.layers)) if i not in self._step_layers]
+        event = self._record_event()
+        for li in missing:
+            self._saver.submit(self._gather_layer, self._step_buffers, li, event)
+        self._saver.submit(self._write_step, self._step_buffers)
+        self._step_buffers, self._step_layers = None, set()
+
+    def _ensure_step_buffers(self, saves: Sequence[ChunkSave]) -> None:
+        if self._step_buffers is None:
+            with self._lock:
+                for job in saves:
+                    self._pending_saves[job.req_id] += 1
+            self._step_buffers = self._saver.submit(self._take_buffers, list(saves))
+
+    def _record_event(self) -> Any:
+        tensor = self.layout.layers[0].tensor if self.layout.layers else None
+        if tensor is not None and tensor.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
+
+    def _take_buffers(self, saves: list[ChunkSave]) -> list[_SaveBuffer]:
+        buffers = []
+        for job in saves:
+            tier = self.tiers[job.device]
+            nbytes = len(job.block_ids) * self.layout.block_bytes
+            if isinstance(tier, HostTier):
+                buffers.append(_SaveBuffer(job, self._host_chunk(tier, job.slot, nbytes),
+                                           tier.address(job.slot), None))  # fmt: skip
+            else:
+                (slot,) = tier.staging.take(1)
+                buffers.append(_SaveBuffer(job, self._staging_chunk(tier, slot, nbytes),
+                                           tier.staging.address(slot), (tier.staging, slot)))  # fmt: skip
+        return buffers
+
+    def _gather_layer(self, buffers_future: Future, li: int, event: Any) -> None:
+        buffers = buffers_future.result()
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        for b in buffers:
+            n = len(b.job.block_ids)
+            self.layout.gather(li, b.job.block_ids, b.buf, n)
+
+    def _write_step(self, buffers_future: Future) -> None:
+        buffers = buffers_future.result()
+        _sync_device(self.layout)
+        by_device: dict[int, list[_SaveBuffer]] = defaultdict(list)
+        for b in buffers:
+            tier = self.tiers[b.job.device]
+            if self._failed[b.job.device]:
+                self._save_done(b, None, "device failed")
+            elif isinstance(tier, HostTier):
+                nbytes = len(b.job.block_ids) * self.layout.block_bytes
+                self._save_done(b, self.io.checksum(b.addr, nbytes), None, elapsed=0.0)
+            else:
+                by_device[b.job.device].append(b)
+        for device, group in by_device.items():
+            tier = self.tiers[device]
+            assert isinstance(tier, SsdTier)
+            nbytes = [len(b.job.block_ids) * self.layout.block_bytes for b in group]
+            ops = [(tier.offset(b.job.slot), b.addr, tier.io_length(n))
+                   for b, n in zip(group, nbytes, strict=True)]  # fmt: skip
+            start = time.perf_counter()
+            try:
+                ticket = tier.device.submit_write(ops)
+            except OSError as exc:
+                self._device_failed(device, str(exc))
+                for b in group:
+                    self._save_done(b, None, str(exc))
+                continue
+            self._reaper.submit(self._reap_writes, device, ticket, group, start)
+
+    def _reap_writes(self, device: int, ticket: int, group: list[_SaveBuffer], start: float):
+        tier = self.tiers[device]
+        results = tier.device.wait(ticket, check=False)
+        elapsed = time.perf_counter() - start
+        errors = [r.message for r in results if not r.ok]
+        if errors:
+            self._device_failed(device, errors[0])
+        for b, r in zip(group, results, strict=True):
+            self._save_done(b, r.checksum if r.ok else None, r.message or None,
+                            elapsed=elapsed / len(group))  # fmt: skip
+
+    def _save_done(self, b: _SaveBuffer, checksum: int | None, error: str | None,
+                   elapsed: float = 0.0) -> None:  # fmt: skip
+        if b.staging is not None:
+            b.staging[0].give([b.staging[1]])
+        name = self.tiers[b.job.device].cfg.name
+        with self._lock:
+            if checksum is None:
+                self._report.failed_saves.append(b.job.key)
+            else:
+                self._report.committed.append((b.job.key, self.rank, checksum))
+                c = self._report.counters.device(name)
+                c.bytes_written += len(b.job.block_ids) * self.layout.block_bytes
+                c.write_seconds += elapsed
+                c.chunks_written += 1
+            self._pending_saves[b.job.req_id] -= 1
+            if self._pending_saves[b.job.req_id] <= 0:
+                del self._pending_saves[b.job.req_id]
+        if error and checksum is None:
+            logger.warning("kvpool: save of a chunk to %s failed: %s", name, error)
+
+    def flush_saves(self) -> None:
+        """Wait until every enqueued gather has copied its blocks (before blocks are reused)."""
+        self._saver.submit(lambda: None).result()
+
+    def wait_all(self) -> None:
+        self.flush_saves()
+        self._loader.submit(lambda: None).result()
+        self._reaper.submit(lambda: None).result()
+
+    # -- loads -----------------------------------------------------------------------------
+    def start_loads(self, loads: Sequence[LoadRequest]) -> None:
+        """Issue this step's loads; sync ones release layers through ``wait_layer``."""
+        if not loads:
+            return
+        sync = any(not r.is_async for r in loads)
+        events = [threading.Event() for _ in self.layout.layers]
+        if sync:
+            self._layer_events = events
+        self._loader.submit(self._run_loads, list(loads), events)
+
+    def wait_layer(self, layer_name: str) -> None:
+        li = self.layout.index.get(layer_name)
+        if li is not None and self._layer_events:
+            self._layer_events[li].wait()
+
+    def wait_sync_loads(self) -> None:
+        for event in self._layer_events:
+            event.wait()
+        self._layer_events = []
+
+    def _run_loads(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
+        start = time.perf_counter()
+        try:
+            self._load_batch(loads, events)
+        except Exception:  # never leave the forward waiting: every chunk of the batch fails
+            logger.exception("kvpool: load batch failed")
+            with self._lock:
+                for req in loads:
+                    for r in req.reads:
+                        self._invalid_blocks.update(r.block_ids)
+        finally:
+            for e in events:
+                e.set()
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            for req in loads:
+                self._report.counters.fetch_seconds.append(elapsed)
+                if req.is_async:
+                    self._finished_loads.add(req.req_id)
+
+    def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
+        pending = [_PendingRead(req, r, r.stored_blocks * self.layout.block_bytes)
+                   for req in loads for r in req.reads]  # fmt: skip
+        ssd: dict[int, list[_PendingRead]] = defaultdict(list)
+        host: list[_PendingRead] = []
+        for p in pending:
+            if self._failed[p.read.device]:
+                p.ok = False
+            elif isinstance(self.tiers[p.read.device], HostTier):
+                host.append(p)
+            else:
+                ssd[p.read.device].append(p)
+        fits = all(len(ps) <= self.tiers[d].staging.total for d, ps in ssd.items())
+        layer_major = fits and any(not r.is_async for r in loads)
+        waves = {d: self._waves(d, ps, fits) for d, ps in ssd.items()}
+        inflight: dict[int, tuple[int, list[_PendingRead], float]] = {}
+        for d in waves:
+            self._submit_wave(d, waves[d], inflight)
+        for p in host:  # host chunks need no I/O: verify while the SSD reads are in flight
+            self._read_host(p)
+        if not layer_major:
+            self._scatter_all(host)
+        while inflight:
+            for d in list(inflight):
+                done = self._reap_wave(d, inflight, block=len(inflight) == 1)
+                if done is None:
+                    continue
+                if not layer_major:
+                    self._scatter_all(done)
+                    self._release(done)
+                self._submit_wave(d, waves[d], inflight)
+        if layer_major:
+            good = [p for p in pending if p.ok and p.buf is not None]
+            for li, event in enumerate(events):
+                for p in good:
+                    self.layout.scatter(li, p.read.block_ids, p.buf, p.read.stored_blocks, p.read.skip)
+                if self.layout.layers[li].tensor.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                event.set()
+            self._release(pending)
+        _sync_device(self.layout)
+        with self._lock:
+            for p in pending:
+                if not p.ok:
+                    self._invalid_blocks.update(p.read.block_ids)
+
+    def _waves(self, device: int, reads: list[_PendingRead], fits: bool) -> list[list[_PendingRead]]:
+        tier = self.tiers[device]
+        size = len(reads) if fits else max(1, tier.staging.total // 2)
+        return [reads[i : i + size] for i in range(0, len(reads), size)]
+
+    def _submit_wave(self, device: int, waves: list[list[_PendingRead]], inflight: dict) -> None:
+        if not waves or device in inflight:
+            return
+        tier = self.tiers[device]
+        wave = waves.pop(0)
+        slots: list[int] = []
+        while len(slots) < len(wave):
+            slots += tier.staging.take(len(wave) - len(slots))
+        ops = []
+        for p, slot in zip(wave, slots, strict=True):
+            p.staging = (tier.staging, slot)
+            p.buf = self._staging_chunk(tier, slot, p.nbytes)
+            expected = p.read.checksums.get(self.rank) if self.verify else None
+            ops.append((tier.offset(p.read.slot), tier.staging.address(slot),
+                        tier.io_length(p.nbytes), expected))  # fmt: skip
+        try:
+            inflight[device] = (tier.device.submit_read(ops), wave, time.perf_counter())
+        except OSError as exc:
+            self._device_failed(device, str(exc))
+            for p in wave:
+                p.ok = False
+            self._release(wave)
+            for rest in waves:
+                for p in rest:
+                    p.ok = False
+            waves.clear()
+
+    def _reap_wave(self, device: int, inflight: dict, block: bool) -> list[_PendingRead] | None:
+        ticket, wave, start = inflight[device]
+        tier = self.tiers[device]
+        if not block and not tier.device.poll(ticket):
+            time.sleep(0.0002)
+            return None
+        results = tier.device.wait(ticket, check=False)
+        del inflight[device]
+        elapsed = time.perf_counter() - start
+        good_bytes = 0
+        counters = WorkerReport()
+        c = counters.counters.device(tier.cfg.name)
+        for p, r in zip(wave, results, strict=True):
+            if r.ok:
+                good_bytes += p.nbytes
+                continue
+            p.ok = False
+            if r.status == "corrupt":
+                c.corrupt += 1
+                counters.corrupt.append(p.read.key)
+                logger.warning("kvpool: corrupt chunk on %s (recomputed): %s", tier.cfg.name,
+                               r.message)  # fmt: skip
+            else:
+                self._device_failed(device, r.message)
+        c.bytes_read += good_bytes
+        c.read_seconds += elapsed
+        c.chunks_read += sum(p.ok for p in wave)
+        counters.observations.append((device, good_bytes, elapsed))
+        with self._lock:
+            self._report.merge(counters)
+        return wave
+
+    def _read_host(self, p: _PendingRead) -> None:
+        tier = self.tiers[p.read.device]
+        assert isinstance(tier, HostTier)
+        start = time.perf_counter()
+        p.buf = self._host_chunk(tier, p.read.slot, p.nbytes)
+        expected = p.read.checksums.get(self.rank)
+        if self.verify and expected is not None:
+            if self.io.checksum(tier.address(p.read.slot), p.nbytes) != expected:
+                p.ok = False
+        with self._lock:
+            c = self._report.counters.device(tier.cfg.name)
+            if p.ok:
+                c.bytes_read += p.nbytes
+                c.chunks_read += 1
+                c.read_seconds += time.perf_counter() - start
+            else:
+                c.corrupt += 1
+                self._report.corrupt.append(p.read.key)
+                logger.warning("kvpool: corrupt chunk in host pool %s (recomputed)", tier.cfg.name)
+
+    def _scatter_all(self, reads: list[_PendingRead]) -> None:
+        for p in reads:
+            if p.ok and p.buf is not None:
+                for li in range(len(self.layout.layers)):
+                    self.layout.scatter(li, p.read.block_ids, p.buf, p.read.stored_blocks, p.read.skip)
+
+    @staticmethod
+    def _release(reads: list[_PendingRead]) -> None:
+        for p in reads:
+            if p.staging is not None:
+                p.staging[0].give([p.staging[1]])
+                p.staging = None
+            p.buf = None
+
+    # -- reporting -------------------------------------------------------------------------
+    def take_finished(self, deferred_free: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(requests whose deferred block free may happen now, finished async loads).
+
+        ``deferred_free``: requests the scheduler newly kept alive for their saves; they are
+        remembered until their last save is done.
+        """
+        with self._lock:
+            self._awaiting_free.update(deferred_free)
+            sending = {r for r in self._awaiting_free if self._pending_saves.get(r, 0) == 0}
+            self._awaiting_free -= sending
+            recving, self._finished_loads = self._finished_loads, set()
+        return sending, recving
+
+    def pending_saves(self, req_id: str) -> int:
+        with self._lock:
+            return self._pending_saves.get(req_id, 0)
+
+    def take_invalid_blocks(self) -> set[int]:
+        with self._lock:
+            out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    def take_report(self) -> WorkerReport:
+        with self._lock:
+            out, self._report = self._report, WorkerReport()
+        return out
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            for pool in (self._saver, self._loader, self._reaper):
+                pool.shutdown(wait=True)
+            for tier in self.tiers:
+                tier.close()
