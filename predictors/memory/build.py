@@ -100,6 +100,7 @@ def _build(spec: ModelSpec, attention: str) -> nn.Module:
             vision_feature_select_strategy="default" if v.has_cls else "full",
             image_seq_length=v.num_patches(),
             multimodal_projector_bias=True,
+            tie_word_embeddings=t.tie_embeddings,
         )
         cfg._attn_implementation = _ATTN_IMPL[attention]
         model = LlavaForConditionalGeneration(cfg)

@@ -150,8 +150,6 @@ class TrainConfig:
             raise ShardingError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.dp < 1:
             raise ShardingError(f"dp={self.dp} must be >= 1")
-        if self.zero and self.dp == 1:
-            raise ShardingError(f"zero={self.zero} needs dp > 1 to shard anything (dp=1)")
         if self.checkpointing not in CHECKPOINTING:
             raise MemorySpecError(f"checkpointing={self.checkpointing!r}; choose {CHECKPOINTING}")
         if self.attention not in ATTENTION:

@@ -1,0 +1,90 @@
+"""CLI: ``predict memory``, ``predict collect-memory``, ``predict eval-memory``.
+
+``predictors/cli.py`` mounts these with :func:`add_subcommands`; ``python -m
+predictors.memory.cli ...`` runs them standalone."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .towers import MemorySpecError
+
+
+def add_subcommands(subparsers) -> None:
+    m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step")
+    m.add_argument("--model", required=True, help="preset name, e.g. llava-1.5-7b-like")
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--seq", type=int, default=2048, help="LLM sequence (image tokens included)")
+    m.add_argument("--image-res", type=int, default=None)
+    m.add_argument("--images-per-sample", type=int, default=1)
+    m.add_argument("--precision", default="bf16")
+    m.add_argument("--zero", type=int, default=0, help="ZeRO / DistributedOptimizer stage")
+    m.add_argument("--dp", type=int, default=1, help="data-parallel degree ZeRO shards over")
+    m.add_argument("--checkpointing", default="none", choices=["none", "full"])
+    m.add_argument("--attention", default="flash", choices=["flash", "eager"])
+    m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
+    m.add_argument("--capacity-gib", default="80", help="card memory in GiB (24/40/80/141...)")
+    m.add_argument("--margin", type=float, default=0.05)
+    m.set_defaults(func=_memory)
+
+    c = subparsers.add_parser("collect-memory", help="collect ground-truth peak memory")
+    c.add_argument("--out", type=Path, default=None)
+    c.add_argument("--quick", action="store_true", help="a handful of small configurations")
+    c.add_argument("--device", default="sim", choices=["sim", "cuda"],
+                   help="sim: fake-tensor trace + allocator simulation; cuda: a real GPU step")
+    c.set_defaults(func=_collect)
+
+    e = subparsers.add_parser("eval-memory", help="held-out MAPE + OOM confusion table")
+    e.add_argument("--data", type=Path, default=None)
+    e.add_argument("--margin", type=float, default=0.05)
+    e.add_argument("--plot", type=Path, default=Path("out/memory_pred_vs_measured.png"))
+    e.set_defaults(func=_eval)
+
+
+def _memory(args) -> int:
+    from .api import predict_peak_memory
+
+    frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
+    pred = predict_peak_memory(
+        args.model, batch=args.batch, seq=args.seq, image_res=args.image_res,
+        images_per_sample=args.images_per_sample, precision=args.precision, zero=args.zero,
+        dp=args.dp, checkpointing=args.checkpointing, attention=args.attention, frozen=frozen,
+        capacity_gib=args.capacity_gib, margin=args.margin)
+    print(pred.format())
+    return 0 if pred.fits else 2
+
+
+def _collect(args) -> int:
+    from .collect import GROUND_TRUTH_CSV, collect
+
+    out = collect(args.out or GROUND_TRUTH_CSV, quick=args.quick, device=args.device)
+    print(f"ground truth ({args.device}) written to {out}")
+    return 0
+
+
+def _eval(args) -> int:
+    from .collect import GROUND_TRUTH_CSV
+    from .evaluate import evaluate, format_report, plot
+
+    rep = evaluate(args.data or GROUND_TRUTH_CSV, margin=args.margin)
+    print(format_report(rep, args.margin))
+    print(f"plot: {plot(rep, args.plot)}")
+    print(f"mape_heldout={rep.mape_heldout:.2f}% oom_verdict_accuracy={rep.oom_accuracy:.1f}%")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="predict")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (MemorySpecError, ValueError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

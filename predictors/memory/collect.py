@@ -1,0 +1,142 @@
+"""``predict collect-memory``: ground-truth peak memory over a grid of configurations.
+
+(a) on a GPU: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of a real step
+    (``ground_truth="cuda"``); (b) on a CPU-only machine: the fake-tensor trace + tracker +
+    caching-allocator simulation of :mod:`simulate` (``ground_truth="sim"``). Every row says
+    which one it is. Output is resumable CSV (rows already present are skipped).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from .presets import PRESETS, scaled
+from .simulate import simulate_step
+from .towers import ModelSpec, TrainConfig
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+GROUND_TRUTH_CSV = DATA_DIR / "memory_ground_truth.csv"
+
+FAMILY_BASES = {
+    "llava": "llava-1.5-7b-like",
+    "qwen-vl": "qwen-vl-1.5b-like",
+    "blip2": "blip2-3b-like",
+    "llm": "llama-7b-like",
+    "vit": "vit-l-like",
+}
+SIZES = {"s": (0.125, 2), "m": (0.25, 3)}
+
+
+def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
+    """(model, config, size tag) triples; ``quick`` keeps a handful for tests."""
+    precisions = ("fp32", "bf16", "bf16-pure", "bf16-mixed")
+    for family, base in FAMILY_BASES.items():
+        for size, (width, depth) in SIZES.items():
+            if quick and size != "s":
+                continue
+            spec = scaled(PRESETS[base], width, depth, vocab=8192)
+            if spec.vision is not None:  # smaller images keep ViT tracing cheap
+                spec = spec.at_resolution(spec.vision.patch_size * 12)
+            for prec in precisions[:2] if quick else precisions:
+                for batch in (1, 4):
+                    seq = 512 if spec.text is not None else 1
+                    for ckpt in ("none", "full"):
+                        if ckpt == "full" and (quick or cfg_autocast(prec)):
+                            continue  # the autocast emulation does not survive recompute
+                        frozen = None
+                        yield spec, TrainConfig(batch=batch, seq=seq, precision=prec,
+                                                checkpointing=ckpt, frozen=frozen), size
+                if family == "llava" and not quick:  # frozen vision tower (LLaVA stage 2)
+                    yield spec, TrainConfig(batch=4, seq=512, precision=prec,
+                                            frozen=("vision",)), size
+
+
+# Full-size models (shapes of the public checkpoints) at batch sizes that straddle the 24-141 GiB
+# cards: the OOM verdict and the held-out-by-size evaluation run on these.
+XL = [
+    ("llava-1.5-7b-like", "bf16", b, 2048) for b in (1, 4)
+] + [
+    ("qwen-vl-1.5b-like", "bf16-mixed", b, 1024) for b in (1, 4)
+] + [
+    ("llama-7b-like", "bf16-pure", b, 2048) for b in (1, 4)
+] + [
+    ("vit-b-like", "fp32", b, 1) for b in (64, 512)
+] + [
+    ("blip2-3b-like", "bf16-pure", b, 512) for b in (8, 32)
+]
+
+
+def grid_xl() -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
+    for name, prec, batch, seq in XL:
+        yield PRESETS[name], TrainConfig(batch=batch, seq=seq, precision=prec), "xl"
+
+
+def cfg_autocast(prec: str) -> bool:
+    return TrainConfig(precision=prec).prec.autocast
+
+
+def row_key(spec: ModelSpec, cfg: TrainConfig) -> str:
+    return json.dumps([spec.name, spec.vision and spec.vision.image_size, asdict(cfg)],
+                      sort_keys=True, default=str)
+
+
+def spec_to_json(spec: ModelSpec) -> str:
+    return json.dumps(asdict(spec))
+
+
+def spec_from_json(text: str) -> ModelSpec:
+    from .towers import TextTowerSpec, VisionTowerSpec
+
+    d = json.loads(text)
+    v = d.pop("vision")
+    t = d.pop("text")
+    d["default_frozen"] = tuple(d["default_frozen"])
+    return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TextTowerSpec(**t), **d)
+
+
+def cfg_from_row(row: dict) -> TrainConfig:
+    d = json.loads(row["config"])
+    d.pop("extra", None)
+    if d.get("frozen") is not None:
+        d["frozen"] = tuple(d["frozen"])
+    return TrainConfig(**d)
+
+
+def collect(out: Path = GROUND_TRUTH_CSV, quick: bool = False, device: str = "sim") -> Path:
+    """Measure every grid point not yet in ``out``; returns ``out``."""
+    from tqdm import tqdm
+
+    if device != "sim":
+        from .cuda_measure import measure_cuda  # only importable with a CUDA build
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        with out.open() as f:
+            done = {r["key"] for r in csv.DictReader(f)}
+    points = list(grid(quick)) + ([] if quick else list(grid_xl()))
+    todo = [(s, c, z) for s, c, z in points if row_key(s, c) not in done]
+    new_file = not out.exists() or not done
+    with out.open("a" if done else "w", newline="") as f:
+        writer = None
+        for spec, cfg, size in tqdm(todo, desc="collect-memory", unit="cfg"):
+            if device == "sim":
+                m = simulate_step(spec, cfg).as_row()
+                gt = "sim"
+            else:
+                m, gt = measure_cuda(spec, cfg), "cuda"
+            row = {"key": row_key(spec, cfg), "ground_truth": gt, "family": spec.family,
+                   "size": size, "model": spec.name, "spec": spec_to_json(spec),
+                   "config": json.dumps(asdict(replace(cfg, extra={}))),
+                   "peak_allocated": m["peak_allocated"], "peak_reserved": m["peak_reserved"],
+                   "peak_phase": m["peak_phase"], "trace_seconds": round(m["trace_seconds"], 3)}
+            if writer is None:
+                writer = csv.DictWriter(f, fieldnames=list(row))
+                if new_file:
+                    writer.writeheader()
+            writer.writerow(row)
+            f.flush()
+    return out

@@ -1,0 +1,140 @@
+"""``predict eval-memory``: held-out accuracy of the memory predictor on collected ground truth.
+
+* held out by family: train on four of LLaVA-like / Qwen-VL-like / BLIP-2-like / LLM / ViT and
+  predict the fifth (small and medium sizes);
+* held out by size: train on the small and medium models, predict the full-size ones (``xl``);
+* OOM verdict for 24/40/80/141 GiB cards: "fits" when prediction x (1 + margin) + CUDA context
+  <= capacity, against the same rule applied to the measured reserved peak.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .collect import GROUND_TRUTH_CSV, cfg_from_row, spec_from_json
+from .model import MemoryModel
+from .overheads import CARDS
+
+SAFETY_MARGIN = 0.05
+
+
+@dataclass
+class Row:
+    spec: object
+    cfg: object
+    measured: int
+    family: str
+    size: str
+    ground_truth: str
+    predicted: int = 0
+
+
+@dataclass
+class EvalReport:
+    ground_truth: str
+    mape_by_family: dict[str, float] = field(default_factory=dict)
+    mape_by_size: dict[str, float] = field(default_factory=dict)
+    mape_heldout: float = 0.0
+    mape_analytical: float = 0.0
+    confusion: dict[str, dict[str, int]] = field(default_factory=dict)
+    oom_accuracy: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+
+
+def load_rows(path: Path = GROUND_TRUTH_CSV) -> list[Row]:
+    with path.open() as f:
+        return [Row(spec_from_json(r["spec"]), cfg_from_row(r), int(r["peak_reserved"]),
+                    r["family"], r["size"], r["ground_truth"]) for r in csv.DictReader(f)]
+
+
+def _mape(rows: list[Row]) -> float:
+    return 100 * sum(abs(r.predicted / r.measured - 1) for r in rows) / max(len(rows), 1)
+
+
+def _fit(rows: list[Row], label: str) -> MemoryModel:
+    return MemoryModel.fit([(r.spec, r.cfg, r.measured) for r in rows], trained_on=label)
+
+
+def verdict(reserved: int, card: str, margin: float = 0.0) -> bool:
+    capacity, overheads = CARDS[card]
+    return reserved * (1 + margin) + overheads.context_bytes <= capacity
+
+
+def evaluate(path: Path = GROUND_TRUTH_CSV, margin: float = SAFETY_MARGIN) -> EvalReport:
+    rows = load_rows(path)
+    gts = sorted({r.ground_truth for r in rows})
+    rep = EvalReport(ground_truth="+".join(gts))
+    small = [r for r in rows if r.size != "xl"]
+    held: list[Row] = []
+    for fam in sorted({r.family for r in small}):
+        test = [r for r in small if r.family == fam]
+        model = _fit([r for r in small if r.family != fam], f"all but {fam}")
+        for r in test:
+            r.predicted = model.predict_reserved(r.spec, r.cfg)[0]
+        rep.mape_by_family[fam] = _mape(test)
+        held += test
+    xl = [r for r in rows if r.size == "xl"]
+    if xl:
+        model = _fit(small, "sizes s+m")
+        xl_rows = [Row(r.spec, r.cfg, r.measured, r.family, r.size, r.ground_truth,
+                       model.predict_reserved(r.spec, r.cfg)[0]) for r in xl]
+        rep.mape_by_size["xl"] = _mape(xl_rows)
+        held += xl_rows
+    rep.mape_heldout = _mape(held)
+    analytical = MemoryModel(None, [])
+    rep.mape_analytical = _mape([Row(r.spec, r.cfg, r.measured, r.family, r.size,
+                                     r.ground_truth,
+                                     analytical.predict_reserved(r.spec, r.cfg)[0])
+                                 for r in held])
+    rep.rows = held
+    agree = total = 0
+    for card in CARDS:
+        cm = {"tp": 0, "tn": 0, "fp": 0, "fn": 0}  # positive = predicted OOM
+        for r in held:
+            pred_oom = not verdict(r.predicted, card, margin)
+            meas_oom = not verdict(r.measured, card)
+            cm[("t" if pred_oom == meas_oom else "f") + ("p" if pred_oom else "n")] += 1
+            agree += pred_oom == meas_oom
+            total += 1
+        rep.confusion[f"{card}GiB"] = cm
+    rep.oom_accuracy = 100 * agree / max(total, 1)
+    return rep
+
+
+def plot(rep: EvalReport, out: Path = Path("out/memory_pred_vs_measured.png")) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for fam in sorted({r.family for r in rep.rows}):
+        rs = [r for r in rep.rows if r.family == fam]
+        ax.scatter([r.measured / 2**30 for r in rs], [r.predicted / 2**30 for r in rs],
+                   label=fam, s=14)
+    lim = max(max(r.measured, r.predicted) for r in rep.rows) / 2**30 * 1.1
+    ax.plot([1e-3, lim], [1e-3, lim], "k--", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel=f"measured peak reserved, GiB ({rep.ground_truth})",
+           ylabel="predicted, GiB", title=f"held-out MAPE {rep.mape_heldout:.2f}%")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def format_report(rep: EvalReport, margin: float = SAFETY_MARGIN) -> str:
+    lines = [f"ground truth: {rep.ground_truth} (peak reserved bytes of one steady-state step)"]
+    for k, v in rep.mape_by_family.items():
+        lines.append(f"  held-out family {k:8s} MAPE {v:6.2f}%")
+    for k, v in rep.mape_by_size.items():
+        lines.append(f"  held-out size   {k:8s} MAPE {v:6.2f}%")
+    lines.append(f"  analytical only (no LightGBM residual) MAPE {rep.mape_analytical:.2f}%")
+    lines.append(f"OOM verdict (positive = OOM; safety margin {margin:.0%} + CUDA context):")
+    for card, cm in rep.confusion.items():
+        lines.append(f"  {card:7s} tp={cm['tp']:3d} tn={cm['tn']:3d} fp={cm['fp']:3d} "
+                     f"fn={cm['fn']:3d}")
+    return "\n".join(lines)

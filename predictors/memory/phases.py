@@ -1,0 +1,92 @@
+"""Walk a training step's phases over the factorization and take the maximum of live bytes.
+
+Steady state (second step): parameters, fp32 masters and Adam states are live throughout;
+gradients are ``None`` until the backward creates them. Phases:
+
+* forward: saved activations of every layer accumulate (``+`` the loss's logits/log-softmax);
+* loss/backward start: the fp32 logits upcast and d(log-softmax) exist next to all activations;
+* backward, layer by layer in reverse: a layer's activations are released after its backward,
+  its gradients appear, and its backward transients (input gradients ~2x its largest tensor,
+  plus recomputed activations under checkpointing) are live meanwhile;
+* optimizer: all gradients (plus fp32 master gradients under ``*-mixed``) and states.
+
+ZeRO/DistributedOptimizer: stage 1 shards optimizer states and fp32 masters over ``dp``,
+stage 2 also gradients, stage 3 also parameters (plus one layer gathered at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .factorize import F32, Factorization, factorize
+from .overheads import CudaOverheads
+from .towers import ModelSpec, ShardingError, TrainConfig
+
+ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parameter (one block)
+
+
+@dataclass
+class PeakEstimate:
+    peak_allocated: int
+    peak_phase: str
+    components: dict[str, int]  # live bytes by kind at the peak
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
+                fz: Factorization | None = None) -> PeakEstimate:
+    fz = fz or factorize(spec, cfg)
+    p = cfg.prec
+    w = fz.layers[0].param_bytes // max(fz.layers[0].params, 1) if fz.layers else F32
+    dp = cfg.dp
+    shard_opt = dp if cfg.zero >= 1 else 1
+    shard_grad = dp if cfg.zero >= 2 else 1
+    shard_param = dp if cfg.zero >= 3 else 1
+    trainable = sum(x.params for x in fz.layers if x.trainable)
+    if cfg.zero and trainable and cfg.dp > trainable:
+        raise ShardingError(f"zero={cfg.zero}: dp={cfg.dp} exceeds the {trainable} trainable "
+                            "parameters to shard")
+    params = sum(x.param_bytes for x in fz.layers) // shard_param
+    if cfg.zero >= 3:  # one layer gathered for its forward/backward
+        params += max(x.param_bytes for x in fz.layers)
+    state_bytes = F32 if p.master_weights_fp32 else w
+    states = (trainable * 2 * state_bytes + (trainable * F32 if p.master_weights_fp32 else 0))
+    states = states // shard_opt + fz.num_trainable_tensors * ADAM_STEP_BLOCK
+    base = params + states + fz.input_bytes
+    ws = overheads.cublas_workspace_bytes
+    acts = [x.saved for x in fz.layers]
+    grads = [x.param_bytes // shard_grad if x.trainable else 0 for x in fz.layers]
+    phase_peaks: dict[str, int] = {}
+    best = (0, "", {})
+
+    def visit(phase: str, act: int, grad: int, transient: int, workspaces: int) -> None:
+        nonlocal best
+        total = base + act + grad + transient + workspaces * ws
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), total)
+        if total > best[0]:
+            best = (total, phase, {
+                "parameters": params, "optimizer_states": states, "inputs": fz.input_bytes,
+                "activations": act, "gradients": grad, "transient": transient,
+                "workspace": workspaces * ws,
+            })
+
+    all_acts = sum(acts) + fz.loss_saved
+    visit("forward", all_acts, 0, fz.loss_transient // 2, 1)
+    visit("backward", all_acts, 0, fz.loss_transient, 2)
+    live_grad = 0
+    remaining = all_acts - fz.loss_saved
+    # a checkpointed layer re-materializes its un-checkpointed saves during its backward
+    full = factorize(spec, replace(cfg, checkpointing="none")).layers \
+        if cfg.checkpointing == "full" else None
+    for i in range(len(fz.layers) - 1, -1, -1):
+        layer = fz.layers[i]
+        recompute = full[i].saved if full is not None and layer.largest else 0
+        transient = 2 * layer.largest + recompute
+        live_grad += grads[i]
+        visit("backward", remaining, live_grad, transient, 2)
+        remaining -= acts[i]
+    master_grads = trainable * F32 // shard_grad if p.master_weights_fp32 else 0
+    visit("optimizer", 0, live_grad + master_grads, 0, 2)
+    total, phase, comps = best
+    return PeakEstimate(total, phase, comps, phase_peaks)
+

@@ -1,0 +1,66 @@
+"""Named models (architecture shapes of public checkpoints; weights are never loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .towers import ModelSpec, TextTowerSpec, UnknownModelError, VisionTowerSpec
+
+CLIP_L_336 = VisionTowerSpec("clip", 24, 1024, 16, 4096, 14, 336)
+CLIP_L_224 = VisionTowerSpec("clip", 24, 1024, 16, 4096, 14, 224)
+CLIP_B_224 = VisionTowerSpec("clip", 12, 768, 12, 3072, 16, 224)
+EVA_G_224 = VisionTowerSpec("clip", 39, 1408, 16, 6144, 14, 224)  # BLIP-2's ViT-g, CLIP-style
+SIGLIP_SO_378 = VisionTowerSpec("siglip", 27, 1152, 16, 4304, 14, 378)  # 27x27 patches
+SIGLIP_B_224 = VisionTowerSpec("siglip", 12, 768, 12, 3072, 16, 224)
+LLAMA_7B = TextTowerSpec("llama", 32, 4096, 32, 11008, 32064)
+LLAMA_13B = TextTowerSpec("llama", 40, 5120, 40, 13824, 32064)
+LLAMA_3B = TextTowerSpec("llama", 32, 2560, 32, 6912, 50272)
+QWEN2_7B = TextTowerSpec("qwen2", 28, 3584, 28, 18944, 152064, num_kv_heads=4)
+QWEN2_1_5B = TextTowerSpec("qwen2", 28, 1536, 12, 8960, 151936, num_kv_heads=2,
+                           tie_embeddings=True)
+
+PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec("llava-1.5-7b-like", "llava", CLIP_L_336, LLAMA_7B),
+        ModelSpec("llava-1.5-13b-like", "llava", CLIP_L_336, LLAMA_13B),
+        ModelSpec("qwen-vl-7b-like", "qwen-vl", SIGLIP_SO_378, QWEN2_7B),
+        ModelSpec("qwen-vl-1.5b-like", "qwen-vl", SIGLIP_SO_378, QWEN2_1_5B),
+        # BLIP-2 trains only the bridge between a frozen ViT and a frozen LLM. The bridge here is
+        # LLaVA's MLP projector, not a Q-Former (stated simplification).
+        ModelSpec("blip2-3b-like", "blip2", EVA_G_224, LLAMA_3B, default_frozen=("vision", "llm")),
+        ModelSpec("llama-7b-like", "llm", None, LLAMA_7B),
+        ModelSpec("qwen2-1.5b-like", "llm", None, QWEN2_1_5B),
+        ModelSpec("vit-l-like", "vit", CLIP_L_224),
+        ModelSpec("vit-b-like", "vit", CLIP_B_224),
+        ModelSpec("siglip-b-like", "vit", SIGLIP_B_224),
+    )
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownModelError(
+            f"model={name!r} is unknown; choose one of {', '.join(PRESETS)}"
+        ) from None
+
+
+def scaled(spec: ModelSpec, width: float, depth: int, vocab: int | None = None) -> ModelSpec:
+    """A smaller member of the same family (for cheap ground truth): widths scaled by ``width``
+    (rounded to whole heads), ``depth`` layers per tower."""
+
+    def sc(x: int, mult: int) -> int:
+        return max(mult, int(x * width) // mult * mult)
+
+    v = spec.vision and replace(
+        spec.vision, num_layers=min(depth, spec.vision.num_layers),
+        hidden_size=sc(spec.vision.hidden_size, spec.vision.num_heads * 8),
+        intermediate_size=sc(spec.vision.intermediate_size, 64))
+    t = spec.text and replace(
+        spec.text, num_layers=min(depth, spec.text.num_layers),
+        hidden_size=sc(spec.text.hidden_size, spec.text.num_heads * 8),
+        intermediate_size=sc(spec.text.intermediate_size, 64),
+        vocab_size=vocab or spec.text.vocab_size)
+    return replace(spec, name=f"{spec.name}@w{width}d{depth}", vision=v, text=t)
