@@ -77,13 +77,11 @@ class ConaController:
         self.decisions: list[Decision] = []
         self.switches: list[tuple[int, ParallelStrategy, ParallelStrategy, float]] = []
         self._interval_time = 0.0
-        self._interval_iters = 0
 
     def observe(self, strategy: ParallelStrategy, seconds: float, stats=None) -> None:
         """One finished iteration of ``strategy`` that took ``seconds``."""
         self.times.record(strategy, seconds)
         self._interval_time += seconds
-        self._interval_iters += 1
         sample = gradient_sample(stats)
         if sample is not None:
             self.gns.observe(sample)
@@ -101,10 +99,11 @@ class ConaController:
         ranking = rank(self.candidates, self.times, phi, self.config.base_batch)
         current = next((e for e in ranking if e.strategy == strategy), None) or (
             self.current_estimate(strategy))
-        per_iter = self._interval_time / max(self._interval_iters, 1)
-        interval_s = per_iter * self.config.interval
+        # training time since the last ranking: the policy's horizon is counted in these
+        interval_s = self._interval_time or (self.times.iteration_time(strategy)
+                                             * self.config.interval)
         decision = self.policy.decide(iteration, current, ranking, interval_s, phi)
-        self._interval_time, self._interval_iters = 0.0, 0
+        self._interval_time = 0.0
         self.decisions.append(decision)
         self.log.write(decision, **log_extra)
         return decision

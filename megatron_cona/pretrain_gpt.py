@@ -208,7 +208,6 @@ def train(args: argparse.Namespace) -> RunSummary:
     controller = (controller_from_args(args, settings, spec, world, cfg.precision,
                                        write_log=rank == 0) if args.cona else None)
     summary = RunSummary(timeline=[(0, start.name)])
-    eval_samples = min(args.eval_iters * gb, len(corpus.valid))
     for it in range(1, args.train_iters + 1):
         t0 = time.perf_counter()
         result = runtime.train_step(state, corpus.train, grad_stats=controller is not None)
@@ -222,7 +221,9 @@ def train(args: argparse.Namespace) -> RunSummary:
                      args.train_iters, state.strategy.name, result.loss, result.lr,
                      1e3 * seconds)
         if args.eval_interval and it % args.eval_interval == 0:
-            val = runtime.evaluate(state, corpus.valid, 0, eval_samples)
+            step = state.strategy.dp * state.strategy.micro_batch
+            count = min(args.eval_iters * state.strategy.global_batch_size, len(corpus.valid))
+            val = runtime.evaluate(state, corpus.valid, 0, max(step, count // step * step))
             summary.val_losses.append((it, val))
             if rank == 0:
                 log.info("validation at iteration %d | lm loss %.4f | ppl %.2f", it, val,

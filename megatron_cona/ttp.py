@@ -191,7 +191,11 @@ class HindsightNoise:
         return values[len(values) // 2]
 
 
-def exec_strategy(global_batch: int, ranks: int, max_micro: int = 16) -> ParallelStrategy:
+EXEC_MAX_MICRO = 16
+
+
+def exec_strategy(global_batch: int, ranks: int, max_micro: int = EXEC_MAX_MICRO
+                  ) -> ParallelStrategy:
     """How a target global batch runs on the CPU ranks: data parallel, few micro-batches."""
     if global_batch % ranks:
         raise TTPError(f"global batch {global_batch} is not divisible by ranks={ranks}")
@@ -340,6 +344,10 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
     get_precision(opts.target_precision)
     ranks, rank = dist.get_world_size(), dist.get_rank()
     lo, hi = opts.global_batch_range
+    if opts.val_samples % (ranks * EXEC_MAX_MICRO):
+        raise TTPError(f"val_samples={opts.val_samples} must be a multiple of ranks*"
+                       f"{EXEC_MAX_MICRO}={ranks * EXEC_MAX_MICRO} (evaluation runs in whole "
+                       "micro-batches of every executed strategy)")
     if not lo <= opts.static_global_batch <= hi:
         raise TTPError(f"static_global_batch={opts.static_global_batch} outside "
                        f"global_batch_range={opts.global_batch_range}")
