@@ -33,6 +33,10 @@ def _int_pair(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -91,6 +95,8 @@ def _ttp_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-samples", type=int, default=d.static_samples)
     p.add_argument("--interval-samples", type=int, default=d.interval_samples)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-sweep", type=_float_list, default=d.lr_sweep,
+                   help="tune the static baseline's LR over these (comma-separated) first")
     p.add_argument("--min-gain", type=float, default=d.min_gain)
     p.add_argument("--seed", type=int, default=d.seed)
     return p
@@ -107,7 +113,9 @@ def print_ttp(report: dict) -> None:
     print(f"target validation perplexity {report['target_ppl']:.3f} (static run's final); "
           f"static strategy {report['static_strategy']}; clock lookups: "
           f"{report['clock_measured_lookups']} measured (vTrain), "
-          f"{report['clock_predicted_lookups']} predicted")
+          f"{report['clock_predicted_lookups']} predicted; base LR {report['lr']:g}"
+          + (f" (static sweep: {report['static_lr_sweep']})" if len(report['static_lr_sweep']) > 1
+             else ""))
     for name, run in report["runs"].items():
         chain = " -> ".join(dict.fromkeys(p["strategy"] for p in run["points"]))
         print(f"  {name:7s} TTP {run['ttp_s']:9.1f} s (simulated)  switches "

@@ -69,6 +69,7 @@ class TTPOptions:
     interval_samples: int = 256  # validation + ranking cadence (same for every chain)
     max_time_factor: float = 2.0  # CONA/oracle stop at this multiple of static's time
     lr: float = 2e-3
+    lr_sweep: tuple[float, ...] = ()  # tune the static baseline's LR over these first
     warmup_samples: int = 512
     min_lr_fraction: float = 0.1
     seed: int = 1234
@@ -207,7 +208,7 @@ def exec_strategy(global_batch: int, ranks: int, max_micro: int = EXEC_MAX_MICRO
 class _Trainer:
     """The real small-model training shared by the three chains (one per chain)."""
 
-    def __init__(self, opts: TTPOptions, corpus, base_batch: int) -> None:
+    def __init__(self, opts: TTPOptions, corpus, base_batch: int, lr: float) -> None:
         from megatron_cona import runtime
 
         self.rt = runtime
@@ -218,7 +219,7 @@ class _Trainer:
         spec = TransformerSpec("gpt", opts.num_layers, opts.hidden_size,
                                opts.num_attention_heads, opts.seq_length, VOCAB_SIZE)
         self.cfg = runtime.TrainConfig(
-            model=spec, lr=opts.lr, min_lr=opts.lr * opts.min_lr_fraction,
+            model=spec, lr=lr, min_lr=lr * opts.min_lr_fraction,
             lr_warmup_samples=opts.warmup_samples, lr_decay_samples=opts.static_samples,
             lr_decay_style="cosine", adam_beta2=0.99, seed=opts.seed)
 
@@ -366,12 +367,20 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
     static = min(static_options, key=clock.iteration_time)
     base = opts.static_global_batch
     corpus = build_corpus(CorpusConfig(seq_length=opts.seq_length, seed=opts.seed))
-    trainer = _Trainer(opts, corpus, base)
     progress = progress or (lambda name, point: None)
     out = Path(opts.out)
 
-    static_run = _run_chain("static", opts, trainer, clock, static, None, None, None,
-                            opts.static_samples, progress)
+    # The baseline gets its best learning rate (the one CONA then scales): a static run per
+    # candidate LR, the lowest final validation loss wins.
+    sweep: dict[float, ChainResult] = {}
+    for lr in opts.lr_sweep or (opts.lr,):
+        sweep[lr] = _run_chain(f"static@{lr:g}" if opts.lr_sweep else "static", opts,
+                               _Trainer(opts, corpus, base, lr), clock, static, None, None,
+                               None, opts.static_samples, progress)
+    lr = min(sweep, key=lambda k: sweep[k].points[-1].val_loss)
+    static_run = sweep[lr]
+    static_run.name = "static"
+    trainer = _Trainer(opts, corpus, base, lr)
     target = static_run.points[-1].val_loss
     static_run.ttp = static_run.time_to(target)
     max_time = opts.max_time_factor * static_run.ttp
@@ -402,6 +411,8 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
         "target_val_loss": target,
         "target_ppl": math.exp(target),
         "static_strategy": static.name,
+        "lr": lr,
+        "static_lr_sweep": {f"{k:g}": v.points[-1].val_loss for k, v in sweep.items()},
         "clock_measured_lookups": clock.hits,
         "clock_predicted_lookups": clock.misses,
         "speedup_vs_static": static_run.ttp / cona_run.ttp,
