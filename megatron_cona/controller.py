@@ -15,8 +15,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from megatron_cona.arguments import ConaSettings
-from megatron_cona.candidates import enumerate_candidates
+from megatron_cona.candidates import PredictorMemory, enumerate_candidates
 from megatron_cona.gns import GradientNoiseScale, GradientSample
 from megatron_cona.goodput import (
     AnalyticalThroughput,
@@ -29,6 +31,7 @@ from megatron_cona.goodput import (
 )
 from megatron_cona.lr_scaling import lr_scale
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
+from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 log = logging.getLogger("megatron_cona.controller")
@@ -135,7 +138,13 @@ def controller_from_args(args, settings: ConaSettings, model: TransformerSpec, w
                          write_log: bool = True) -> ConaController:
     """The controller ``--cona`` and its flags describe (candidates enumerated and filtered);
     ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer."""
-    candidates = enumerate_candidates(world_size, model, settings.candidates)
+    memory = {}
+    if torch.cuda.is_available():  # drop candidates predicted not to fit this GPU
+        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        memory = dict(precision=get_precision(precision),
+                      memory_model=PredictorMemory(capacity / 2**30),
+                      memory_limit_bytes=capacity)
+    candidates = enumerate_candidates(world_size, model, settings.candidates, **memory)
     log.info("CONA: %d candidates, %d rejected", len(candidates), len(candidates.rejected))
     policy = SwitchPolicy(PolicyConfig(min_gain=settings.min_gain,
                                        horizon_intervals=args.cona_horizon,

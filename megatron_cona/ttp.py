@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_cona.candidates import CandidateSpec, enumerate_candidates
+from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
 from megatron_cona.controller import ConaController, ControllerConfig, gradient_sample
 from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
 from megatron_cona.gns import GradientNoiseScale, unbiased_estimates
@@ -359,8 +359,14 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
     clock = SimulatedCluster(GPT_1_3B, predictor, vtrain, opts.layout_switch_s,
                              opts.link_bytes_per_s)
     spec = CandidateSpec(micro_batches=opts.micro_batches, global_batch_range=(lo, hi))
-    candidates = [s for s in enumerate_candidates(opts.target_gpus, GPT_1_3B, spec).kept
-                  if s.global_batch_size % ranks == 0]
+    from predictors.devices import get_device
+
+    capacity = get_device(opts.target_device).memory_bytes
+    found = enumerate_candidates(opts.target_gpus, GPT_1_3B, spec,
+                                 precision=get_precision(opts.target_precision),
+                                 memory_model=PredictorMemory(capacity / 2**30),
+                                 memory_limit_bytes=capacity)
+    candidates = [s for s in found.kept if s.global_batch_size % ranks == 0]
     static_options = [s for s in candidates if s.global_batch_size == opts.static_global_batch]
     if not static_options:
         raise TTPError(f"static_global_batch={opts.static_global_batch}: no candidate strategy")
@@ -413,6 +419,8 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
         "static_strategy": static.name,
         "lr": lr,
         "static_lr_sweep": {f"{k:g}": v.points[-1].val_loss for k, v in sweep.items()},
+        "candidates": len(candidates),
+        "dropped_for_memory": [(r.strategy.name, r.reason) for r in found.rejected],
         "clock_measured_lookups": clock.hits,
         "clock_predicted_lookups": clock.misses,
         "speedup_vs_static": static_run.ttp / cona_run.ttp,

@@ -77,3 +77,16 @@ def test_nothing_left_is_an_error():
     spec = CandidateSpec(layouts=((1, 4, 1),))
     with pytest.raises(StrategyError, match="no candidate strategy remains"):
         enumerate_candidates(4, GPT, spec)
+
+
+def test_memory_predictor_drops_what_a_small_card_cannot_hold():
+    from megatron_cona.candidates import PredictorMemory
+
+    big = TransformerSpec("gpt", 24, 2048, 16, 1024, 51200)
+    spec = CandidateSpec(layouts=((8, 1, 1), (1, 8, 1)), micro_batches=(1, 8),
+                         global_batch_range=(64, 64))
+    cands = enumerate_candidates(8, big, spec, precision=get_precision("bf16-mixed"),
+                                 memory_model=PredictorMemory(16), memory_limit_bytes=16 * 2**30)
+    dropped = {r.strategy for r in cands.rejected}
+    assert ParallelStrategy(8, 1, 1, 8, 64) in dropped  # 1.3B unsharded, micro-batch 8
+    assert ParallelStrategy(1, 8, 1, 1, 64) in cands.kept  # 8-way tensor parallel, micro 1
