@@ -77,3 +77,26 @@ def test_static_strategy_from_megatron_flags():
     args = megatron_parse(["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                            "--global-batch-size", "16"])
     assert static_strategy(args, 4) == ParallelStrategy(2, 2, 1, 2, 16)
+
+
+def test_cli_errors_are_one_named_line(capsys):
+    from megatron_cona.cli import main
+
+    rc = main(["plan", "--world", "6", "--num-layers", "4", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "32", "--candidates", "dp4tp1pp1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert err.startswith("cona: error: StrategyError") and "world_size=6" in err
+    rc = main(["plot", "--out", "x.png"])
+    assert rc == 2 and "exactly one of --log or --ttp" in capsys.readouterr().err
+
+
+def test_cli_run_without_gpu_points_to_cpu_launcher(capsys):
+    import torch
+
+    from megatron_cona.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("GPU present: `cona run` trains directly")
+    assert main(["run", "--num-layers", "2"]) == 2
+    assert "scripts/cona_cpu.py pretrain" in capsys.readouterr().err
