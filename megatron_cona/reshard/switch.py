@@ -83,13 +83,23 @@ def _vote(error: BaseException | None) -> None:
     raise SwitchAborted("; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c))
 
 
-def _phase(name: str, on_phase: Callable[[str], None] | None, body: Callable[[], object]):
-    """Run a local phase body (no collectives inside), then vote; returns the body's value."""
+def _phase(name: str, on_phase: Callable[[str], None] | None, body: Callable[[], object],
+           collective: bool = False):
+    """Run a phase body, then vote; returns the body's value on every rank.
+
+    A ``collective`` body (one that calls collectives) is entered only after a vote that every
+    rank is ready, so a rank failing before it cannot leave its peers blocked inside it."""
     error, value = None, None
     try:
         if on_phase is not None:
             on_phase(name)
-        value = body()
+    except Exception as exc:  # noqa: BLE001 - reported through the vote
+        error = exc
+    if collective:
+        _vote(error)
+    try:
+        if error is None:
+            value = body()
     except Exception as exc:  # noqa: BLE001 - reported through the vote
         error = exc
         logger.debug("phase %s failed locally", name, exc_info=True)
@@ -110,14 +120,15 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
     result = SwitchResult(old, False, old.strategy, new_strategy)
     rng = _rng_snapshot()
     new_state: TrainState | None = None
+    holder: dict = {}  # filled by the build phase even on ranks whose peers failed it
     try:
         _phase("validate", on_phase, lambda: _validate(old, new_strategy, bucket_bytes))
         if new_strategy.layout == old.strategy.layout:
             _phase("finalize", on_phase, lambda: _change_batch(old, new_strategy))
             result.switched = True
             return result
-        holder: dict = {}
-        _phase("build", on_phase, lambda: holder.update(state=_build(old, new_strategy)))
+        _phase("build", on_phase, lambda: holder.update(state=_build(old, new_strategy)),
+               collective=True)
         new_state = holder["state"]
         plan, kinds = _plan(old, new_state, bucket_bytes, on_phase)
         src, dst = layout.state_segments(old, kinds), layout.state_segments(new_state, kinds)
@@ -127,7 +138,7 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
             None if on_phase is None else (lambda i: on_phase(f"transfer:{i}")))
         _phase("finalize", on_phase, lambda: optimizer_state.copy_scalar_state(old, new_state))
     except SwitchAborted as abort:
-        _rollback(old, new_state, rng)
+        _rollback(old, new_state or holder.get("state"), rng)
         result.error = str(abort)
         result.seconds = time.perf_counter() - start
         logger.warning("strategy switch %s -> %s rolled back: %s", old.strategy.name,
