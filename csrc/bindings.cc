@@ -348,7 +348,8 @@ PYBIND11_MODULE(_kvio, m) {
                                     " bytes");
             }
             // Slicing a memoryview of the pool keeps the pool alive as long as the view.
-            return py::memoryview(self)[py::slice(offset, offset + nbytes, 1)];
+            py::object whole = py::module_::import("builtins").attr("memoryview")(self);
+            return whole.attr("__getitem__")(py::slice(offset, offset + nbytes, 1));
           },
           py::arg("offset"), py::arg("nbytes"))
       .def(

@@ -33,7 +33,7 @@ uint64_t ExtentAllocator::alloc(uint64_t nbytes, uint64_t alignment) {
                     " must be a power of two >= " + std::to_string(granularity_));
   }
   if (nbytes == 0) throw Error(ErrorKind::Value, owner_, -1, EINVAL, label_ + ": cannot allocate 0 bytes");
-  const uint64_t size = round_up(nbytes, granularity_);
+  const uint64_t size = round_up(nbytes, alignment);
   std::lock_guard<std::mutex> lock(mu_);
   // Best fit: smallest free extent that holds `size` after aligning its start.
   for (auto it = free_by_size_.lower_bound({size, 0}); it != free_by_size_.end(); ++it) {
