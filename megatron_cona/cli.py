@@ -89,6 +89,9 @@ def _ttp_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-precision", default=d.target_precision)
     p.add_argument("--vtrain-csv", type=Path, default=d.vtrain_csv,
                    help="measured A100 iteration times (vTrain); missing: predictor only")
+    p.add_argument("--all-candidates", dest="measured_only", action="store_false",
+                   help="also candidates vTrain did not measure (the clock then uses the "
+                   "time predictor for them)")
     p.add_argument("--static-global-batch", type=int, default=d.static_global_batch)
     p.add_argument("--global-batch-range", type=_int_pair, default=d.global_batch_range)
     p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)

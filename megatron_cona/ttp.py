@@ -5,7 +5,8 @@ standard-library sources on the CPU ranks of this machine, and validation loss i
 held-out files. Time is simulated: every iteration is charged what the same strategy and global
 batch cost for a target model on a target cluster (default: a GPT-3 1.3B-sized model, fp16, on
 8x A100 80GB) -- the measured vTrain iteration time where that configuration was measured, the
-time predictor otherwise -- and every switch its modelled cost. Three chains are compared:
+time predictor otherwise (by default only measured candidates are used, so the clock is pure
+ground truth) -- and every switch its modelled cost. Three chains are compared:
 
 (a) static: the single strategy with the minimum iteration time for the user's global batch
     (what an offline planner picks), for the whole run;
@@ -62,6 +63,7 @@ class TTPOptions:
     target_device: str = "a100-80gb"
     target_precision: str = "fp16-mixed"
     vtrain_csv: Path | None = VTRAIN_CSV  # measured A100 times; None: predictor only
+    measured_only: bool = True  # with vTrain data: only candidates the clock has measured
     static_global_batch: int = 64
     global_batch_range: tuple[int, int] = (4, 128)
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
@@ -366,7 +368,8 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
                                  precision=get_precision(opts.target_precision),
                                  memory_model=PredictorMemory(capacity / 2**30),
                                  memory_limit_bytes=capacity)
-    candidates = [s for s in found.kept if s.global_batch_size % ranks == 0]
+    candidates = [s for s in found.kept if s.global_batch_size % ranks == 0
+                  and (vtrain is None or not opts.measured_only or vtrain.get(s) is not None)]
     static_options = [s for s in candidates if s.global_batch_size == opts.static_global_batch]
     if not static_options:
         raise TTPError(f"static_global_batch={opts.static_global_batch}: no candidate strategy")
