@@ -4,6 +4,7 @@ strategy timeline from its CONA decision log (``--cona-log``)."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -55,8 +56,8 @@ def plot_ttp(report: dict, path: Path) -> Path:
                   row, palette)
     bottom.set_yticks(range(len(runs)), list(runs))
     bottom.set_xlabel("SIMULATED time (s)")
-    fig.text(0.01, 0.005, report["note"], fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.text(0.01, 0.005, textwrap.fill(report["note"], 150), fontsize=7)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
