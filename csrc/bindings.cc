@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <set>
 
 #include "backend.h"
 #include "checksum.h"
@@ -50,9 +51,17 @@ void set_error(ErrorKind kind, const std::string& device, int64_t offset, int er
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }
 
+// Logs a fallback once per kind at WARNING (later pools/devices with the same reason at DEBUG,
+// so a pool of many devices does not repeat itself). Called with the GIL held.
 void log_note(const std::string& what, const std::string& note) {
   if (note.empty()) return;
-  py::module_::import("logging").attr("getLogger")("vllm_kvpool.kvio").attr("warning")(
+  static std::set<std::string> seen;
+  std::string key;
+  for (char ch : note) {
+    if (ch < '0' || ch > '9') key += ch;  // sizes differ between pools; the reason does not
+  }
+  const char* level = seen.insert(key).second ? "warning" : "debug";
+  py::module_::import("logging").attr("getLogger")("vllm_kvpool.kvio").attr(level)(
       "%s: %s", what, note);
 }
 

@@ -114,12 +114,17 @@ def test_shrinking_block_device(loop_device: LoopDevice, pool: _kvio.HostPool) -
                             check=False)
         assert results[0].ok
         assert results[1].status == "error" and results[1].errno == errno.ENOSPC
+        # A chunk straddling the new end is partly written by the kernel, then fails: it must be
+        # reported as an error, never as done.
+        [straddle] = dev.write([(8 * MiB - 256 * 1024, pool.address, MiB)], check=False)
+        assert straddle.status == "error" and straddle.errno == errno.ENOSPC
+        assert straddle.checksum == 0
         with pytest.raises(_kvio.KvioError) as e:
             dev.read([(0, pool.address + 2 * MiB, MiB, good[0].checksum),
                       (16 * MiB, pool.address + 3 * MiB, MiB, good[1].checksum)])
         assert (e.value.device, e.value.offset) == ("loop", 16 * MiB)
         assert e.value.results[0].ok and e.value.results[1].status == "error"
-        assert dev.stats()["errors"] == 2
+        assert dev.stats()["errors"] == 3
 
 
 def test_read_only_block_device(loop_device: LoopDevice, pool: _kvio.HostPool) -> None:

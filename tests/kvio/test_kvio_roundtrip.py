@@ -13,11 +13,14 @@ from conftest import MiB
 from vllm_kvpool import _kvio
 
 
-@pytest.fixture(params=["uring-file", "uring-loop", "posix-tmpfs"])
+@pytest.fixture(params=["uring-file", "uring-sqpoll-file", "uring-loop", "posix-tmpfs"])
 def device(request: pytest.FixtureRequest, scratch: Path, shm_dir: Path) -> Iterator[_kvio.Device]:
     kind = request.param
     if kind == "uring-file":
         dev = _kvio.Device(str(scratch / "dev.img"), capacity=32 * MiB, backend="uring")
+    elif kind == "uring-sqpoll-file":
+        dev = _kvio.Device(str(scratch / "dev.img"), capacity=32 * MiB, sqpoll=True)
+        assert dev.sqpoll or "SQPOLL unavailable" in dev.note
     elif kind == "uring-loop":
         loop = request.getfixturevalue("loop_device")
         dev = _kvio.Device(loop.path, backend="uring", name="loop")
