@@ -109,7 +109,10 @@ def _build(spec: ModelSpec, attention: str) -> nn.Module:
             model.model.multi_modal_projector = nn.Linear(v.hidden_size, t.hidden_size)
         return model
     if spec.text is not None:
-        return AutoModelForCausalLM.from_config(text_config(spec.text, attention))
+        model = AutoModelForCausalLM.from_config(text_config(spec.text, attention))
+        if spec.text.tie_embeddings:  # skipped together with the initialisation
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
     v = spec.vision
     cls = CLIPVisionModel if v.kind == "clip" else SiglipVisionModel
     return ViTClassifier(cls(vision_config(v, attention)), v.hidden_size, spec.num_classes)

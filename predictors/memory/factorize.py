@@ -47,6 +47,7 @@ class LayerMemory:
     trainable: bool
     saved: int = 0  # activation bytes saved for backward
     largest: int = 0  # largest single activation tensor (transient scale in backward)
+    tensors: int = 0  # parameter tensors
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Factorization:
     layers: list[LayerMemory] = field(default_factory=list)
     loss_saved: int = 0  # logits (+ fp32 log-softmax) kept for the cross-entropy backward
     loss_transient: int = 0  # extra live bytes while the loss and its gradient are computed
+    held_output: int = 0  # logits the model output keeps alive until the step ends
     input_bytes: int = 0
     num_param_tensors: int = 0
     num_trainable_tensors: int = 0
@@ -97,7 +99,7 @@ def vision_post_params(v: VisionTowerSpec) -> tuple[int, int]:
     if v.has_cls:
         return 2 * h, 2
     # SigLIP post-LN + attention-pooling head (probe, MHA, LN, MLP)
-    return 2 * h + h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (2 * h * f + f + h), 12
+    return 2 * h + h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (2 * h * f + f + h), 13
 
 
 def text_layer_params(t: TextTowerSpec) -> tuple[int, int]:
@@ -205,6 +207,13 @@ def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, atten
     return s, largest
 
 
+def _vit_weight_cache(v: VisionTowerSpec, dt: _Dt) -> int:
+    """Low-precision weight copies autocast caches for one encoder layer's (or SigLIP head's)
+    Linears: 4 attention projections + 2 MLP matrices with biases."""
+    h, f = v.hidden_size, v.intermediate_size
+    return (4 * h * h + 2 * h * f + 5 * h + f) * dt.mm
+
+
 # -- whole model ------------------------------------------------------------------------------------
 def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
     """Per-layer factorization of ``spec`` trained under ``cfg`` (one GPU, before sharding)."""
@@ -219,7 +228,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
     def add(name, tower, counts, saved=0, largest=0, trainable=None):
         n, tensors = counts
         tr = tower not in frozen if trainable is None else trainable
-        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest))
+        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors))
         fz.num_param_tensors += tensors
         fz.num_trainable_tensors += tensors if tr else 0
 
@@ -243,13 +252,21 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         for i in range(v.num_layers):
             saved = per if i < used else 0
             if i >= used and dt.autocast and train_v:  # the autocast cache holds weight casts
-                saved = (4 * v.hidden_size ** 2 + 2 * v.hidden_size * v.intermediate_size) * dt.mm
+                saved = _vit_weight_cache(v, dt)
             if i == used - 1 and spec.multimodal and saved:  # its output only feeds the slice
                 saved -= images * tok * v.hidden_size * dt.res
             if cfg.checkpointing == "full" and train_v and i < used:
                 saved = images * tok * v.hidden_size * dt.res
-            add(f"vision.layers.{i}", "vision", vision_layer_params(v), saved, largest)
-        add("vision.post", "vision", vision_post_params(v))
+            # layers after the feature layer (and the post-LN/head) get no gradient, so AdamW
+            # keeps no state for them
+            reached = train_v and i < used
+            add(f"vision.layers.{i}", "vision", vision_layer_params(v), saved, largest,
+                trainable=reached)
+        # SigLIP's pooling head runs (unused) inside LLaVA; autocast caches its weight casts
+        post = _vit_weight_cache(v, dt) if (
+            spec.multimodal and dt.autocast and train_v and not v.has_cls) else 0
+        add("vision.post", "vision", vision_post_params(v), saved=post,
+            trainable=train_v and not spec.multimodal)
         grad_flows = train_v
         fz.input_bytes += images * 3 * v.image_size ** 2 * wbytes
     if spec.multimodal:
@@ -281,13 +298,15 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
             add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest)
-        head = 0 if t.tie_embeddings else t.vocab_size * t.hidden_size
-        add("llm.head", "llm", (t.hidden_size + head, 1 + (0 if t.tie_embeddings else 1)),
+        tied = t.tie_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
+        head = 0 if tied else t.vocab_size * t.hidden_size
+        add("llm.head", "llm", (t.hidden_size + head, 1 + (0 if tied else 1)),
             saved=(rmsnorm_saved(n, t.hidden_size, dt)
                    + (0 if dt.autocast or dt.res != F32 else n * t.hidden_size * dt.res)
                    + linear_saved(n, t.hidden_size, t.vocab_size, False, dt, input_grad=True,
                                   weight_trainable=train_t, input_low=False)) if needs else 0)
         logits = n * t.vocab_size
+        fz.held_output = logits * dt.mm
         if needs:
             fz.loss_saved = logits * (dt.mm + F32)  # logits (held by the output) + log-softmax
             fz.loss_transient = logits * F32 * 2  # fp32 upcast, then d(log-softmax)

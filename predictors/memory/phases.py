@@ -74,7 +74,7 @@ def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
     visit("forward", all_acts, 0, fz.loss_transient // 2, 1)
     visit("backward", all_acts, 0, fz.loss_transient, 2)
     live_grad = 0
-    remaining = all_acts - fz.loss_saved
+    remaining = all_acts - fz.loss_saved + fz.held_output
     # a checkpointed layer re-materializes its un-checkpointed saves during its backward
     full = factorize(spec, replace(cfg, checkpointing="none")).layers \
         if cfg.checkpointing == "full" else None
@@ -85,8 +85,12 @@ def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
         live_grad += grads[i]
         visit("backward", remaining, live_grad, transient, 2)
         remaining -= acts[i]
-    master_grads = trainable * F32 // shard_grad if p.master_weights_fp32 else 0
-    visit("optimizer", 0, live_grad + master_grads, 0, 2)
+    if p.master_weights_fp32:  # low-precision grads are cast to fp32 and dropped one by one
+        largest_grad = max((g for g in grads if g), default=0)
+        opt_grads = trainable * F32 // shard_grad + largest_grad // len(fz.layers)
+    else:
+        opt_grads = live_grad
+    visit("optimizer", fz.held_output, opt_grads, 0, 2)
     total, phase, comps = best
     return PeakEstimate(total, phase, comps, phase_peaks)
 
