@@ -35,7 +35,7 @@ def op_time(record: OpRecord, device: Device) -> float:
     key = dtype_key(record)
     if record.op_class in MATMUL_EFFICIENCY:
         flops = record.flops * (0.5 if record.causal else 1.0)  # flash kernels skip masked tiles
-        rate = device.matmul_rate(key) * MATMUL_EFFICIENCY[record.op_class]
+        rate = device.matmul_rate(key, flops) * MATMUL_EFFICIENCY[record.op_class]
         if device.kind == "gpu" and not record.tensor_core and key != "fp32":
             rate *= 0.5  # misaligned shapes: padded or CUDA-core fallback
         busy = max(flops / rate, record.bytes / device.mem_bw)

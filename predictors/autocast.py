@@ -161,24 +161,23 @@ class CudaAutocastEmulation(TorchFunctionMode):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 (Transformer-Engine style delayed scaling is approximated by current scaling: amax of the
-# tensor being quantized).
+# fp8: Transformer-Engine-style GEMMs with delayed scaling.
 
 FP8_FORWARD = torch.float8_e4m3fn
 FP8_BACKWARD = torch.float8_e5m2
 
 
-def _quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = x.detach().abs().amax().float().clamp(min=1e-12)
-    scale = torch.finfo(fp8_dtype).max / amax
-    return (x.float() * scale).to(fp8_dtype), scale.reciprocal()
-
-
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor, a_dtype, b_dtype, out_dtype) -> torch.Tensor:
-    """a @ b through ``torch._scaled_mm`` (first operand row-major, second column-major)."""
-    qa, sa = _quantize(a, a_dtype)
-    qb, sb = _quantize(b.t().contiguous(), b_dtype)  # column-major second operand
-    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    """a @ b through ``torch._scaled_mm`` (first operand row-major, second column-major).
+
+    Transformer Engine's delayed scaling takes the scale from the amax history and fuses the
+    amax update, scaling and transpose into one cast kernel per operand; we emit one cast
+    (plus the layout copy on the 1-byte tensor) per operand and a unit scale.
+    """
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    qa = a.to(a_dtype)
+    qb = b.to(b_dtype).t().contiguous().t()  # column-major second operand
+    return torch._scaled_mm(qa, qb, scale_a=one, scale_b=one, out_dtype=out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -198,7 +197,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         grad_x = _fp8_mm(g2, weight, FP8_BACKWARD, FP8_FORWARD, x.dtype).reshape(x.shape)
-        grad_w = _fp8_mm(g2.t().contiguous(), x2, FP8_BACKWARD, FP8_FORWARD, weight.dtype)
+        grad_w = _fp8_mm(g2.t(), x2, FP8_BACKWARD, FP8_FORWARD, weight.dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b
 

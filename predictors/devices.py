@@ -10,6 +10,7 @@ AVX-512 BF16/FP16) far more than on clock speed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+SMALL_GEMM_N, LARGE_GEMM_N = 96, 384  # calibration GEMM sizes (n x n x n)
+SMALL_GEMM_FLOPS, LARGE_GEMM_FLOPS = 2.0 * SMALL_GEMM_N**3, 2.0 * LARGE_GEMM_N**3
 
 
 class UnknownDeviceError(ValueError):
@@ -41,15 +44,26 @@ class Device:
     launch_overhead: float = 5e-6  # seconds per kernel (GPU launch, CPU dispatch)
     comm_latency: float = 10e-6  # seconds per collective step
     vec_bw: dict[str, float] = field(default_factory=dict)  # elementwise bytes/s per dtype key
+    # measured GEMM rate at SMALL_GEMM_FLOPS per dtype key (CPUs: small GEMMs run far below
+    # peak); rates between the two sizes are interpolated in log space
+    small_gemm: dict[str, float] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
 
     @property
     def supports_fp8(self) -> bool:
         return self.peak_flops.get("fp8", 0.0) > 0
 
-    def matmul_rate(self, dtype_key: str) -> float:
+    def matmul_rate(self, dtype_key: str, flops: float | None = None) -> float:
         rate = self.peak_flops.get(dtype_key, 0.0)
-        return rate if rate > 0 else self.peak_flops["fp32"]
+        if rate <= 0:
+            return self.peak_flops["fp32"]
+        small = self.small_gemm.get(dtype_key)
+        if not small or flops is None or flops >= LARGE_GEMM_FLOPS:
+            return rate
+        if flops <= SMALL_GEMM_FLOPS:
+            return small
+        w = math.log(flops / SMALL_GEMM_FLOPS) / math.log(LARGE_GEMM_FLOPS / SMALL_GEMM_FLOPS)
+        return math.exp((1 - w) * math.log(small) + w * math.log(rate))
 
     def vector_bw(self, dtype_key: str) -> float:
         return self.vec_bw.get(dtype_key, self.mem_bw)
@@ -62,10 +76,28 @@ class Device:
         return cls(**{**d, "flags": tuple(d.get("flags", ()))})
 
 
+# Effective host-side cost per kernel of eager PyTorch/Megatron training (launch + Python
+# dispatch + stream sync points), and per collective step: fitted once to the vTrain A100 data
+# (it minimises the spread of measured/roofline; the learned model corrects what is left).
+GPU_KERNEL_OVERHEAD = 40e-6
+GPU_COMM_LATENCY = 20e-6
+
+
 def _gpu(name, family, fp32, tf32, half, fp8, mem_bw, nvlink, ib, mem_gb, bf16=None) -> Device:
     peaks = {"fp32": fp32, "tf32": tf32, "bf16": half if bf16 is None else bf16, "fp16": half,
              "fp8": fp8}  # fmt: skip
-    return Device(name, family, "gpu", peaks, mem_bw, nvlink, ib, mem_gb * 2**30)
+    return Device(
+        name,
+        family,
+        "gpu",
+        peaks,
+        mem_bw,
+        nvlink,
+        ib,
+        mem_gb * 2**30,
+        launch_overhead=GPU_KERNEL_OVERHEAD,
+        comm_latency=GPU_COMM_LATENCY,
+    )
 
 
 T = 1e12
@@ -176,6 +208,20 @@ def _best_time(fn, reps: int) -> float:
     return best
 
 
+def _autograd_kernel_overhead(chain: int = 64) -> float:
+    """Seconds per kernel of a training step made of tiny ops: forward, autograd backward and
+    the Python around them, i.e. what every kernel costs on a CPU before it does any work."""
+    x = torch.randn(8, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _best_time(step, 10) / (2 * chain + 3)
+
+
 @functools.lru_cache(maxsize=4)
 def cpu_device(threads: int | None = None) -> Device:
     """Describe this CPU by calibration (≈1 s). Rates are minima-of-repeats, robust to the
@@ -184,22 +230,20 @@ def cpu_device(threads: int | None = None) -> Device:
     if threads:
         torch.set_num_threads(threads)
     try:
-        n = 384
-        peaks = {}
+        peaks, small = {}, {}
         for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
                            ("fp16", torch.float16)):  # fmt: skip
-            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-            peaks[key] = 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, 5)
-        peaks["tf32"] = peaks["fp32"]
-        if hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
-            peaks["fp8"] = 0.0  # CPU _scaled_mm exists but is an emulation, not a rate
+            for n, table in ((LARGE_GEMM_N, peaks), (SMALL_GEMM_N, small)):
+                a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+                table[key] = 2 * n**3 / _best_time(lambda a=a, b=b: a @ b, 10)
+        peaks["tf32"], small["tf32"] = peaks["fp32"], small["fp32"]
+        peaks["fp8"] = 0.0  # CPU _scaled_mm is an emulation, not an fp8 rate
         vec = {}
         for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
                            ("fp16", torch.float16)):  # fmt: skip
             x = torch.randn(1 << 21, dtype=dtype)
-            vec[key] = 3 * x.numel() * x.element_size() / _best_time(lambda x=x: x + x, 5)
-        tiny = torch.randn(8)
-        overhead = _best_time(lambda: [tiny + tiny for _ in range(100)], 3) / 100
+            vec[key] = 3 * x.numel() * x.element_size() / _best_time(lambda x=x: x + x, 10)
+        overhead = _autograd_kernel_overhead()
         name = "cpu"
         try:
             with open("/proc/cpuinfo") as f:
@@ -219,6 +263,7 @@ def cpu_device(threads: int | None = None) -> Device:
             launch_overhead=overhead,
             comm_latency=50e-6,
             vec_bw=vec,
+            small_gemm=small,
             flags=cpu_flags(),
         )
     finally:

@@ -84,31 +84,60 @@ def evaluate_vtrain() -> dict[str, HeldOutResult]:
 # Local measurements (predict collect)
 
 
-def measurement_features(df, precision_aware: bool, device=None) -> list[dict]:
-    from predictors.collect import row_spec_strategy
-    from predictors.devices import Device, cpu_device
+def feature_code_version() -> str:
+    """Hash of the code that turns a configuration into features (invalidates caches)."""
+    import hashlib
+
+    import predictors
+
+    root = Path(predictors.__file__).parent
+    h = hashlib.sha256()
+    for name in ("trace.py", "features.py", "analytical.py", "autocast.py", "step.py", "zoo.py",
+                 "devices.py", "precision.py", "spec.py"):  # fmt: skip
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def measurement_features(df, precision_aware: bool, device, cache: str | Path | None = None
+                         ) -> list[dict]:  # fmt: skip
+    """Features of measured rows against the CPU profile they were measured with.
+
+    ``cache`` (a JSON file) keeps feature rows keyed by configuration, code version and
+    device, so re-evaluating a data set does not re-trace every model.
+    """
+    import json
+
+    from predictors.collect import KEY_COLUMNS, row_spec_strategy
     from predictors.features import features
 
-    out = []
+    cache = Path(cache) if cache else None
+    tag = f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"
+    stored = {}
+    if cache and cache.exists():
+        blob = json.loads(cache.read_text())
+        stored = blob.get("rows", {}) if blob.get("tag") == tag else {}
+    out, dirty = [], False
     for _, r in df.iterrows():
-        dev = Device.from_dict(_device_dict(r)) if "device_json" in r else (device or cpu_device())
-        spec, strategy = row_spec_strategy(r)
-        out.append(features(spec, strategy, r["precision"], dev, precision_aware=precision_aware))
+        key = "|".join(str(r[k]) for k in KEY_COLUMNS) + f"|aware={precision_aware}"
+        if key not in stored:
+            spec, strategy = row_spec_strategy(r)
+            stored[key] = features(spec, strategy, r["precision"], device,
+                                   precision_aware=precision_aware)  # fmt: skip
+            dirty = True
+        out.append(stored[key])
+    if cache and dirty:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"tag": tag, "rows": stored}))
     return out
 
 
-def _device_dict(row) -> dict:
-    import json
-
-    return json.loads(row["device_json"])
-
-
-def evaluate_measurements(df, family: str = "cpu") -> dict[str, HeldOutResult]:
+def evaluate_measurements(df, device, family: str = "cpu",
+                          cache: str | Path | None = None) -> dict[str, HeldOutResult]:  # fmt: skip
     """Leave-one-family-out and leave-one-size-out, precision-aware vs precision-unaware."""
     y = df["seconds"].to_numpy()
     results = {}
     for aware in (True, False):
-        feats = measurement_features(df, aware)
+        feats = measurement_features(df, aware, device, cache)
         tag = "" if aware else "_unaware"
         results["by_family" + tag] = leave_group_out("by_family" + tag, feats, y,
                                                      list(df["family"]), family)  # fmt: skip

@@ -2,8 +2,10 @@
 
 The model is traced once per distinct layer shape (cached), so after warm-up a call costs the
 roofline composition plus one LightGBM row (well under 10 ms). The learned correction is the
-shipped model of the device's family (``predictors/models/time_<family>.json``); a family with
-no shipped model gets the analytical estimate alone (``PredictionResult.calibrated`` False).
+shipped model of the device's family (``predictors/models/time_<family>.json``). GPUs of a
+family with no shipped model borrow the A100 (vTrain) correction, which mostly captures
+Megatron's kernel efficiencies and framework overheads; other devices without one get the
+analytical estimate alone (``PredictionResult.calibrated`` False).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from predictors.model import TimeModel, shipped_model_path
 from predictors.precision import Precision, get_precision
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 from predictors.zoo import ModelSpec
+
+GPU_FALLBACK_FAMILY = "a100"
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,12 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str,
     _validate(spec, strategy, p, dev)
     row = features(spec, strategy, p, dev)
     breakdown = iteration_time(step_work(spec, strategy, p, dev), strategy, dev)
-    model = _family_model(dev.family)
+    family = dev.family
+    if _family_model(family) is None and dev.kind == "gpu":
+        family = GPU_FALLBACK_FAMILY
+    model = _family_model(family)
     seconds = model.predict_one(row) if model else row["analytical_s"]
-    path = shipped_model_path(dev.family) if model else None
+    path = shipped_model_path(family) if model else None
     return PredictionResult(seconds, row["analytical_s"], breakdown, model is not None, dev.name,
                             str(path) if path else None)  # fmt: skip
 

@@ -1,0 +1,251 @@
+"""``predict``: time / collect / train / eval (time predictor) + the memory predictor's commands.
+
+    predict time --model gpt --layers 24 --hidden 2048 --heads 16 --seq 2048 \\
+        --strategy dp4tp2pp1mb2gb64 --precision bf16 --device a100-80gb
+    predict collect --out out/measurements.csv --minutes 18
+    predict train --data out/measurements.csv --out-dir out/models
+    predict eval --data out/measurements.csv --out out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DATA = "predictors/data/cpu_measurements.csv"
+
+
+def _shipped_measurements() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("predictors") / "data" / "cpu_measurements.csv"))
+
+
+def _add_time(sub) -> None:
+    p = sub.add_parser("time", help="predict the time of one training iteration")
+    p.add_argument("--model", default="gpt", help="gpt | llama | bert, or a zoo name (gpt-s, ...)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--strategy", default="dp1tp1pp1mb1", help="dp<D>tp<T>pp<P>[mb<M>][gb<G>]")
+    p.add_argument("--precision", default="bf16", help="a precision name, or 'all' for a table")
+    p.add_argument("--device", default="a100-80gb", help="a100-80gb, h100-80gb, ..., cpu, local")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=cmd_time)
+
+
+def cmd_time(args) -> int:
+    from predictors.collect import model_zoo
+    from predictors.devices import UnsupportedPrecisionError, get_device
+    from predictors.precision import PRECISIONS
+    from predictors.spec import ParallelStrategy, TransformerSpec
+    from predictors.time_predictor import predict
+
+    zoo = model_zoo(args.seq)
+    if args.model in zoo:
+        spec = zoo[args.model]
+    else:
+        spec = TransformerSpec(args.model, args.layers, args.hidden, args.heads, args.seq,
+                               args.vocab, ffn_hidden_size=args.ffn,
+                               num_query_groups=args.kv_heads,
+                               swiglu=args.model == "llama",
+                               tied_embeddings=args.model != "llama")  # fmt: skip
+    strategy = ParallelStrategy.parse(args.strategy)
+    device = get_device(args.device)
+    names = list(PRECISIONS) if args.precision == "all" else [args.precision]
+    results = {}
+    for name in names:
+        try:
+            res = predict(spec, strategy, name, device)
+        except UnsupportedPrecisionError as exc:
+            if len(names) == 1:
+                raise
+            print(f"  {name:<11} skipped: {exc}")
+            continue
+        results[name] = {"seconds": res.seconds, "analytical_seconds": res.analytical_seconds,
+                         "calibrated": res.calibrated, "model_file": res.model_file,
+                         "breakdown": res.breakdown.as_dict()}  # fmt: skip
+    out = {"model": spec.family, "strategy": strategy.name, "device": device.name,
+           "predictions": results}  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    fastest = min(r["seconds"] for r in results.values())
+    print(f"{spec.family} {strategy.name} on {device.name}:")
+    for name, r in results.items():
+        note = "" if r["calibrated"] else "  (analytical only: no trained model for this device)"
+        print(
+            f"  {name:<11} {r['seconds'] * 1e3:10.2f} ms/iteration  "
+            f"x{r['seconds'] / fastest:5.2f} of fastest{note}"
+        )
+    if len(results) == 1:
+        for k, v in next(iter(results.values()))["breakdown"].items():
+            print(f"    analytical {k:<11} {v * 1e3:10.3f} ms")
+    return 0
+
+
+def _add_collect(sub) -> None:
+    p = sub.add_parser("collect", help="measure iteration times on this machine (resumable)")
+    p.add_argument("--out", default="out/measurements.csv")
+    p.add_argument("--minutes", type=float, default=20.0, help="time budget; rerun to resume")
+    p.add_argument("--precisions", default=None, help="comma list (default: all the device runs)")
+    p.add_argument("--models", default=None, help="comma list of zoo names (default: all)")
+    p.add_argument("--seqs", default="32,128")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--dp", default="1,2", help="data-parallel sizes (gloo processes)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure each point this many times in separate passes (keep fastest)",
+    )
+    p.set_defaults(func=cmd_collect)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def cmd_collect(args) -> int:
+    from predictors.collect import CPU_PRECISIONS, collect, default_grid
+    from predictors.precision import get_precision
+
+    precisions = args.precisions.split(",") if args.precisions else CPU_PRECISIONS
+    for name in precisions:
+        get_precision(name)  # named error before any measurement
+    models = args.models.split(",") if args.models else None
+    points = default_grid(precisions, _ints(args.seqs), _ints(args.batches), models,
+                          _ints(args.dp))  # fmt: skip
+    out = collect(args.out, points, repeats=args.repeats, max_minutes=args.minutes,
+                  threads=args.threads, passes=args.passes)  # fmt: skip
+    print(f"measurements in {out}")
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train the LightGBM correction (CPU data and/or vTrain)")
+    p.add_argument("--data", default=None, help="measurements CSV (default: shipped CPU data)")
+    p.add_argument("--vtrain", action="store_true", help="also train the A100 model on vTrain")
+    p.add_argument("--out-dir", default="out/models")
+    p.set_defaults(func=cmd_train)
+
+
+def train_cpu_models(data: Path, out_dir: Path) -> list[Path]:
+    from predictors.collect import device_profile_path, load_measurements
+    from predictors.devices import Device
+    from predictors.evaluate import measurement_features
+    from predictors.model import train_time_model
+
+    df = load_measurements(data)
+    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    paths = []
+    for aware in (True, False):
+        feats = measurement_features(df, aware, device)
+        meta = {"training_data": f"{data.name} ({len(df)} CPU measurements, predict collect)",
+                "device_profile": device.to_dict(), "precision_aware": aware}  # fmt: skip
+        model = train_time_model(feats, df["seconds"].to_numpy(), "cpu", meta=meta)
+        paths.append(model.save(out_dir, "time_cpu" + ("" if aware else "_unaware")))
+    return paths
+
+
+def train_vtrain_model(out_dir: Path) -> Path:
+    from predictors.evaluate import vtrain_features
+    from predictors.model import train_time_model
+
+    rows, feats = vtrain_features()
+    meta = {"training_data": "predictors/data/ground_truth_single.csv (vTrain: 1,440 Megatron "
+            "GPT iteration times on A100, fp16 mixed; MIT licence in data/LICENSE.vtrain)",
+            "device": "a100-80gb", "precision_aware": True}  # fmt: skip
+    model = train_time_model(feats, [r.seconds for r in rows], "a100", meta=meta)
+    return model.save(out_dir, "time_a100")
+
+
+def cmd_train(args) -> int:
+    out_dir = Path(args.out_dir)
+    data = Path(args.data) if args.data else _shipped_measurements()
+    for path in train_cpu_models(data, out_dir):
+        print(f"wrote {path}")
+    if args.vtrain:
+        print(f"wrote {train_vtrain_model(out_dir)}")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="held-out MAPE (by family, by size), precision ablation")
+    p.add_argument("--data", default=None, help="measurements CSV (default: shipped CPU data)")
+    p.add_argument("--out", default="out", help="directory for plots and eval.json")
+    p.add_argument("--no-vtrain", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+
+def run_eval(data: Path, out: Path, vtrain: bool = True) -> dict[str, float]:
+    from predictors.collect import device_profile_path, load_measurements
+    from predictors.devices import Device
+    from predictors.evaluate import evaluate_measurements, evaluate_vtrain, scatter_by_precision
+
+    df = load_measurements(data)
+    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    res = evaluate_measurements(df, device)
+    summary = {k: v.mape for k, v in res.items()}
+    for key in ("by_family", "by_size", "by_family_unaware", "by_size_unaware"):
+        scatter_by_precision(res[key], df["precision"], out, f"CPU held out {key}")
+    if vtrain:
+        vt = evaluate_vtrain()
+        summary.update({f"vtrain_{k}": v.mape for k, v in vt.items()})
+        scatter_by_precision(vt["by_size"], ["fp16-mixed"] * len(vt["by_size"].measured), out,
+                             "vTrain A100 held out by model size")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval_time.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def cmd_eval(args) -> int:
+    data = Path(args.data) if args.data else _shipped_measurements()
+    summary = run_eval(data, Path(args.out), vtrain=not args.no_vtrain)
+    for k, v in summary.items():
+        print(f"{k:<28} MAPE {v:7.2f}%")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="predict", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_time, _add_collect, _add_train, _add_eval):
+        add(sub)
+    if importlib.util.find_spec("predictors.memory.cli") is not None:
+        from predictors.memory.cli import add_subcommands
+
+        add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError
+    from predictors.precision import UnknownPrecisionError
+    from predictors.spec import StrategyError
+
+    try:
+        return int(args.func(args) or 0)
+    except (UnknownPrecisionError, UnknownDeviceError, UnsupportedPrecisionError,
+            StrategyError) as exc:  # fmt: skip
+        print(f"predict {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""predict_iteration_time: named errors, sane structure, and the CPU model held out."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from predictors import predict_iteration_time
+from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError, get_device
+from predictors.precision import UnknownPrecisionError
+from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.time_predictor import predict
+
+GPT = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257)
+# Stated accuracy of the CPU model on fresh measurements of model sizes it never saw.
+CPU_HELDOUT_MAPE = 15.0
+
+
+def test_named_errors():
+    s = ParallelStrategy(2, 2, 2, 1, 8)
+    with pytest.raises(UnknownPrecisionError, match="precision='fp4'"):
+        predict_iteration_time(GPT, s, "fp4", "a100-80gb")
+    with pytest.raises(UnknownDeviceError, match="device='tpu-v9'"):
+        predict_iteration_time(GPT, s, "bf16", "tpu-v9")
+    with pytest.raises(StrategyError, match="tp=3 does not divide num_attention_heads=16"):
+        predict_iteration_time(GPT, ParallelStrategy(1, 3, 1), "bf16", "a100-80gb")
+    with pytest.raises(StrategyError, match="pp=5 does not divide num_layers=24"):
+        predict_iteration_time(GPT, ParallelStrategy(1, 1, 5), "bf16", "a100-80gb")
+    with pytest.raises(UnsupportedPrecisionError, match="a100-80gb"):
+        predict_iteration_time(GPT, s, "fp8", "a100-80gb")
+    assert predict_iteration_time(GPT, s, "fp8", "h100-80gb") > 0
+
+
+def test_a100_structure():
+    s = ParallelStrategy(4, 2, 1, 2, 64)
+    t16 = predict_iteration_time(GPT, s, "fp16-mixed", "a100-80gb")
+    t32 = predict_iteration_time(GPT, s, "fp32", "a100-80gb")
+    deeper = TransformerSpec("gpt", 48, 2048, 16, 1024, 50257)
+    assert predict_iteration_time(deeper, s, "fp16-mixed", "a100-80gb") > 1.5 * t16
+    assert t32 > 2 * t16  # fp32 has no tensor cores on A100
+    assert predict_iteration_time(GPT, s.with_batch(2, 128), "fp16-mixed", "a100-80gb") > 1.6 * t16
+    # the pipeline bubble shrinks with more micro-batches: (pp-1)/m
+    few = predict(GPT, ParallelStrategy(1, 2, 4, 1, 4), "bf16", "a100-80gb").breakdown
+    many = predict(GPT, ParallelStrategy(1, 2, 4, 1, 32), "bf16", "a100-80gb").breakdown
+    assert few.bubble == pytest.approx(3 * few.compute_mb + 3 * few.tp_comm_mb + 3 * few.pp_p2p_mb)
+    assert few.bubble / few.total > 3 * many.bubble / many.total
+    tp8 = predict(GPT, ParallelStrategy(1, 8, 1, 1, 8), "bf16", "a100-80gb").breakdown
+    assert tp8.tp_comm_mb > 0 and tp8.dp_comm == 0
+
+
+def test_calibrated_on_vtrain():
+    res = predict(GPT, ParallelStrategy(2, 2, 2, 2, 32), "fp16-mixed", "a100-80gb")
+    assert res.calibrated and res.model_file.endswith("time_a100.json")
+    meta = json.loads(Path(res.model_file).read_text())
+    assert "ground_truth_single.csv" in meta["training_data"]
+
+
+def test_unknown_gpu_name_from_nvml_maps_to_table():
+    from predictors.devices import match_gpu_name
+
+    assert match_gpu_name("NVIDIA A100-SXM4-80GB", 80 * 2**30).family == "a100"
+    assert match_gpu_name("NVIDIA H100 80GB HBM3", 80 * 2**30).supports_fp8
+    assert match_gpu_name("Tesla T4", 16 * 2**30) is None
+    assert get_device("cpu").kind == "cpu"
+
+
+@pytest.mark.slow
+def test_cpu_model_heldout_on_fresh_measurements(tmp_path):
+    """Train on the shipped CPU measurements minus two model sizes, measure those sizes afresh
+    on this machine now, and predict them; the precision-unaware ablation must be worse."""
+    from predictors.collect import collect, default_grid, device_profile_path, load_measurements
+    from predictors.devices import Device
+    from predictors.evaluate import measurement_features
+    from predictors.model import mape, train_time_model
+    from predictors.vtrain import data_path
+
+    shipped = data_path("cpu_measurements.csv")
+    device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))
+    held_out = ("gpt-s", "convnet-s")
+    precisions = ("fp32", "bf16", "bf16-pure", "fp16-pure")
+    train = load_measurements(shipped)
+    train = train[~train["model"].isin(held_out)].reset_index(drop=True)
+    fresh_csv = tmp_path / "fresh.csv"
+    points = default_grid(precisions, seqs=(32,), batches=(1, 4), models=held_out, dp_sizes=(1,))
+    collect(fresh_csv, points, repeats=5, max_minutes=2.5, progress=False)
+    test = load_measurements(fresh_csv)
+    assert len(test) >= 8
+    cache = data_path("cpu_measurements.features.json")
+    errors = {}
+    for aware in (True, False):
+        model = train_time_model(
+            measurement_features(train, aware, device, cache), train["seconds"], "cpu"
+        )
+        pred = model.predict(measurement_features(test, aware, device))
+        errors[aware] = mape(pred, test["seconds"])
+    print(
+        f"\nCPU fresh held-out MAPE: precision-aware {errors[True]:.1f}%, "
+        f"precision-unaware {errors[False]:.1f}% on {len(test)} points"
+    )
+    assert errors[True] <= CPU_HELDOUT_MAPE
+    assert errors[False] > 1.5 * errors[True]
+    assert np.isfinite(list(errors.values())).all()
