@@ -46,9 +46,10 @@ class BiasCorrectedEMA:
         self._biased = 0.0
         self._weight = 0.0
 
-    def update(self, value: float) -> None:
-        self._biased = self.decay * self._biased + (1.0 - self.decay) * value
-        self._weight = self.decay * self._weight + (1.0 - self.decay)
+    def update(self, value: float, decay: float | None = None) -> None:
+        d = self.decay if decay is None else decay
+        self._biased = d * self._biased + (1.0 - d) * value
+        self._weight = d * self._weight + (1.0 - d)
 
     @property
     def value(self) -> float:
@@ -81,9 +82,12 @@ class GradientSample:
 class GradientNoiseScale:
     """Running estimate of ``|G|^2``, ``tr(S)`` and ``phi = tr(S)/|G|^2``."""
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.95, per_samples: float | None = None) -> None:
+        """``decay`` per observation, or per ``per_samples`` training samples when given (so
+        the averaging window covers the same data whatever the batch size)."""
         self.grad_sq = BiasCorrectedEMA(decay)
         self.trace_cov = BiasCorrectedEMA(decay)
+        self.per_samples = per_samples
         self.samples = 0
 
     def observe(self, sample: GradientSample) -> None:
@@ -91,8 +95,11 @@ class GradientNoiseScale:
             raise GradientStatsError("small_sq is empty: need >= 1 replica or micro-batch norm")
         small = sum(sample.small_sq) / len(sample.small_sq)
         g2, tr = unbiased_estimates(small, sample.big_sq, sample.small_batch, sample.big_batch)
-        self.grad_sq.update(g2)
-        self.trace_cov.update(tr)
+        decay = None
+        if self.per_samples:
+            decay = self.grad_sq.decay ** (sample.big_batch / self.per_samples)
+        self.grad_sq.update(g2, decay)
+        self.trace_cov.update(tr, decay)
         self.samples += 1
 
     @property

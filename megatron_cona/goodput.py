@@ -80,6 +80,18 @@ class CalibratedThroughput:
             return self.measured[strategy]
         return self.predicted(strategy) * self.ratio(strategy)
 
+    def uncertainty(self, strategy: ParallelStrategy, prior: float = 0.1) -> float:
+        """Relative error to expect from this strategy's time: 0 when measured, else the spread
+        (std of log measured/predicted) of the calibration so far, at least ``prior``."""
+        if strategy in self.measured:
+            return 0.0
+        logs = [r for rs in self._log_ratios().values() for r in rs]
+        if len(logs) < 2:
+            return prior
+        mean = sum(logs) / len(logs)
+        spread = math.sqrt(sum((r - mean) ** 2 for r in logs) / (len(logs) - 1))
+        return max(prior, math.expm1(spread))
+
     def source(self, strategy: ParallelStrategy) -> str:
         if strategy in self.measured:
             return "measured"
@@ -94,11 +106,13 @@ class GoodputEstimate:
     efficiency: float  # statistical efficiency relative to the base batch
     goodput: float  # throughput * efficiency: base-batch-equivalent samples per second
     time_source: str  # measured | calibrated | predicted
+    uncertainty: float = 0.0  # expected relative error of iteration_time
 
     def as_dict(self) -> dict:
         return {"strategy": self.strategy.name, "iteration_time_s": self.iteration_time,
                 "throughput": self.throughput, "efficiency": self.efficiency,
-                "goodput": self.goodput, "time_source": self.time_source}
+                "goodput": self.goodput, "time_source": self.time_source,
+                "uncertainty": self.uncertainty}
 
 
 def estimate(
@@ -107,12 +121,13 @@ def estimate(
     noise_scale: float,
     base_batch: int,
     time_source: str = "measured",
+    uncertainty: float = 0.0,
 ) -> GoodputEstimate:
     batch = strategy.global_batch_size
     throughput = batch / iteration_time
     eff = statistical_efficiency(noise_scale, batch, base_batch)
     return GoodputEstimate(strategy, iteration_time, throughput, eff, throughput * eff,
-                           time_source)
+                           time_source, uncertainty)
 
 
 def rank(
@@ -123,7 +138,8 @@ def rank(
 ) -> list[GoodputEstimate]:
     """Candidates by goodput, best first (ties broken by name for determinism across ranks)."""
     estimates = [
-        estimate(s, times.iteration_time(s), noise_scale, base_batch, times.source(s))
+        estimate(s, times.iteration_time(s), noise_scale, base_batch, times.source(s),
+                 times.uncertainty(s))
         for s in candidates
     ]
     return sorted(estimates, key=lambda e: (-e.goodput, e.strategy.name))

@@ -124,12 +124,15 @@ class SwitchPolicy:
         payback = payback_time(current.goodput, best.goodput, cost)
         horizon = cfg.horizon_intervals * interval_s
         self._since_switch += 1
-        qualifies = best is not current and gain >= cfg.min_gain and payback <= horizon
+        # a predicted (not yet measured) time must win by its expected error on top
+        required = cfg.min_gain + best.uncertainty
+        qualifies = best is not current and gain >= required and payback <= horizon
         self._streak = self._streak + 1 if qualifies else 0
         if best is current:
             reason = "current strategy is the best candidate"
-        elif gain < cfg.min_gain:
-            reason = f"gain {gain:.3f} < min_gain {cfg.min_gain}"
+        elif gain < required:
+            reason = (f"gain {gain:.3f} < min_gain {cfg.min_gain} + prediction uncertainty "
+                      f"{best.uncertainty:.3f}")
         elif payback > horizon:
             reason = f"switch cost {cost:.3f}s repaid after {payback:.1f}s > horizon {horizon:.1f}s"
         elif self._since_switch <= cfg.cooldown:

@@ -399,7 +399,8 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
         SwitchPolicy(PolicyConfig(min_gain=opts.min_gain, patience=opts.patience,
                                   horizon_intervals=20),
                      SwitchCostModel(layout_prior_s=opts.layout_switch_s)),
-        GradientNoiseScale(0.9), ControllerConfig(interval=1, base_batch=base),
+        GradientNoiseScale(0.5, per_samples=opts.interval_samples),
+        ControllerConfig(interval=1, base_batch=base),
         DecisionLog(out / "ttp_cona_decisions.jsonl" if rank == 0 else None))
     cona_run = _run_chain("cona", opts, trainer, clock, static, _ConaChooser(controller),
                           target, max_time, None, progress)

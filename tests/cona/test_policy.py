@@ -113,3 +113,24 @@ def test_bad_config_named():
         PolicyConfig(min_gain=-1)
     with pytest.raises(PolicyError, match="patience"):
         PolicyConfig(patience=0)
+
+
+def test_predicted_candidate_must_beat_its_uncertainty():
+    from megatron_cona.goodput import GoodputEstimate
+
+    cur = est(A, 100.0)
+    shaky = GoodputEstimate(B, 16 / 120.0, 120.0, 1.0, 120.0, "calibrated", uncertainty=0.3)
+    policy = SwitchPolicy(PolicyConfig(min_gain=0.05, patience=1))
+    d = policy.decide(1, cur, [shaky, cur], interval_s=100.0)
+    assert not d.switch and "uncertainty 0.300" in d.reason
+    sure = GoodputEstimate(B, 16 / 120.0, 120.0, 1.0, 120.0, "measured", uncertainty=0.0)
+    assert policy.decide(2, cur, [sure, cur], interval_s=100.0).switch
+
+
+def test_uncertainty_is_the_calibration_spread():
+    times = CalibratedThroughput(Linear())
+    assert times.uncertainty(B) == 0.1  # prior until two strategies were measured
+    times.record(A, 0.06)  # 2x the prediction
+    times.record(C, 0.05)  # 1x the prediction
+    assert times.uncertainty(A) == 0.0
+    assert times.uncertainty(B) == pytest.approx(np.expm1(np.std(np.log([2.0, 1.0]), ddof=1)))
