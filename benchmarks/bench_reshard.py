@@ -146,7 +146,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, shm_dir: str) -> dict
     loss_mem = evaluate(result.state, data, 50_000, target.dp * target.micro_batch * 2)
     _log(rank, f"(a) in-memory switch: {mem_seconds:.2f}s, {result.num_buckets} buckets, "
                f"{result.bytes_total / 2**20:.0f} MiB over the network, peak buffer "
-               f"{result.peak_buffer_bytes / 2**20:.1f} MiB/rank")
+               f"{result.peak_buffer_bytes / 2**20:.1f} MiB/rank; phases "
+               + ", ".join(f"{k} {v:.2f}s" for k, v in result.phase_seconds.items()))
     result.state.destroy()
     times = torch.tensor([ckpt_seconds, mem_seconds], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ class SwitchResult:
     num_buckets: int = 0
     peak_buffer_bytes: int = 0  # this rank's largest bucket (send + receive buffers)
     error: str | None = None  # why the switch was rolled back
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # build / plan / transfer / ...
 
 
 def _device() -> torch.device:
@@ -126,17 +127,23 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
         if new_strategy.layout == old.strategy.layout:
             _phase("finalize", on_phase, lambda: _change_batch(old, new_strategy))
             result.switched = True
+            result.seconds = time.perf_counter() - start
             return result
+        clock = _Clock(result.phase_seconds)
         _phase("build", on_phase, lambda: holder.update(state=_build(old, new_strategy)),
                collective=True)
         new_state = holder["state"]
+        clock.lap("build")
         plan, kinds = _plan(old, new_state, bucket_bytes, on_phase)
         src, dst = layout.state_segments(old, kinds), layout.state_segments(new_state, kinds)
+        clock.lap("plan")
         service = TorchDistCopyService()
         result.bytes_sent = run_plan(
             plan, src, dst, dist.get_rank(), service, _vote,
             None if on_phase is None else (lambda i: on_phase(f"transfer:{i}")))
+        clock.lap("transfer")
         _phase("finalize", on_phase, lambda: optimizer_state.copy_scalar_state(old, new_state))
+        clock.lap("finalize")
     except SwitchAborted as abort:
         _rollback(old, new_state or holder.get("state"), rng)
         result.error = str(abort)
@@ -151,10 +158,20 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
     result.peak_buffer_bytes = plan.peak_bucket_bytes(dist.get_rank())
     result.seconds = time.perf_counter() - start
     if dist.get_rank() == 0:
-        logger.info("switched %s -> %s in %.3fs: %d buckets, %.1f MiB moved", old.strategy.name,
-                    new_strategy.name, result.seconds, result.num_buckets,
-                    result.bytes_total / 2**20)
+        logger.info("switched %s -> %s in %.3fs (%s): %d buckets, %.1f MiB moved",
+                    old.strategy.name, new_strategy.name, result.seconds,
+                    ", ".join(f"{k} {v:.3f}s" for k, v in result.phase_seconds.items()),
+                    result.num_buckets, result.bytes_total / 2**20)
     return result
+
+
+class _Clock:
+    def __init__(self, laps: dict[str, float]) -> None:
+        self.laps, self.last = laps, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
 
 
 def _validate(old: TrainState, new: ParallelStrategy, bucket_bytes: int) -> None:
