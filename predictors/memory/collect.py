@@ -28,7 +28,7 @@ FAMILY_BASES = {
     "llm": "llama-7b-like",
     "vit": "vit-l-like",
 }
-SIZES = {"s": (0.125, 2), "m": (0.25, 3)}
+SIZES = {"s": (0.125, 2), "m": (0.25, 3), "l": (1.0, 2)}  # tracing cost grows with depth only
 
 
 def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
@@ -42,8 +42,9 @@ def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
             if spec.vision is not None:  # smaller images keep ViT tracing cheap
                 spec = spec.at_resolution(spec.vision.patch_size * 12)
             for prec in precisions[:2] if quick else precisions:
-                for batch in (1, 4):
-                    seq = 512 if spec.text is not None else 1
+                # quick: configurations the shipped grid does not contain (batch 2, seq 384)
+                for batch in (2,) if quick else (1, 4):
+                    seq = (384 if quick else 512) if spec.text is not None else 1
                     for ckpt in ("none", "full"):
                         if ckpt == "full" and (quick or cfg_autocast(prec)):
                             continue  # the autocast emulation does not survive recompute

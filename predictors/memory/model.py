@@ -14,7 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .factorize import factorize
+from .allocator import (
+    LARGE_BUFFER,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    MiB,
+)
+from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
 from .towers import ModelSpec, TrainConfig
@@ -23,6 +31,40 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"
 MODEL_JSON = MODELS_DIR / "memory_residual.json"
 PHASE_CODE = {"forward": 0, "backward": 1, "optimizer": 2}
+
+
+def _segments(sizes: list[float]) -> float:
+    """Reserved bytes the caching allocator's size classes imply for a set of live tensors:
+    >= 10 MiB tensors get their own 2 MiB-rounded segment, 1-10 MiB tensors share 20 MiB
+    segments, small ones share 2 MiB segments (a packing estimate, no fragmentation)."""
+    large = sum(ROUND_LARGE * math.ceil(x / ROUND_LARGE) for x in sizes if x >= MIN_LARGE_ALLOC)
+    mid = sum(x for x in sizes if SMALL_SIZE < x < MIN_LARGE_ALLOC)
+    small = sum(max(x, 512) for x in sizes if x <= SMALL_SIZE)
+    return large + LARGE_BUFFER * math.ceil(mid / LARGE_BUFFER) + SMALL_BUFFER * math.ceil(
+        small / SMALL_BUFFER)
+
+
+def packing_estimate(fz: Factorization, est: PeakEstimate) -> float:
+    """Segment-level estimate of the reserved peak from the live set at the analytical peak
+    (parameter/gradient/state tensors ~ per-layer weight matrices, activations ~ the layer's
+    largest tensor)."""
+    c = est.components
+    sizes: list[float] = []
+    for x in fz.layers:
+        mats = max(x.tensors // 2, 1)
+        per = x.param_bytes / mats
+        sizes += [per] * mats  # parameters
+        if x.trainable:
+            k = c["optimizer_states"] / max(c["parameters"], 1)
+            sizes += [per * k / 2] * (2 * mats)
+            if c["gradients"]:
+                sizes += [per * c["gradients"] / max(c["parameters"], 1)] * mats
+        if x.saved and x.largest:
+            n = max(int(x.saved // x.largest), 1)
+            sizes += [x.saved / n] * n
+    sizes += [c["transient"]] if c["transient"] else []
+    sizes += [c["workspace"] / 2] * 2 if c["workspace"] else []
+    return _segments(sizes)
 
 
 def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER
@@ -46,6 +88,13 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
         "log_largest_share": math.log((largest + 1) / total),
         "loss_share": (fz.loss_saved + fz.loss_transient) / total,
         "peak_phase": PHASE_CODE.get(est.peak_phase, 0),
+        # allocator regime: where typical tensors fall w.r.t. the 1 MiB / 10 MiB size classes
+        "log_act_tensor_mib": math.log2(largest / MiB + 1e-3),
+        "log_param_tensor_mib": math.log2(
+            max(x.param_bytes / max(x.tensors, 1) for x in fz.layers) / MiB + 1e-3),
+        "log_total_mib": math.log2(total / MiB),
+        "num_layers": float(len(fz.layers)),
+        "log_packing_ratio": math.log(packing_estimate(fz, est) / total),
     }
     return f, est
 

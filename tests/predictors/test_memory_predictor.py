@@ -1,0 +1,74 @@
+"""The trained memory predictor on collected ground truth; API/CLI behaviour and named errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from predictors.memory.api import predict_peak_memory
+from predictors.memory.cli import main
+from predictors.memory.collect import GROUND_TRUTH_CSV, collect
+from predictors.memory.evaluate import evaluate, load_rows
+from predictors.memory.model import MemoryModel
+from predictors.memory.towers import ResolutionError, ShardingError, UnknownModelError
+
+# Stated accuracy (docs/predictors-memory.md): held-out MAPE against the simulated ground truth.
+STATED_MAPE_UNSEEN = 6.0
+STATED_MAPE_HELDOUT = 6.0
+
+
+@pytest.mark.slow
+def test_shipped_model_meets_stated_mape_on_freshly_collected_configs(tmp_path):
+    """Collect a few configurations the shipped data does not contain (~1 min) and predict
+    them with the shipped model (trained on predictors/data/memory_ground_truth.csv)."""
+    out = collect(tmp_path / "gt.csv", quick=True)
+    rows = load_rows(out)
+    assert rows and all(r.ground_truth == "sim" for r in rows)
+    shipped = {(r.spec.name, r.cfg) for r in load_rows(GROUND_TRUTH_CSV)}
+    assert not any((r.spec.name, r.cfg) in shipped for r in rows)
+    model = MemoryModel.load()
+    ape = [abs(model.predict_reserved(r.spec, r.cfg)[0] / r.measured - 1) for r in rows]
+    assert 100 * sum(ape) / len(ape) <= STATED_MAPE_UNSEEN
+
+
+def test_heldout_family_and_size_mape_on_shipped_data():
+    rep = evaluate(GROUND_TRUTH_CSV)
+    assert set(rep.mape_by_family) == {"llava", "qwen-vl", "blip2", "llm", "vit"}
+    assert rep.mape_heldout <= STATED_MAPE_HELDOUT
+    assert rep.mape_heldout < rep.mape_analytical  # the residual model earns its keep
+
+
+def test_api_breakdown_and_verdict():
+    small = predict_peak_memory("llava-1.5-7b-like", batch=1, seq=1024, precision="bf16-mixed",
+                                zero=1, dp=8, checkpointing="full", capacity_gib="80")
+    assert small.fits and small.peak_reserved >= small.peak_allocated_analytical * 0.9
+    assert small.components["optimizer_states"] < small.components["parameters"]
+    big = predict_peak_memory("llava-1.5-7b-like", batch=16, seq=2048, precision="fp32",
+                              capacity_gib="24")
+    assert not big.fits
+    frozen = predict_peak_memory("llava-1.5-7b-like", batch=1, seq=1024, precision="bf16",
+                                 frozen=("vision", "llm"))
+    assert frozen.components["optimizer_states"] < 0.01 * small.components["parameters"]
+
+
+def test_named_errors():
+    with pytest.raises(UnknownModelError):
+        predict_peak_memory("gpt-17-like")
+    with pytest.raises(ResolutionError):
+        predict_peak_memory("llava-1.5-7b-like", image_res=330)
+    with pytest.raises(ResolutionError):
+        predict_peak_memory("llava-1.5-7b-like", seq=300)
+    with pytest.raises(ShardingError):
+        predict_peak_memory("llava-1.5-7b-like", zero=4, dp=8)
+    with pytest.raises(ShardingError):
+        predict_peak_memory("llava-1.5-7b-like", zero=1, dp=0)
+
+
+def test_cli_prints_breakdown_and_verdict(capsys):
+    rc = main(["memory", "--model", "llava-1.5-7b-like", "--batch", "8", "--image-res", "336",
+               "--seq", "2048", "--precision", "bf16", "--zero", "1", "--dp", "8",
+               "--checkpointing", "full"])
+    out = capsys.readouterr().out
+    assert rc in (0, 2) and "verdict:" in out and "activations" in out
+    assert "trained on" in out
+    assert main(["memory", "--model", "nope"]) == 1
+    assert "UnknownModelError" in capsys.readouterr().err
