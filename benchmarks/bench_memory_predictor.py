@@ -10,7 +10,11 @@ prediction plus the modelled CUDA context. The last line is
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from predictors.memory.collect import GROUND_TRUTH_CSV, collect
 from predictors.memory.evaluate import SAFETY_MARGIN, evaluate, format_report, plot
