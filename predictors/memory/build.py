@@ -10,7 +10,7 @@ from torch import nn
 from . import kernels
 from .towers import ModelSpec, TextTowerSpec, VisionTowerSpec
 
-_ATTN_IMPL = {"flash": kernels.ATTN_IMPL, "eager": "eager"}
+_ATTN_IMPL = {"flash": kernels.ATTN_IMPL, "eager": "eager", "sdpa": "sdpa"}
 
 
 def vision_config(v: VisionTowerSpec, attention: str = "flash"):
@@ -69,14 +69,17 @@ class ViTClassifier(nn.Module):
         return nn.functional.cross_entropy(self.head(pooled), labels)
 
 
-def build_model(spec: ModelSpec, attention: str = "flash") -> nn.Module:
+def build_model(spec: ModelSpec, attention: str = "flash", emulate: bool = True) -> nn.Module:
     """Instantiate the model on the current default device (use under FakeTensorMode).
 
     Weight initialisation is skipped: values are irrelevant to memory, and some initialisers
-    (truncated normal) read data back to the host, which fake tensors cannot."""
+    (truncated normal) read data back to the host, which fake tensors cannot. ``emulate=False``
+    (real GPU runs) uses PyTorch's SDPA instead of the FlashAttention memory emulation."""
     from transformers.initialization import no_init_weights
 
     kernels.register()
+    if not emulate and attention == "flash":
+        attention = "sdpa"
     with no_init_weights():
         return _build(spec, attention)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from .presets import PRESETS, scaled
@@ -101,7 +101,6 @@ def spec_from_json(text: str) -> ModelSpec:
 
 def cfg_from_row(row: dict) -> TrainConfig:
     d = json.loads(row["config"])
-    d.pop("extra", None)
     if d.get("frozen") is not None:
         d["frozen"] = tuple(d["frozen"])
     return TrainConfig(**d)
@@ -131,7 +130,7 @@ def collect(out: Path = GROUND_TRUTH_CSV, quick: bool = False, device: str = "si
                 m, gt = measure_cuda(spec, cfg), "cuda"
             row = {"key": row_key(spec, cfg), "ground_truth": gt, "family": spec.family,
                    "size": size, "model": spec.name, "spec": spec_to_json(spec),
-                   "config": json.dumps(asdict(replace(cfg, extra={}))),
+                   "config": json.dumps(asdict(cfg)),
                    "peak_allocated": m["peak_allocated"], "peak_reserved": m["peak_reserved"],
                    "peak_phase": m["peak_phase"], "trace_seconds": round(m["trace_seconds"], 3)}
             if writer is None:

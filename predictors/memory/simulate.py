@@ -54,18 +54,15 @@ def _loss_from_output(out, target):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def prepare_model(spec: ModelSpec, cfg: TrainConfig) -> torch.nn.Module:
+def prepare_model(spec: ModelSpec, cfg: TrainConfig, emulate: bool = True) -> torch.nn.Module:
     """Build, freeze and (optionally) checkpoint a model for ``cfg``."""
-    model = build_model(spec, cfg.attention)
+    model = build_model(spec, cfg.attention, emulate)
     model.train()
     towers = tower_modules(spec, model)
     for name in cfg.frozen_towers(spec):
         if name in towers:
             towers[name].requires_grad_(False)
     if cfg.checkpointing == "full":
-        for mod in model.modules():
-            if hasattr(mod, "gradient_checkpointing_enable") and mod is not model:
-                continue
         target = model.vision_tower if spec.text is None else model
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

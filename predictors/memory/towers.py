@@ -7,7 +7,7 @@ into real ``transformers`` modules (random init, nothing downloaded)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..precision import Precision, get_precision
 
@@ -136,8 +136,6 @@ class TrainConfig:
     checkpointing: str = "none"
     attention: str = "flash"
     frozen: tuple[str, ...] | None = None  # None: the model's default_frozen
-    loss_chunked: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1 or self.images_per_sample < 0:
