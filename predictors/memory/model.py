@@ -25,6 +25,7 @@ from .allocator import (
 from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
+from .replay import replay_reserved
 from .towers import ModelSpec, TrainConfig
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -95,6 +96,7 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
         "log_total_mib": math.log2(total / MiB),
         "num_layers": float(len(fz.layers)),
         "log_packing_ratio": math.log(packing_estimate(fz, est) / total),
+        "log_replay_ratio": math.log(replay_reserved(fz, cfg, overheads) / total),
     }
     return f, est
 

@@ -1,0 +1,103 @@
+"""Replay the analytical step as a tensor-level allocation stream through the allocator simulator.
+
+The factorization knows per-layer totals; here each total becomes tensors (a layer's parameters
+as its weight matrices plus small vectors, its saved activations as chunks of its largest
+tensor) allocated and freed in step order, twice (the first step creates the Adam states), so
+the caching allocator's segment rules and block reuse act on realistic sizes. The second step's
+reserved peak is a feature of the residual model."""
+
+from __future__ import annotations
+
+import math
+
+from .allocator import CachingAllocatorSim
+from .factorize import F32, Factorization, LayerMemory
+from .overheads import CudaOverheads
+from .towers import TrainConfig
+
+
+def _param_tensors(layer: LayerMemory) -> list[int]:
+    mats = max(layer.tensors // 2, 1)
+    vecs = layer.tensors - mats
+    per = layer.param_bytes / mats
+    vec = int(math.sqrt(per)) if vecs else 0
+    big = int((layer.param_bytes - vec * vecs) / mats)
+    return [big] * mats + [vec] * vecs
+
+
+def _chunks(total: int, largest: int) -> list[int]:
+    if total <= 0:
+        return []
+    if largest <= 0:
+        return [total]
+    n = max(total // largest, 1)
+    return [total // n] * n
+
+
+def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverheads) -> int:
+    p = cfg.prec
+    sim = CachingAllocatorSim()
+    ratio = (F32 / max(p.param_dtype.itemsize, 1))
+    params = {i: _param_tensors(x) for i, x in enumerate(fz.layers)}
+    for sizes in params.values():
+        for s in sizes:
+            sim.malloc(s)
+    trained = [i for i, x in enumerate(fz.layers) if x.trainable]
+    if p.master_weights_fp32:
+        for i in trained:
+            for s in params[i]:
+                sim.malloc(int(s * ratio))
+    states: list[int] = []
+    workspaces = 0
+    for step in range(2):
+        if step == 1:
+            sim.reset_peak()
+        inputs = sim.malloc(fz.input_bytes) if fz.input_bytes else None
+        if workspaces == 0 and overheads.cublas_workspaces:
+            sim.malloc(overheads.cublas_workspace_bytes)
+            workspaces = 1
+        saved: list[list[int]] = []
+        for x in fz.layers:
+            saved.append([sim.malloc(c) for c in _chunks(x.saved, x.largest)])
+            if x.largest:
+                sim.free(sim.malloc(x.largest))
+        held = sim.malloc(fz.held_output) if fz.held_output else None
+        loss = [sim.malloc(c) for c in _chunks(fz.loss_saved - fz.held_output, 0)]
+        if fz.loss_transient:
+            sim.free(sim.malloc(fz.loss_transient // 2))
+        if workspaces == 1 and overheads.cublas_workspaces > 1:
+            sim.malloc(overheads.cublas_workspace_bytes)
+            workspaces = 2
+        dlogits = sim.malloc(fz.loss_transient // 2) if fz.loss_transient else None
+        for h in loss:
+            sim.free(h)
+        grads: dict[int, list[int]] = {}
+        for i in range(len(fz.layers) - 1, -1, -1):
+            x = fz.layers[i]
+            tmp = [sim.malloc(x.largest), sim.malloc(x.largest)] if x.largest else []
+            if x.trainable:
+                grads[i] = [sim.malloc(s) for s in params[i]]
+            for h in tmp + saved[i]:
+                sim.free(h)
+            if dlogits is not None and i == len(fz.layers) - 1:
+                sim.free(dlogits)
+        if p.master_weights_fp32:
+            for i in trained:
+                for k, s in enumerate(params[i]):
+                    new = sim.malloc(int(s * ratio))
+                    sim.free(grads[i][k])
+                    grads[i][k] = new
+        if step == 0:
+            state_scale = ratio if p.master_weights_fp32 else 1.0
+            for i in trained:
+                for s in params[i]:
+                    states += [sim.malloc(512), sim.malloc(int(s * state_scale)),
+                               sim.malloc(int(s * state_scale))]
+        for hs in grads.values():
+            for h in hs:
+                sim.free(h)
+        if held is not None:
+            sim.free(held)
+        if inputs is not None:
+            sim.free(inputs)
+    return sim.stats.peak_reserved
