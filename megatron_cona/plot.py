@@ -84,9 +84,11 @@ def plot_run_timeline(log_path: Path, path: Path, losses: list[float] | None = N
         if d["switch"]:
             top.axvline(d["iteration"], color="tab:red", lw=0.8, ls=":")
     xs, names = list(iters), list(labels)
-    if decisions[-1]["switch"]:  # show the strategy the last decision switched to
-        xs.append(iters[-1] + (iters[-1] - iters[-2] if len(iters) > 1 else 1))
-        names.append(decisions[-1]["best"]["strategy"])
+    last = decisions[-1]
+    end = len(losses) if losses else iters[-1] + (iters[-1] - iters[-2] if len(iters) > 1 else 1)
+    if end > iters[-1]:  # after the last ranking: the strategy it left running
+        xs.append(end)
+        names.append(last["best"]["strategy"] if last["switch"] else labels[-1])
     _timeline(bottom, _segments(xs, names), 0, {})
     bottom.set_yticks([0], ["strategy"])
     bottom.set_xlabel("iteration")
