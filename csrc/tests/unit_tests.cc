@@ -6,8 +6,10 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <atomic>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checksum.h"
@@ -16,6 +18,7 @@
 #include "device.h"
 #include "extent_allocator.h"
 #include "host_pool.h"
+#include "probe.h"
 
 using namespace kvio;
 
@@ -156,6 +159,49 @@ static void roundtrip(const std::string& path, const std::string& backend) {
   ::unlink(path.c_str());
 }
 
+
+// Several threads submit and wait on one device while buffers are re-registered and a probe
+// runs: exercises the ring thread's queues and control path (run under TSan in development).
+static void concurrency(const std::string& path, const std::string& backend) {
+  DeviceOptions o;
+  o.path = path;
+  o.capacity = 64 * kMiB;
+  o.backend = backend;
+  o.queue_depth = 8;
+  Device d(o);
+  auto pool = std::make_shared<HostPool>(16 * kMiB, -1, false, false, "cc");
+  std::memset(pool->data(), 0x33, pool->capacity());
+  d.register_host_pools({pool});
+  const uint64_t chunk = 128 * 1024;
+  const uint64_t region = pool->address() + pool->allocator().alloc(16 * chunk);  // not the probe's
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round) {
+        std::vector<IoOp> ops;
+        for (int i = 0; i < 4; ++i) {
+          const uint64_t k = (t * 4 + i);
+          ops.push_back({k * chunk, region + k * chunk, chunk, std::nullopt});
+        }
+        std::vector<IoResult> res;
+        d.wait(d.submit(round % 2 == 0, ops), -1, &res);
+        for (auto& r : res) bad += r.status != Status::Ok;
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 0; i < 5; ++i) d.register_host_pools({pool});
+  });
+  const DeviceProbe p = probe_device(d, 0.2, kMiB, 4, true, pool.get());
+  for (auto& th : threads) th.join();
+  CHECK(bad == 0);
+  CHECK(p.read_gbps > 0 && p.write_gbps > 0);
+  CHECK(d.stats().inflight == 0);
+  d.close();
+  ::unlink(path.c_str());
+}
+
 int main(int argc, char** argv) {
   const std::string dir = argc > 1 ? argv[1] : ".";
   test_xxh64();
@@ -164,6 +210,8 @@ int main(int argc, char** argv) {
   test_copy();
   roundtrip(dir + "/kvio_unit_uring.img", "uring");
   roundtrip(dir + "/kvio_unit_posix.img", "posix");
+  concurrency(dir + "/kvio_unit_cc_uring.img", "uring");
+  concurrency(dir + "/kvio_unit_cc_posix.img", "posix");
   if (g_failures) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return 1;
