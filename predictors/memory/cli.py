@@ -27,20 +27,33 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
     m.add_argument("--capacity-gib", default="80", help="card memory in GiB (24/40/80/141...)")
     m.add_argument("--margin", type=float, default=0.05)
-    m.set_defaults(func=_memory)
+    m.set_defaults(func=_named_errors(_memory))
 
     c = subparsers.add_parser("collect-memory", help="collect ground-truth peak memory")
     c.add_argument("--out", type=Path, default=None)
     c.add_argument("--quick", action="store_true", help="a handful of small configurations")
     c.add_argument("--device", default="sim", choices=["sim", "cuda"],
                    help="sim: fake-tensor trace + allocator simulation; cuda: a real GPU step")
-    c.set_defaults(func=_collect)
+    c.set_defaults(func=_named_errors(_collect))
 
     e = subparsers.add_parser("eval-memory", help="held-out MAPE + OOM confusion table")
     e.add_argument("--data", type=Path, default=None)
     e.add_argument("--margin", type=float, default=0.05)
     e.add_argument("--plot", type=Path, default=Path("out/memory_pred_vs_measured.png"))
-    e.set_defaults(func=_eval)
+    e.set_defaults(func=_named_errors(_eval))
+
+
+def _named_errors(handler):
+    """Bad input exits 1 with the error's name and message, however the command is mounted."""
+
+    def run(args) -> int:
+        try:
+            return handler(args)
+        except (MemorySpecError, ValueError) as exc:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+
+    return run
 
 
 def _memory(args) -> int:
@@ -79,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="predict")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (MemorySpecError, ValueError) as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    return args.func(args)
 
 
 if __name__ == "__main__":
