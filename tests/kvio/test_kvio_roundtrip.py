@@ -156,3 +156,15 @@ def test_two_devices_in_parallel(scratch: Path, pool: _kvio.HostPool) -> None:
     assert [r.checksum for r in results[0]] == [r.checksum for r in results[1]]
     for d in devs:
         d.close()
+
+
+def test_wait_timeout_keeps_ticket(shm_dir: Path, pool: _kvio.HostPool) -> None:
+    """wait(timeout) either returns or raises TimeoutError; the ticket stays valid after a timeout."""
+    with _kvio.Device(str(shm_dir / "t.img"), capacity=64 * MiB, backend="posix", threads=1) as dev:
+        ticket = dev.submit_read([(i * MiB, pool.address + i * MiB, MiB) for i in range(64)])
+        try:
+            results = dev.wait(ticket, timeout=0)
+        except TimeoutError as e:
+            assert str(ticket) in str(e)
+            results = dev.wait(ticket, timeout=30)
+        assert len(results) == 64 and all(r.ok for r in results)
