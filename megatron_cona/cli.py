@@ -132,6 +132,7 @@ def print_ttp(report: dict) -> None:
 def _ttp(rest: list[str]) -> None:
     import torch
 
+    opts = ttp_options(rest)  # parses first, so --help works everywhere
     if not torch.cuda.is_available():
         raise CliError(CPU_HINT.format(cmd="ttp --nproc 2 " + " ".join(rest)))
     import torch.distributed as dist
@@ -139,7 +140,6 @@ def _ttp(rest: list[str]) -> None:
     from megatron_cona.pretrain_gpt import init_distributed
     from megatron_cona.ttp import run_ttp
 
-    opts = ttp_options(rest)
     init_distributed(None)
     report = run_ttp(opts)
     if dist.get_rank() == 0:
