@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap test lint demo bench clean
+.PHONY: bootstrap test lint cpptest demo bench clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -11,8 +11,15 @@ bootstrap:
 lint: bootstrap
 	$(VENV)/bin/ruff check .
 
-test: lint
+test: lint cpptest
 	$(PY) -m pytest -q -ra --timeout=1200 $(PYTEST_ARGS) tests
+
+# C++ unit tests of the I/O engine (ctest), in their own CMake build tree.
+cpptest: bootstrap
+	$(VENV)/bin/cmake -S . -B build/cpptest -DCMAKE_BUILD_TYPE=Release \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
+	$(VENV)/bin/cmake --build build/cpptest --target kvio_unit_tests -j 2 >/dev/null
+	$(VENV)/bin/ctest --test-dir build/cpptest --output-on-failure
 
 demo: bootstrap
 	$(PY) scripts/demo.py --out out

@@ -72,7 +72,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_kvpool*", "megatron_cona*", "predictors*"]),
-    package_data={"predictors": ["models/*.txt", "models/*.json", "data/*"]},
+    package_data={
+        "predictors": ["models/*.txt", "models/*.json", "data/*"],
+        "vllm_kvpool": ["*.pyi", "py.typed"],
+    },
     install_requires=["numpy", "pyyaml"],
     extras_require=extras,
     ext_modules=[CMakeExtension("vllm_kvpool._kvio", ROOT)],

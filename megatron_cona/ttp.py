@@ -41,13 +41,14 @@ from megatron_cona.goodput import CalibratedThroughput, PredictorThroughput, est
 from megatron_cona.lr_scaling import lr_scale
 from megatron_cona.policy import DecisionLog, PolicyConfig, SwitchCostModel, SwitchPolicy
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.vtrain import data_path as vtrain_data_path
 
 log = logging.getLogger("megatron_cona.ttp")
 
 GPT_1_3B = TransformerSpec("gpt", num_layers=24, hidden_size=2048, num_attention_heads=16,
                            seq_length=1024, vocab_size=51200)
-VTRAIN_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "vtrain" / (
-    "ground_truth_single.csv")
+# The vTrain measurements ship with the predictors (MIT licence beside them).
+VTRAIN_CSV = vtrain_data_path()
 CLOCK_NOTE = ("clock is SIMULATED ({cluster}, {model}); training progress (loss, validation "
               "perplexity) is REAL ({ranks} CPU ranks, tiny GPT on CPython stdlib sources)")
 
