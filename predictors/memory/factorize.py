@@ -48,6 +48,7 @@ class LayerMemory:
     saved: int = 0  # activation bytes saved for backward
     largest: int = 0  # largest single activation tensor (transient scale in backward)
     tensors: int = 0  # parameter tensors
+    tensor_params: tuple[int, ...] = ()  # elements of each parameter tensor
 
 
 @dataclass
@@ -80,44 +81,44 @@ class _Dt:
         return cls(w, mm, w, p.autocast)
 
 
-# -- parameter counts ----------------------------------------------------------------------------
-def vision_layer_params(v: VisionTowerSpec) -> tuple[int, int]:
+# -- parameter tensors (element counts, in the module's registration order) ----------------------
+def vision_layer_params(v: VisionTowerSpec) -> tuple[int, ...]:
     h, f = v.hidden_size, v.intermediate_size
-    return 4 * (h * h + h) + 2 * h * f + f + h + 4 * h, 16
+    attn = (h * h, h) * 4  # q, k, v, out projections with biases
+    return attn + (h, h) + (h * f, f, f * h, h) + (h, h)  # LN1, MLP, LN2
 
 
-def vision_embed_params(v: VisionTowerSpec) -> tuple[int, int]:
+def vision_embed_params(v: VisionTowerSpec) -> tuple[int, ...]:
     h, p = v.hidden_size, v.patch_size
     n = v.num_patches()
-    if v.has_cls:  # CLIP: class token, bias-free patch conv, pre-LN
-        return 3 * p * p * h + h + (n + 1) * h + 2 * h, 5
-    return 3 * p * p * h + h + n * h, 3
+    if v.has_cls:  # CLIP: class token, bias-free patch conv, position table, pre-LN
+        return (h, 3 * p * p * h, (n + 1) * h, h, h)
+    return (3 * p * p * h, h, n * h)
 
 
-def vision_post_params(v: VisionTowerSpec) -> tuple[int, int]:
+def vision_post_params(v: VisionTowerSpec) -> tuple[int, ...]:
     h, f = v.hidden_size, v.intermediate_size
     if v.has_cls:
-        return 2 * h, 2
+        return (h, h)
     # SigLIP post-LN + attention-pooling head (probe, MHA, LN, MLP)
-    return 2 * h + h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (2 * h * f + f + h), 13
+    return (h, h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * f, f, f * h, h)
 
 
-def text_layer_params(t: TextTowerSpec) -> tuple[int, int]:
+def text_layer_params(t: TextTowerSpec) -> tuple[int, ...]:
     h, f = t.hidden_size, t.intermediate_size
     kv = t.kv_heads * (h // t.num_heads)
-    n = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-    tensors = 9
-    if t.kind == "qwen2":
-        n += h + 2 * kv
-        tensors += 3
-    return n, tensors
+    if t.kind == "qwen2":  # q/k/v projections carry biases
+        attn = (h * h, h, h * kv, kv, h * kv, kv, h * h)
+    else:
+        attn = (h * h, h * kv, h * kv, h * h)
+    return attn + (h * f, h * f, f * h) + (h, h)
 
 
-def projector_params(spec: ModelSpec) -> tuple[int, int]:
+def projector_params(spec: ModelSpec) -> tuple[int, ...]:
     vh, th = spec.vision.hidden_size, spec.text.hidden_size
     if spec.projector == "linear":
-        return vh * th + th, 2
-    return vh * th + th + th * th + th, 4
+        return (vh * th, th)
+    return (vh * th, th, th * th, th)
 
 
 # -- saved activations ----------------------------------------------------------------------------
@@ -225,10 +226,11 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
     fz = Factorization()
     wbytes = dt.w
 
-    def add(name, tower, counts, saved=0, largest=0, trainable=None):
-        n, tensors = counts
+    def add(name, tower, sizes, saved=0, largest=0, trainable=None):
+        n, tensors = sum(sizes), len(sizes)
         tr = tower not in frozen if trainable is None else trainable
-        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors))
+        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors,
+                                     tuple(sizes)))
         fz.num_param_tensors += tensors
         fz.num_trainable_tensors += tensors if tr else 0
 
@@ -292,15 +294,15 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_heads) * dt.res
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
-        add("llm.embed", "llm", (t.vocab_size * t.hidden_size, 1), saved=emb if needs else 0)
+        add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
         for i in range(t.num_layers):
             saved = per
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
             add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest)
         tied = t.tie_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
-        head = 0 if tied else t.vocab_size * t.hidden_size
-        add("llm.head", "llm", (t.hidden_size + head, 1 + (0 if tied else 1)),
+        head = () if tied else (t.vocab_size * t.hidden_size,)
+        add("llm.head", "llm", (t.hidden_size, *head),
             saved=(rmsnorm_saved(n, t.hidden_size, dt)
                    + (0 if dt.autocast or dt.res != F32 else n * t.hidden_size * dt.res)
                    + linear_saved(n, t.hidden_size, t.vocab_size, False, dt, input_grad=True,
@@ -315,7 +317,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         fz.input_bytes += n * 8 * 2
     else:
         h = v.hidden_size
-        add("head", "head", (h * spec.num_classes + spec.num_classes, 2),
+        add("head", "head", (h * spec.num_classes, spec.num_classes),
             saved=cfg.batch * h * dt.res * 3)
         fz.loss_saved = cfg.batch * spec.num_classes * (dt.mm + F32)
         fz.loss_transient = cfg.batch * spec.num_classes * F32 * 2

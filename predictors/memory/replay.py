@@ -1,14 +1,12 @@
 """Replay the analytical step as a tensor-level allocation stream through the allocator simulator.
 
 The factorization knows per-layer totals; here each total becomes tensors (a layer's parameters
-as its weight matrices plus small vectors, its saved activations as chunks of its largest
+as its real parameter tensors, its saved activations as chunks of its largest
 tensor) allocated and freed in step order, twice (the first step creates the Adam states), so
 the caching allocator's segment rules and block reuse act on realistic sizes. The second step's
 reserved peak is a feature of the residual model."""
 
 from __future__ import annotations
-
-import math
 
 from .allocator import CachingAllocatorSim
 from .factorize import F32, Factorization, LayerMemory
@@ -17,12 +15,10 @@ from .towers import TrainConfig
 
 
 def _param_tensors(layer: LayerMemory) -> list[int]:
-    mats = max(layer.tensors // 2, 1)
-    vecs = layer.tensors - mats
-    per = layer.param_bytes / mats
-    vec = int(math.sqrt(per)) if vecs else 0
-    big = int((layer.param_bytes - vec * vecs) / mats)
-    return [big] * mats + [vec] * vecs
+    """The layer's parameter tensors in bytes (their real shapes, so gradients and Adam states
+    reuse the holes activations leave the way the real step's do)."""
+    width = layer.param_bytes // max(layer.params, 1)
+    return [n * width for n in layer.tensor_params] or [layer.param_bytes]
 
 
 def _chunks(total: int, largest: int) -> list[int]:
