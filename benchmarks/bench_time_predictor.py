@@ -31,7 +31,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "out" / "bench_time_predictor"))
     args = ap.parse_args()
 
-    from predictors.collect import collect, default_grid, device_profile_path, load_measurements
+    from predictors.collect import (
+        collect,
+        default_grid,
+        device_profile_path,
+        features_cache_path,
+        load_measurements,
+    )
     from predictors.devices import Device
     from predictors.evaluate import evaluate_measurements, evaluate_vtrain, scatter_by_precision
     from predictors.vtrain import data_path
@@ -48,7 +54,7 @@ def main() -> int:
         f"{df['model'].nunique()} sizes, {df['precision'].nunique()} precisions)"
     )
     t0 = time.time()
-    res = evaluate_measurements(df, device, cache=CACHE / "features.json")
+    res = evaluate_measurements(df, device, cache=features_cache_path(data))
     for key, r in res.items():
         print(
             f"  cpu {key:<20} MAPE {r.mape:6.2f}%  worst group "

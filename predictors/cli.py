@@ -144,7 +144,7 @@ def _add_train(sub) -> None:
 
 
 def train_cpu_models(data: Path, out_dir: Path) -> list[Path]:
-    from predictors.collect import device_profile_path, load_measurements
+    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
     from predictors.evaluate import measurement_features
     from predictors.model import train_time_model
@@ -153,7 +153,7 @@ def train_cpu_models(data: Path, out_dir: Path) -> list[Path]:
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
     paths = []
     for aware in (True, False):
-        feats = measurement_features(df, aware, device)
+        feats = measurement_features(df, aware, device, features_cache_path(data))
         meta = {"training_data": f"{data.name} ({len(df)} CPU measurements, predict collect)",
                 "device_profile": device.to_dict(), "precision_aware": aware}  # fmt: skip
         model = train_time_model(feats, df["seconds"].to_numpy(), "cpu", meta=meta)
@@ -192,13 +192,13 @@ def _add_eval(sub) -> None:
 
 
 def run_eval(data: Path, out: Path, vtrain: bool = True) -> dict[str, float]:
-    from predictors.collect import device_profile_path, load_measurements
+    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
     from predictors.evaluate import evaluate_measurements, evaluate_vtrain, scatter_by_precision
 
     df = load_measurements(data)
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
-    res = evaluate_measurements(df, device)
+    res = evaluate_measurements(df, device, cache=features_cache_path(data))
     summary = {k: v.mape for k, v in res.items()}
     for key in ("by_family", "by_size", "by_family_unaware", "by_size_unaware"):
         scatter_by_precision(res[key], df["precision"], out, f"CPU held out {key}")

@@ -264,7 +264,12 @@ def done_counts(path: Path) -> dict[tuple, int]:
 
 
 def device_profile_path(csv_path: Path) -> Path:
-    return csv_path.with_suffix(".device.json")
+    return Path(csv_path).with_suffix(".device.json")
+
+
+def features_cache_path(csv_path: Path) -> Path:
+    """Feature rows of a measurement file (see :func:`predictors.evaluate.measurement_features`)."""
+    return Path(csv_path).with_suffix(".features.json")
 
 
 def collect(out: str | Path, points: list[GridPoint], *, repeats: int = 5,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+CPU_THREADS = 1  # `predict collect` measures single-threaded steps; CPU predictions match that
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 SMALL_GEMM_N, LARGE_GEMM_N = 96, 384  # calibration GEMM sizes (n x n x n)
 SMALL_GEMM_FLOPS, LARGE_GEMM_FLOPS = 2.0 * SMALL_GEMM_N**3, 2.0 * LARGE_GEMM_N**3
@@ -127,7 +128,7 @@ def get_device(name: str | Device) -> Device:
         return name
     key = name.strip().lower()
     if key in ("cpu", "local"):
-        return local_device() if key == "local" else cpu_device()
+        return local_device() if key == "local" else cpu_device(CPU_THREADS)
     key = ALIASES.get(key, key)
     if key not in DEVICES:
         raise UnknownDeviceError(
@@ -182,7 +183,7 @@ def match_gpu_name(name: str, memory_bytes: float, count: int = 8) -> Device | N
 
 
 def local_device() -> Device:
-    return nvml_device() or cpu_device()
+    return nvml_device() or cpu_device(CPU_THREADS)
 
 
 def cpu_flags() -> tuple[str, ...]:

@@ -182,6 +182,10 @@ def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Preci
         "micro_batch": strategy.micro_batch, "num_microbatches": strategy.num_microbatches,
         "log_params": math.log1p(work.dp_grad_elements),
         "kernels_mb": len(work.fwd_bwd.records),
+        # small models are dispatch-bound: the share of the fixed per-kernel cost
+        "overhead_frac": len(work.fwd_bwd.records) * device.launch_overhead / est.compute_mb,
+        "log_intensity": math.log1p(work.fwd_bwd.total("flops"))
+        - math.log1p(work.fwd_bwd.total("bytes")),
     }  # fmt: skip
     times = class_times(work.fwd_bwd, device)
     agg = work.fwd_bwd.by("op_class")
