@@ -11,8 +11,6 @@ from .overheads import CARDS, HOPPER, PRE_HOPPER
 from .presets import get_preset
 from .towers import ModelSpec, TrainConfig
 
-DEFAULT_MARGIN = 0.05
-
 
 @dataclass
 class MemoryPrediction:
@@ -24,7 +22,7 @@ class MemoryPrediction:
     components: dict[str, int]  # analytical live bytes by kind at the peak
     context_bytes: int  # CUDA context, outside the caching allocator
     capacity: int
-    margin: float
+    margin: float  # relative safety margin (predicted uncertainty unless fixed)
     trained_on: str  # what the residual model was trained against
 
     @property
@@ -47,7 +45,7 @@ class MemoryPrediction:
             f"  {'analytical peak':17s}{g(self.peak_allocated_analytical)}",
             f"predicted peak reserved {g(self.peak_reserved)} (residual model trained on: "
             f"{self.trained_on})",
-            f"+ safety margin {self.margin:.0%} + CUDA context {g(self.context_bytes)} = "
+            f"+ safety margin {self.margin:.1%} + CUDA context {g(self.context_bytes)} = "
             f"{g(self.device_total)} of {g(self.capacity)}",
             f"verdict: {'FITS' if self.fits else 'OUT OF MEMORY'}",
         ]
@@ -64,9 +62,10 @@ def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 20
                         precision: str = "bf16", zero: int = 0, dp: int = 1,
                         checkpointing: str = "none", attention: str = "flash",
                         frozen: tuple[str, ...] | None = None, capacity_gib: float | str = 80,
-                        margin: float = DEFAULT_MARGIN) -> MemoryPrediction:
+                        margin: float | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits ``capacity_gib``
-    (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``)."""
+    (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
+    fixes the relative safety margin; by default it is the model's predicted uncertainty."""
     spec = get_preset(model) if isinstance(model, str) else model
     cfg = TrainConfig(batch=batch, seq=seq, image_res=image_res,
                       images_per_sample=images_per_sample, precision=precision, zero=zero,
@@ -77,7 +76,8 @@ def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 20
     else:
         capacity = int(float(capacity_gib) * GiB)
         overheads = HOPPER if capacity > 48 * GiB else PRE_HOPPER
-    reserved, est, _ = _shipped_model().predict_reserved(spec, cfg, overheads)
+    reserved, est, predicted_margin = _shipped_model().predict(spec, cfg, overheads)
+    margin = predicted_margin if margin is None else margin
     return MemoryPrediction(spec.name, cfg, reserved, est.peak_allocated, est.peak_phase,
                             est.components, overheads.context_bytes, capacity, margin,
                             _shipped_model().trained_on)

@@ -26,7 +26,8 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--attention", default="flash", choices=["flash", "eager"])
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
     m.add_argument("--capacity-gib", default="80", help="card memory in GiB (24/40/80/141...)")
-    m.add_argument("--margin", type=float, default=0.05)
+    m.add_argument("--margin", type=float, default=None,
+                   help="fixed safety margin (default: the model's predicted uncertainty)")
     m.set_defaults(func=_named_errors(_memory))
 
     c = subparsers.add_parser("collect-memory", help="collect ground-truth peak memory")
@@ -38,7 +39,8 @@ def add_subcommands(subparsers) -> None:
 
     e = subparsers.add_parser("eval-memory", help="held-out MAPE + OOM confusion table")
     e.add_argument("--data", type=Path, default=None)
-    e.add_argument("--margin", type=float, default=0.05)
+    e.add_argument("--margin", type=float, default=None,
+                   help="fixed safety margin (default: predicted per configuration)")
     e.add_argument("--plot", type=Path, default=Path("out/memory_pred_vs_measured.png"))
     e.set_defaults(func=_named_errors(_eval))
 
@@ -82,7 +84,7 @@ def _eval(args) -> int:
     from .evaluate import evaluate, format_report, plot
 
     rep = evaluate(args.data or GROUND_TRUTH_CSV, margin=args.margin)
-    print(format_report(rep, args.margin))
+    print(format_report(rep))
     print(f"plot: {plot(rep, args.plot)}")
     print(f"mape_heldout={rep.mape_heldout:.2f}% oom_verdict_accuracy={rep.oom_accuracy:.1f}%")
     return 0

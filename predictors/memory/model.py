@@ -1,9 +1,12 @@
 """Analytical factorization + a LightGBM model of the residual (allocator and workspace effects).
 
-The analytical phase walk (:mod:`phases`) predicts the allocated peak; LightGBM learns
-``log(measured reserved peak / analytical peak)`` from collected ground truth, on features that
-are scale-free (shares of each component, dtypes, flags, log sizes), so it transfers across
-model families and sizes. Shipped as ``predictors/models/memory_residual.txt`` (+ ``.json``)."""
+The analytical phase walk (:mod:`phases`) predicts the allocated peak, the tensor-level replay
+(:mod:`replay`) the reserved peak; LightGBM learns ``log(measured reserved / replayed reserved)``
+from collected ground truth, on scale-free features (shares of each component, dtypes, flags,
+log sizes), so it transfers across model families and sizes. A second LightGBM model predicts the
+upper quantile of that residual's out-of-family error: the per-configuration safety margin of
+the OOM verdict. Shipped as ``predictors/models/memory_residual.txt`` (+ ``.margin.txt``,
+``.json``)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"
 MODEL_JSON = MODELS_DIR / "memory_residual.json"
 PHASE_CODE = {"forward": 0, "backward": 1, "optimizer": 2}
+ROUNDS = 300
+DEFAULT_MARGIN = 0.05  # without a trained margin model
+MARGIN_QUANTILE = 0.95
+MIN_MARGIN = 0.01
 
 
 def _segments(sizes: list[float]) -> float:
@@ -69,10 +76,13 @@ def packing_estimate(fz: Factorization, est: PeakEstimate) -> float:
 
 
 def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER
-             ) -> tuple[dict[str, float], PeakEstimate]:
+             ) -> tuple[dict[str, float], PeakEstimate, int]:
+    """Residual features, the analytical estimate, and the allocator replay's reserved peak
+    (the base the residual multiplies)."""
     fz = factorize(spec, cfg)
     est = walk_phases(spec, cfg, overheads, fz)
     total = max(est.peak_allocated, 1)
+    replayed = replay_reserved(fz, cfg, overheads)
     p = cfg.prec
     largest = max((x.largest for x in fz.layers), default=0)
     f = {
@@ -96,61 +106,108 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
         "log_total_mib": math.log2(total / MiB),
         "num_layers": float(len(fz.layers)),
         "log_packing_ratio": math.log(packing_estimate(fz, est) / total),
-        "log_replay_ratio": math.log(replay_reserved(fz, cfg, overheads) / total),
+        "log_replay_ratio": math.log(replayed / total),
     }
-    return f, est
+    return f, est, replayed
+
+
+def _lgb_params(**extra) -> dict:
+    return {"objective": "regression_l1", "learning_rate": 0.05, "num_leaves": 8,
+            "min_data_in_leaf": 4, "verbose": -1, "seed": 0, "deterministic": True,
+            "num_threads": 1, **extra}
+
+
+def _train(x: np.ndarray, y: np.ndarray, names: list[str], **extra):
+    import lightgbm as lgb
+
+    return lgb.train(_lgb_params(**extra), lgb.Dataset(x, y, feature_name=names),
+                     num_boost_round=ROUNDS)
 
 
 @dataclass
 class MemoryModel:
+    """``predicted reserved = replayed reserved x exp(residual)``; ``margin`` is the predicted
+    relative uncertainty (an upper quantile of out-of-fold errors) the OOM verdict adds."""
+
     booster: object | None
     feature_names: list[str]
     trained_on: str = ""
+    margin_booster: object | None = None
 
     def residual(self, feats: dict[str, float]) -> float:
         if self.booster is None:
             return 0.0
-        x = np.array([[feats[k] for k in self.feature_names]])
-        return float(self.booster.predict(x)[0])
+        return float(self.booster.predict(self._row(feats))[0])
+
+    def margin(self, feats: dict[str, float]) -> float:
+        """Relative safety margin for this configuration (``DEFAULT_MARGIN`` without a model)."""
+        if self.margin_booster is None:
+            return DEFAULT_MARGIN
+        upper = float(self.margin_booster.predict(self._row(feats))[0])
+        return max(math.exp(upper) - 1.0, MIN_MARGIN)
+
+    def _row(self, feats: dict[str, float]) -> np.ndarray:
+        return np.array([[feats[k] for k in self.feature_names]])
+
+    def predict(self, spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER
+                ) -> tuple[int, PeakEstimate, float]:
+        """(predicted peak reserved, analytical estimate, safety margin)."""
+        feats, est, replayed = features(spec, cfg, overheads)
+        return int(replayed * math.exp(self.residual(feats))), est, self.margin(feats)
 
     def predict_reserved(self, spec: ModelSpec, cfg: TrainConfig,
-                         overheads: CudaOverheads = HOPPER) -> tuple[int, PeakEstimate, float]:
-        feats, est = features(spec, cfg, overheads)
-        r = self.residual(feats)
-        return int(est.peak_allocated * math.exp(r)), est, r
+                         overheads: CudaOverheads = HOPPER) -> int:
+        return self.predict(spec, cfg, overheads)[0]
 
     @classmethod
     def fit(cls, pairs: list[tuple[ModelSpec, TrainConfig, int]], trained_on: str = "",
             overheads: CudaOverheads = HOPPER) -> MemoryModel:
-        import lightgbm as lgb
-
-        rows, y = [], []
+        """Residual model on all ``pairs``; the margin model learns the upper quantile of the
+        residual's errors out of fold, with each model family held out in turn (the same way
+        a new family is met in use), so it is never fit on errors of rows it has seen."""
+        rows, y, fams = [], [], []
         for spec, cfg, measured in pairs:
-            feats, est = features(spec, cfg, overheads)
+            feats, _, replayed = features(spec, cfg, overheads)
             rows.append(feats)
-            y.append(math.log(measured / est.peak_allocated))
+            y.append(math.log(measured / replayed))
+            fams.append(spec.family)
         names = list(rows[0])
         x = np.array([[r[k] for k in names] for r in rows])
-        booster = lgb.train(
-            {"objective": "regression_l1", "learning_rate": 0.05, "num_leaves": 8,
-             "min_data_in_leaf": 4, "verbose": -1, "seed": 0, "deterministic": True,
-             "num_threads": 1},
-            lgb.Dataset(x, np.array(y), feature_name=names), num_boost_round=300)
-        return cls(booster, names, trained_on)
+        y = np.array(y)
+        booster = _train(x, y, names)
+        fam = np.array(fams)
+        err = np.zeros_like(y)
+        groups = sorted(set(fams))
+        for g in groups if len(groups) > 1 else []:
+            out = fam == g
+            err[out] = y[out] - _train(x[~out], y[~out], names).predict(x[out])
+        margin_booster = _train(x, err, names, objective="quantile", alpha=MARGIN_QUANTILE) \
+            if len(groups) > 1 else None
+        return cls(booster, names, trained_on, margin_booster)
 
     def save(self, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> None:
         txt.parent.mkdir(parents=True, exist_ok=True)
         self.booster.save_model(str(txt))
-        meta.write_text(json.dumps({"features": self.feature_names,
-                                    "trained_on": self.trained_on,
-                                    "target": "log(peak_reserved / analytical peak)"}, indent=1))
+        if self.margin_booster is not None:
+            self.margin_booster.save_model(str(_margin_path(txt)))
+        meta.write_text(json.dumps({
+            "features": self.feature_names, "trained_on": self.trained_on,
+            "target": "log(peak_reserved / allocator-replay reserved peak)",
+            "margin": f"quantile {MARGIN_QUANTILE} of out-of-family residual errors, "
+                      f"floor {MIN_MARGIN:.0%}"}, indent=1))
 
     @classmethod
     def load(cls, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> MemoryModel:
-        """The shipped model; without one, the analytical estimate alone (residual 0)."""
+        """The shipped model; without one, the allocator replay alone (residual 0)."""
         if not txt.exists():
-            return cls(None, [], "none (analytical only)")
+            return cls(None, [], "none (allocator replay only)")
         import lightgbm as lgb
 
         m = json.loads(meta.read_text())
-        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"])
+        margin = _margin_path(txt)
+        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"],
+                   lgb.Booster(model_file=str(margin)) if margin.exists() else None)
+
+
+def _margin_path(txt: Path) -> Path:
+    return txt.with_name(txt.stem + ".margin.txt")

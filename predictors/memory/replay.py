@@ -4,7 +4,7 @@ The factorization knows per-layer totals; here each total becomes tensors (a lay
 as its real parameter tensors, its saved activations as chunks of its largest
 tensor) allocated and freed in step order, twice (the first step creates the Adam states), so
 the caching allocator's segment rules and block reuse act on realistic sizes. The second step's
-reserved peak is a feature of the residual model."""
+reserved peak is the base the residual model multiplies (and a feature)."""
 
 from __future__ import annotations
 
@@ -30,14 +30,28 @@ def _chunks(total: int, largest: int) -> list[int]:
     return [total // n] * n
 
 
+def _shard(sizes: list[int], degree: int) -> list[int]:
+    return [-(-s // degree) for s in sizes]
+
+
 def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverheads) -> int:
+    """Reserved peak of the replayed steady-state (second) step on one rank. ZeRO stage 1
+    shards fp32 masters and Adam states over ``dp``, stage 2 also gradients, stage 3 also
+    parameters (each layer's full parameters gathered around its forward and backward)."""
     p = cfg.prec
     sim = CachingAllocatorSim()
     ratio = (F32 / max(p.param_dtype.itemsize, 1))
-    params = {i: _param_tensors(x) for i, x in enumerate(fz.layers)}
-    for sizes in params.values():
-        for s in sizes:
+    opt_dp = cfg.dp if cfg.zero >= 1 else 1
+    grad_dp = cfg.dp if cfg.zero >= 2 else 1
+    gather = cfg.zero >= 3 and cfg.dp > 1
+    full = {i: _param_tensors(x) for i, x in enumerate(fz.layers)}
+    params = {i: _shard(v, opt_dp) for i, v in full.items()}  # what masters/states shard to
+    for sizes in full.values():
+        for s in _shard(sizes, cfg.dp) if gather else sizes:
             sim.malloc(s)
+
+    def gathered(i: int) -> list[int]:
+        return [sim.malloc(s) for s in full[i]] if gather else []
     trained = [i for i, x in enumerate(fz.layers) if x.trainable]
     if p.master_weights_fp32:
         for i in trained:
@@ -53,10 +67,13 @@ def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverhead
             sim.malloc(overheads.cublas_workspace_bytes)
             workspaces = 1
         saved: list[list[int]] = []
-        for x in fz.layers:
+        for i, x in enumerate(fz.layers):
+            weights = gathered(i)
             saved.append([sim.malloc(c) for c in _chunks(x.saved, x.largest)])
             if x.largest:
                 sim.free(sim.malloc(x.largest))
+            for h in weights:
+                sim.free(h)
         held = sim.malloc(fz.held_output) if fz.held_output else None
         loss = [sim.malloc(c) for c in _chunks(fz.loss_saved - fz.held_output, 0)]
         if fz.loss_transient:
@@ -70,16 +87,17 @@ def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverhead
         grads: dict[int, list[int]] = {}
         for i in range(len(fz.layers) - 1, -1, -1):
             x = fz.layers[i]
+            weights = gathered(i)
             tmp = [sim.malloc(x.largest), sim.malloc(x.largest)] if x.largest else []
             if x.trainable:
-                grads[i] = [sim.malloc(s) for s in params[i]]
-            for h in tmp + saved[i]:
+                grads[i] = [sim.malloc(s) for s in _shard(full[i], grad_dp)]
+            for h in tmp + saved[i] + weights:
                 sim.free(h)
             if dlogits is not None and i == len(fz.layers) - 1:
                 sim.free(dlogits)
         if p.master_weights_fp32:
             for i in trained:
-                for k, s in enumerate(params[i]):
+                for k, s in enumerate(_shard(full[i], grad_dp)):
                     new = sim.malloc(int(s * ratio))
                     sim.free(grads[i][k])
                     grads[i][k] = new

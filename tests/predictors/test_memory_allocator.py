@@ -80,3 +80,26 @@ def test_tracker_sees_allocations_frees_and_saved_tensors():
     assert tracker.allocator.stats.allocated == round_size(256 * 512 * 4) * 2 + round_size(
         512 * 4) * 2 + round_size(64 * 256 * 4) * 2  # params, grads, x and x.grad
     assert tracker.peak.allocated >= tracker.allocator.stats.allocated
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_replay_shards_like_the_analytical_walk(precision):
+    """The tensor-level replay applies ZeRO 1/2/3 as the phase walk does: each stage lowers
+    the replayed reserved peak, which stays within fragmentation range of the analytical one."""
+    from predictors.memory.factorize import factorize
+    from predictors.memory.overheads import HOPPER
+    from predictors.memory.phases import walk_phases
+    from predictors.memory.presets import get_preset
+    from predictors.memory.replay import replay_reserved
+    from predictors.memory.towers import TrainConfig
+
+    spec = get_preset("llava-1.5-7b-like")
+    last = None
+    for zero in (0, 1, 2, 3):
+        cfg = TrainConfig(batch=1, seq=1024, precision=precision, zero=zero, dp=8)
+        fz = factorize(spec, cfg)
+        replayed = replay_reserved(fz, cfg, HOPPER)
+        analytical = walk_phases(spec, cfg, HOPPER, fz).peak_allocated
+        assert analytical * 0.98 <= replayed <= analytical * 1.3, zero
+        assert last is None or replayed < last
+        last = replayed
