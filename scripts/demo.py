@@ -1,6 +1,6 @@
 """`make demo`: a short showcase of the three plugins on a CPU-only machine.
 
-Each step is the plugin's own demo entry point, run as a subprocess so that one plugin's
+Each step is a plugin's own command, run as a subprocess so that one plugin's
 engine state (vLLM, torch.distributed) never leaks into the next. Plots land in --out.
 """
 
@@ -20,15 +20,52 @@ from rich.table import Table
 @dataclass(frozen=True)
 class DemoStep:
     title: str
-    module: str  # run as `python -m <module> --out <dir>`
+    argv: tuple[str, ...]  # run with this interpreter; "{out}" is replaced by the output dir
+    log: str  # the step's output is also kept in <out>/<log>
 
 
 STEPS = (
-    DemoStep("predictors: step time across precisions and strategies", "predictors.demo"),
-    DemoStep("predictors: peak memory of a LLaVA-like model", "predictors.memory.demo"),
-    DemoStep("kvpool: store and fetch a long-context prefix (host pool + SSD file)", "vllm_kvpool.demo"),
-    DemoStep("cona: strategy chaining on a tiny GPT across 4 gloo ranks", "megatron_cona.demo"),
+    DemoStep(
+        "predictors: step time across precisions and strategies",
+        ("-m", "predictors.cli", "time", "--model", "gpt", "--layers", "24", "--hidden", "2048",
+         "--heads", "16", "--seq", "2048", "--strategy", "dp4tp2pp1mb2gb64", "--precision", "all",
+         "--device", "a100-80gb", "--out", "{out}/predict_time_demo.json"),
+        "time_demo.txt",
+    ),
+    DemoStep(
+        "predictors: peak memory of a LLaVA-1.5-7B-like model on an 80 GiB card",
+        ("-m", "predictors.cli", "memory", "--model", "llava-1.5-7b-like", "--batch", "8",
+         "--image-res", "336", "--seq", "2048", "--precision", "bf16", "--zero", "1", "--dp", "8",
+         "--checkpointing", "full", "--capacity-gib", "80"),
+        "memory_demo.txt",
+    ),
+    DemoStep(
+        "kvio: cold reads, io_uring + O_DIRECT vs buffered read()",
+        ("benchmarks/bench_kvio.py", "--size-gib", "0.5", "--repeats", "1", "--out", "{out}"),
+        "kvio_demo.txt",
+    ),
+    DemoStep(
+        "kvpool: store and fetch a long-context prefix (host pool + SSD file)",
+        ("-m", "vllm_kvpool.demo", "--out", "{out}"),
+        "kvpool_demo.txt",
+    ),
+    DemoStep(
+        "cona: strategy chaining on a tiny GPT across 4 gloo ranks",
+        ("scripts/cona_cpu.py", "demo", "--out", "{out}"),
+        "cona_demo.txt",
+    ),
 )
+
+
+def run_step(step: DemoStep, out: Path) -> int:
+    argv = [sys.executable, *(a.replace("{out}", str(out)) for a in step.argv)]
+    with open(out / step.log, "w") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        return proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, step in enumerate(STEPS, 1):
         console.rule(f"[bold]{i}/{len(STEPS)} {step.title}")
         start = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", step.module, "--out", str(args.out)])
+        rc = run_step(step, args.out)
         results.append((step, rc, time.perf_counter() - start))
     table = Table(title="make demo")
     for col in ("step", "status", "seconds"):
