@@ -62,12 +62,18 @@ class Batch:
 
 def cast_floating_(model: nn.Module, dtype: torch.dtype) -> None:
     """``model.to(dtype)`` for floating parameters/buffers that also works on fake tensors
-    (``Module.to`` swaps tensors there, which fake-tensor weakrefs forbid)."""
+    (``Module.to`` swaps tensors there, which fake-tensor weakrefs forbid).
+
+    Shared parameters (tied embeddings / LM head) stay shared: each distinct tensor is cast once.
+    """
+    cast: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # holds the old tensor: ids stay unique
     with torch.no_grad():
         for module in model.modules():
             for name, q in module._parameters.items():
                 if q is not None and q.is_floating_point() and q.dtype != dtype:
-                    module._parameters[name] = nn.Parameter(q.to(dtype), q.requires_grad)
+                    if id(q) not in cast:
+                        cast[id(q)] = (q, nn.Parameter(q.to(dtype), q.requires_grad))
+                    module._parameters[name] = cast[id(q)][1]
             for name, b in module._buffers.items():
                 if b is not None and b.is_floating_point() and b.dtype != dtype:
                     module._buffers[name] = b.to(dtype)

@@ -107,3 +107,29 @@ def test_real_step_trains():
 def test_unknown_precision_named():
     with pytest.raises(UnknownPrecisionError, match="precision='int3'"):
         autocast_context("int3")
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight  # tie_word_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("name", ["bf16-pure", "bf16-mixed"])
+def test_low_precision_step_keeps_tied_weights_shared(name):
+    step = trace_training_step(
+        _TiedLM,
+        lambda: Batch([torch.randint(0, 32, (2, 4))], torch.randint(0, 32, (2, 4))),
+        name,
+        steps=1,
+    )
+    model = step.model
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.dtype == torch.bfloat16
+    assert len(step.params) == 1  # one tensor to optimize (and one fp32 master), not two copies
+    assert len(step.optimizer.state) == 1
