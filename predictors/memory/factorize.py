@@ -49,6 +49,7 @@ class LayerMemory:
     largest: int = 0  # largest single activation tensor (transient scale in backward)
     tensors: int = 0  # parameter tensors
     tensor_params: tuple[int, ...] = ()  # elements of each parameter tensor
+    saved_tensors: tuple[int, ...] = ()  # bytes of each saved tensor, when known (sum = saved)
 
 
 @dataclass
@@ -151,17 +152,23 @@ def layernorm_saved(tokens: int, h: int, dt: _Dt) -> int:
     return 2 * tokens * F32
 
 
-def flash_saved(batch: int, heads: int, seq: int, q: int, kv: int, tokens: int, b: int) -> int:
-    return tokens * (2 * q + 2 * kv) * b + batch * heads * seq * F32
+def flash_saved(batch: int, heads: int, seq: int, q: int, kv: int, tokens: int, b: int
+                ) -> list[int]:
+    """q, k, v, the output and the fp32 log-sum-exp."""
+    return [tokens * q * b, tokens * kv * b, tokens * kv * b, tokens * q * b,
+            batch * heads * seq * F32]
 
 
-def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> int:
-    return batch * heads * seq * seq * (F32 + (b if b != F32 else 0))
+def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> list[int]:
+    """fp32 softmax probabilities (+ their low-precision cast)."""
+    scores = batch * heads * seq * seq
+    return [scores * F32] + ([scores * b] if b != F32 else [])
 
 
 def llama_layer_saved(t: TextTowerSpec, batch: int, seq: int, dt: _Dt, attention: str,
-                      trainable: bool) -> tuple[int, int]:
-    """Bytes a Llama/Qwen2 decoder layer saves, and its largest single saved tensor."""
+                      trainable: bool) -> tuple[list[int], int]:
+    """Tensors (bytes; several small saves of one op may be lumped) a Llama/Qwen2 decoder layer
+    saves, and its largest single saved tensor."""
     n = batch * seq
     h, f, heads = t.hidden_size, t.intermediate_size, t.num_heads
     kv = t.kv_heads * (h // heads)
@@ -169,43 +176,42 @@ def llama_layer_saved(t: TextTowerSpec, batch: int, seq: int, dt: _Dt, attention
     lin = dict(input_grad=True, weight_trainable=trainable)
     # two RMSNorms; their output is saved once for the Linears that need it for weight grads
     norm_out = n * h * dt.res if trainable and not dt.autocast else 0
-    s = 2 * (rmsnorm_saved(n, h, dt) + norm_out)
+    parts = [rmsnorm_saved(n, h, dt), norm_out] * 2
     if dt.res == F32:  # residual adds feed the norms directly (else their fp32 upcast is saved)
-        s += 2 * n * h * dt.res
-    s += linear_saved(n, h, h, bias, dt, input_low=False, **lin)
-    s += 2 * linear_saved(n, h, kv, bias, dt, input_low=False, **lin)
-    s += linear_saved(n, h, h, False, dt, input_low=True, **lin)  # o_proj: input already low
+        parts += [n * h * dt.res] * 2
+    parts.append(linear_saved(n, h, h, bias, dt, input_low=False, **lin))
+    parts += [linear_saved(n, h, kv, bias, dt, input_low=False, **lin)] * 2
+    parts.append(linear_saved(n, h, h, False, dt, input_low=True, **lin))  # o_proj: input low
     if attention == "flash":
-        s += flash_saved(batch, heads, seq, h, kv, n, dt.mm)
+        parts += flash_saved(batch, heads, seq, h, kv, n, dt.mm)
     else:  # q and repeated k/v made contiguous for bmm, output copy for o_proj, scores
-        s += 4 * n * h * dt.mm + eager_scores_saved(batch, heads, seq, dt.mm)
-    s += (4 if trainable else 3) * n * f * dt.mm  # gate, silu, up (, gate*up for down_proj)
-    s += 2 * linear_saved(n, h, f, False, dt, input_low=False, **lin)
-    s += linear_saved(n, f, h, False, dt, input_low=True, **lin)
+        parts += [n * h * dt.mm] * 4 + eager_scores_saved(batch, heads, seq, dt.mm)
+    parts += [n * f * dt.mm] * (4 if trainable else 3)  # gate, silu, up (, gate*up for down)
+    parts += [linear_saved(n, h, f, False, dt, input_low=False, **lin)] * 2
+    parts.append(linear_saved(n, f, h, False, dt, input_low=True, **lin))
     largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "eager" else 0)
-    return s, largest
+    return [x for x in parts if x], largest
 
 
 def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, attention: str,
-                    trainable: bool) -> tuple[int, int]:
-    """Bytes a CLIP/SigLIP encoder layer saves (``tokens`` per image)."""
+                    trainable: bool) -> tuple[list[int], int]:
+    """Tensors a CLIP/SigLIP encoder layer saves (``tokens`` per image), and the largest."""
     n = images * tokens
     h, f, heads = v.hidden_size, v.intermediate_size, v.num_heads
     lin = dict(input_grad=True, weight_trainable=trainable)
-    s = 2 * (layernorm_saved(n, h, dt) + (0 if dt.autocast else n * h * dt.res))
-    s += 2 * n * h * dt.res  # the two residual adds
-    s += 3 * linear_saved(n, h, h, True, dt, input_low=False, **lin)
-    s += linear_saved(n, h, h, True, dt, input_low=True, **lin)
+    parts = [layernorm_saved(n, h, dt), 0 if dt.autocast else n * h * dt.res] * 2
+    parts += [n * h * dt.res] * 2  # the two residual adds
+    parts += [linear_saved(n, h, h, True, dt, input_low=False, **lin)] * 3
+    parts.append(linear_saved(n, h, h, True, dt, input_low=True, **lin))
     if attention == "flash":
-        s += flash_saved(images, heads, tokens, h, h, n, dt.mm)
+        parts += flash_saved(images, heads, tokens, h, h, n, dt.mm)
     else:
-        s += n * 4 * h * dt.mm + eager_scores_saved(images, heads, tokens, dt.mm)
-    act = 3 * n * f * dt.mm if v.kind == "clip" else 2 * n * f * dt.mm  # quick_gelu vs tanh-gelu
-    s += act
-    s += linear_saved(n, h, f, True, dt, input_low=False, **lin)
-    s += linear_saved(n, f, h, True, dt, input_low=True, **lin)
+        parts += [n * h * dt.mm] * 4 + eager_scores_saved(images, heads, tokens, dt.mm)
+    parts += [n * f * dt.mm] * (3 if v.kind == "clip" else 2)  # quick_gelu vs tanh-gelu
+    parts.append(linear_saved(n, h, f, True, dt, input_low=False, **lin))
+    parts.append(linear_saved(n, f, h, True, dt, input_low=True, **lin))
     largest = max(n * f * dt.mm, images * heads * tokens * tokens * F32 if attention == "eager" else 0)
-    return s, largest
+    return [x for x in parts if x], largest
 
 
 def _vit_weight_cache(v: VisionTowerSpec, dt: _Dt) -> int:
@@ -226,11 +232,12 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
     fz = Factorization()
     wbytes = dt.w
 
-    def add(name, tower, sizes, saved=0, largest=0, trainable=None):
+    def add(name, tower, sizes, saved=0, largest=0, trainable=None, parts=()):
         n, tensors = sum(sizes), len(sizes)
         tr = tower not in frozen if trainable is None else trainable
+        parts = tuple(parts) if sum(parts) == saved else ()  # adjusted totals: shapes unknown
         fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors,
-                                     tuple(sizes)))
+                                     tuple(sizes), parts))
         fz.num_param_tensors += tensors
         fz.num_trainable_tensors += tensors if tr else 0
 
@@ -241,9 +248,10 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         images = shapes.images if spec.multimodal else cfg.batch
         tok = shapes.vision_tokens
         used = v.num_layers - 1 if spec.multimodal else v.num_layers  # LLaVA reads layer -2
-        per, largest = vit_layer_saved(v, images, tok, dt, cfg.attention, train_v)
+        parts, largest = vit_layer_saved(v, images, tok, dt, cfg.attention, train_v)
+        per = sum(parts)
         if not train_v:
-            per, largest = 0, 0
+            parts, per, largest = [], 0, 0
         nv = images * tok
         emb = nv * v.hidden_size * dt.res  # embeddings output
         if v.has_cls:  # pre-LN: fp32 mean/rstd, and its output unless Linears copy it
@@ -263,7 +271,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
             # keeps no state for them
             reached = train_v and i < used
             add(f"vision.layers.{i}", "vision", vision_layer_params(v), saved, largest,
-                trainable=reached)
+                trainable=reached, parts=parts)
         # SigLIP's pooling head runs (unused) inside LLaVA; autocast caches its weight casts
         post = _vit_weight_cache(v, dt) if (
             spec.multimodal and dt.autocast and train_v and not v.has_cls) else 0
@@ -288,9 +296,10 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         train_t = "llm" not in frozen
         n = cfg.batch * cfg.seq
         needs = train_t or grad_flows
-        per, largest = llama_layer_saved(t, cfg.batch, cfg.seq, dt, cfg.attention, train_t)
+        parts, largest = llama_layer_saved(t, cfg.batch, cfg.seq, dt, cfg.attention, train_t)
+        per = sum(parts)
         if not needs:
-            per, largest = 0, 0
+            parts, per, largest = [], 0, 0
         emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_heads) * dt.res
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
@@ -299,7 +308,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
             saved = per
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
-            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest)
+            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest, parts=parts)
         tied = t.tie_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
         head = () if tied else (t.vocab_size * t.hidden_size,)
         add("llm.head", "llm", (t.hidden_size, *head),

@@ -1,8 +1,8 @@
 """Replay the analytical step as a tensor-level allocation stream through the allocator simulator.
 
 The factorization knows per-layer totals; here each total becomes tensors (a layer's parameters
-as its real parameter tensors, its saved activations as chunks of its largest
-tensor) allocated and freed in step order, twice (the first step creates the Adam states), so
+as its real parameter tensors, its saved activations as the tensors the factorization lists,
+else chunks of its largest tensor) allocated and freed in step order, twice (the first step creates the Adam states), so
 the caching allocator's segment rules and block reuse act on realistic sizes. The second step's
 reserved peak is the base the residual model multiplies (and a feature)."""
 
@@ -69,7 +69,8 @@ def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverhead
         saved: list[list[int]] = []
         for i, x in enumerate(fz.layers):
             weights = gathered(i)
-            saved.append([sim.malloc(c) for c in _chunks(x.saved, x.largest)])
+            sizes = x.saved_tensors or _chunks(x.saved, x.largest)
+            saved.append([sim.malloc(c) for c in sizes])
             if x.largest:
                 sim.free(sim.malloc(x.largest))
             for h in weights:
