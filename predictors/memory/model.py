@@ -133,6 +133,7 @@ class MemoryModel:
     feature_names: list[str]
     trained_on: str = ""
     margin_booster: object | None = None
+    margin_offset: float = 0.0  # cross-conformal correction of the quantile model (log units)
 
     def residual(self, feats: dict[str, float]) -> float:
         if self.booster is None:
@@ -143,7 +144,7 @@ class MemoryModel:
         """Relative safety margin for this configuration (``DEFAULT_MARGIN`` without a model)."""
         if self.margin_booster is None:
             return DEFAULT_MARGIN
-        upper = float(self.margin_booster.predict(self._row(feats))[0])
+        upper = float(self.margin_booster.predict(self._row(feats))[0]) + self.margin_offset
         return max(math.exp(upper) - 1.0, MIN_MARGIN)
 
     def _row(self, feats: dict[str, float]) -> np.ndarray:
@@ -164,7 +165,10 @@ class MemoryModel:
             overheads: CudaOverheads = HOPPER) -> MemoryModel:
         """Residual model on all ``pairs``; the margin model learns the upper quantile of the
         residual's errors out of fold, with each model family held out in turn (the same way
-        a new family is met in use), so it is never fit on errors of rows it has seen."""
+        a new family is met in use), so it is never fit on errors of rows it has seen. A
+        quantile model is itself over-confident on families it has not seen, so its bound is
+        raised by the ``MARGIN_QUANTILE`` quantile of its own out-of-family shortfalls
+        (cross-conformal calibration)."""
         rows, y, fams = [], [], []
         for spec, cfg, measured in pairs:
             feats, _, replayed = features(spec, cfg, overheads)
@@ -181,9 +185,16 @@ class MemoryModel:
         for g in groups if len(groups) > 1 else []:
             out = fam == g
             err[out] = y[out] - _train(x[~out], y[~out], names).predict(x[out])
-        margin_booster = _train(x, err, names, objective="quantile", alpha=MARGIN_QUANTILE) \
-            if len(groups) > 1 else None
-        return cls(booster, names, trained_on, margin_booster)
+        if len(groups) < 2:
+            return cls(booster, names, trained_on)
+        quantile = dict(objective="quantile", alpha=MARGIN_QUANTILE)
+        shortfall = np.zeros_like(y)
+        for g in groups:
+            out = fam == g
+            q = _train(x[~out], err[~out], names, **quantile)
+            shortfall[out] = err[out] - q.predict(x[out])
+        offset = max(float(np.quantile(shortfall, MARGIN_QUANTILE)), 0.0)
+        return cls(booster, names, trained_on, _train(x, err, names, **quantile), offset)
 
     def save(self, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> None:
         txt.parent.mkdir(parents=True, exist_ok=True)
@@ -193,8 +204,9 @@ class MemoryModel:
         meta.write_text(json.dumps({
             "features": self.feature_names, "trained_on": self.trained_on,
             "target": "log(peak_reserved / allocator-replay reserved peak)",
-            "margin": f"quantile {MARGIN_QUANTILE} of out-of-family residual errors, "
-                      f"floor {MIN_MARGIN:.0%}"}, indent=1))
+            "margin": f"quantile {MARGIN_QUANTILE} of out-of-family residual errors "
+                      f"(+ cross-conformal offset), floor {MIN_MARGIN:.0%}",
+            "margin_offset": self.margin_offset}, indent=1))
 
     @classmethod
     def load(cls, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> MemoryModel:
@@ -206,7 +218,8 @@ class MemoryModel:
         m = json.loads(meta.read_text())
         margin = _margin_path(txt)
         return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"],
-                   lgb.Booster(model_file=str(margin)) if margin.exists() else None)
+                   lgb.Booster(model_file=str(margin)) if margin.exists() else None,
+                   m.get("margin_offset", 0.0))
 
 
 def _margin_path(txt: Path) -> Path:
