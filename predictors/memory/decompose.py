@@ -41,6 +41,7 @@ class ModuleLayer:
     param_bytes: int
     trainable_params: int
     tensors: int
+    numels: list[int]  # elements of each parameter tensor, in registration order
 
 
 def decompose_module(model: nn.Module) -> dict[str, ModuleLayer]:
@@ -54,11 +55,12 @@ def decompose_module(model: nn.Module) -> dict[str, ModuleLayer]:
         layer = layer_of(name.rsplit(".", 1)[0])
         if layer == "loss":  # LLaVA's multimodal-merge level holds no parameters
             layer = "other"
-        e = out.setdefault(layer, ModuleLayer(layer, 0, 0, 0, 0))
+        e = out.setdefault(layer, ModuleLayer(layer, 0, 0, 0, 0, []))
         e.params += p.numel()
         e.param_bytes += p.numel() * p.element_size()
         e.trainable_params += p.numel() if p.requires_grad else 0
         e.tensors += 1
+        e.numels.append(p.numel())
     return out
 
 

@@ -263,15 +263,19 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
             saved = per if i < used else 0
             if i >= used and dt.autocast and train_v:  # the autocast cache holds weight casts
                 saved = _vit_weight_cache(v, dt)
+            layer_parts = list(parts) if i < used else []
+            hidden_out = images * tok * v.hidden_size * dt.res
             if i == used - 1 and spec.multimodal and saved:  # its output only feeds the slice
-                saved -= images * tok * v.hidden_size * dt.res
+                saved -= hidden_out
+                if hidden_out in layer_parts:
+                    layer_parts.remove(hidden_out)
             if cfg.checkpointing == "full" and train_v and i < used:
-                saved = images * tok * v.hidden_size * dt.res
+                saved = hidden_out
             # layers after the feature layer (and the post-LN/head) get no gradient, so AdamW
             # keeps no state for them
             reached = train_v and i < used
             add(f"vision.layers.{i}", "vision", vision_layer_params(v), saved, largest,
-                trainable=reached, parts=parts)
+                trainable=reached, parts=layer_parts)
         # SigLIP's pooling head runs (unused) inside LLaVA; autocast caches its weight casts
         post = _vit_weight_cache(v, dt) if (
             spec.multimodal and dt.autocast and train_v and not v.has_cls) else 0
