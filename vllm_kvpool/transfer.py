@@ -25,12 +25,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_kvpool.metrics import TransferCounters
 from vllm_kvpool.storage import HostTier, SsdTier, Tier, kvio
 
 logger = logging.getLogger("vllm_kvpool")
+COPY_THREADS = 2  # GIL-free memcpy threads per gather/scatter (C++ copy_many)
 
 
 # ----------------------------------------------------------------------------- step jobs
@@ -142,11 +144,33 @@ class KVLayout:
         t = layer.tensor
         return buf[: n * layer.page_bytes].view(t.dtype).view(n * layer.ratio, *t.shape[1:])
 
+    def _page_ops(self, layer: LayerPages, block_ids: Sequence[int], chunk_addr: int,
+                  to_kv: bool) -> np.ndarray | None:  # fmt: skip
+        """(dst, src, nbytes) rows, one per kernel page, when pages are contiguous in host
+        memory (CPU tensors whose [H, N, C] page is one run: LBHNC, BLHNC, ...)."""
+        t = layer.tensor
+        if t.device.type != "cpu" or not t[0].is_contiguous():
+            return None
+        kpage = layer.page_bytes // layer.ratio
+        ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * layer.ratio
+        kernel = (ids + np.arange(layer.ratio, dtype=np.uint64)).reshape(-1)
+        kv_addr = t.data_ptr() + kernel * np.uint64(t.stride(0) * t.element_size())
+        host_addr = chunk_addr + np.arange(kernel.size, dtype=np.uint64) * np.uint64(kpage)
+        ops = np.empty((kernel.size, 3), dtype=np.uint64)
+        ops[:, 0], ops[:, 1] = (kv_addr, host_addr) if to_kv else (host_addr, kv_addr)
+        ops[:, 2] = kpage
+        return ops
+
     def gather(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int) -> None:
         """Copy layer ``li`` of ``block_ids`` from the KV tensor into the chunk buffer."""
         layer = self.layers[li]
         n = len(block_ids)
-        dst = self._host_view(chunk[self.offset(li, stored) :], layer, n)
+        region = chunk[self.offset(li, stored) :]
+        ops = self._page_ops(layer, block_ids, region.data_ptr(), to_kv=False)
+        if ops is not None:
+            kvio().copy_many(ops, threads=COPY_THREADS)
+            return
+        dst = self._host_view(region, layer, n)
         ids = self._ids(layer, block_ids)
         if layer.tensor.device.type == "cpu":
             torch.index_select(layer.tensor, 0, ids, out=dst)
@@ -157,8 +181,12 @@ class KVLayout:
                 skip: int = 0) -> None:  # fmt: skip
         """Copy chunk blocks ``skip..skip+len(block_ids)`` of layer ``li`` into the KV."""
         layer = self.layers[li]
-        start = self.offset(li, stored) + skip * layer.page_bytes
-        src = self._host_view(chunk[start:], layer, len(block_ids))
+        region = chunk[self.offset(li, stored) + skip * layer.page_bytes :]
+        ops = self._page_ops(layer, block_ids, region.data_ptr(), to_kv=True)
+        if ops is not None:
+            kvio().copy_many(ops, threads=COPY_THREADS)
+            return
+        src = self._host_view(region, layer, len(block_ids))
         ids = self._ids(layer, block_ids)
         layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
 
@@ -319,10 +347,15 @@ class TransferEngine:
             if isinstance(tier, HostTier):
                 buffers.append(_SaveBuffer(job, self._host_chunk(tier, job.slot, nbytes),
                                            tier.address(job.slot), None))  # fmt: skip
-            else:
-                (slot,) = tier.staging.take(1)
-                buffers.append(_SaveBuffer(job, self._staging_chunk(tier, slot, nbytes),
-                                           tier.staging.address(slot), (tier.staging, slot)))  # fmt: skip
+            elif slots := tier.staging.take(1, block=False):
+                buffers.append(_SaveBuffer(job, self._staging_chunk(tier, slots[0], nbytes),
+                                           tier.staging.address(slots[0]),
+                                           (tier.staging, slots[0])))  # fmt: skip
+            else:  # staging busy: a private aligned buffer, so a big step can never deadlock
+                spill = self.io.HostPool(tier.slot_bytes, numa_node=tier.cfg.numa_node,
+                                         hugepages=False, name=f"{tier.cfg.name}-spill")  # fmt: skip
+                view = torch.frombuffer(spill, dtype=torch.uint8)[:nbytes]
+                buffers.append(_SaveBuffer(job, view, spill.address, (None, spill)))
         return buffers
 
     def _gather_layer(self, buffers_future: Future, li: int, event: Any) -> None:
@@ -375,8 +408,9 @@ class TransferEngine:
 
     def _save_done(self, b: _SaveBuffer, checksum: int | None, error: str | None,
                    elapsed: float = 0.0) -> None:  # fmt: skip
-        if b.staging is not None:
+        if b.staging is not None and b.staging[0] is not None:
             b.staging[0].give([b.staging[1]])
+        b.staging = None  # drops a spill buffer
         name = self.tiers[b.job.device].cfg.name
         with self._lock:
             if checksum is None:
