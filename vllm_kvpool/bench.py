@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vllm_kvpool.config import parse_pool_config
-from vllm_kvpool.placement import DeviceWeights
+from vllm_kvpool.placement import DeviceWeights, fetch_seconds
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
 from vllm_kvpool.storage import kvio, open_tiers
 from vllm_kvpool.transfer import ChunkRead, ChunkSave, KVLayout, LoadRequest, TransferEngine
@@ -229,6 +229,10 @@ def run(shape: Shape, workdir: Path, host_fraction: float, ssd_backend: str,
     for r in (serial, pooled):
         log(f"{r.name:40s} {r.seconds:8.3f} {r.gbps:7.2f} {r.gbps / limit:13.2f} "
             f"{r.sys_seconds:9.3f}")
+    host_bytes = sum(s.device == 0 for s in saves) * geometry.chunk_bytes
+    best = fetch_seconds([host_bytes, shape.prefix_bytes - host_bytes], [host_gbps, ssd_gbps])
+    log(f"a perfect pool with these capacities (host {host_bytes / 2**30:.2f} GiB) needs "
+        f"{best:.3f} s; the pool reached {best / pooled.seconds:.0%} of that")
     suffix = 512
     log(f"modelled GPU TTFT ({suffix}-token uncached suffix; {GPU_MODEL}): serial "
         f"{modelled_ttft(serial.seconds, shape, suffix):.2f} s, pool "

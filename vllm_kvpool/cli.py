@@ -1,0 +1,124 @@
+"""``kvpool``: probe a pool's devices, show a running pool's status, run the benchmark.
+
+    kvpool validate --config /etc/kvpool.yaml
+    kvpool probe    --config /etc/kvpool.yaml [--seconds 0.5]
+    kvpool status   [--file /tmp/kvpool/status.json] [--plot out/kvpool_usage.png] [--json]
+    kvpool bench    [--tokens 32768 | --scale 0.125] [--workdir DIR] [--out out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from vllm_kvpool.config import PoolConfigError, load_pool_config
+from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,probe,status,bench}")
+    v = sub.add_parser("validate", help="check a pool config and print it normalised")
+    v.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
+    pr = sub.add_parser("probe", help="measure each device's bandwidth (placement weights)")
+    pr.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
+    pr.add_argument("--seconds", type=float, default=None, help="probe time per device")
+    st = sub.add_parser("status", help="show the status a running connector publishes")
+    st.add_argument("--file", type=Path, default=default_status_path(), help="status JSON")
+    st.add_argument("--plot", type=Path, default=None, help="write a per-device usage plot")
+    st.add_argument("--json", action="store_true", help="print raw JSON")
+    sub.add_parser("bench", help="serial tiers vs unified pool (see benchmarks/bench_kvpool.py)",
+                   add_help=False)  # fmt: skip
+    return p
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from vllm_kvpool.pool import PoolGeometry
+    from vllm_kvpool.storage import probe_bandwidths
+
+    config = load_pool_config(args.config)
+    if args.seconds is not None:
+        if args.seconds <= 0:
+            raise PoolConfigError("--seconds", f"must be positive, got {args.seconds}")
+        config = replace(config, probe=replace(config.probe, seconds=args.seconds))
+    config = replace(config, probe=replace(config.probe, enabled=True),
+                     devices=tuple(replace(d, bandwidth_gbps=None) for d in config.devices))
+    geometry = PoolGeometry(block_bytes=2 << 20, blocks_per_chunk=1, layout_version=0)
+    gbps = probe_bandwidths(config, geometry)
+    table = Table(title="kvpool device probe")
+    for col in ("device", "kind", "path / numa", "capacity GiB", "read GB/s", "share"):
+        table.add_column(col)
+    total = sum(gbps)
+    for d, g in zip(config.devices, gbps, strict=True):
+        where = d.path if d.kind == "ssd" else f"numa {d.numa_node}"
+        table.add_row(d.name, d.kind if d.kind == "host" else f"ssd/{d.backend}", str(where),
+                      f"{d.capacity / 2**30:.1f}", f"{g:.2f}", f"{g / total:.0%}")  # fmt: skip
+    Console().print(table)
+    print(f"sum_gbps={total:.2f}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    if not args.file.is_file():
+        raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
+                              "it writes its status there about once a second)")  # fmt: skip
+    status = PoolStatus.read(args.file)
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"kvpool ({status.placement}, chunk {status.chunk_tokens} tokens, "
+                            f"hit rate {status.lookups.hit_rate:.1%}, "
+                            f"evictions {status.lookups.evictions})")  # fmt: skip
+        for col in ("device", "used / total chunks", "GiB used", "weight GB/s", "GiB read",
+                    "read GB/s", "GiB written", "corrupt", "state"):
+            table.add_column(col)
+        for u in status.usage:
+            c = status.transfers.devices.get(u.name)
+            table.add_row(u.name, f"{u.used_slots} / {u.total_slots}",
+                          f"{u.used_bytes / 2**30:.2f}", f"{u.weight_gbps:.2f}",
+                          f"{(c.bytes_read if c else 0) / 2**30:.2f}",
+                          f"{c.read_gbps if c else 0:.2f}",
+                          f"{(c.bytes_written if c else 0) / 2**30:.2f}",
+                          str(c.corrupt if c else 0), "FAILED" if u.failed else "ok")  # fmt: skip
+        Console().print(table)
+        fetch = status.transfers.fetch_seconds
+        if fetch:
+            print(f"fetches={len(fetch)} mean_fetch_ms={1e3 * sum(fetch) / len(fetch):.1f}")
+    if args.plot is not None:
+        print(f"plot: {plot_usage(status, args.plot)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from vllm_kvpool.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "validate":
+            print(json.dumps(load_pool_config(args.config).to_dict(), indent=1))
+            return 0
+        if args.command == "probe":
+            return _probe(args)
+        return _status(args)
+    except PoolConfigError as exc:
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a device that cannot be opened: name it, no traceback
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
