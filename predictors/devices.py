@@ -59,7 +59,13 @@ class Device:
         if rate <= 0:
             return self.peak_flops["fp32"]
         small = self.small_gemm.get(dtype_key)
-        if not small or flops is None or flops >= LARGE_GEMM_FLOPS:
+        if not small or flops is None:
+            return rate
+        # A larger GEMM is never slower per FLOP on real hardware; a measured large-GEMM rate
+        # below the small one is an emulated dtype (fp16 on CPUs without AVX512-FP16/AMX-FP16
+        # converts per element and stays flat) or a contention hit during calibration.
+        rate = max(rate, small)
+        if flops >= LARGE_GEMM_FLOPS:
             return rate
         if flops <= SMALL_GEMM_FLOPS:
             return small
