@@ -40,6 +40,16 @@ STEPS = (
         "memory_demo.txt",
     ),
     DemoStep(
+        "predictors: time predictor held-out accuracy (scatter plots)",
+        ("benchmarks/bench_time_predictor.py", "--out", "{out}"),
+        "time_eval.txt",
+    ),
+    DemoStep(
+        "predictors: memory predictor held-out accuracy and OOM verdicts",
+        ("benchmarks/bench_memory_predictor.py",),  # writes its plot to out/
+        "memory_eval.txt",
+    ),
+    DemoStep(
         "kvio: cold reads, io_uring + O_DIRECT vs buffered read()",
         ("benchmarks/bench_kvio.py", "--size-gib", "0.5", "--repeats", "1", "--out", "{out}"),
         "kvio_demo.txt",
