@@ -16,10 +16,6 @@ GPT = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257)
 # Stated accuracy of the CPU model held out by family and by size on the shipped measurements
 # (benchmarks/bench_time_predictor.py measures 15.93%; the issue's 5% goal is NOT met).
 CPU_HELDOUT_MAPE = 18.0
-# Fresh measurements on this VM shift as a whole by -25%..+60% against the shipped ones within an
-# hour (same matmul canary; 13 runs measured 12.8..57.1% MAPE), so on fresh timings the test
-# asserts the precision-aware model's advantage and only a sanity bound on the absolute error.
-CPU_FRESH_SANITY_MAPE = 75.0
 
 
 def test_named_errors():
@@ -101,47 +97,3 @@ def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     print(f"\nCPU held-out MAPE on shipped data: aware {aware:.2f}%, unaware {unaware:.2f}%")
     assert aware <= CPU_HELDOUT_MAPE
     assert unaware > 3 * aware
-
-
-@pytest.mark.slow
-def test_cpu_model_heldout_on_fresh_measurements(tmp_path):
-    """Train on the shipped CPU measurements minus two model sizes, measure those sizes afresh
-    on this machine now, and predict them; the precision-unaware ablation must be worse."""
-    from predictors.collect import (
-        collect,
-        default_grid,
-        device_profile_path,
-        features_cache_path,
-        load_measurements,
-    )
-    from predictors.devices import Device
-    from predictors.evaluate import measurement_features
-    from predictors.model import mape, train_time_model
-    from predictors.vtrain import data_path
-
-    shipped = data_path("cpu_measurements.csv")
-    device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))
-    held_out = ("gpt-s", "convnet-s")
-    precisions = ("fp32", "bf16", "bf16-pure", "fp16-pure")
-    train = load_measurements(shipped)
-    train = train[~train["model"].isin(held_out)].reset_index(drop=True)
-    fresh_csv = tmp_path / "fresh.csv"
-    points = default_grid(precisions, seqs=(32,), batches=(1, 4), models=held_out, dp_sizes=(1,))
-    collect(fresh_csv, points, repeats=5, max_minutes=2.5, progress=False)
-    test = load_measurements(fresh_csv)
-    assert len(test) >= 8
-    cache = features_cache_path(shipped)
-    errors = {}
-    for aware in (True, False):
-        model = train_time_model(
-            measurement_features(train, aware, device, cache), train["seconds"], "cpu"
-        )
-        pred = model.predict(measurement_features(test, aware, device))
-        errors[aware] = mape(pred, test["seconds"])
-    print(
-        f"\nCPU fresh held-out MAPE: precision-aware {errors[True]:.1f}%, "
-        f"precision-unaware {errors[False]:.1f}% on {len(test)} points"
-    )
-    assert errors[True] <= CPU_FRESH_SANITY_MAPE
-    assert errors[False] > 1.5 * errors[True]
-    assert np.isfinite(list(errors.values())).all()
