@@ -22,6 +22,7 @@ import csv
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -351,3 +352,63 @@ def load_measurements(path: str | Path, max_canary_ratio: float = 3.0):
     df = df[df["canary_ratio"] <= max_canary_ratio]
     best = df.loc[df.groupby(KEY_COLUMNS)["seconds"].idxmin()]
     return best.sort_values(KEY_COLUMNS).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Interleaved collection (one process, round-robin)
+
+
+def collect_interleaved(out: str | Path, points: list[GridPoint], *, rounds: int = 5,
+                        steps_per_round: int = 2, threads: int = 1,
+                        progress: bool = True) -> Path:  # fmt: skip
+    """Measure every single-process point round-robin: each round times ``steps_per_round``
+    steps of every configuration in turn, so a drift of the machine's speed (this VM drifts
+    by -25%..+60% within an hour) hits all configurations alike instead of biasing whichever
+    ones happened to be measured during it. ``seconds`` is the median over rounds of each
+    round's fastest step (CPU time); a contention episode spoils one round, not the point.
+    Writes a fresh CSV (same columns as :func:`collect`) plus its device profile."""
+    from tqdm import tqdm
+
+    from predictors.devices import cpu_device
+    from predictors.step import TrainingStep
+    from predictors.zoo import build, make_batch
+
+    if any(p.dp != 1 for p in points):
+        raise ValueError("collect_interleaved: points must have dp=1 (DP runs use collect())")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(threads)
+    device_profile_path(out).write_text(json.dumps(cpu_device(threads).to_dict(), indent=2))
+    runners = []
+    for point in points:
+        torch.manual_seed(0)
+        step = TrainingStep(build(point.spec), point.precision, target="cpu")
+        batch = make_batch(point.spec, point.micro_batch)
+        step(batch)  # allocates the optimizer state
+        runners.append((step, batch))
+    per_round: list[list[float]] = [[] for _ in points]
+    walls: list[list[float]] = [[] for _ in points]
+    canaries = []
+    for _ in tqdm(range(rounds), desc="predict collect (interleaved)", disable=not progress):
+        canaries.append(canary_ms())
+        for i, (step, batch) in enumerate(runners):
+            cpu, wall = time_steps(step, batch, steps_per_round, warmup=1, budget_s=float("inf"))
+            per_round[i].append(min(cpu))
+            walls[i].append(min(wall))
+    best_canary = min(canaries)
+    canary = statistics.median(canaries)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for point, times, wall in zip(points, per_round, walls, strict=True):
+            kind, spec_json = spec_to_row(point.spec)
+            writer.writerow({
+                "model": point.model, "family": point.spec.family, "spec_kind": kind,
+                "spec_json": spec_json, "seq": _seq(point.spec), "precision": point.precision,
+                "micro_batch": point.micro_batch, "dp": 1, "seconds": statistics.median(times),
+                "median_s": statistics.median(times), "min_s": min(times),
+                "wall_s": statistics.median(wall), "repeats": len(times) * steps_per_round,
+                "canary_ms": canary, "canary_ratio": canary / best_canary, "threads": threads,
+                "timestamp": time.time(),
+            })  # fmt: skip
+    return out

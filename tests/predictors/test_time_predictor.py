@@ -16,6 +16,10 @@ GPT = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257)
 # Stated accuracy of the CPU model held out by family and by size on the shipped measurements
 # (benchmarks/bench_time_predictor.py measures 15.93%; the issue's 5% goal is NOT met).
 CPU_HELDOUT_MAPE = 18.0
+# Stated accuracy of a model trained in the test on a small set collected in the test
+# (interleaved rounds; measured 8.4-12.8% mean of by-family/by-size over 4 runs, one over 15%;
+# the 5% goal is NOT met).
+FRESH_HELDOUT_MAPE = 17.0
 
 
 def test_named_errors():
@@ -97,3 +101,30 @@ def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     print(f"\nCPU held-out MAPE on shipped data: aware {aware:.2f}%, unaware {unaware:.2f}%")
     assert aware <= CPU_HELDOUT_MAPE
     assert unaware > 3 * aware
+
+
+@pytest.mark.slow
+def test_cpu_model_trained_on_fresh_measurements_heldout(tmp_path):
+    """Collect a small grid on this machine now (5 families x 2 sizes x 6 precisions x 2
+    micro-batches, interleaved rounds), train, and hold out by family and by size: the stated
+    MAPE holds and the precision-unaware ablation is far worse."""
+    from predictors.collect import (
+        collect_interleaved,
+        default_grid,
+        device_profile_path,
+        load_measurements,
+    )
+    from predictors.devices import Device
+    from predictors.evaluate import evaluate_measurements
+
+    models = [f"{f}-{s}" for f in ("gpt", "llama", "bert", "vit", "convnet") for s in ("s", "m")]
+    precisions = ("fp32", "bf16", "bf16-pure", "bf16-mixed", "fp16-mixed", "fp16-pure")
+    points = default_grid(precisions, seqs=(32,), batches=(1, 4), models=models, dp_sizes=(1,))
+    data = collect_interleaved(tmp_path / "fresh.csv", points, rounds=5, progress=False)
+    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    res = evaluate_measurements(load_measurements(data), device)
+    aware = (res["by_family"].mape + res["by_size"].mape) / 2
+    unaware = (res["by_family_unaware"].mape + res["by_size_unaware"].mape) / 2
+    print(f"\nCPU held-out MAPE on fresh data: aware {aware:.2f}%, unaware {unaware:.2f}%")
+    assert aware <= FRESH_HELDOUT_MAPE, (aware, unaware)
+    assert unaware > 2.5 * aware, (aware, unaware)
