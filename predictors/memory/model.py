@@ -3,10 +3,10 @@
 The analytical phase walk (:mod:`phases`) predicts the allocated peak, the tensor-level replay
 (:mod:`replay`) the reserved peak; LightGBM learns ``log(measured reserved / replayed reserved)``
 from collected ground truth, on scale-free features (shares of each component, dtypes, flags,
-log sizes), so it transfers across model families and sizes. A second LightGBM model predicts the
-upper quantile of that residual's out-of-family error: the per-configuration safety margin of
-the OOM verdict. Shipped as ``predictors/models/memory_residual.txt`` (+ ``.margin.txt``,
-``.json``)."""
+log sizes), so it transfers across model families and sizes; rows weigh by size, since the
+verdict is decided on large configurations. The OOM verdict's safety margin is a split-conformal
+bound of the out-of-family under-prediction per bin of predicted size (:class:`SizeMargins`).
+Shipped as ``predictors/models/memory_residual.txt`` (+ ``.json``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ ROUNDS = 300
 DEFAULT_MARGIN = 0.05  # without a trained margin model
 MARGIN_QUANTILE = 0.95
 MIN_MARGIN = 0.01
+# lower edges of the margin's size bins (predicted reserved bytes); a bin needs MIN_BIN_ROWS
+MARGIN_BIN_EDGES = [256 * MiB, 1024 * MiB, 4096 * MiB]
+MIN_BIN_ROWS = 20
+SIZE_WEIGHT_POWER = 3  # held-out MAPE 2.29 -> 2.53%, but xl (near-capacity) errors halve
 
 
 def _segments(sizes: list[float]) -> float:
@@ -111,41 +115,81 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
     return f, est, replayed
 
 
-def _lgb_params(**extra) -> dict:
+def _lgb_params() -> dict:
     return {"objective": "regression_l1", "learning_rate": 0.05, "num_leaves": 8,
             "min_data_in_leaf": 4, "verbose": -1, "seed": 0, "deterministic": True,
-            "num_threads": 1, **extra}
+            "num_threads": 1}
 
 
-def _train(x: np.ndarray, y: np.ndarray, names: list[str], **extra):
+def _train(x: np.ndarray, y: np.ndarray, names: list[str], weight: np.ndarray | None = None):
     import lightgbm as lgb
 
-    return lgb.train(_lgb_params(**extra), lgb.Dataset(x, y, feature_name=names),
+    return lgb.train(_lgb_params(), lgb.Dataset(x, y, weight=weight, feature_name=names),
                      num_boost_round=ROUNDS)
+
+
+def _size_weights(x: np.ndarray, names: list[str]) -> np.ndarray:
+    """Rows weigh by their size (log2 MiB of the analytical peak): the OOM verdict is decided
+    on large configurations, and megabyte-scale toys, whose allocator slack is tens of
+    percent, should not set the residual that large ones extrapolate to."""
+    return np.maximum(x[:, names.index("log_total_mib")], 1.0) ** SIZE_WEIGHT_POWER
+
+
+def conformal_quantile(errors: np.ndarray, level: float) -> float:
+    """Split-conformal upper bound: the ``ceil((n + 1) * level)``-th smallest error, which a
+    new exchangeable error exceeds with probability at most ``1 - level`` (the largest error
+    when ``n`` is too small for that rank)."""
+    e = np.sort(errors)
+    k = math.ceil((len(e) + 1) * level)
+    return float(e[min(k, len(e)) - 1])
+
+
+@dataclass
+class SizeMargins:
+    """Mondrian (size-conditional) conformal safety margin. Allocator slack is bounded per
+    tensor and per segment, so the relative error of a prediction shrinks as configurations
+    grow; one quantile over all sizes would be set by megabyte-scale toys and be far too wide
+    near a card's capacity. Each bin of predicted reserved bytes gets its own quantile of the
+    out-of-family under-predictions that fall in it; the top bin is open-ended."""
+
+    edges: list[float]  # lower edges (bytes) of the bins, ascending; edges[0] == 0
+    bounds: list[float]  # conformal bound of log(measured / predicted) per bin
+
+    def margin(self, predicted: float) -> float:
+        i = max(k for k, lo in enumerate(self.edges) if predicted >= lo)
+        return max(math.exp(self.bounds[i]) - 1.0, MIN_MARGIN)
+
+    @classmethod
+    def calibrate(cls, predicted: np.ndarray, err: np.ndarray) -> SizeMargins:
+        edges, bounds = [0.0], []
+        for lo in MARGIN_BIN_EDGES:
+            if np.sum(predicted >= lo) >= MIN_BIN_ROWS:
+                edges.append(lo)
+        for i, lo in enumerate(edges):
+            hi = edges[i + 1] if i + 1 < len(edges) else math.inf
+            inside = (predicted >= lo) & (predicted < hi)
+            bounds.append(conformal_quantile(err[inside], MARGIN_QUANTILE))
+        return cls(edges, bounds)
 
 
 @dataclass
 class MemoryModel:
-    """``predicted reserved = replayed reserved x exp(residual)``; ``margin`` is the predicted
-    relative uncertainty (an upper quantile of out-of-fold errors) the OOM verdict adds."""
+    """``predicted reserved = replayed reserved x exp(residual)``; ``margins`` give the relative
+    safety margin the OOM verdict adds (a conformal bound of the under-prediction)."""
 
     booster: object | None
     feature_names: list[str]
     trained_on: str = ""
-    margin_booster: object | None = None
-    margin_offset: float = 0.0  # cross-conformal correction of the quantile model (log units)
+    margins: SizeMargins | None = None
 
     def residual(self, feats: dict[str, float]) -> float:
         if self.booster is None:
             return 0.0
         return float(self.booster.predict(self._row(feats))[0])
 
-    def margin(self, feats: dict[str, float]) -> float:
-        """Relative safety margin for this configuration (``DEFAULT_MARGIN`` without a model)."""
-        if self.margin_booster is None:
-            return DEFAULT_MARGIN
-        upper = float(self.margin_booster.predict(self._row(feats))[0]) + self.margin_offset
-        return max(math.exp(upper) - 1.0, MIN_MARGIN)
+    def margin(self, predicted: float) -> float:
+        """Relative safety margin for a prediction (``DEFAULT_MARGIN`` without calibration)."""
+        return DEFAULT_MARGIN if self.margins is None else self.margins.margin(predicted)
 
     def _row(self, feats: dict[str, float]) -> np.ndarray:
         return np.array([[feats[k] for k in self.feature_names]])
@@ -154,7 +198,8 @@ class MemoryModel:
                 ) -> tuple[int, PeakEstimate, float]:
         """(predicted peak reserved, analytical estimate, safety margin)."""
         feats, est, replayed = features(spec, cfg, overheads)
-        return int(replayed * math.exp(self.residual(feats))), est, self.margin(feats)
+        predicted = int(replayed * math.exp(self.residual(feats)))
+        return predicted, est, self.margin(predicted)
 
     def predict_reserved(self, spec: ModelSpec, cfg: TrainConfig,
                          overheads: CudaOverheads = HOPPER) -> int:
@@ -163,50 +208,43 @@ class MemoryModel:
     @classmethod
     def fit(cls, pairs: list[tuple[ModelSpec, TrainConfig, int]], trained_on: str = "",
             overheads: CudaOverheads = HOPPER) -> MemoryModel:
-        """Residual model on all ``pairs``; the margin model learns the upper quantile of the
-        residual's errors out of fold, with each model family held out in turn (the same way
-        a new family is met in use), so it is never fit on errors of rows it has seen. A
-        quantile model is itself over-confident on families it has not seen, so its bound is
-        raised by the ``MARGIN_QUANTILE`` quantile of its own out-of-family shortfalls
-        (cross-conformal calibration)."""
-        rows, y, fams = [], [], []
+        """Residual model on all ``pairs``. The margins are calibrated on out-of-family errors:
+        each model family is held out in turn (the way a new family is met in use), so no
+        calibration error comes from a row the residual model has seen."""
+        rows, y, fams, base = [], [], [], []
         for spec, cfg, measured in pairs:
             feats, _, replayed = features(spec, cfg, overheads)
             rows.append(feats)
             y.append(math.log(measured / replayed))
             fams.append(spec.family)
+            base.append(replayed)
         names = list(rows[0])
         x = np.array([[r[k] for k in names] for r in rows])
         y = np.array(y)
-        booster = _train(x, y, names)
-        fam = np.array(fams)
-        err = np.zeros_like(y)
+        w = _size_weights(x, names)
+        booster = _train(x, y, names, w)
         groups = sorted(set(fams))
-        for g in groups if len(groups) > 1 else []:
-            out = fam == g
-            err[out] = y[out] - _train(x[~out], y[~out], names).predict(x[out])
         if len(groups) < 2:
             return cls(booster, names, trained_on)
-        quantile = dict(objective="quantile", alpha=MARGIN_QUANTILE)
-        shortfall = np.zeros_like(y)
+        fam = np.array(fams)
+        oof = np.zeros_like(y)
         for g in groups:
             out = fam == g
-            q = _train(x[~out], err[~out], names, **quantile)
-            shortfall[out] = err[out] - q.predict(x[out])
-        offset = max(float(np.quantile(shortfall, MARGIN_QUANTILE)), 0.0)
-        return cls(booster, names, trained_on, _train(x, err, names, **quantile), offset)
+            oof[out] = _train(x[~out], y[~out], names, w[~out]).predict(x[out])
+        predicted = np.array(base) * np.exp(oof)
+        return cls(booster, names, trained_on, SizeMargins.calibrate(predicted, y - oof))
 
     def save(self, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> None:
         txt.parent.mkdir(parents=True, exist_ok=True)
         self.booster.save_model(str(txt))
-        if self.margin_booster is not None:
-            self.margin_booster.save_model(str(_margin_path(txt)))
+        margins = None if self.margins is None else {
+            "edges_bytes": self.margins.edges, "log_bounds": self.margins.bounds}
         meta.write_text(json.dumps({
             "features": self.feature_names, "trained_on": self.trained_on,
             "target": "log(peak_reserved / allocator-replay reserved peak)",
-            "margin": f"quantile {MARGIN_QUANTILE} of out-of-family residual errors "
-                      f"(+ cross-conformal offset), floor {MIN_MARGIN:.0%}",
-            "margin_offset": self.margin_offset}, indent=1))
+            "margin": f"split-conformal {MARGIN_QUANTILE} bound of out-of-family "
+                      f"under-prediction per bin of predicted bytes, floor {MIN_MARGIN:.0%}",
+            "margins": margins}, indent=1))
 
     @classmethod
     def load(cls, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> MemoryModel:
@@ -216,11 +254,6 @@ class MemoryModel:
         import lightgbm as lgb
 
         m = json.loads(meta.read_text())
-        margin = _margin_path(txt)
-        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"],
-                   lgb.Booster(model_file=str(margin)) if margin.exists() else None,
-                   m.get("margin_offset", 0.0))
-
-
-def _margin_path(txt: Path) -> Path:
-    return txt.with_name(txt.stem + ".margin.txt")
+        mg = m.get("margins")
+        margins = SizeMargins(mg["edges_bytes"], mg["log_bounds"]) if mg else None
+        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"], margins)
