@@ -94,6 +94,39 @@ uint64_t to_u64(py::handle h, const char* field, size_t index) {
   return h.cast<uint64_t>();
 }
 
+// Rows of `cols` 64-bit integers: a C-contiguous (N, cols) integer buffer (numpy) or a sequence
+// of tuples. `what` names the rows in errors, `fields` the columns.
+std::vector<uint64_t> parse_rows(py::handle obj, size_t cols, const std::string& what,
+                                 const std::vector<const char*>& fields) {
+  std::vector<uint64_t> out;
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    BufferView b(obj, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+    const Py_buffer& v = *b;
+    const std::string fmt = v.format ? v.format : "B";
+    const char code = fmt.empty() ? 'B' : fmt.back();
+    const bool int64 = v.itemsize == 8 && std::string("QLqlNn").find(code) != std::string::npos;
+    if (!int64 || v.ndim != 2 || v.shape[1] != static_cast<Py_ssize_t>(cols)) {
+      throw py::type_error(what + ": a buffer must be C-contiguous 64-bit integers of shape (N, " +
+                           std::to_string(cols) + ")");
+    }
+    const auto* rows = static_cast<const uint64_t*>(v.buf);
+    out.assign(rows, rows + v.shape[0] * cols);
+    return out;
+  }
+  size_t i = 0;
+  for (py::handle item : obj) {
+    py::sequence t = py::reinterpret_borrow<py::sequence>(item);
+    if (!py::isinstance<py::sequence>(item) || t.size() != cols) {
+      std::string names;
+      for (const char* f : fields) names += std::string(names.empty() ? "" : ", ") + f;
+      throw py::type_error(what + " " + std::to_string(i) + ": expected (" + names + ")");
+    }
+    for (size_t c = 0; c < cols; ++c) out.push_back(to_u64(t[c], fields[c], i));
+    ++i;
+  }
+  return out;
+}
+
 std::vector<IoOp> parse_ops(py::handle ops, bool write) {
   std::vector<IoOp> out;
   const size_t want_max = write ? 3 : 4;
@@ -101,47 +134,34 @@ std::vector<IoOp> parse_ops(py::handle ops, bool write) {
   for (py::handle item : ops) {
     py::sequence t = py::reinterpret_borrow<py::sequence>(item);
     if (!py::isinstance<py::sequence>(item) || t.size() < 3 || t.size() > want_max) {
-      throw py::type_error("op " + std::to_string(i) + ": expected a tuple (dev_offset, host_addr, "
-                           "length" + std::string(write ? ")" : "[, expected_checksum])"));
+      throw py::type_error("op " + std::to_string(i) + ": expected a tuple (dev_offset, host_addr "
+                           "or segments, length" + std::string(write ? ")" : "[, expected_checksum])"));
     }
     IoOp op;
     op.offset = to_u64(t[0], "dev_offset", i);
-    op.addr = to_u64(t[1], "host_addr", i);
+    if (py::isinstance<py::int_>(t[1])) {
+      op.addr = to_u64(t[1], "host_addr", i);
+    } else {
+      const auto flat = parse_rows(t[1], 2, "op " + std::to_string(i) + " segment",
+                                   {"host_addr", "length"});
+      for (size_t k = 0; k < flat.size(); k += 2) op.segments.push_back({flat[k], flat[k + 1]});
+      if (op.segments.empty()) {
+        throw py::value_error("op " + std::to_string(i) + ": segments is empty");
+      }
+    }
     op.length = to_u64(t[2], "length", i);
     if (t.size() == 4 && !t[3].is_none()) op.expected = to_u64(t[3], "expected_checksum", i);
-    out.push_back(op);
+    out.push_back(std::move(op));
     ++i;
   }
   return out;
 }
 
 std::vector<CopyOp> parse_copy_ops(py::handle ops) {
+  const auto flat = parse_rows(ops, 3, "copy op", {"dst_addr", "src_addr", "nbytes"});
   std::vector<CopyOp> out;
-  if (PyObject_CheckBuffer(ops.ptr())) {
-    BufferView b(ops, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
-    const Py_buffer& v = *b;
-    const std::string fmt = v.format ? v.format : "B";
-    const char code = fmt.empty() ? 'B' : fmt.back();
-    const bool int64 = v.itemsize == 8 && std::string("QLqlNn").find(code) != std::string::npos;
-    if (!int64 || v.ndim != 2 || v.shape[1] != 3) {
-      throw py::type_error("copy_many: a buffer of ops must be C-contiguous 64-bit integers of "
-                           "shape (N, 3): (dst_addr, src_addr, nbytes)");
-    }
-    const auto* rows = static_cast<const uint64_t*>(v.buf);
-    out.reserve(v.shape[0]);
-    for (Py_ssize_t r = 0; r < v.shape[0]; ++r) out.push_back({rows[3 * r], rows[3 * r + 1], rows[3 * r + 2]});
-    return out;
-  }
-  size_t i = 0;
-  for (py::handle item : ops) {
-    py::sequence t = py::reinterpret_borrow<py::sequence>(item);
-    if (!py::isinstance<py::sequence>(item) || t.size() != 3) {
-      throw py::type_error("copy op " + std::to_string(i) + ": expected (dst_addr, src_addr, nbytes)");
-    }
-    out.push_back({to_u64(t[0], "dst_addr", i), to_u64(t[1], "src_addr", i),
-                   to_u64(t[2], "nbytes", i)});
-    ++i;
-  }
+  out.reserve(flat.size() / 3);
+  for (size_t k = 0; k < flat.size(); k += 3) out.push_back({flat[k], flat[k + 1], flat[k + 2]});
   return out;
 }
 
@@ -321,6 +341,16 @@ PYBIND11_MODULE(_kvio, m) {
       },
       py::arg("ops"), py::arg("threads") = 1,
       "Gather/scatter copy of (dst_addr, src_addr, nbytes) ops (list or uint64 (N,3) buffer).");
+  m.def(
+      "copy_many_checksum",
+      [](py::handle ops) {
+        std::vector<CopyOp> parsed = parse_copy_ops(ops);
+        py::gil_scoped_release nogil;
+        return copy_many_checksum(parsed.data(), parsed.size());
+      },
+      py::arg("ops"),
+      "copy_many on one thread that also returns the xxHash64 of the source bytes in op order "
+      "(verifies a chunk while scattering it: one pass over memory).");
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool", py::buffer_protocol())
       .def(py::init([](uint64_t capacity, int numa_node, bool hugepages, bool mlock,

@@ -28,29 +28,56 @@ inline uint64_t fold(uint64_t h, uint64_t v) { return (h ^ lane(0, v)) * P1 + P4
 
 }  // namespace
 
-uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  const unsigned char* const end = p + len;
-  uint64_t h;
-  if (len >= 32) {
-    uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
-    const unsigned char* const last_stripe = end - 32;
-    do {
-      v1 = lane(v1, load64(p));
-      v2 = lane(v2, load64(p + 8));
-      v3 = lane(v3, load64(p + 16));
-      v4 = lane(v4, load64(p + 24));
-      p += 32;
-    } while (p <= last_stripe);
-    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
-    h = fold(h, v1);
-    h = fold(h, v2);
-    h = fold(h, v3);
-    h = fold(h, v4);
-  } else {
-    h = seed + P5;
+Xxh64::Xxh64(uint64_t seed) : seed_(seed), v_{seed + P1 + P2, seed + P2, seed, seed - P1} {}
+
+void Xxh64::stripe(const unsigned char* p) {
+  v_[0] = lane(v_[0], load64(p));
+  v_[1] = lane(v_[1], load64(p + 8));
+  v_[2] = lane(v_[2], load64(p + 16));
+  v_[3] = lane(v_[3], load64(p + 24));
+}
+
+void Xxh64::consume(void* dst, const void* src, size_t len) {
+  const auto* p = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  auto copy = [&](size_t n) {  // copies what was just hashed, while it is still in L1
+    if (d) {
+      std::memcpy(d, p, n);
+      d += n;
+    }
+    p += n;
+    len -= n;
+  };
+  total_ += len;
+  if (buffered_) {  // complete the stripe left over from the previous update
+    const size_t take = len < 32 - buffered_ ? len : 32 - buffered_;
+    std::memcpy(buf_ + buffered_, p, take);
+    buffered_ += take;
+    copy(take);
+    if (buffered_ < 32) return;
+    stripe(buf_);
+    buffered_ = 0;
   }
-  h += static_cast<uint64_t>(len);
+  while (len >= 32) {
+    stripe(p);
+    copy(32);
+  }
+  std::memcpy(buf_, p, len);
+  buffered_ = len;
+  copy(len);
+}
+
+uint64_t Xxh64::digest() const {
+  uint64_t h;
+  if (total_ >= 32) {
+    h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
+    for (uint64_t v : v_) h = fold(h, v);
+  } else {
+    h = seed_ + P5;
+  }
+  h += total_;
+  const unsigned char* p = buf_;
+  const unsigned char* const end = buf_ + buffered_;
   for (; p + 8 <= end; p += 8) h = rotl(h ^ lane(0, load64(p)), 27) * P1 + P4;
   if (p + 4 <= end) {
     h = rotl(h ^ (static_cast<uint64_t>(load32(p)) * P1), 23) * P2 + P3;
@@ -63,6 +90,12 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
   h *= P3;
   h ^= h >> 32;
   return h;
+}
+
+uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
+  Xxh64 h(seed);
+  h.update(data, len);
+  return h.digest();
 }
 
 }  // namespace kvio

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <thread>
 
+#include "checksum.h"
+
 namespace kvio {
 namespace {
 
@@ -42,6 +44,15 @@ uint64_t copy_many(const CopyOp* ops, size_t n, unsigned threads) {
   worker();
   for (auto& t : helpers) t.join();
   return total;
+}
+
+uint64_t copy_many_checksum(const CopyOp* ops, size_t n) {
+  Xxh64 hash;
+  for (size_t i = 0; i < n; ++i) {
+    hash.update_copy(reinterpret_cast<void*>(ops[i].dst), reinterpret_cast<const void*>(ops[i].src),
+                     ops[i].nbytes);
+  }
+  return hash.digest();
 }
 
 }  // namespace kvio

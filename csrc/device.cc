@@ -215,9 +215,30 @@ void Device::check_op(bool write, const IoOp& op) const {
   if (op.length == 0) misaligned("length is 0");
   if (op.offset % align_) misaligned("offset is not a multiple of " + std::to_string(align_));
   if (op.length % align_) misaligned("length is not a multiple of " + std::to_string(align_));
-  if (op.addr % mem_align_) {
-    misaligned("host address " + hex64(op.addr) + " is not a multiple of " +
-               std::to_string(mem_align_));
+  auto check_host = [&](uint64_t addr, const std::string& which) {
+    if (addr % mem_align_) {
+      misaligned(which + "host address " + hex64(addr) + " is not a multiple of " +
+                 std::to_string(mem_align_));
+    }
+  };
+  if (op.segments.empty()) {
+    check_host(op.addr, "");
+  } else {
+    uint64_t sum = 0;
+    for (size_t i = 0; i < op.segments.size(); ++i) {
+      const Region& seg = op.segments[i];
+      const std::string which = "segment " + std::to_string(i) + ": ";
+      check_host(seg.addr, which);
+      if (seg.length == 0 || seg.length % align_) {
+        misaligned(which + "length " + std::to_string(seg.length) + " is not a positive multiple of " +
+                   std::to_string(align_));
+      }
+      sum += seg.length;
+    }
+    if (sum != op.length) {
+      misaligned("segments hold " + std::to_string(sum) + " bytes, the op says " +
+                 std::to_string(op.length));
+    }
   }
   if (op.length > (1ull << 31)) misaligned("length exceeds 2 GiB per op");
   if (op.offset > capacity_ || op.length > capacity_ - op.offset) {
@@ -234,72 +255,108 @@ uint64_t Device::submit(bool write, const std::vector<IoOp>& ops) {
   for (const IoOp& op : ops) check_op(write, op);
   auto t = std::make_shared<Ticket>();
   const size_t n = ops.size();
-  t->reqs.resize(n);
   t->results.resize(n);
   t->expected.resize(n);
+  t->first_req.resize(n + 1);
+  t->op_remaining = std::make_unique<std::atomic<uint32_t>[]>(n);
+  size_t total = 0;
   for (size_t i = 0; i < n; ++i) {
-    Request& r = t->reqs[i];
-    r.offset = ops[i].offset;
-    r.addr = ops[i].addr;
-    r.length = ops[i].length;
-    r.write = write;
-    r.ticket = t.get();
-    r.index = static_cast<uint32_t>(i);
-    IoResult& res = t->results[i];
-    res.index = r.index;
-    res.offset = r.offset;
-    res.length = r.length;
-    // The checksum of a write describes the bytes handed to us, computed before they move.
-    if (write) res.checksum = xxh64(reinterpret_cast<const void*>(r.addr), r.length);
-    t->expected[i] = write ? std::nullopt : ops[i].expected;
+    t->first_req[i] = total;
+    total += ops[i].segments.empty() ? 1 : ops[i].segments.size();
   }
-  t->remaining = n;
-  t->done = (n == 0);
+  t->first_req[n] = total;
+  t->reqs.resize(total);
+  for (size_t i = 0; i < n; ++i) {
+    const IoOp& op = ops[i];
+    const std::vector<Region> one{{op.addr, op.length}};
+    const std::vector<Region>& parts = op.segments.empty() ? one : op.segments;
+    // The checksum of a write describes the bytes handed to us, computed before they move.
+    Xxh64 hash;
+    uint64_t dev_off = op.offset;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      Request& r = t->reqs[t->first_req[i] + k];
+      r.offset = dev_off;
+      r.addr = parts[k].addr;
+      r.length = parts[k].length;
+      r.write = write;
+      r.ticket = t.get();
+      r.index = static_cast<uint32_t>(i);
+      dev_off += parts[k].length;
+      if (write) hash.update(reinterpret_cast<const void*>(r.addr), r.length);
+    }
+    IoResult& res = t->results[i];
+    res.index = static_cast<uint32_t>(i);
+    res.offset = op.offset;
+    res.length = op.length;
+    if (write) res.checksum = hash.digest();
+    t->expected[i] = write ? std::nullopt : op.expected;
+    t->op_remaining[i] = static_cast<uint32_t>(parts.size());
+  }
+  t->remaining = total;
+  t->done = (total == 0);
   std::vector<Request*> ptrs;
-  ptrs.reserve(n);
+  ptrs.reserve(total);
   for (auto& r : t->reqs) ptrs.push_back(&r);
   std::lock_guard<std::mutex> l(mu_);
   if (closed_) throw_errno(name_, write ? "write" : "read", -1, 0, EBADF);
   const uint64_t id = next_ticket_++;
   tickets_.emplace(id, t);
-  if (n) backend_->submit(ptrs);
+  if (total) backend_->submit(ptrs);
   return id;
 }
 
 void Device::on_complete(Request* r, int err, const std::string& detail) {
   Ticket* t = r->ticket;
   IoResult& res = t->results[r->index];
-  const char* what = r->write ? "write" : "read";
-  const auto off = static_cast<int64_t>(r->offset);
   if (err) {
-    res.status = Status::Error;
-    res.err = err;
-    res.checksum = 0;
-    res.message = describe(name_, what, off, r->length,
-                           detail.empty() ? errno_text(err) : detail + " (" + errno_text(err) + ")");
-    ++errors_;
+    const std::lock_guard<std::mutex> l(t->mu);  // segments of one op may fail concurrently
+    if (res.status != Status::Error) {
+      res.status = Status::Error;
+      res.err = err;
+      res.checksum = 0;
+      res.message = describe(name_, r->write ? "write" : "read", static_cast<int64_t>(r->offset),
+                             r->length,
+                             detail.empty() ? errno_text(err)
+                                            : detail + " (" + errno_text(err) + ")");
+      ++errors_;
+    }
   } else if (r->write) {
     bytes_written_ += r->length;
-    ++writes_;
   } else {
     bytes_read_ += r->length;
-    ++reads_;
-    if (const auto& want = t->expected[r->index]) {
-      res.checksum = xxh64(reinterpret_cast<const void*>(r->addr), r->length);
-      if (res.checksum != *want) {
-        res.status = Status::Corrupt;
-        res.err = EBADMSG;
-        res.message = describe(name_, what, off, r->length,
-                               "checksum mismatch (expected " + hex64(*want) + ", read " +
-                                   hex64(res.checksum) + "): chunk is corrupt");
-        ++corrupt_;
-      }
-    }
   }
+  if (t->op_remaining[r->index].fetch_sub(1) == 1) finish_op(t, r->index);
   if (t->remaining.fetch_sub(1) == 1) {
     std::lock_guard<std::mutex> l(t->mu);
     t->done = true;
     t->cv.notify_all();
+  }
+}
+
+// Runs once per op, after all its requests completed: counts it and verifies a read.
+void Device::finish_op(Ticket* t, uint32_t op) {
+  IoResult& res = t->results[op];
+  if (res.status == Status::Error) return;
+  const Request* first = &t->reqs[t->first_req[op]];
+  if (first->write) {
+    ++writes_;
+    return;
+  }
+  ++reads_;
+  const auto& want = t->expected[op];
+  if (!want) return;
+  Xxh64 hash;
+  for (size_t k = t->first_req[op]; k < t->first_req[op + 1]; ++k) {
+    hash.update(reinterpret_cast<const void*>(t->reqs[k].addr), t->reqs[k].length);
+  }
+  res.checksum = hash.digest();
+  if (res.checksum != *want) {
+    res.status = Status::Corrupt;
+    res.err = EBADMSG;
+    res.message = describe(name_, "read", static_cast<int64_t>(res.offset), res.length,
+                           "checksum mismatch (expected " + hex64(*want) + ", read " +
+                               hex64(res.checksum) + "): chunk is corrupt");
+    ++corrupt_;
   }
 }
 

@@ -30,18 +30,26 @@ struct IoResult {
   std::string message;
 };
 
+// One chunk: the device range [offset, offset + length) and its host bytes, either one buffer
+// (addr) or, when `segments` is non-empty, several buffers filled in order (scatter/gather:
+// KV pages straight from/to a KV-cache tensor). The checksum covers the bytes in that order.
 struct IoOp {
   uint64_t offset = 0;
   uint64_t addr = 0;
   uint64_t length = 0;
   std::optional<uint64_t> expected;  // reads only
+  std::vector<Region> segments;
 };
 
+// Ops become one backend request per host buffer; an op's result is final when its last
+// request completes (requests of op i are reqs[first_req[i] .. first_req[i + 1])).
 struct Ticket {
   std::vector<Request> reqs;
-  std::vector<IoResult> results;
+  std::vector<IoResult> results;  // one per op
   std::vector<std::optional<uint64_t>> expected;
-  std::atomic<size_t> remaining{0};
+  std::vector<size_t> first_req;
+  std::unique_ptr<std::atomic<uint32_t>[]> op_remaining;
+  std::atomic<size_t> remaining{0};  // requests
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -97,6 +105,7 @@ class Device {
   void open_fd_device();
   void on_complete(Request* r, int err, const std::string& detail);
   void check_op(bool write, const IoOp& op) const;
+  void finish_op(Ticket* t, uint32_t op);
   std::shared_ptr<Ticket> find(uint64_t ticket);
 
   DeviceOptions opts_;

@@ -6,7 +6,9 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "backend.h"
 #include "common.h"
@@ -50,7 +52,8 @@ class PosixBackend final : public Backend {
   }
 
  private:
-  void transfer(Request* r) {
+  // Moves the request's bytes; returns (errno, message) for its completion.
+  std::pair<int, std::string> transfer(Request* r) const {
     while (r->done < r->length) {
       auto* buf = reinterpret_cast<char*>(r->addr + r->done);
       const size_t len = r->length - r->done;
@@ -58,19 +61,17 @@ class PosixBackend final : public Backend {
       const ssize_t n = r->write ? pwrite(opts_.fd, buf, len, off) : pread(opts_.fd, buf, len, off);
       if (n < 0) {
         if (errno == EINTR || errno == EAGAIN) continue;
-        opts_.complete(r, errno, "");
-        return;
+        return {errno, ""};
       }
       if (n == 0) {
-        opts_.complete(r, r->write ? ENOSPC : EIO,
-                       std::string("short ") + (r->write ? "write" : "read") + ": " +
-                           std::to_string(r->done) + " of " + std::to_string(r->length) +
-                           " bytes transferred (device ended)");
-        return;
+        return {r->write ? ENOSPC : EIO,
+                std::string("short ") + (r->write ? "write" : "read") + ": " +
+                    std::to_string(r->done) + " of " + std::to_string(r->length) +
+                    " bytes transferred (device ended)"};
       }
       r->done += static_cast<uint64_t>(n);
     }
-    opts_.complete(r, 0, "");
+    return {0, ""};
   }
 
   void work() {
@@ -83,8 +84,10 @@ class PosixBackend final : public Backend {
         r = queue_.front();
         queue_.pop_front();
       }
-      transfer(r);
+      auto [err, message] = transfer(r);
+      // Not in flight any more before the waiter wakes: stats() right after wait() reads 0.
       --outstanding_;
+      opts_.complete(r, err, message);
     }
   }
 

@@ -86,7 +86,7 @@ uint64_t stream(Device& dev, bool write, uint64_t base, uint64_t span, uint64_t 
     std::vector<IoOp> ops;
     for (unsigned i = 0; i < per_ticket; ++i) {
       const uint64_t off = base + (next++ % slots) * chunk;
-      ops.push_back({off, host + (slot_base * per_ticket + i) * chunk, chunk, std::nullopt});
+      ops.push_back({off, host + (slot_base * per_ticket + i) * chunk, chunk, std::nullopt, {}});
     }
     if (high_water) *high_water = std::max(*high_water, std::min(next, slots) * chunk);
     slot_base ^= 1;

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -58,6 +59,21 @@ static void test_xxh64() {
     prev = h;
   }
   CHECK(xxh64("abc", 3, 1) != xxh64("abc", 3, 0));
+  // Streaming over uneven pieces (and copying while hashing) equals the one-shot hash.
+  std::vector<unsigned char> big(1000), copy(1000, 0);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<unsigned char>(i * 31 + 5);
+  for (size_t piece : {1, 7, 31, 32, 33, 100, 999}) {
+    Xxh64 a, b;
+    for (size_t off = 0; off < big.size(); off += piece) {
+      const size_t n = std::min(piece, big.size() - off);
+      a.update(big.data() + off, n);
+      b.update_copy(copy.data() + off, big.data() + off, n);
+    }
+    CHECK(a.digest() == xxh64(big.data(), big.size()));
+    CHECK(b.digest() == a.digest());
+    CHECK(copy == big);
+    std::fill(copy.begin(), copy.end(), 0);
+  }
 }
 
 static void test_allocator() {
