@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from vllm_kvpool.storage import HostTier, SsdTier, Tier, kvio
 
 logger = logging.getLogger("vllm_kvpool")
 COPY_THREADS = 2  # GIL-free memcpy threads per gather/scatter (C++ copy_many)
+MAX_SEGMENTS = 4096  # host segments of one direct read (one backend request each)
 
 
 # ----------------------------------------------------------------------------- step jobs
@@ -161,6 +162,33 @@ class KVLayout:
         ops[:, 2] = kpage
         return ops
 
+    def chunk_ops(self, block_ids: Sequence[int], chunk_addr: int, to_kv: bool,
+                  stored: int | None = None, skip: int = 0) -> np.ndarray | None:  # fmt: skip
+        """Copy rows for chunk blocks ``skip..skip+len(block_ids)`` of a chunk of ``stored``
+        blocks (every layer, in chunk byte order), adjacent pages merged; None unless every
+        layer's pages are contiguous CPU memory (see ``_page_ops``)."""
+        stored = len(block_ids) if stored is None else stored
+        parts = []
+        for li, layer in enumerate(self.layers):
+            addr = chunk_addr + self.offset(li, stored) + skip * layer.page_bytes
+            ops = self._page_ops(layer, block_ids, addr, to_kv)
+            if ops is None:
+                return None
+            parts.append(ops)
+        return _merge_adjacent(np.concatenate(parts)) if parts else None
+
+    def direct_segments(self, block_ids: Sequence[int], mem_align: int,
+                        align: int) -> np.ndarray | None:  # fmt: skip
+        """(kv_addr, nbytes) rows that let an O_DIRECT read land straight in the KV pages of a
+        full chunk (no staging copy): only when the pages are CPU memory aligned for the device."""
+        ops = self.chunk_ops(block_ids, 0, to_kv=True)
+        if ops is None or len(ops) > MAX_SEGMENTS:
+            return None
+        dst, nbytes = ops[:, 0], ops[:, 2]
+        if (dst % np.uint64(mem_align)).any() or (nbytes % np.uint64(align)).any():
+            return None
+        return np.ascontiguousarray(ops[:, [0, 2]])
+
     def gather(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int) -> None:
         """Copy layer ``li`` of ``block_ids`` from the KV tensor into the chunk buffer."""
         layer = self.layers[li]
@@ -189,6 +217,19 @@ class KVLayout:
         src = self._host_view(region, layer, len(block_ids))
         ids = self._ids(layer, block_ids)
         layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
+
+
+def _merge_adjacent(ops: np.ndarray) -> np.ndarray:
+    """Merge consecutive (dst, src, nbytes) rows that continue each other in both buffers."""
+    if len(ops) < 2:
+        return ops
+    ends_dst = ops[:-1, 0] + ops[:-1, 2]
+    ends_src = ops[:-1, 1] + ops[:-1, 2]
+    starts = np.flatnonzero(np.concatenate(
+        ([True], (ops[1:, 0] != ends_dst) | (ops[1:, 1] != ends_src))))  # fmt: skip
+    merged = ops[starts].copy()
+    merged[:, 2] = np.add.reduceat(ops[:, 2], starts)
+    return merged
 
 
 def _sync_device(layout: KVLayout) -> None:
@@ -242,7 +283,15 @@ class _PendingRead:
     nbytes: int
     buf: torch.Tensor | None = None  # chunk bytes once available
     staging: tuple[Any, int] | None = None  # (StagingSlots, slot) to give back
+    segments: np.ndarray | None = None  # KV pages a direct read fills (then no buf/staging)
     ok: bool = True
+
+
+@dataclass
+class _Wave:
+    ticket: int
+    reads: list[_PendingRead]
+    submitted: float
 
 
 @dataclass
@@ -267,6 +316,7 @@ class TransferEngine:
         self._saver = _Worker("kvpool-save")
         self._loader = _Worker("kvpool-load")
         self._reaper = _Worker("kvpool-reap")
+        self._copier = _Worker("kvpool-copy")
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._pending_saves: dict[str, int] = defaultdict(int)
@@ -478,36 +528,49 @@ class TransferEngine:
                     self._finished_loads.add(req.req_id)
 
     def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
+        """Keep every SSD busy (two waves in flight each) while the host chunks are copied."""
         pending = [_PendingRead(req, r, r.stored_blocks * self.layout.block_bytes)
                    for req in loads for r in req.reads]  # fmt: skip
-        ssd: dict[int, list[_PendingRead]] = defaultdict(list)
+        queues: dict[int, deque[_PendingRead]] = defaultdict(deque)
         host: list[_PendingRead] = []
         for p in pending:
+            tier = self.tiers[p.read.device]
             if self._failed[p.read.device]:
                 p.ok = False
-            elif isinstance(self.tiers[p.read.device], HostTier):
+            elif isinstance(tier, HostTier):
                 host.append(p)
             else:
-                ssd[p.read.device].append(p)
-        fits = all(len(ps) <= self.tiers[d].staging.total for d, ps in ssd.items())
+                p.segments = self._direct_segments(tier, p)
+                queues[p.read.device].append(p)
+        fits = all(sum(p.segments is None for p in q) <= self.tiers[d].staging.total
+                   for d, q in queues.items())  # fmt: skip
         layer_major = fits and any(not r.is_async for r in loads)
-        waves = {d: self._waves(d, ps, fits) for d, ps in ssd.items()}
-        inflight: dict[int, tuple[int, list[_PendingRead], float]] = {}
-        for d in waves:
-            self._submit_wave(d, waves[d], inflight)
-        for p in host:  # host chunks need no I/O: verify while the SSD reads are in flight
-            self._read_host(p)
-        if not layer_major:
-            self._scatter_all(host)
-        while inflight:
-            for d in list(inflight):
-                done = self._reap_wave(d, inflight, block=len(inflight) == 1)
-                if done is None:
-                    continue
-                if not layer_major:
-                    self._scatter_all(done)
-                    self._release(done)
-                self._submit_wave(d, waves[d], inflight)
+        if layer_major:  # verify now, scatter layer by layer once everything is here
+            for p in host:
+                self._read_host(p, scatter=False)
+        host_queue = deque() if layer_major else deque(host)
+        inflight: dict[int, deque[_Wave]] = defaultdict(deque)
+        last_done: dict[int, float] = {}
+        while host_queue or any(queues.values()) or any(inflight.values()):
+            progressed = False
+            for d in list(queues):
+                self._fill(d, queues[d], inflight[d], fits)
+                while inflight[d] and self.tiers[d].device.poll(inflight[d][0].ticket):
+                    self._finish_wave(d, inflight[d].popleft(), last_done, layer_major)
+                    progressed = True
+            if host_queue:  # two chunks at a time: hashing, not memory, limits one thread
+                first = host_queue.popleft()
+                second = self._copier.submit(self._read_host, host_queue.popleft(), True) \
+                    if host_queue else None  # fmt: skip
+                self._read_host(first, scatter=True)
+                if second is not None:
+                    second.result()
+            elif not progressed:
+                busy = [d for d in inflight if inflight[d]]
+                if len(busy) == 1:  # one device left: sleep in the kernel until it is done
+                    self._finish_wave(busy[0], inflight[busy[0]].popleft(), last_done, layer_major)
+                else:
+                    time.sleep(0.0002)
         if layer_major:
             good = [p for p in pending if p.ok and p.buf is not None]
             for li, event in enumerate(events):
@@ -523,51 +586,61 @@ class TransferEngine:
                 if not p.ok:
                     self._invalid_blocks.update(p.read.block_ids)
 
-    def _waves(self, device: int, reads: list[_PendingRead], fits: bool) -> list[list[_PendingRead]]:
-        tier = self.tiers[device]
-        size = len(reads) if fits else max(1, tier.staging.total // 2)
-        return [reads[i : i + size] for i in range(0, len(reads), size)]
-
-    def _submit_wave(self, device: int, waves: list[list[_PendingRead]], inflight: dict) -> None:
-        if not waves or device in inflight:
-            return
-        tier = self.tiers[device]
-        wave = waves.pop(0)
-        slots: list[int] = []
-        while len(slots) < len(wave):
-            slots += tier.staging.take(len(wave) - len(slots))
-        ops = []
-        for p, slot in zip(wave, slots, strict=True):
-            p.staging = (tier.staging, slot)
-            p.buf = self._staging_chunk(tier, slot, p.nbytes)
-            expected = p.read.checksums.get(self.rank) if self.verify else None
-            ops.append((tier.offset(p.read.slot), tier.staging.address(slot),
-                        tier.io_length(p.nbytes), expected))  # fmt: skip
-        try:
-            inflight[device] = (tier.device.submit_read(ops), wave, time.perf_counter())
-        except OSError as exc:
-            self._device_failed(device, str(exc))
-            for p in wave:
-                p.ok = False
-            self._release(wave)
-            for rest in waves:
-                for p in rest:
-                    p.ok = False
-            waves.clear()
-
-    def _reap_wave(self, device: int, inflight: dict, block: bool) -> list[_PendingRead] | None:
-        ticket, wave, start = inflight[device]
-        tier = self.tiers[device]
-        if not block and not tier.device.poll(ticket):
-            time.sleep(0.0002)
+    def _direct_segments(self, tier: SsdTier, p: _PendingRead) -> np.ndarray | None:
+        """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
+        r = p.read
+        if r.skip or len(r.block_ids) != r.stored_blocks or tier.io_length(p.nbytes) != p.nbytes:
             return None
-        results = tier.device.wait(ticket, check=False)
-        del inflight[device]
-        elapsed = time.perf_counter() - start
+        dev = tier.device
+        return self.layout.direct_segments(r.block_ids, dev.mem_alignment, dev.alignment)
+
+    def _fill(self, device: int, queue: deque[_PendingRead], waves: deque[_Wave],
+              fits: bool) -> None:  # fmt: skip
+        """Submit reads until two waves are in flight or the staging buffers are all taken."""
+        tier = self.tiers[device]
+        assert isinstance(tier, SsdTier)
+        wave_size = tier.staging.total if fits else max(1, tier.staging.total // 2)
+        while queue and len(waves) < 2:
+            wave: list[_PendingRead] = []
+            ops = []
+            while queue and sum(p.segments is None for p in wave) < wave_size:
+                p = queue[0]
+                target: Any = p.segments
+                if target is None:
+                    slots = tier.staging.take(1, block=False)
+                    if not slots:
+                        break  # staging busy (also used by saves): retry on the next round
+                    p.staging = (tier.staging, slots[0])
+                    p.buf = self._staging_chunk(tier, slots[0], p.nbytes)
+                    target = tier.staging.address(slots[0])
+                queue.popleft()
+                wave.append(p)
+                expected = p.read.checksums.get(self.rank) if self.verify else None
+                ops.append((tier.offset(p.read.slot), target, tier.io_length(p.nbytes), expected))
+            if not wave:
+                return
+            try:
+                waves.append(_Wave(tier.device.submit_read(ops), wave, time.perf_counter()))
+            except OSError as exc:
+                self._device_failed(device, str(exc))
+                for p in (*wave, *queue):
+                    p.ok = False
+                self._release(wave)
+                queue.clear()
+                return
+
+    def _finish_wave(self, device: int, wave: _Wave, last_done: dict[int, float],
+                     layer_major: bool) -> None:  # fmt: skip
+        tier = self.tiers[device]
+        results = tier.device.wait(wave.ticket, check=False)
+        now = time.perf_counter()
+        # Waves overlap: charge the device only for the time since its previous completion.
+        elapsed = now - max(wave.submitted, last_done.get(device, 0.0))
+        last_done[device] = now
         good_bytes = 0
         counters = WorkerReport()
         c = counters.counters.device(tier.cfg.name)
-        for p, r in zip(wave, results, strict=True):
+        for p, r in zip(wave.reads, results, strict=True):
             if r.ok:
                 good_bytes += p.nbytes
                 continue
@@ -581,21 +654,47 @@ class TransferEngine:
                 self._device_failed(device, r.message)
         c.bytes_read += good_bytes
         c.read_seconds += elapsed
-        c.chunks_read += sum(p.ok for p in wave)
+        c.chunks_read += sum(p.ok for p in wave.reads)
         counters.observations.append((device, good_bytes, elapsed))
         with self._lock:
             self._report.merge(counters)
-        return wave
+        if not layer_major:
+            for p in wave.reads:
+                if p.ok and p.buf is not None:
+                    self._scatter(p)
+            self._release(wave.reads)
 
-    def _read_host(self, p: _PendingRead) -> None:
+    def _scatter(self, p: _PendingRead) -> None:
+        """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
+        assert p.buf is not None
+        r = p.read
+        ops = self.layout.chunk_ops(r.block_ids, p.buf.data_ptr(), True, r.stored_blocks, r.skip)
+        if ops is not None:
+            self.io.copy_many(ops, threads=COPY_THREADS)
+            return
+        for li in range(len(self.layout.layers)):
+            self.layout.scatter(li, r.block_ids, p.buf, r.stored_blocks, r.skip)
+
+    def _read_host(self, p: _PendingRead, scatter: bool) -> None:
+        """Verify a host-pool chunk; with ``scatter``, copy it into the KV blocks in the same pass
+        (a corrupt chunk's blocks are reported invalid and recomputed, so its bytes do no harm)."""
         tier = self.tiers[p.read.device]
         assert isinstance(tier, HostTier)
         start = time.perf_counter()
         p.buf = self._host_chunk(tier, p.read.slot, p.nbytes)
-        expected = p.read.checksums.get(self.rank)
-        if self.verify and expected is not None:
-            if self.io.checksum(tier.address(p.read.slot), p.nbytes) != expected:
-                p.ok = False
+        r = p.read
+        expected = r.checksums.get(self.rank) if self.verify else None
+        ops = None
+        if scatter and expected is not None and not r.skip and len(r.block_ids) == r.stored_blocks:
+            # The whole chunk goes to the KV in byte order: hash it while it is copied.
+            ops = self.layout.chunk_ops(r.block_ids, tier.address(r.slot), to_kv=True)
+        if ops is not None:
+            p.ok = self.io.copy_many_checksum(ops) == expected
+        else:
+            if expected is not None:
+                p.ok = self.io.checksum(tier.address(r.slot), p.nbytes) == expected
+            if scatter and p.ok:
+                self._scatter(p)
         with self._lock:
             c = self._report.counters.device(tier.cfg.name)
             if p.ok:
@@ -606,12 +705,6 @@ class TransferEngine:
                 c.corrupt += 1
                 self._report.corrupt.append(p.read.key)
                 logger.warning("kvpool: corrupt chunk in host pool %s (recomputed)", tier.cfg.name)
-
-    def _scatter_all(self, reads: list[_PendingRead]) -> None:
-        for p in reads:
-            if p.ok and p.buf is not None:
-                for li in range(len(self.layout.layers)):
-                    self.layout.scatter(li, p.read.block_ids, p.buf, p.read.stored_blocks, p.read.skip)
 
     @staticmethod
     def _release(reads: list[_PendingRead]) -> None:
@@ -653,7 +746,7 @@ class TransferEngine:
         try:
             self.wait_all()
         finally:
-            for worker in (self._saver, self._loader, self._reaper):
+            for worker in (self._saver, self._loader, self._reaper, self._copier):
                 worker.shutdown()
             for tier in self.tiers:
                 tier.close()

@@ -39,10 +39,17 @@ def pool_cfg(tmp_path, load_mode="async", host="512KiB", ssd="4MiB", backend="ur
     }  # fmt: skip
 
 
-def build(model_dir, tmp_path, layout="LBHNC", **kw) -> Harness:
+def build(model_dir, tmp_path, layout="LBHNC", page_aligned=False, **kw) -> Harness:
     cfg = make_vllm_config(model_dir, pool_cfg(tmp_path, **kw),
                            extra={"status_file": str(tmp_path / "status.json")})  # fmt: skip
-    return Harness.build(cfg, num_blocks=128, layout=layout)
+    return Harness.build(cfg, num_blocks=128, layout=layout, page_aligned=page_aligned)
+
+
+def reads_land_in_kv(h: Harness, block_ids: list[int]) -> bool:
+    """Whether a full-chunk SSD read into these blocks skips the staging copy."""
+    dev = h.worker.engine.tiers[1].device
+    return h.worker.engine.layout.direct_segments(block_ids, dev.mem_alignment,
+                                                  dev.alignment) is not None  # fmt: skip
 
 
 def save_first_request(h: Harness) -> None:
@@ -75,9 +82,14 @@ def expected(h: Harness, tokens: list[int], n_blocks: int) -> dict:
     return {name: torch.stack([pb[name] for pb in per_block]) for name in h.kv}
 
 
-@pytest.mark.parametrize(("load_mode", "layout"), [("async", "LBHNC"), ("sync", "BLHNC")])
-def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, layout):
-    h = build(model_dir, tmp_path, load_mode=load_mode, layout=layout)
+@pytest.mark.parametrize(("load_mode", "layout", "page_aligned"),
+                         [("async", "LBHNC", False), ("sync", "BLHNC", False),
+                          ("async", "LBHNC", True)])  # fmt: skip
+def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, layout,
+                                               page_aligned):  # fmt: skip
+    h = build(model_dir, tmp_path, load_mode=load_mode, layout=layout, page_aligned=page_aligned)
+    # page-aligned CPU KV: SSD chunks are read straight into the KV pages, else via staging
+    assert reads_land_in_kv(h, list(range(4))) == page_aligned
     save_first_request(h)
     pool = h.connector.pool
     committed = [e for e in pool.index.entries.values() if e.committed]
@@ -99,8 +111,10 @@ def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, l
     assert per_dev["host0"].bytes_read > 0  # all three devices served the prefix
 
 
-def test_corrupt_chunk_is_a_miss_and_recomputed(model_dir, tmp_path):
-    h = build(model_dir, tmp_path)
+@pytest.mark.parametrize("page_aligned", [False, True])
+def test_corrupt_chunk_is_a_miss_and_recomputed(model_dir, tmp_path, page_aligned):
+    h = build(model_dir, tmp_path, page_aligned=page_aligned)
+    assert reads_land_in_kv(h, list(range(4))) == page_aligned
     save_first_request(h)
     pool = h.connector.pool
     victim = next(e for e in pool.index.entries.values() if e.location.device == 1)

@@ -117,8 +117,10 @@ def layer_names(num_layers: int = NUM_LAYERS) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
 
 
-def make_kv_cache(num_blocks: int, layout_name: str = "LBHNC"):
-    """KVCacheConfig + per-layer KV views exactly as vLLM's worker lays them out."""
+def make_kv_cache(num_blocks: int, layout_name: str = "LBHNC", page_aligned: bool = False):
+    """KVCacheConfig + per-layer KV views exactly as vLLM's worker lays them out
+    (``page_aligned``: the raw tensor at a page boundary, as torch allocates it under
+    THP_MEM_ALLOC_ENABLE=1, so SSD reads may land in the KV pages directly)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -140,7 +142,9 @@ def make_kv_cache(num_blocks: int, layout_name: str = "LBHNC"):
                            layer_stride=layer_stride, block_stride=block_stride)  # fmt: skip
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                            kv_cache_groups=[KVCacheGroupSpec(names, spec)])  # fmt: skip
-    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    raw = torch.zeros(tensor.size + 4096, dtype=torch.int8)
+    start = (-raw.data_ptr()) % 4096 if page_aligned else 0
+    raw = raw[start : start + tensor.size]
     views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
     return config, dict(zip(names, views, strict=True))
 
@@ -162,13 +166,14 @@ class Harness:
     steps: int = 0
 
     @classmethod
-    def build(cls, vllm_config, num_blocks: int = 256, layout: str = "LBHNC") -> Harness:
+    def build(cls, vllm_config, num_blocks: int = 256, layout: str = "LBHNC",
+              page_aligned: bool = False) -> Harness:  # fmt: skip
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        kv_config, kv = make_kv_cache(num_blocks, layout)
+        kv_config, kv = make_kv_cache(num_blocks, layout, page_aligned)
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config, log_stats=True,
                               structured_output_manager=StructuredOutputManager(vllm_config),
