@@ -110,6 +110,25 @@ class KVLayout:
             self.layer_prefix.append(acc)
             acc += layer.page_bytes
         self.index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._plan = self._uniform_plan()
+
+    def _uniform_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:
+        """(kv base, kv page stride, chunk offset per block) of every layer, when all layers
+        are contiguous-page CPU tensors of one page shape: then ``chunk_ops`` is one numpy
+        expression instead of a loop over layers (it runs once per chunk, holding the GIL)."""
+        if not self.layers:
+            return None
+        first = self.layers[0]
+        for layer in self.layers:
+            t = layer.tensor
+            if (t.device.type != "cpu" or not t[0].is_contiguous() or layer.ratio != first.ratio
+                    or layer.page_bytes != first.page_bytes):  # fmt: skip
+                return None
+        base = np.array([layer.tensor.data_ptr() for layer in self.layers], dtype=np.uint64)
+        stride = np.array([layer.tensor.stride(0) * layer.tensor.element_size()
+                           for layer in self.layers], dtype=np.uint64)  # fmt: skip
+        prefix = np.array(self.layer_prefix, dtype=np.uint64)
+        return base, stride, prefix, first.ratio, first.page_bytes // first.ratio
 
     @property
     def block_bytes(self) -> int:
@@ -168,6 +187,18 @@ class KVLayout:
         blocks (every layer, in chunk byte order), adjacent pages merged; None unless every
         layer's pages are contiguous CPU memory (see ``_page_ops``)."""
         stored = len(block_ids) if stored is None else stored
+        if self._plan is not None:
+            base, stride, prefix, ratio, kpage = self._plan
+            ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * np.uint64(ratio)
+            kernel = (ids + np.arange(ratio, dtype=np.uint64)).reshape(-1)
+            kv = base[:, None] + kernel[None, :] * stride[:, None]
+            host = (np.uint64(chunk_addr) + prefix[:, None] * np.uint64(stored)
+                    + np.uint64(skip * ratio * kpage)
+                    + np.arange(kernel.size, dtype=np.uint64)[None, :] * np.uint64(kpage))  # fmt: skip
+            ops = np.empty((kv.size, 3), dtype=np.uint64)
+            ops[:, 0], ops[:, 1] = (kv.ravel(), host.ravel()) if to_kv else (host.ravel(), kv.ravel())
+            ops[:, 2] = kpage
+            return _merge_adjacent(ops)
         parts = []
         for li, layer in enumerate(self.layers):
             addr = chunk_addr + self.offset(li, stored) + skip * layer.page_bytes
@@ -230,6 +261,14 @@ def _merge_adjacent(ops: np.ndarray) -> np.ndarray:
     merged = ops[starts].copy()
     merged[:, 2] = np.add.reduceat(ops[:, 2], starts)
     return merged
+
+
+def _pop(chunks: deque) -> Any:
+    """Next item of a deque two threads consume (``popleft`` is atomic), or None when empty."""
+    try:
+        return chunks.popleft()
+    except IndexError:
+        return None
 
 
 def _sync_device(layout: KVLayout) -> None:
@@ -549,6 +588,9 @@ class TransferEngine:
             for p in host:
                 self._read_host(p, scatter=False)
         host_queue = deque() if layer_major else deque(host)
+        # Host chunks are verified and copied by this thread AND the copier, one chunk each at a
+        # time (hashing, not memory, limits one thread); this thread also keeps the SSDs busy.
+        copier = self._copier.submit(self._drain_host, host_queue) if len(host_queue) > 1 else None
         inflight: dict[int, deque[_Wave]] = defaultdict(deque)
         last_done: dict[int, float] = {}
         while host_queue or any(queues.values()) or any(inflight.values()):
@@ -558,19 +600,16 @@ class TransferEngine:
                 while inflight[d] and self.tiers[d].device.poll(inflight[d][0].ticket):
                     self._finish_wave(d, inflight[d].popleft(), last_done, layer_major)
                     progressed = True
-            if host_queue:  # two chunks at a time: hashing, not memory, limits one thread
-                first = host_queue.popleft()
-                second = self._copier.submit(self._read_host, host_queue.popleft(), True) \
-                    if host_queue else None  # fmt: skip
-                self._read_host(first, scatter=True)
-                if second is not None:
-                    second.result()
+            if (p := _pop(host_queue)) is not None:
+                self._read_host(p, scatter=True, threads=1 if copier else COPY_THREADS)
             elif not progressed:
                 busy = [d for d in inflight if inflight[d]]
                 if len(busy) == 1:  # one device left: sleep in the kernel until it is done
                     self._finish_wave(busy[0], inflight[busy[0]].popleft(), last_done, layer_major)
                 else:
                     time.sleep(0.0002)
+        if copier is not None:
+            copier.result()
         if layer_major:
             good = [p for p in pending if p.ok and p.buf is not None]
             for li, event in enumerate(events):
@@ -664,18 +703,22 @@ class TransferEngine:
                     self._scatter(p)
             self._release(wave.reads)
 
-    def _scatter(self, p: _PendingRead) -> None:
+    def _scatter(self, p: _PendingRead, threads: int = COPY_THREADS) -> None:
         """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
         assert p.buf is not None
         r = p.read
         ops = self.layout.chunk_ops(r.block_ids, p.buf.data_ptr(), True, r.stored_blocks, r.skip)
         if ops is not None:
-            self.io.copy_many(ops, threads=COPY_THREADS)
+            self.io.copy_many(ops, threads=threads)
             return
         for li in range(len(self.layout.layers)):
             self.layout.scatter(li, r.block_ids, p.buf, r.stored_blocks, r.skip)
 
-    def _read_host(self, p: _PendingRead, scatter: bool) -> None:
+    def _drain_host(self, chunks: deque[_PendingRead]) -> None:
+        while (p := _pop(chunks)) is not None:
+            self._read_host(p, scatter=True, threads=1)
+
+    def _read_host(self, p: _PendingRead, scatter: bool, threads: int = COPY_THREADS) -> None:
         """Verify a host-pool chunk; with ``scatter``, copy it into the KV blocks in the same pass
         (a corrupt chunk's blocks are reported invalid and recomputed, so its bytes do no harm)."""
         tier = self.tiers[p.read.device]
@@ -694,7 +737,7 @@ class TransferEngine:
             if expected is not None:
                 p.ok = self.io.checksum(tier.address(r.slot), p.nbytes) == expected
             if scatter and p.ok:
-                self._scatter(p)
+                self._scatter(p, threads)
         with self._lock:
             c = self._report.counters.device(tier.cfg.name)
             if p.ok:
