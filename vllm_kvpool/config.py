@@ -87,6 +87,7 @@ class PoolConfig:
     load_mode: Literal["async", "sync"] = "async"
     load_failure: Literal["recompute", "fail"] = "recompute"
     verify_checksums: bool = True
+    save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
 
     @property
@@ -129,6 +130,7 @@ class PoolConfig:
             "load_mode": self.load_mode,
             "load_failure": self.load_failure,
             "verify_checksums": self.verify_checksums,
+            "save_decode": self.save_decode,
             "staging": self.staging,
         }
 
@@ -150,6 +152,13 @@ def _int(obj: dict, key: str, default: int, field_path: str, minimum: int = 0) -
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected an integer >= {minimum}, "
                                                      f"got {value!r}")  # fmt: skip
+    return value
+
+
+def _bool(obj: dict, key: str, default: bool, field_path: str) -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected true/false, got {value!r}")
     return value
 
 
@@ -228,7 +237,7 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
-             "verify_checksums", "staging"}  # fmt: skip
+             "verify_checksums", "save_decode", "staging"}  # fmt: skip
 _PROBE_KEYS = {"enabled", "seconds", "size", "drift_threshold"}
 
 
@@ -240,19 +249,13 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         raise PoolConfigError("devices", "expected a non-empty list of {host: ...} / {ssd: ...}")
     devices = _name_devices([_parse_device(d, i) for i, d in enumerate(devices_raw)])
     probe_raw = _check_keys(raw.get("probe", {}), _PROBE_KEYS, "probe")
-    enabled = probe_raw.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise PoolConfigError("probe.enabled", f"expected true/false, got {enabled!r}")
     drift = _float(probe_raw, "drift_threshold", 0.3, "probe")
     probe = ProbeConfig(
-        enabled=enabled,
+        enabled=_bool(probe_raw, "enabled", True, "probe"),
         seconds=_float(probe_raw, "seconds", 0.5, "probe"),
         size=parse_size(probe_raw.get("size", 64 * 2**20), "probe.size"),
         drift_threshold=drift,
     )
-    verify = raw.get("verify_checksums", True)
-    if not isinstance(verify, bool):
-        raise PoolConfigError("verify_checksums", f"expected true/false, got {verify!r}")
     return PoolConfig(
         devices=devices,
         chunk_tokens=_int(raw, "chunk_tokens", 256, "", minimum=1),
@@ -260,7 +263,8 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         probe=probe,
         load_mode=_choice(raw, "load_mode", "async", LOAD_MODES, ""),
         load_failure=_choice(raw, "load_failure", "recompute", LOAD_FAILURE_POLICIES, ""),
-        verify_checksums=verify,
+        verify_checksums=_bool(raw, "verify_checksums", True, ""),
+        save_decode=_bool(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
     )
 

@@ -126,7 +126,8 @@ def _world(vllm_config: VllmConfig) -> tuple[int, int]:
 class _RequestState:
     request: Request
     block_ids: list[int] = field(default_factory=list)
-    next_chunk: int = 0  # first chunk not yet considered for saving
+    next_chunk: int = 0  # first chunk not yet saved in full
+    partial_saved: bool = False  # chunk next_chunk's partial prompt copy was saved
     inflight_saves: set[bytes] = field(default_factory=set)
     counted: bool = False
 
@@ -242,19 +243,30 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_saves(self, state: _RequestState, num_done: int, meta: PoolStepMetadata) -> None:
-        """Save the prompt's chunks once computed; the prompt's last partial chunk at its end."""
+        """Save full chunks once computed (prompt, and generated tokens with ``save_decode``)
+        and the prompt's partial last chunk once, at the prompt's end; a chunk that generated
+        tokens fill later replaces that partial copy."""
         request, bpc = state.request, self.geometry.blocks_per_chunk
         prompt_blocks = request.num_prompt_tokens // self.block_size
-        limit = min(num_done // self.block_size, prompt_blocks, len(request.block_hashes),
-                    len(state.block_ids))  # fmt: skip
+        limit = min(num_done // self.block_size, len(request.block_hashes), len(state.block_ids))
+        if not self.pool_config.save_decode:
+            limit = min(limit, prompt_blocks)
         chunks = []
         c = state.next_chunk
         while c * bpc < limit:
             end = min((c + 1) * bpc, limit)
-            if end < (c + 1) * bpc and end < prompt_blocks:
-                break  # chunk not complete yet
-            chunks.append((c * bpc, request.block_hashes[c * bpc : end]))
+            hashes = request.block_hashes[c * bpc : end]
+            if end < (c + 1) * bpc:  # partial: only the prompt's last chunk, once, at its end
+                if state.partial_saved or end < prompt_blocks or c * bpc >= prompt_blocks:
+                    break
+                state.partial_saved = True
+                chunks.append((c * bpc, hashes))
+                break  # revisited once generated tokens complete it
+            if self.pool.shorter_copy_unsettled(hashes):
+                break  # the partial copy is still being written: replace it in a later step
+            chunks.append((c * bpc, hashes))
             c += 1
+            state.partial_saved = False
         state.next_chunk = c
         if not chunks:
             return

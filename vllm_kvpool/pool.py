@@ -127,18 +127,34 @@ class UnifiedPool:
                 self._release(e)
 
     # -- saves -----------------------------------------------------------------------------
+    def shorter_copy_unsettled(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether a shorter copy of this chunk is still being written (not yet replaceable)."""
+        entry = self.index.get(hashes[0])
+        return entry is not None and not entry.committed and len(entry.block_hashes) < len(hashes)
+
     def plan_saves(
         self, req_id: str, chunks: Sequence[tuple[int, Sequence[BlockHash]]]
     ) -> list[PlannedSave]:
         """Reserve slots for new chunks ``(first_block, block_hashes)`` of one request.
 
-        Chunks already indexed (committed or being written by another request) are skipped.
+        Chunks already indexed (committed or being written by another request) are skipped,
+        unless the indexed one is a shorter, idle copy of the same chunk (the prompt's partial
+        last chunk, now filled by generated tokens): that one is replaced.
         When the pool is full the least recently used chunks are evicted; if nothing can be
         evicted the remaining chunks are simply not saved (a future miss, never an error).
         Placement stops at the first chunk that cannot be placed: a prefix with a hole in it
         could never be matched past the hole.
         """
-        todo = [(first, tuple(h)) for first, h in chunks if h[0] not in self.index]
+        todo = []
+        for first, hashes in chunks:
+            entry = self.index.get(hashes[0])
+            if entry is not None and entry.committed and not entry.readers \
+                    and len(entry.block_hashes) < len(hashes):  # fmt: skip
+                self.index.remove(entry.key)  # idle: its slot is free at once
+                self._release(entry)
+                entry = None
+            if entry is None:
+                todo.append((first, tuple(hashes)))
         if not todo:
             return []
         free_total = sum(self._free_slots())

@@ -24,9 +24,11 @@ def model_dir(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def pool_cfg(tmp_path, load_mode="async", host="512KiB", ssd="4MiB", backend="uring"):
+def pool_cfg(tmp_path, load_mode="async", host="512KiB", ssd="4MiB", backend="uring",
+             save_decode=True):  # fmt: skip
     return {
         "chunk_tokens": 64,
+        "save_decode": save_decode,
         "load_mode": load_mode,
         "staging": "1MiB",
         "devices": [
@@ -109,6 +111,32 @@ def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, l
     per_dev = pool.transfers.devices
     assert per_dev["ssd0"].bytes_read > 0 and per_dev["ssd1"].bytes_read > 0
     assert per_dev["host0"].bytes_read > 0  # all three devices served the prefix
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_generated_tokens_are_saved_for_the_next_turn(model_dir, tmp_path, save_decode):
+    h = build(model_dir, tmp_path, save_decode=save_decode)
+    h.add("A", PROMPT[:608], max_tokens=100)  # 19 prompt blocks: chunk 9 starts as 1 block
+    while h.requests["A"].num_computed_tokens < 608:
+        h.step()
+    # Real decode steps take milliseconds: the partial chunk's write commits long before the
+    # generated tokens fill it (until then its replacement is retried, step after step).
+    h.worker.engine.wait_all()
+    h.run(["A"])
+    h.drain()
+    # A's KV covers the prompt and 99 generated tokens: 707 tokens, 22 full blocks, 11 chunks
+    next_turn = list(h.requests["A"].all_token_ids) + list(range(3000, 3040))
+    matched, _ = h.connector.get_num_new_matched_tokens(Harness.make_request("p", next_turn), 0)
+    if not save_decode:  # only the prompt: its 18 full blocks and the partial chunk's one
+        assert matched == 19 * BLOCK_SIZE
+        return
+    assert matched == 22 * BLOCK_SIZE
+    entries = [e for e in h.connector.pool.index.entries.values() if e.committed]
+    assert len(entries) == 11 and all(len(e.block_hashes) == 2 for e in entries)  # 9 replaced
+    got, _ = run_and_capture(h, "B", next_turn, 22)
+    want = expected(h, next_turn, 22)
+    for name in h.kv:
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("page_aligned", [False, True])
