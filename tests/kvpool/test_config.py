@@ -62,6 +62,8 @@ def test_sizes():
         ({"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"seconds": "fast"}},
          "probe.seconds"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "chunk": 5}, "chunk"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "save_decode": "yes"}, "save_decode"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"enabled": 1}}, "probe.enabled"),
     ],
 )  # fmt: skip
 def test_malformed_configs_name_the_field(raw, field):
