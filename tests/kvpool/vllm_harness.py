@@ -142,8 +142,9 @@ def make_kv_cache(num_blocks: int, layout_name: str = "LBHNC", page_aligned: boo
                            layer_stride=layer_stride, block_stride=block_stride)  # fmt: skip
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                            kv_cache_groups=[KVCacheGroupSpec(names, spec)])  # fmt: skip
-    raw = torch.zeros(tensor.size + 4096, dtype=torch.int8)
-    start = (-raw.data_ptr()) % 4096 if page_aligned else 0
+    raw = torch.zeros(tensor.size + 8192, dtype=torch.int8)
+    # Not page aligned: 64 B past a page, torch's own alignment (which may land on a page).
+    start = (-raw.data_ptr()) % 4096 + (0 if page_aligned else 64)
     raw = raw[start : start + tensor.size]
     views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
     return config, dict(zip(names, views, strict=True))
