@@ -380,6 +380,13 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
         tiers = open_tiers(self.pool_config, self.geometry, suffix)
         self.engine = TransferEngine(tiers, layout, self.rank, self.pool_config.verify_checksums)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33 sleep mode, before the KV memory is unmapped: finish every background
+        gather/scatter so none touches it. The pool keeps its own copies and the KV views keep
+        their virtual addresses across sleep, so ``restore_kv_caches`` has nothing to redo."""
+        if self.engine is not None:
+            self.engine.wait_all()
+
     def _meta(self) -> PoolStepMetadata | None:
         if not self.has_connector_metadata():
             return None

@@ -6,6 +6,7 @@ Shapes: 2 layers x 2 KV heads x head 32 x fp32, block 32 tokens -> 32 KiB per bl
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
@@ -111,6 +112,19 @@ def test_saved_prefix_is_served_byte_identical(model_dir, tmp_path, load_mode, l
     per_dev = pool.transfers.devices
     assert per_dev["ssd0"].bytes_read > 0 and per_dev["ssd1"].bytes_read > 0
     assert per_dev["host0"].bytes_read > 0  # all three devices served the prefix
+
+
+def test_sleep_mode_unregister_drains_background_copies(model_dir, tmp_path):
+    h = build(model_dir, tmp_path)
+    engine = h.worker.engine
+    held = threading.Event()
+    engine._saver.submit(held.wait)  # hold the save thread so the step's copies stay queued
+    h.add("A", PROMPT + [900])
+    h.step()
+    assert engine.pending_saves("A") == 10  # the prompt's chunks, not yet gathered
+    threading.Timer(0.2, held.set).start()
+    h.worker.unregister_kv_caches()  # vLLM >= 0.33 calls this before unmapping the KV
+    assert engine.pending_saves("A") == 0
 
 
 @pytest.mark.parametrize("save_decode", [True, False])
