@@ -113,15 +113,14 @@ class KVLayout:
         self._plan = self._uniform_plan()
 
     def _uniform_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:
-        """(kv base, kv page stride, chunk offset per block) of every layer, when all layers
-        are contiguous-page CPU tensors of one page shape: then ``chunk_ops`` is one numpy
+        """(KV base, KV page stride, page bytes before the layer, ratio, kernel page bytes), when
+        all layers have contiguous CPU pages of one size: ``chunk_ops`` is then one numpy
         expression instead of a loop over layers (it runs once per chunk, holding the GIL)."""
         if not self.layers:
             return None
         first = self.layers[0]
         for layer in self.layers:
-            t = layer.tensor
-            if (t.device.type != "cpu" or not t[0].is_contiguous() or layer.ratio != first.ratio
+            if (not _contiguous_pages(layer) or layer.ratio != first.ratio
                     or layer.page_bytes != first.page_bytes):  # fmt: skip
                 return None
         base = np.array([layer.tensor.data_ptr() for layer in self.layers], dtype=np.uint64)
@@ -166,20 +165,14 @@ class KVLayout:
 
     def _page_ops(self, layer: LayerPages, block_ids: Sequence[int], chunk_addr: int,
                   to_kv: bool) -> np.ndarray | None:  # fmt: skip
-        """(dst, src, nbytes) rows, one per kernel page, when pages are contiguous in host
-        memory (CPU tensors whose [H, N, C] page is one run: LBHNC, BLHNC, ...)."""
-        t = layer.tensor
-        if t.device.type != "cpu" or not t[0].is_contiguous():
+        """(dst, src, nbytes) rows, one per kernel page; None unless ``_contiguous_pages``."""
+        if not _contiguous_pages(layer):
             return None
-        kpage = layer.page_bytes // layer.ratio
-        ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * layer.ratio
-        kernel = (ids + np.arange(layer.ratio, dtype=np.uint64)).reshape(-1)
-        kv_addr = t.data_ptr() + kernel * np.uint64(t.stride(0) * t.element_size())
-        host_addr = chunk_addr + np.arange(kernel.size, dtype=np.uint64) * np.uint64(kpage)
-        ops = np.empty((kernel.size, 3), dtype=np.uint64)
-        ops[:, 0], ops[:, 1] = (kv_addr, host_addr) if to_kv else (host_addr, kv_addr)
-        ops[:, 2] = kpage
-        return ops
+        t = layer.tensor
+        return _copy_rows(np.array([t.data_ptr()], dtype=np.uint64),
+                          np.array([t.stride(0) * t.element_size()], dtype=np.uint64),
+                          np.array([chunk_addr], dtype=np.uint64), layer.ratio,
+                          layer.page_bytes // layer.ratio, block_ids, to_kv)  # fmt: skip
 
     def chunk_ops(self, block_ids: Sequence[int], chunk_addr: int, to_kv: bool,
                   stored: int | None = None, skip: int = 0) -> np.ndarray | None:  # fmt: skip
@@ -189,16 +182,8 @@ class KVLayout:
         stored = len(block_ids) if stored is None else stored
         if self._plan is not None:
             base, stride, prefix, ratio, kpage = self._plan
-            ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * np.uint64(ratio)
-            kernel = (ids + np.arange(ratio, dtype=np.uint64)).reshape(-1)
-            kv = base[:, None] + kernel[None, :] * stride[:, None]
-            host = (np.uint64(chunk_addr) + prefix[:, None] * np.uint64(stored)
-                    + np.uint64(skip * ratio * kpage)
-                    + np.arange(kernel.size, dtype=np.uint64)[None, :] * np.uint64(kpage))  # fmt: skip
-            ops = np.empty((kv.size, 3), dtype=np.uint64)
-            ops[:, 0], ops[:, 1] = (kv.ravel(), host.ravel()) if to_kv else (host.ravel(), kv.ravel())
-            ops[:, 2] = kpage
-            return _merge_adjacent(ops)
+            host = np.uint64(chunk_addr + skip * ratio * kpage) + prefix * np.uint64(stored)
+            return _merge_adjacent(_copy_rows(base, stride, host, ratio, kpage, block_ids, to_kv))
         parts = []
         for li, layer in enumerate(self.layers):
             addr = chunk_addr + self.offset(li, stored) + skip * layer.page_bytes
@@ -248,6 +233,27 @@ class KVLayout:
         src = self._host_view(region, layer, len(block_ids))
         ids = self._ids(layer, block_ids)
         layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
+
+
+def _contiguous_pages(layer: LayerPages) -> bool:
+    """Whether each kernel page ([H, N, C]) is one run of CPU memory (LBHNC, BLHNC, ...)."""
+    t = layer.tensor
+    return t.device.type == "cpu" and t[0].is_contiguous()
+
+
+def _copy_rows(kv_base: np.ndarray, kv_stride: np.ndarray, host_base: np.ndarray, ratio: int,
+               kpage: int, block_ids: Sequence[int], to_kv: bool) -> np.ndarray:  # fmt: skip
+    """(dst, src, nbytes) rows, one per kernel page, layer by layer: layer l's KV pages start at
+    ``kv_base[l]``, ``kv_stride[l]`` bytes apart; its run in the chunk starts at ``host_base[l]``."""
+    ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * np.uint64(ratio)
+    kernel = (ids + np.arange(ratio, dtype=np.uint64)).reshape(-1)
+    kv = (kv_base[:, None] + kernel[None, :] * kv_stride[:, None]).ravel()
+    host = (host_base[:, None]
+            + np.arange(kernel.size, dtype=np.uint64)[None, :] * np.uint64(kpage)).ravel()  # fmt: skip
+    ops = np.empty((kv.size, 3), dtype=np.uint64)
+    ops[:, 0], ops[:, 1] = (kv, host) if to_kv else (host, kv)
+    ops[:, 2] = kpage
+    return ops
 
 
 def _merge_adjacent(ops: np.ndarray) -> np.ndarray:
@@ -642,13 +648,15 @@ class TransferEngine:
         while queue and len(waves) < 2:
             wave: list[_PendingRead] = []
             ops = []
-            while queue and sum(p.segments is None for p in wave) < wave_size:
+            staged = 0  # reads of this wave that take a staging buffer (direct ones do not)
+            while queue and staged < wave_size:
                 p = queue[0]
                 target: Any = p.segments
                 if target is None:
                     slots = tier.staging.take(1, block=False)
                     if not slots:
                         break  # staging busy (also used by saves): retry on the next round
+                    staged += 1
                     p.staging = (tier.staging, slots[0])
                     p.buf = self._staging_chunk(tier, slots[0], p.nbytes)
                     target = tier.staging.address(slots[0])
