@@ -56,7 +56,7 @@ STEPS = (
     ),
     DemoStep(
         "kvpool: store and fetch a long-context prefix (host pool + SSD file)",
-        ("-m", "vllm_kvpool.demo", "--out", "{out}"),
+        ("scripts/kvpool_demo.py", "--out", "{out}"),
         "kvpool_demo.txt",
     ),
     DemoStep(

@@ -22,10 +22,13 @@ import numpy as np
 import torch
 
 from vllm_kvpool.config import parse_pool_config
+from vllm_kvpool.engine import TransferEngine
+from vllm_kvpool.handlers import open_handlers
+from vllm_kvpool.kv_layout import KVLayout
+from vllm_kvpool.native import kvio
 from vllm_kvpool.placement import DeviceWeights, fetch_seconds
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
-from vllm_kvpool.storage import kvio, open_tiers
-from vllm_kvpool.transfer import ChunkRead, ChunkSave, KVLayout, LoadRequest, TransferEngine
+from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest
 
 GPU_MODEL = ("H100-SXM bf16 989 TFLOP/s dense at 40% MFU; Llama-3.1-8B prefill FLOPs = "
              "2*8.0e9*S + 4*L*d*S*(P+S/2); fetch time as measured here")  # fmt: skip
@@ -117,7 +120,7 @@ def run_serial_baseline(shape: Shape, layout: KVLayout, engine: TransferEngine, 
     log(f"(a) writing {len(chunks) - host_slots} chunk files (one per chunk) for the baseline")
     for ci, first in enumerate(chunks):
         ids = list(range(first, min(first + bpc, shape.num_blocks)))
-        buf = engine._host_chunk(host_tier, ci, len(ids) * layout.block_bytes) \
+        buf = host_tier.view(ci, len(ids) * layout.block_bytes) \
             if ci < host_slots else torch.empty(len(ids) * layout.block_bytes, dtype=torch.uint8)  # fmt: skip
         for li in range(len(layout.layers)):
             layout.gather(li, ids, buf, len(ids))
@@ -135,7 +138,7 @@ def run_serial_baseline(shape: Shape, layout: KVLayout, engine: TransferEngine, 
         ids = list(range(first, min(first + bpc, shape.num_blocks)))
         nbytes = len(ids) * layout.block_bytes
         if ci < host_slots:
-            buf = engine._host_chunk(host_tier, ci, nbytes)
+            buf = host_tier.view(ci, nbytes)
         else:
             with open(files_dir / f"chunk-{ci:06d}-{hashes[first].hex()[-12:]}.kv", "rb") as f:
                 buf = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
@@ -180,12 +183,13 @@ def run(shape: Shape, workdir: Path, host_fraction: float, ssd_backend: str,
         f"({host_slots * geometry.slot_bytes / 2**30:.2f} GiB), SSD file {ssd_path} ({ssd_backend})")
     kv = make_kv(shape, page_aligned)
     layout = KVLayout.from_kv_caches(kv, list(kv), shape.num_blocks)
-    tiers = open_tiers(config, geometry)
+    tiers = open_handlers(config, geometry)
     engine = TransferEngine(tiers, layout, verify_checksums=True)
     hashes = [f"prefix-block-{i}".encode() for i in range(shape.num_blocks)]
     try:
         log("probing device bandwidths")
-        host_gbps = probe_host_scatter(layout, engine._view(tiers[0].pool), geometry.slot_bytes, bpc)
+        host_gbps = probe_host_scatter(layout, tiers[0].view(0, tiers[0].pool.capacity),
+                                       geometry.slot_bytes, bpc)
         ssd_gbps = max(float(io.probe_device(tiers[1].device, seconds=1.0,
                                                  chunk_bytes=4 << 20)["read_gbps"])
                        for _ in range(2))  # fmt: skip

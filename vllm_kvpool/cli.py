@@ -40,7 +40,7 @@ def _probe(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from vllm_kvpool.pool import PoolGeometry
-    from vllm_kvpool.storage import probe_bandwidths
+    from vllm_kvpool.probe import probe_bandwidths
 
     config = load_pool_config(args.config)
     if args.seconds is not None:

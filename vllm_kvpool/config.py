@@ -89,6 +89,7 @@ class PoolConfig:
     verify_checksums: bool = True
     save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
+    device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
 
     @property
     def hosts(self) -> tuple[DeviceConfig, ...]:
@@ -132,6 +133,7 @@ class PoolConfig:
             "verify_checksums": self.verify_checksums,
             "save_decode": self.save_decode,
             "staging": self.staging,
+            "device_retry_seconds": self.device_retry_seconds,
         }
 
 
@@ -237,7 +239,7 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
-             "verify_checksums", "save_decode", "staging"}  # fmt: skip
+             "verify_checksums", "save_decode", "staging", "device_retry_seconds"}  # fmt: skip
 _PROBE_KEYS = {"enabled", "seconds", "size", "drift_threshold"}
 
 
@@ -266,6 +268,7 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         verify_checksums=_bool(raw, "verify_checksums", True, ""),
         save_decode=_bool(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
+        device_retry_seconds=_float(raw, "device_retry_seconds", 10.0, ""),
     )
 
 

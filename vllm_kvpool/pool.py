@@ -8,6 +8,7 @@ geometry on the scheduler and on each worker, so a (device, slot) pair is a comp
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,9 @@ from vllm_kvpool.eviction import evict_lru
 from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit, ChunkIndex, ChunkLocation
 from vllm_kvpool.metrics import DeviceUsage, LookupCounters, PoolStatus, TransferCounters
 from vllm_kvpool.placement import DeviceWeights, Placement
+from vllm_kvpool.protocol import WorkerReport
+
+logger = logging.getLogger("vllm_kvpool")
 
 SLOT_ALIGNMENT = 4096  # covers the logical block size of NVMe/loop devices and O_DIRECT files
 
@@ -197,6 +201,40 @@ class UnifiedPool:
         self.weights.fail(device)
         for entry in self.index.on_device(device):
             self.invalidate(entry.key)
+
+    def restore_device(self, device: int) -> None:
+        """A failed device works again: it takes new chunks (the ones it held stay misses)."""
+        self.weights.restore(device)
+
+    def apply_report(self, report: WorkerReport) -> list[BlockHash]:
+        """Fold a worker report in; returns the chunks whose save settled (written or failed)."""
+        settled = []
+        for key, rank, checksum in report.committed:
+            self.acknowledge_save(key, rank, checksum)
+            entry = self.index.get(key)
+            if entry is None or entry.committed:
+                settled.append(key)
+        for key in report.failed_saves:
+            self.invalidate(key)
+            settled.append(key)
+        for key in report.corrupt:
+            self.invalidate(key)
+        names = [d.name for d in self.config.devices]
+        for device, reason in report.failed_devices.items():
+            if not self.weights.failed[device]:
+                logger.error("kvpool: %s failed (%s); its chunks are now misses", names[device],
+                             reason)  # fmt: skip
+                self.fail_device(device)
+        for device in report.recovered_devices:
+            if self.weights.failed[device] and device not in report.failed_devices:
+                logger.warning("kvpool: %s works again; it takes new chunks", names[device])
+                self.restore_device(device)
+        for device, nbytes, seconds in report.observations:
+            if self.weights.observe(device, nbytes, seconds):
+                logger.info("kvpool: re-weighted %s to %.2f GB/s", names[device],
+                            self.weights.gbps[device])  # fmt: skip
+        self.transfers.merge(report.counters)
+        return settled
 
     # -- reporting -------------------------------------------------------------------------
     def status(self) -> PoolStatus:

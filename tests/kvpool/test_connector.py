@@ -228,7 +228,7 @@ def test_stats_hook_and_status_file(model_dir, tmp_path):
     summary = stats.reduce()
     assert summary["hit_rate"] > 0.4
     assert any(k.startswith("read_GBps:") for k in summary)
-    h.connector._write_status()
+    h.connector.scheduler.write_status()
     status = PoolStatus.read(tmp_path / "status.json")
     assert status.lookups.hit_tokens == h.connector.pool.lookups.hit_tokens
     assert {u.name for u in status.usage} == {"host0", "ssd0", "ssd1"}

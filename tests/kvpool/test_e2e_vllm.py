@@ -66,8 +66,8 @@ def _scale_all_pool_data(worker, factor: float):
     """Multiply every float of the pool (host memory and the SSD file) by a power of two:
     exactly reversible, and wrong KV (sharper attention, larger values)."""
     for tier in worker.engine.tiers:
-        if hasattr(tier, "pool"):
-            worker.engine._view(tier.pool).view(torch.float32).mul_(factor)
+        if tier.resident:
+            tier.view(0, tier.pool.capacity).view(torch.float32).mul_(factor)
             continue
         size = tier.slot_bytes * (tier.device.capacity // tier.slot_bytes)
         with open(tier.cfg.path, "r+b") as f:

@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("vllm_kvpool._kvio")
 
-from vllm_kvpool.storage import kvio  # noqa: E402
-from vllm_kvpool.transfer import KVLayout  # noqa: E402
+from vllm_kvpool.kv_layout import KVLayout  # noqa: E402
+from vllm_kvpool.native import kvio  # noqa: E402
 
 BLOCKS, HEADS, BLOCK_TOKENS, HEAD2 = 16, 2, 4, 8
 

@@ -1,0 +1,201 @@
+"""KV address math: where a chunk's bytes live in vLLM's paged KV tensors and in pool memory.
+
+A chunk holds ``num_blocks`` vLLM blocks of every layer this worker owns, layer-major:
+``[layer][block][page bytes]`` where a page is the block's bytes of that layer in vLLM's logical
+``[H, N, C]`` order. Layer-major lets a layer of many blocks be gathered/scattered in one
+``index_select``/``index_copy_`` straight between KV tensor and pool memory, whatever physical
+``KVCacheLayout`` vLLM chose. On CPU the copies are planned as ``(dst, src, nbytes)`` rows
+(``chunk_ops``) that the C++ engine runs GIL-free (``copy_many``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_kvpool.native import kvio
+
+COPY_THREADS = 2  # GIL-free memcpy threads per gather/scatter (C++ copy_many)
+MAX_SEGMENTS = 4096  # host segments of one direct read (one backend request each)
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    name: str
+    tensor: torch.Tensor  # vLLM's per-layer view, logical [kernel_blocks, H, N, C]
+    ratio: int  # kernel blocks per vLLM block (vLLM may split a block for the kernel)
+    page_bytes: int  # bytes of one vLLM block of this layer
+
+
+@dataclass
+class KVLayout:
+    layers: list[LayerPages]
+    layer_prefix: list[int] = field(default_factory=list)  # page bytes of the layers before
+
+    def __post_init__(self) -> None:
+        acc = 0
+        self.layer_prefix = []
+        for layer in self.layers:
+            self.layer_prefix.append(acc)
+            acc += layer.page_bytes
+        self.index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._plan = self._uniform_plan()
+
+    def _uniform_plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:
+        """(KV base, KV page stride, page bytes before the layer, ratio, kernel page bytes), when
+        all layers have contiguous CPU pages of one size: ``chunk_ops`` is then one numpy
+        expression instead of a loop over layers (it runs once per chunk, holding the GIL)."""
+        if not self.layers:
+            return None
+        first = self.layers[0]
+        for layer in self.layers:
+            if (not _contiguous_pages(layer) or layer.ratio != first.ratio
+                    or layer.page_bytes != first.page_bytes):  # fmt: skip
+                return None
+        base = np.array([layer.tensor.data_ptr() for layer in self.layers], dtype=np.uint64)
+        stride = np.array([layer.tensor.stride(0) * layer.tensor.element_size()
+                           for layer in self.layers], dtype=np.uint64)  # fmt: skip
+        prefix = np.array(self.layer_prefix, dtype=np.uint64)
+        return base, stride, prefix, first.ratio, first.page_bytes // first.ratio
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(layer.page_bytes for layer in self.layers)
+
+    @classmethod
+    def from_kv_caches(
+        cls, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+    ) -> KVLayout:
+        """Learn vLLM's real per-layer KV views (as ``register_kv_caches`` hands them over)."""
+        layers = []
+        for name in layer_names:
+            t = kv_caches[name]
+            if t.shape[0] % num_blocks:
+                raise ValueError(f"kvpool: KV tensor of {name} has {t.shape[0]} blocks, not a "
+                                 f"multiple of the {num_blocks} blocks vLLM allocated")  # fmt: skip
+            ratio = t.shape[0] // num_blocks
+            page = t[0].numel() * t.element_size() * ratio
+            layers.append(LayerPages(name, t, ratio, page))
+        return cls(layers)
+
+    def offset(self, layer: int, num_blocks: int) -> int:
+        """Byte offset of ``layer`` inside a chunk of ``num_blocks`` blocks."""
+        return num_blocks * self.layer_prefix[layer]
+
+    def _ids(self, layer: LayerPages, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if layer.ratio > 1:
+            ids = (ids[:, None] * layer.ratio + torch.arange(layer.ratio)).reshape(-1)
+        return ids.to(layer.tensor.device, non_blocking=True)
+
+    def _host_view(self, buf: torch.Tensor, layer: LayerPages, n: int) -> torch.Tensor:
+        t = layer.tensor
+        return buf[: n * layer.page_bytes].view(t.dtype).view(n * layer.ratio, *t.shape[1:])
+
+    def _page_ops(self, layer: LayerPages, block_ids: Sequence[int], chunk_addr: int,
+                  to_kv: bool) -> np.ndarray | None:  # fmt: skip
+        """(dst, src, nbytes) rows, one per kernel page; None unless ``_contiguous_pages``."""
+        if not _contiguous_pages(layer):
+            return None
+        t = layer.tensor
+        return _copy_rows(np.array([t.data_ptr()], dtype=np.uint64),
+                          np.array([t.stride(0) * t.element_size()], dtype=np.uint64),
+                          np.array([chunk_addr], dtype=np.uint64), layer.ratio,
+                          layer.page_bytes // layer.ratio, block_ids, to_kv)  # fmt: skip
+
+    def chunk_ops(self, block_ids: Sequence[int], chunk_addr: int, to_kv: bool,
+                  stored: int | None = None, skip: int = 0) -> np.ndarray | None:  # fmt: skip
+        """Copy rows for chunk blocks ``skip..skip+len(block_ids)`` of a chunk of ``stored``
+        blocks (every layer, in chunk byte order), adjacent pages merged; None unless every
+        layer's pages are contiguous CPU memory (see ``_page_ops``)."""
+        stored = len(block_ids) if stored is None else stored
+        if self._plan is not None:
+            base, stride, prefix, ratio, kpage = self._plan
+            host = np.uint64(chunk_addr + skip * ratio * kpage) + prefix * np.uint64(stored)
+            return _merge_adjacent(_copy_rows(base, stride, host, ratio, kpage, block_ids, to_kv))
+        parts = []
+        for li, layer in enumerate(self.layers):
+            addr = chunk_addr + self.offset(li, stored) + skip * layer.page_bytes
+            ops = self._page_ops(layer, block_ids, addr, to_kv)
+            if ops is None:
+                return None
+            parts.append(ops)
+        return _merge_adjacent(np.concatenate(parts)) if parts else None
+
+    def direct_segments(self, block_ids: Sequence[int], mem_align: int,
+                        align: int) -> np.ndarray | None:  # fmt: skip
+        """(kv_addr, nbytes) rows that let an O_DIRECT read land straight in the KV pages of a
+        full chunk (no staging copy): only when the pages are CPU memory aligned for the device."""
+        ops = self.chunk_ops(block_ids, 0, to_kv=True)
+        if ops is None or len(ops) > MAX_SEGMENTS:
+            return None
+        dst, nbytes = ops[:, 0], ops[:, 2]
+        if (dst % np.uint64(mem_align)).any() or (nbytes % np.uint64(align)).any():
+            return None
+        return np.ascontiguousarray(ops[:, [0, 2]])
+
+    def gather(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int) -> None:
+        """Copy layer ``li`` of ``block_ids`` from the KV tensor into the chunk buffer."""
+        layer = self.layers[li]
+        n = len(block_ids)
+        region = chunk[self.offset(li, stored) :]
+        ops = self._page_ops(layer, block_ids, region.data_ptr(), to_kv=False)
+        if ops is not None:
+            kvio().copy_many(ops, threads=COPY_THREADS)
+            return
+        dst = self._host_view(region, layer, n)
+        ids = self._ids(layer, block_ids)
+        if layer.tensor.device.type == "cpu":
+            torch.index_select(layer.tensor, 0, ids, out=dst)
+        else:
+            dst.copy_(layer.tensor.index_select(0, ids))
+
+    def scatter(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int,
+                skip: int = 0) -> None:  # fmt: skip
+        """Copy chunk blocks ``skip..skip+len(block_ids)`` of layer ``li`` into the KV."""
+        layer = self.layers[li]
+        region = chunk[self.offset(li, stored) + skip * layer.page_bytes :]
+        ops = self._page_ops(layer, block_ids, region.data_ptr(), to_kv=True)
+        if ops is not None:
+            kvio().copy_many(ops, threads=COPY_THREADS)
+            return
+        src = self._host_view(region, layer, len(block_ids))
+        ids = self._ids(layer, block_ids)
+        layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
+
+
+def _contiguous_pages(layer: LayerPages) -> bool:
+    """Whether each kernel page ([H, N, C]) is one run of CPU memory (LBHNC, BLHNC, ...)."""
+    t = layer.tensor
+    return t.device.type == "cpu" and t[0].is_contiguous()
+
+
+def _copy_rows(kv_base: np.ndarray, kv_stride: np.ndarray, host_base: np.ndarray, ratio: int,
+               kpage: int, block_ids: Sequence[int], to_kv: bool) -> np.ndarray:  # fmt: skip
+    """(dst, src, nbytes) rows, one per kernel page, layer by layer: layer l's KV pages start at
+    ``kv_base[l]``, ``kv_stride[l]`` bytes apart; its run in the chunk starts at ``host_base[l]``."""
+    ids = np.asarray(block_ids, dtype=np.uint64)[:, None] * np.uint64(ratio)
+    kernel = (ids + np.arange(ratio, dtype=np.uint64)).reshape(-1)
+    kv = (kv_base[:, None] + kernel[None, :] * kv_stride[:, None]).ravel()
+    host = (host_base[:, None]
+            + np.arange(kernel.size, dtype=np.uint64)[None, :] * np.uint64(kpage)).ravel()  # fmt: skip
+    ops = np.empty((kv.size, 3), dtype=np.uint64)
+    ops[:, 0], ops[:, 1] = (kv, host) if to_kv else (host, kv)
+    ops[:, 2] = kpage
+    return ops
+
+
+def _merge_adjacent(ops: np.ndarray) -> np.ndarray:
+    """Merge consecutive (dst, src, nbytes) rows that continue each other in both buffers."""
+    if len(ops) < 2:
+        return ops
+    ends_dst = ops[:-1, 0] + ops[:-1, 2]
+    ends_src = ops[:-1, 1] + ops[:-1, 2]
+    starts = np.flatnonzero(np.concatenate(
+        ([True], (ops[1:, 0] != ends_dst) | (ops[1:, 1] != ends_src))))  # fmt: skip
+    merged = ops[starts].copy()
+    merged[:, 2] = np.add.reduceat(ops[:, 2], starts)
+    return merged

@@ -1,0 +1,41 @@
+"""Placement weights: each device's read bandwidth, fixed in the config or probed.
+
+Host pools are probed with a memcpy of ``probe.size``; SSDs with the engine's read/write probe
+in the scratch region after the data, so no live chunk is touched.
+"""
+
+from __future__ import annotations
+
+from vllm_kvpool.config import PoolConfig
+from vllm_kvpool.handlers import handler_class
+from vllm_kvpool.handlers.device import DeviceHandler
+from vllm_kvpool.native import kvio
+from vllm_kvpool.pool import PoolGeometry
+
+PROBE_CHUNK = 2 * 2**20
+
+
+def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
+    """Read bandwidth (GB/s) per device: fixed ``bandwidth_gbps`` or a short probe."""
+    gbps: list[float] = []
+    for cfg in config.devices:
+        if cfg.bandwidth_gbps is not None:
+            gbps.append(cfg.bandwidth_gbps)
+            continue
+        if not config.probe.enabled:
+            gbps.append(1.0)  # no probe and no figure: equal weights
+            continue
+        io = kvio()
+        if cfg.kind == "host":
+            result = io.probe_memcpy(seconds=config.probe.seconds, nbytes=config.probe.size)
+            gbps.append(float(result["gbps"]))
+            continue
+        cls = handler_class(cfg)
+        assert issubclass(cls, DeviceHandler)
+        dev, _ = cls.open_raw(cfg, geometry.num_slots(cfg), geometry.slot_bytes)
+        try:
+            result = io.probe_device(dev, seconds=config.probe.seconds, chunk_bytes=PROBE_CHUNK)
+        finally:
+            dev.close()
+        gbps.append(max(float(result["read_gbps"]), 1e-3))
+    return gbps

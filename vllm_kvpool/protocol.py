@@ -1,0 +1,67 @@
+"""The messages between the scheduler-side pool and the worker-side engine (plain dataclasses).
+
+Down (scheduler -> workers, once per step): chunk saves and loads. Up (workers -> scheduler):
+a ``WorkerReport`` of committed writes, failures and traffic counters, mergeable across ranks.
+No vLLM and no I/O here, so both sides (and tools without vLLM) share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_kvpool.metrics import TransferCounters
+
+
+@dataclass(frozen=True)
+class ChunkSave:
+    req_id: str
+    key: bytes
+    device: int
+    slot: int
+    block_ids: tuple[int, ...]  # vLLM block ids holding the chunk, in order
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    key: bytes
+    device: int
+    slot: int
+    stored_blocks: int  # blocks in the stored chunk (its layout)
+    checksums: dict[int, int]  # worker rank -> checksum of that rank's shard
+    skip: int  # leading blocks of the chunk already present (local prefix-cache hit)
+    block_ids: tuple[int, ...]  # destination vLLM blocks for chunk blocks skip, skip+1, ...
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    req_id: str
+    reads: tuple[ChunkRead, ...]
+    is_async: bool
+
+
+@dataclass
+class WorkerReport:
+    """What a worker tells the scheduler-side pool after a step (mergeable across ranks)."""
+
+    committed: list[tuple[bytes, int, int]] = field(default_factory=list)  # key, rank, checksum
+    failed_saves: list[bytes] = field(default_factory=list)
+    corrupt: list[bytes] = field(default_factory=list)
+    failed_devices: dict[int, str] = field(default_factory=dict)
+    recovered_devices: list[int] = field(default_factory=list)  # failed, now working again
+    observations: list[tuple[int, int, float]] = field(default_factory=list)  # dev, bytes, secs
+    counters: TransferCounters = field(default_factory=TransferCounters)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        self.committed += other.committed
+        self.failed_saves += other.failed_saves
+        self.corrupt += other.corrupt
+        self.failed_devices.update(other.failed_devices)
+        self.recovered_devices += other.recovered_devices
+        self.observations += other.observations
+        self.counters.merge(other.counters)
+        return self
+
+    def is_empty(self) -> bool:
+        return not (self.committed or self.failed_saves or self.corrupt or self.failed_devices
+                    or self.recovered_devices or self.observations
+                    or not self.counters.is_empty())  # fmt: skip

@@ -1,0 +1,228 @@
+"""Scheduler side of the connector (one per engine): the pool's index, placement and saves.
+
+Answers lookups from the index, turns allocations into load jobs, plans the saves of every
+request's new chunks (prompt and, with ``save_decode``, generated tokens), keeps the blocks of
+finishing requests alive until their saves are written, and applies the workers' reports
+(commits, failures, device health, observed bandwidth). Talks to the workers only through
+``PoolStepMetadata`` / ``PoolWorkerMetadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvpool.config import PoolConfig
+from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata, PoolWorkerMetadata
+from vllm_kvpool.index import ChunkEntry
+from vllm_kvpool.metrics import counter_delta, flat_counters
+from vllm_kvpool.placement import DeviceWeights
+from vllm_kvpool.pool import PoolGeometry, UnifiedPool
+from vllm_kvpool.probe import probe_bandwidths
+from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest, WorkerReport
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm_kvpool")
+STATUS_INTERVAL_S = 1.0
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    next_chunk: int = 0  # first chunk not yet saved in full
+    partial_saved: bool = False  # chunk next_chunk's partial prompt copy was saved
+    inflight_saves: set[bytes] = field(default_factory=set)
+    counted: bool = False
+
+
+class PoolScheduler:
+    """The scheduler-side role of ``UnifiedKVPoolConnector``."""
+
+    def __init__(self, config: PoolConfig, geometry: PoolGeometry, block_size: int,
+                 world_size: int, status_path: str) -> None:  # fmt: skip
+        self.pool_config = config
+        self.geometry = geometry
+        self.block_size = block_size
+        self.status_path = status_path
+        gbps = probe_bandwidths(config, geometry)
+        logger.info("kvpool: placement weights (GB/s): %s", dict(
+            zip((d.name for d in config.devices), gbps, strict=True)))  # fmt: skip
+        weights = DeviceWeights(gbps, drift_threshold=config.probe.drift_threshold)
+        self.pool = UnifiedPool(config, geometry, weights, world_size)
+        self._requests: dict[str, _RequestState] = {}
+        self._lookups: dict[str, tuple[int, list]] = {}
+        self._load_pins: dict[str, list[ChunkEntry]] = {}
+        self._sync_loads: list[str] = []
+        self._save_owner: dict[bytes, str] = {}
+        self._next_meta = PoolStepMetadata()
+        self._stats_sent: dict[str, float] = {}
+        self._status_written = 0.0
+
+    # -- lookups and loads -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
+        # At least one prompt token must be computed to produce logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = self.pool.match(request.block_hashes[:max_blocks])
+        matched = sum(h.num_blocks for h in hits) * self.block_size
+        self._lookups[request.request_id] = (num_computed_tokens, hits)
+        external = matched - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        return external, self.pool_config.load_mode == "async"
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:  # fmt: skip
+        req_id = request.request_id
+        state = self._requests.setdefault(req_id, _RequestState(request))
+        computed, hits = self._lookups.pop(req_id, (0, []))
+        if not state.counted:
+            state.counted = True
+            self.pool.lookups.query_tokens += request.num_tokens
+            self.pool.lookups.hit_tokens += num_external_tokens
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = computed // self.block_size
+        last = (computed + num_external_tokens) // self.block_size
+        reads, pinned = [], []
+        for hit in hits:
+            lo, hi = max(hit.first_block, first), min(hit.first_block + hit.num_blocks, last)
+            if lo >= hi:
+                continue
+            loc = hit.entry.location
+            reads.append(ChunkRead(hit.entry.key, loc.device, loc.slot, loc.num_blocks,
+                                   dict(hit.entry.checksums), lo - hit.first_block,
+                                   tuple(block_ids[lo:hi])))  # fmt: skip
+            pinned.append(hit.entry)
+        self.pool.pin(pinned)
+        self._load_pins[req_id] = pinned
+        is_async = self.pool_config.load_mode == "async"
+        if not is_async:
+            self._sync_loads.append(req_id)
+        self.pool.lookups.loads += 1
+        self._next_meta.loads.append(LoadRequest(req_id, tuple(reads), is_async))
+
+    # -- saves -----------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolStepMetadata:
+        meta, self._next_meta = self._next_meta, PoolStepMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+        return meta
+
+    def _plan_saves(self, state: _RequestState, num_done: int, meta: PoolStepMetadata) -> None:
+        """Save full chunks once computed (prompt, and generated tokens with ``save_decode``)
+        and the prompt's partial last chunk once, at the prompt's end; a chunk that generated
+        tokens fill later replaces that partial copy."""
+        request, bpc = state.request, self.geometry.blocks_per_chunk
+        prompt_blocks = request.num_prompt_tokens // self.block_size
+        limit = min(num_done // self.block_size, len(request.block_hashes), len(state.block_ids))
+        if not self.pool_config.save_decode:
+            limit = min(limit, prompt_blocks)
+        chunks = []
+        c = state.next_chunk
+        while c * bpc < limit:
+            end = min((c + 1) * bpc, limit)
+            hashes = request.block_hashes[c * bpc : end]
+            if end < (c + 1) * bpc:  # partial: only the prompt's last chunk, once, at its end
+                if state.partial_saved or end < prompt_blocks or c * bpc >= prompt_blocks:
+                    break
+                state.partial_saved = True
+                chunks.append((c * bpc, hashes))
+                break  # revisited once generated tokens complete it
+            if self.pool.shorter_copy_unsettled(hashes):
+                break  # the partial copy is still being written: replace it in a later step
+            chunks.append((c * bpc, hashes))
+            c += 1
+            state.partial_saved = False
+        state.next_chunk = c
+        if not chunks:
+            return
+        for planned in self.pool.plan_saves(request.request_id, chunks):
+            entry, first = planned.entry, planned.first_block
+            ids = tuple(state.block_ids[first : first + entry.location.num_blocks])
+            meta.saves.append(ChunkSave(request.request_id, entry.key, entry.location.device,
+                                        entry.location.slot, ids))  # fmt: skip
+            state.inflight_saves.add(entry.key)
+            self._save_owner[entry.key] = request.request_id
+
+    # -- worker reports --------------------------------------------------------------------
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, PoolWorkerMetadata):
+            self.apply_report(meta.report)
+        for req_id in list(connector_output.finished_recving or ()) + self._sync_loads:
+            self.pool.unpin(self._load_pins.pop(req_id, []))
+        self._sync_loads = []
+        now = time.monotonic()
+        if now - self._status_written > STATUS_INTERVAL_S:
+            self.write_status()
+            self._status_written = now
+
+    def apply_report(self, report: WorkerReport) -> None:
+        for key in self.pool.apply_report(report):
+            self._save_finished(key)
+
+    def _save_finished(self, key: bytes) -> None:
+        req_id = self._save_owner.pop(key, None)
+        state = self._requests.get(req_id) if req_id else None
+        if state is not None:
+            state.inflight_saves.discard(key)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self.pool.forget_request(req_id)
+        state = self._requests.pop(req_id, None)
+        if state is None or not state.inflight_saves:
+            return False, None
+        # Saves still copying from these blocks: vLLM frees them once get_finished says so.
+        self._next_meta.deferred_free.append(req_id)
+        return True, None
+
+    # -- status ----------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVPoolStats | None:
+        now = flat_counters(self.pool.status())
+        delta = counter_delta(now, self._stats_sent)
+        self._stats_sent = now
+        return KVPoolStats(data=delta) if delta else None
+
+    def write_status(self) -> None:
+        try:
+            self.pool.status().write(self.status_path)
+        except OSError as exc:  # status is best effort; serving goes on
+            logger.debug("kvpool: cannot write status file %s: %s", self.status_path, exc)
+
+    def reset_cache(self) -> bool:
+        for entry in list(self.pool.index.oldest_first()):
+            if entry.committed:
+                self.pool.invalidate(entry.key)
+        return True
+
+    def shutdown(self) -> None:
+        self.write_status()

@@ -1,0 +1,88 @@
+"""Worker side of the connector (one per rank): the transfer engine over this rank's media.
+
+Built once ``register_kv_caches`` shows vLLM's real KV tensors; turns each step's
+``PoolStepMetadata`` into engine calls and the engine's report into ``PoolWorkerMetadata``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_kvpool.config import PoolConfig, PoolConfigError
+from vllm_kvpool.connector_meta import PoolStepMetadata, PoolWorkerMetadata
+from vllm_kvpool.engine import TransferEngine
+from vllm_kvpool.handlers import open_handlers
+from vllm_kvpool.kv_layout import KVLayout
+from vllm_kvpool.pool import PoolGeometry
+
+
+class PoolWorker:
+    """The worker-side role of ``UnifiedKVPoolConnector``."""
+
+    def __init__(self, config: PoolConfig, geometry: PoolGeometry, rank: int,
+                 world_size: int) -> None:  # fmt: skip
+        self.pool_config = config
+        self.geometry = geometry
+        self.rank = rank
+        self.world_size = world_size
+        self.engine: TransferEngine | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str],
+                           num_blocks: int) -> None:  # fmt: skip
+        layout = KVLayout.from_kv_caches(kv_caches, layer_names, num_blocks)
+        if layout.block_bytes != self.geometry.block_bytes:
+            raise PoolConfigError(
+                "chunk layout", f"KV tensors hold {layout.block_bytes} bytes per block, the "
+                f"KV cache spec says {self.geometry.block_bytes}")  # fmt: skip
+        suffix = f".rank{self.rank}" if self.world_size > 1 else ""
+        handlers = open_handlers(self.pool_config, self.geometry, suffix)
+        self.engine = TransferEngine(handlers, layout, self.rank, self.pool_config.verify_checksums,
+                                     self.pool_config.device_retry_seconds)  # fmt: skip
+
+    def drain(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_all()
+
+    def start_load(self, meta: PoolStepMetadata | None) -> None:
+        if meta is not None and self.engine is not None:
+            self.engine.start_loads(meta.loads)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self.engine is not None:
+            self.engine.wait_layer(layer_name)
+
+    def save_layer(self, meta: PoolStepMetadata | None, layer_name: str) -> None:
+        if meta is not None and self.engine is not None:
+            self.engine.save_layer(meta.saves, layer_name)
+
+    def finish_step(self, meta: PoolStepMetadata | None) -> None:
+        if meta is None or self.engine is None:
+            return
+        self.engine.finish_step_saves(meta.saves)
+        self.engine.wait_sync_loads()
+
+    def flush_saves(self) -> None:
+        if self.engine is not None:  # preempted blocks get reused: finish copying out of them
+            self.engine.flush_saves()
+
+    def get_finished(self, meta: PoolStepMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+        if self.engine is None:
+            return None, None
+        sending, recving = self.engine.take_finished(meta.deferred_free if meta else [])
+        return sending or None, recving or None
+
+    def invalid_blocks(self) -> set[int]:
+        return self.engine.take_invalid_blocks() if self.engine is not None else set()
+
+    def worker_meta(self) -> PoolWorkerMetadata | None:
+        if self.engine is None:
+            return None
+        report = self.engine.take_report()
+        return None if report.is_empty() else PoolWorkerMetadata(report)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
