@@ -12,8 +12,9 @@ Precision semantics (what Megatron / torch.amp users run):
 - ``*-mixed`` (and fp8) store weights/grads in the low dtype and keep fp32 master weights in the
   optimizer: grads are cast up to fp32, AdamW updates the master, which is cast back down;
 - fp16 with autocast or fp32 masters uses dynamic loss scaling (``torch.amp.GradScaler``).
-AdamW is the fused kernel (``fused=True``): one multi-tensor kernel, as Apex/TE FusedAdam on GPUs,
-and it needs no host sync, which fake tensors could not provide.
+AdamW is the fused kernel (``fused=True``) by default: one multi-tensor kernel, as Apex/TE FusedAdam
+on GPUs, and it needs no host sync, which fake tensors could not provide. ``make_optimizer`` swaps
+in any other optimizer (the memory predictor traces torch's default foreach Adam through it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class TrainingStep:
         weight_decay: float = 0.01,
         loss_fn: LossFn = default_loss,
         on_phase: PhaseCallback | None = None,
+        make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
     ) -> None:
         self.precision = get_precision(precision)
         self.target = target
@@ -109,11 +111,10 @@ class TrainingStep:
             self.masters = []
             opt_params = self.params
         # An empty optimizer is legal (fully frozen model): the step is then forward+backward.
-        self.optimizer = (
-            torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay, fused=True)
-            if opt_params
-            else None
-        )
+        if make_optimizer is None:
+            def make_optimizer(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+                return torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, fused=True)
+        self.optimizer = make_optimizer(opt_params) if opt_params else None
         self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if p.grad_scaler else None
 
     def __call__(self, batch: Batch) -> torch.Tensor:

@@ -14,8 +14,27 @@ from .towers import MemorySpecError
 
 def add_subcommands(subparsers) -> None:
     m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step")
-    m.add_argument("--model", required=True, help="preset name, e.g. llava-1.5-7b-like")
+    m.add_argument("--model", required=True,
+                   help="a preset (e.g. llava-1.5-7b-like), 'mlp', 'cnn' or 'module'")
     m.add_argument("--batch", type=int, default=1)
+    g = m.add_argument_group("mlp / cnn / module (traced nn.Module, device-level output)")
+    g.add_argument("--input", type=int, default=784, help="mlp: input features")
+    g.add_argument("--hidden", default="1024,1024", help="mlp: comma list of hidden widths")
+    g.add_argument("--channels", default="64,128,256", help="cnn: comma list of conv widths")
+    g.add_argument("--kernel", type=int, default=3, help="cnn: kernel size")
+    g.add_argument("--classes", type=int, default=10)
+    g.add_argument("--activation", default="relu")
+    g.add_argument("--batchnorm", action="store_true")
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--module", default=None, help="module: package.module:factory")
+    g.add_argument("--input-shape", default=None,
+                   help="module: one sample's input shape, e.g. 3x224x224 (float input)")
+    g.add_argument("--optimizer", default="adam",
+                   help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...")
+    g.add_argument("--device", default=None,
+                   help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
+    g.add_argument("--framework", default="ddp", choices=["ddp", "deepspeed", "megatron"])
+    g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     m.add_argument("--seq", type=int, default=2048, help="LLM sequence (image tokens included)")
     m.add_argument("--image-res", type=int, default=None)
     m.add_argument("--images-per-sample", type=int, default=1)
@@ -25,7 +44,9 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--checkpointing", default="none", choices=["none", "full"])
     m.add_argument("--attention", default="flash", choices=["flash", "eager"])
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
-    m.add_argument("--capacity-gib", default="80", help="card memory in GiB (24/40/80/141...)")
+    m.add_argument("--capacity-gib", default=None,
+                   help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
+                        "module default: --device's)")
     m.add_argument("--margin", type=float, default=None,
                    help="fixed safety margin (default: the model's predicted uncertainty)")
     m.set_defaults(func=_named_errors(_memory))
@@ -59,6 +80,8 @@ def _named_errors(handler):
 
 
 def _memory(args) -> int:
+    if args.model in ("mlp", "cnn", "module"):
+        return _memory_module(args)
     from .api import predict_peak_memory
 
     frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
@@ -66,9 +89,49 @@ def _memory(args) -> int:
         args.model, batch=args.batch, seq=args.seq, image_res=args.image_res,
         images_per_sample=args.images_per_sample, precision=args.precision, zero=args.zero,
         dp=args.dp, checkpointing=args.checkpointing, attention=args.attention, frozen=frozen,
-        capacity_gib=args.capacity_gib, margin=args.margin)
+        capacity_gib=args.capacity_gib or "80", margin=args.margin)
     print(pred.format())
     return 0 if pred.fits else 2
+
+
+def _memory_module(args) -> int:
+    import json
+
+    from .device import DistributedSpec
+    from .module import predict_module_memory
+    from .simple import CnnSpec, MlpSpec, load_factory, parse_shape, parse_widths
+
+    if args.model == "mlp":
+        spec = MlpSpec(args.input, parse_widths(args.hidden, "hidden"), args.classes,
+                       args.activation, args.batchnorm, args.dropout)
+        model, (x, y) = spec.build, spec.example(args.batch)
+    elif args.model == "cnn":
+        spec = CnnSpec(parse_widths(args.channels, "channels"), args.image_res or 224,
+                       kernel=args.kernel, classes=args.classes, activation=args.activation,
+                       batchnorm=args.batchnorm)
+        model, (x, y) = spec.build, spec.example(args.batch)
+    else:
+        if args.module is None or args.input_shape is None:
+            raise MemorySpecError("--model module needs --module package.module:factory and "
+                                  "--input-shape")
+        model = load_factory(args.module)
+        x = torch_empty((args.batch, *parse_shape(args.input_shape)))
+        y = torch_empty((args.batch,), long=True)
+    dist = DistributedSpec(dp=args.dp, zero=args.zero, framework=args.framework)
+    device = args.device or {"24": "l40s", "40": "a100-40gb", "141": "h200"}.get(
+        str(args.capacity_gib), "h100-80gb")
+    capacity = None if args.capacity_gib is None else float(args.capacity_gib)
+    pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
+                                 precision=args.precision, distributed=dist, device=device,
+                                 capacity_gib=capacity, margin=args.margin)
+    print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
+    return 0 if pred.fits else 2
+
+
+def torch_empty(shape: tuple[int, ...], long: bool = False):
+    import torch
+
+    return torch.empty(shape, dtype=torch.long if long else torch.float32, device="meta")
 
 
 def _collect(args) -> int:

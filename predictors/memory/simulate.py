@@ -1,7 +1,7 @@
 """Ground truth without a GPU: one real training step traced under ``FakeTensorMode`` on cpu.
 
 The step is the time predictor's :class:`predictors.step.TrainingStep` (CUDA autocast rules,
-fused AdamW, fp32 masters, grad scaler). The :class:`MemoryTracker` sees every storage and
+fused AdamW unless another optimizer is given, fp32 masters, grad scaler). The :class:`MemoryTracker` sees every storage and
 replays the stream through the caching-allocator simulator. Two steps run: the first creates
 the Adam states; peaks are reset and the second (steady-state) step is the one reported, as a
 GPU measurement after a warm-up step would be.
@@ -15,12 +15,14 @@ for the OOM verdict. Not emulated: ZeRO sharding (traced at dp=1; the analytical
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..step import Batch, TrainingStep
+from ..step import Batch, LossFn, TrainingStep, default_loss
+from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
 from .overheads import HOPPER, CudaOverheads
 from .towers import ModelSpec, ShardingError, TrainConfig, resolve_shapes
@@ -39,10 +41,12 @@ class Measurement:
     breakdown: dict[str, int]  # live bytes per label at the allocated peak
     phase_peaks: dict[str, int]
     saved_by_module: dict[str, int]  # activation bytes saved per module (forward end)
+    segments_released: int = 0  # cached segments freed under capacity pressure
 
     def as_row(self) -> dict:
         row = asdict(self)
         row.pop("saved_by_module")
+        row.pop("segments_released")
         for k, v in row.pop("breakdown").items():
             row[f"gt_{k}"] = v
         for k, v in row.pop("phase_peaks").items():
@@ -75,12 +79,32 @@ def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = 
         raise ShardingError("the traced ground truth runs one rank without ZeRO (zero=0)")
     spec = spec.at_resolution(cfg.image_res)
     resolve_shapes(spec, cfg)
+
+    def batch(model: torch.nn.Module) -> Batch:
+        kw = make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+        return Batch((), kw["labels"], kw)
+
+    return trace_step(lambda: prepare_model(spec, cfg), batch, cfg.precision,
+                      loss_fn=_loss_from_output, overheads=overheads, steps=steps)
+
+
+def trace_step(build: Callable[[], torch.nn.Module],
+               batch: Callable[[torch.nn.Module], Batch], precision: str, *,
+               loss_fn: LossFn = default_loss,
+               make_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+               overheads: CudaOverheads = HOPPER, capacity: int | None = None,
+               steps: int = 2) -> Measurement:
+    """Trace ``steps`` training steps of the module ``build()`` returns (called under
+    ``FakeTensorMode``) on inputs from ``batch(model)``; the last step's peaks are reported.
+    ``capacity`` bounds the simulated allocator: under pressure it frees its cached segments
+    and retries, and raises :class:`SimulatedOutOfMemoryError` when even that fails."""
     t0 = time.perf_counter()
-    tracker = MemoryTracker(overheads=overheads)
+    tracker = MemoryTracker(CachingAllocatorSim(capacity), overheads=overheads)
     with FakeTensorMode():
-        model = prepare_model(spec, cfg)
-        step = TrainingStep(model, cfg.precision, target="cuda", loss_fn=_loss_from_output,
-                            on_phase=lambda p: _enter_phase(tracker, p))
+        model = build()
+        step = TrainingStep(model, precision, target="cuda", loss_fn=loss_fn,
+                            on_phase=lambda p: _enter_phase(tracker, p),
+                            make_optimizer=make_optimizer)
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:
             p.register_post_accumulate_grad_hook(lambda q: tracker.relabel([q.grad], "gradient"))
@@ -96,8 +120,7 @@ def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = 
                 if i == steps - 1:
                     tracker.phase = "setup"
                     tracker.reset_peak()
-                kw = make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
-                step(Batch((), kw["labels"], kw))
+                step(batch(model))
                 tracker.phase = "setup"
                 if step.optimizer is not None:
                     tracker.relabel(
@@ -115,6 +138,7 @@ def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = 
         breakdown=tracker.peak_breakdown(),
         phase_peaks=dict(tracker.phase_peaks),
         saved_by_module=dict(tracker.module_saved),
+        segments_released=s.num_releases,
     )
 
 

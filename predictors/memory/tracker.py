@@ -14,6 +14,7 @@ workspaces) and ``temporary`` (everything else).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -23,11 +24,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .allocator import CachingAllocatorSim
+from .allocator import CachingAllocatorSim, SimulatedOutOfMemoryError
 from .overheads import NONE, CudaOverheads
 
 LABELS = ("parameter", "gradient", "optimizer_state", "activation", "workspace", "temporary")
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot"}
+_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+_CONVS = {"convolution", "convolution_backward"}
 
 
 @dataclass
@@ -71,6 +74,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = PeakSnapshot()
         self.phase_peaks: dict[str, int] = {}
         self.module_saved: dict[str, int] = defaultdict(int)
+        self._found_inf: set[int] = set()  # storages of grad-scaler found-inf flags
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _alloc(self, key: int, nbytes: int, label: str, op: str) -> _Record:
@@ -166,13 +170,50 @@ class MemoryTracker(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":  # a host read: see the module docstring
+            value = 0 if _storage_key(args[0]) in self._found_inf else 1
+            return float(value) if args[0].is_floating_point() else value
+        if name == _UNSCALE:
+            self._found_inf.add(_storage_key(args[1]))
         if name in _GEMMS and self.overheads.cublas_workspaces:
             self._cublas_workspace()
+        workspace = self._cudnn_workspace(name, args) if name in _CONVS else None
         out = func(*args, **(kwargs or {}))
+        if workspace is not None:
+            self._free(workspace)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._watch(t, "temporary", name)
         return out
+
+    def _cudnn_workspace(self, name: str, args: tuple) -> int | None:
+        """cuDNN's convolution workspace, allocated through the caching allocator for the
+        duration of the op. Sized as the explicit-GEMM algorithm's lowered input matrix
+        (cuDNN docs, CUDNN_CONVOLUTION_FWD_ALGO_GEMM: the workspace holds the input as an
+        (N*out_pixels) x (C_in/groups*kernel) matrix), the largest of the heuristic choices that
+        still fit. PyTorch tries the next algorithm when a workspace cannot be allocated
+        (``aten/src/ATen/native/cudnn/Conv_v8.cpp``), so a workspace never causes the OOM itself:
+        one that does not fit is skipped."""
+        if not self.overheads.cudnn_workspaces:
+            return None
+        if name == "convolution_backward":
+            out, x, w = args[0], args[1], args[2]
+            out_pixels = math.prod(int(d) for d in out.shape[2:])
+        else:
+            x, w, stride, padding, dilation = args[0], args[1], args[3], args[4], args[5]
+            out_pixels = 1
+            for i, (n, k) in enumerate(zip(x.shape[2:], w.shape[2:], strict=True)):
+                s, p, d = (v[i] if len(v) > 1 else v[0] for v in (stride, padding, dilation))
+                out_pixels *= max((int(n) + 2 * p - d * (int(k) - 1) - 1) // s + 1, 1)
+        nbytes = int(x.shape[0]) * out_pixels * int(w[0].numel()) * x.element_size()
+        if nbytes == 0:
+            return None
+        key = -1000 - self._seq  # not a storage: negative keys never collide with _cdata
+        try:
+            self._alloc(key, nbytes, "workspace", "cudnn")
+        except SimulatedOutOfMemoryError:
+            return None
+        return key
 
     def _cublas_workspace(self) -> None:
         # One handle for the Python thread (setup/forward/loss/optimizer), one for the autograd

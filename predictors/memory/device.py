@@ -1,0 +1,154 @@
+"""Device-level memory: what ``nvidia-smi`` shows beyond the caching allocator, and the
+buffers of distributed training (data parallelism, ZeRO, Megatron's distributed optimizer).
+
+* Inside the allocator (so inside ``max_memory_reserved``): cuBLAS workspaces (traced, see
+  :mod:`overheads`), cuDNN convolution workspaces (traced, :mod:`tracker`), DDP gradient
+  buckets, DeepSpeed ZeRO reduce / all-gather buckets and stage-3 live parameters.
+* Outside it: the CUDA context with the kernels of the loaded libraries, and NCCL's
+  communication buffers (NCCL allocates them with ``cudaMalloc`` itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..devices import get_device as get_compute_device
+from .allocator import MiB
+from .optimizers import OptimizerSpec
+from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
+from .towers import ShardingError
+
+FRAMEWORKS = ("ddp", "deepspeed", "megatron")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    capacity: int  # bytes nvidia-smi reports as total
+    overheads: CudaOverheads
+
+    def outside_allocator(self, dist: DistributedSpec) -> dict[str, int]:
+        return {"cuda_context": self.overheads.context_bytes,
+                "nccl_buffers": dist.nccl_bytes()}
+
+
+def get_device(name: str, stack: str | None = None) -> DeviceProfile:
+    """Memory profile of a GPU of :data:`predictors.devices.DEVICES` (``a100-40gb``, ``h100``,
+    ``h200``, ...). ``stack`` picks a measured CUDA-context size of :data:`overheads.CONTEXTS`
+    (default: the card's architecture with the current PyTorch stack)."""
+    dev = get_compute_device(name)
+    if dev.kind != "gpu":
+        raise ShardingError(f"device={name!r} is not a GPU")
+    hopper = dev.family in ("h100",)
+    base = HOPPER if hopper else PRE_HOPPER
+    key = stack or ("hopper" if hopper else "ampere")
+    if key not in CONTEXTS:
+        raise ShardingError(f"stack={key!r} unknown; choose one of {', '.join(CONTEXTS)}")
+    return DeviceProfile(dev.name, int(dev.memory_bytes),
+                         replace(base, context_bytes=CONTEXTS[key].bytes,
+                                 cudnn_workspaces=True))
+
+
+DEVICES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "v100")
+
+
+@dataclass(frozen=True)
+class DistributedSpec:
+    """Data parallelism over ``dp`` ranks. ``zero``: 0 none, 1 optimizer states (+ fp32
+    masters), 2 + gradients, 3 + parameters. ``framework``: ``ddp`` (torch DDP, ZeRO-1 via
+    ``ZeroRedundancyOptimizer``), ``deepspeed`` (its ZeRO with the documented defaults below),
+    ``megatron`` (distributed optimizer = ZeRO-1 over a contiguous gradient buffer).
+
+    DeepSpeed defaults from https://www.deepspeed.ai/docs/config-json/ (ZeRO optimizations):
+    ``reduce_bucket_size`` 5e8 and ``allgather_bucket_size`` 5e8 elements,
+    ``stage3_prefetch_bucket_size`` 5e7, ``stage3_max_live_parameters`` 1e9,
+    ``stage3_param_persistence_threshold`` 1e5."""
+
+    dp: int = 1
+    zero: int = 0
+    framework: str = "ddp"
+    reduce_bucket: float = 5e8
+    allgather_bucket: float = 5e8
+    prefetch_bucket: float = 5e7
+    max_live_parameters: float = 1e9
+    overlap_comm: bool | None = None  # DeepSpeed: on by default at stage 3 only
+    nccl_channels: int = 16  # NCCL rings per communicator (NVLink A100/H100 nodes: 16-32)
+    nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ShardingError(f"dp={self.dp} must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ShardingError(f"zero={self.zero} must be one of 0, 1, 2, 3")
+        if self.framework not in FRAMEWORKS:
+            raise ShardingError(f"framework={self.framework!r}; choose {FRAMEWORKS}")
+        if self.framework == "megatron" and self.zero > 1:
+            raise ShardingError("framework='megatron' shards optimizer states only (zero<=1)")
+
+    def describe(self) -> str:
+        if self.dp == 1:
+            return "one GPU"
+        return f"{self.framework} dp={self.dp} zero={self.zero}"
+
+    def effective_optimizer(self, opt: OptimizerSpec) -> OptimizerSpec:
+        """DeepSpeed and Megatron run their own fused Adam (in place, no temporaries)."""
+        if self.framework in ("deepspeed", "megatron") and opt.impl != "fused":
+            return replace(opt, impl="fused")
+        return opt
+
+    def nccl_bytes(self) -> int:
+        """NCCL's buffers for one communicator over ``dp`` ranks: each channel keeps a send
+        and a receive buffer of ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol,
+        plus LL (1/8) and LL128 (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
+        if self.dp == 1:
+            return 0
+        per_channel = 2 * self.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
+        return int(self.nccl_channels * per_channel)
+
+    def sharding_adjustment(self, live: dict[str, int], opt: OptimizerSpec, precision: str,
+                            peak_phase: str = "") -> tuple[dict, list[str]]:
+        """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
+        peak breakdown ``live`` (labels of :mod:`tracker`). Returns ``({"delta": bytes,
+        "buffers": {name: bytes}}, notes)``; sharding is applied to the traced breakdown, it
+        is not itself traced."""
+        if self.dp == 1:
+            return {"delta": 0, "buffers": {}}, []
+        d = self.dp
+        keep = 1 / d
+        buffers: dict[str, int] = {}
+        params = live.get("parameter", 0)
+        grads = live.get("gradient", 0)
+        delta = 0
+        elem = 2 if precision.startswith(("bf16", "fp16", "fp8")) else 4
+        if self.zero >= 1:
+            delta -= int(live.get("optimizer_state", 0) * (1 - keep))
+            if peak_phase == "optimizer":  # foreach temporaries cover the shard only
+                delta -= int(live.get("temporary", 0) * (1 - keep))
+        if self.framework == "ddp" and self.zero < 2:
+            # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False)
+            buffers["ddp_grad_buckets"] = grads
+        if self.framework == "megatron":
+            buffers["megatron_grad_buffer"] = grads  # contiguous main-grad buffer
+        if self.framework == "deepspeed" and self.zero >= 2:
+            delta -= int(grads * (1 - keep))
+            overlap = self.overlap_comm if self.overlap_comm is not None else self.zero == 3
+            n = 2 if overlap else 1
+            buffers["ds_reduce_bucket"] = int(n * min(self.reduce_bucket * elem,
+                                                      max(grads, elem)))
+        if self.framework == "deepspeed" and self.zero == 1:
+            buffers["ds_allgather_bucket"] = int(min(self.allgather_bucket * elem,
+                                                     max(params, elem)))
+        if self.zero == 3:
+            if self.framework != "deepspeed":
+                raise ShardingError(f"zero=3 needs framework='deepspeed' (got "
+                                    f"{self.framework!r})")
+            delta -= int(params * (1 - keep))
+            live_params = min(self.max_live_parameters * elem, params)
+            buffers["ds_stage3_live_params"] = int(live_params)
+            buffers["ds_prefetch_bucket"] = int(min(self.prefetch_bucket * elem, params))
+        delta += sum(buffers.values())
+        notes = [f"{self.framework} ZeRO-{self.zero} over dp={d} applied to the traced "
+                 "single-GPU breakdown (bucket sizes from the framework's documented "
+                 "defaults; sharding is modelled, not traced)"]
+        return {"delta": delta, "buffers": buffers}, notes
+

@@ -1,0 +1,205 @@
+"""Any ``nn.Module``: trace one training step on fake tensors, predict what the GPU shows.
+
+The module (or a zero-argument factory, cheaper for large models: nothing real is ever built)
+runs the real forward, loss, backward and optimizer step under ``FakeTensorMode``; every
+storage goes through the caching-allocator simulator (:mod:`allocator`), which gives
+``max_memory_allocated`` and ``max_memory_reserved``. Device-level usage (``nvidia-smi``
+``memory.used``) adds what lives outside the allocator: the CUDA context with the libraries'
+kernels (:mod:`device`) and NCCL's buffers; DeepSpeed ZeRO's buckets are inside the allocator.
+
+Near the card's capacity the simulator is bounded by it: like PyTorch, it frees its cached
+segments and retries before it reports an out-of-memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..precision import get_precision
+from ..step import Batch, LossFn, default_loss
+from .allocator import GiB, MiB, SimulatedOutOfMemoryError
+from .device import DEVICES, DeviceProfile, DistributedSpec, get_device
+from .optimizers import OptimizerSpec
+from .simulate import Measurement, trace_step
+from .towers import MemorySpecError
+
+DEFAULT_MARGIN = 0.05  # relative, on the allocator's reserved bytes (see docs: GPUMemNet)
+MIN_MARGIN_BYTES = 64 * MiB  # absolute floor: a few 20 MiB large-pool segments of slack
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """A fake ``cpu`` tensor of ``t``'s shape and dtype (call under ``FakeTensorMode``)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def _fake_module(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (no data is copied;
+    tied parameters stay tied; meta-device models work too). Call under ``FakeTensorMode``."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            fake = _fake_like(t)
+            memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(
+                t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+@dataclass
+class DeviceMemoryPrediction:
+    """One GPU's memory in a steady-state training step. Bytes; every part is named."""
+
+    device: str
+    precision: str
+    optimizer: OptimizerSpec
+    distributed: DistributedSpec
+    max_memory_allocated: int  # torch.cuda.max_memory_allocated
+    max_memory_reserved: int  # torch.cuda.max_memory_reserved
+    inside_allocator: dict[str, int]  # live bytes by kind at the allocated peak
+    outside_allocator: dict[str, int]  # cuda_context, nccl_buffers
+    capacity: int
+    margin: float  # relative margin the verdict adds to the reserved bytes (floor: 64 MiB)
+    out_of_memory: bool = False  # the capacity-bounded simulation failed even after freeing
+    segments_released: int = 0  # cached segments the allocator freed under pressure
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_used(self) -> int:
+        """What ``nvidia-smi`` shows as ``memory.used`` at the step's peak."""
+        return self.max_memory_reserved + sum(self.outside_allocator.values())
+
+    @property
+    def margin_bytes(self) -> int:
+        return max(int(self.max_memory_reserved * self.margin), MIN_MARGIN_BYTES)
+
+    @property
+    def device_total_with_margin(self) -> int:
+        return self.device_used + self.margin_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.out_of_memory and self.device_total_with_margin <= self.capacity
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "max_memory_allocated": self.max_memory_allocated,
+                "max_memory_reserved": self.max_memory_reserved,
+                **{f"allocator.{k}": v for k, v in self.inside_allocator.items()},
+                **self.outside_allocator, "device_used": self.device_used,
+                "margin": self.margin, "capacity": self.capacity, "fits": self.fits}
+
+    def format(self) -> str:
+        g = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
+        d = self.distributed
+        lines = [f"device {self.device}: {self.precision}, optimizer {self.optimizer.name} "
+                 f"({self.optimizer.impl}), {d.describe()}",
+                 "inside the caching allocator (live at the allocated peak):"]
+        lines += [f"  {k:24s}{g(v)}" for k, v in self.inside_allocator.items() if v]
+        lines += [f"  {'max_memory_allocated':24s}{g(self.max_memory_allocated)}",
+                  f"  {'max_memory_reserved':24s}{g(self.max_memory_reserved)}"
+                  + (f"  ({self.segments_released} cached segments freed under pressure)"
+                     if self.segments_released else ""),
+                  "outside the allocator:"]
+        lines += [f"  {k:24s}{g(v)}" for k, v in self.outside_allocator.items()]
+        lines += [f"device-level (nvidia-smi memory.used) {g(self.device_used)}",
+                  f"+ margin (max({self.margin:.1%} of reserved, {MIN_MARGIN_BYTES // MiB} MiB)) = "
+                  f"{g(self.device_total_with_margin)}"
+                  f" of {g(self.capacity)}"]
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"verdict: {'FITS' if self.fits else 'OUT OF MEMORY'}")
+        return "\n".join(lines)
+
+
+def _as_batch(inputs: Any, target: Any, kwargs: dict | None) -> Callable[[nn.Module], Batch]:
+    """Fresh fake copies of the user's example tensors each step (a GPU step's host-to-device
+    copies are new allocations too)."""
+    def fake(tree: Any) -> Any:
+        return tree_map(lambda x: _fake_like(x) if isinstance(x, torch.Tensor) else x, tree)
+
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    return lambda model: Batch(tuple(fake(list(args))), fake(target), fake(kwargs or {}))
+
+
+def predict_module_memory(
+    model: nn.Module | Callable[[], nn.Module],
+    inputs: Any,
+    target: torch.Tensor,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    loss_fn: LossFn = default_loss,
+    optimizer: OptimizerSpec | str = "adam",
+    precision: str = "fp32",
+    distributed: DistributedSpec | None = None,
+    device: str | DeviceProfile = "a100-40gb",
+    capacity_gib: float | None = None,
+    margin: float | None = None,
+) -> DeviceMemoryPrediction:
+    """Predict ``max_memory_allocated``, ``max_memory_reserved`` and device-level memory of one
+    training step of ``model`` (an ``nn.Module``, real or on the meta device, or a factory
+    called under ``FakeTensorMode``) on ``inputs`` (a tensor, tuple or list of positional
+    inputs; ``kwargs`` keyword inputs) with ``loss_fn(output, target)``.
+
+    ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
+    ``precision``: a name of :data:`predictors.precision.PRECISIONS`; ``distributed``: data
+    parallelism, ZeRO stage and framework (DeepSpeed / Megatron distributed optimizer);
+    ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``)."""
+    opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
+    get_precision(precision)
+    dist = distributed or DistributedSpec()
+    prof = get_device(device) if isinstance(device, str) else device
+    capacity = prof.capacity if capacity_gib is None else int(capacity_gib * GiB)
+    if capacity <= 0:
+        raise MemorySpecError(f"capacity_gib={capacity_gib} must be positive")
+    if isinstance(model, nn.Module):
+        build: Callable[[], nn.Module] = lambda: _fake_module(model)  # noqa: E731
+    elif callable(model):
+        build = model
+    else:
+        raise MemorySpecError(f"model={type(model).__name__} is neither an nn.Module nor a "
+                              "factory returning one")
+    batch = _as_batch(inputs, target, kwargs)
+    outside = prof.outside_allocator(dist)
+    m = DEFAULT_MARGIN if margin is None else margin
+    opt = dist.effective_optimizer(opt)
+
+    def run(limit: int | None) -> Measurement:
+        return trace_step(build, batch, precision, loss_fn=loss_fn, make_optimizer=opt.build,
+                          overheads=prof.overheads, capacity=limit)
+
+    meas = run(None)
+    extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision,
+                                              meas.peak_phase)
+    pred = DeviceMemoryPrediction(
+        prof.name, precision, opt, dist,
+        max_memory_allocated=meas.peak_allocated + extra["delta"],
+        max_memory_reserved=meas.peak_reserved + extra["delta"],
+        inside_allocator={**meas.breakdown, **extra["buffers"]},
+        outside_allocator=outside, capacity=capacity, margin=m, notes=notes)
+    if pred.fits:
+        return pred
+    # Near or over the capacity: replay again with the allocator bounded by what is left of
+    # the card (minus the margin), so cached blocks are freed and retried as PyTorch does.
+    limit = min(int((capacity - sum(outside.values())) / (1 + m)),
+                capacity - sum(outside.values()) - MIN_MARGIN_BYTES) - extra["delta"]
+    try:
+        bounded = run(max(limit, 0))
+    except SimulatedOutOfMemoryError as exc:
+        pred.out_of_memory = True
+        pred.notes.append(f"capacity-bounded replay: {exc}")
+        return pred
+    pred.max_memory_reserved = bounded.peak_reserved + extra["delta"]
+    pred.segments_released = bounded.segments_released
+    pred.notes.append(f"reserved bytes bounded by the card: {bounded.segments_released} cached "
+                      f"segments freed and retried ({meas.peak_reserved / MiB:.0f} MiB "
+                      "unbounded)")
+    return pred
+
+
+__all__ = ["DEVICES", "DeviceMemoryPrediction", "DistributedSpec", "OptimizerSpec",
+           "predict_module_memory"]

@@ -1,0 +1,175 @@
+"""The nn.Module memory API: optimizer implementations, capacity-bounded allocator, device-level
+parts, ZeRO buffers, cuDNN workspaces, the GPUMemNet rebuild and the CLI for MLPs and CNNs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from predictors.memory.allocator import MiB
+from predictors.memory.cli import main
+from predictors.memory.device import DistributedSpec, get_device
+from predictors.memory.gpumemnet import (
+    GeneratedMLP,
+    bce_loss,
+    build_mlp,
+    example_batch,
+    load_mlp_rows,
+    smallest_network,
+)
+from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory
+from predictors.memory.overheads import CONTEXTS
+from predictors.memory.simple import CnnSpec, MlpSpec
+from predictors.memory.towers import MemorySpecError, ShardingError
+from predictors.step import default_loss
+
+WIDE = MlpSpec(1024, (2048, 2048), 10)  # 6.3M parameters, 25 MiB of fp32 weights
+PARAM_BYTES = 4 * sum(p.numel() for p in WIDE.build().parameters())
+
+
+def _predict(spec=WIDE, batch=8, **kw):
+    x, y = spec.example(batch)
+    return predict_module_memory(spec.build(), x, y, **kw)
+
+
+def test_foreach_adam_holds_a_parameter_sized_temporary_fused_does_not():
+    foreach = _predict(optimizer="adam", precision="fp32")
+    fused = _predict(optimizer="adam:fused", precision="fp32")
+    loop = _predict(optimizer="adam:for-loop", precision="fp32")
+    # torch's _multi_tensor_adam: exp_avg_sq.sqrt() for every parameter at once
+    extra = foreach.max_memory_allocated - fused.max_memory_allocated
+    assert 0.95 * PARAM_BYTES <= extra <= 1.05 * PARAM_BYTES
+    # the for-loop one works a parameter at a time: sqrt() and its quotient, 2 x the largest
+    # parameter (2048 x 2048 fp32 = 16 MiB)
+    assert loop.max_memory_allocated - fused.max_memory_allocated == pytest.approx(
+        2 * 16 * MiB, rel=0.02)
+    # weights + grads + 2 Adam states at the optimizer peak of the fused step
+    assert fused.inside_allocator["optimizer_state"] >= 2 * PARAM_BYTES
+
+
+def test_real_and_meta_modules_and_factories_give_the_same_prediction():
+    x, y = WIDE.example(8)
+    with torch.device("meta"):
+        meta = WIDE.build()
+    a = predict_module_memory(WIDE.build(), x, y)
+    b = predict_module_memory(meta, x, y)
+    c = predict_module_memory(WIDE.build, x, y)
+    assert a.max_memory_reserved == b.max_memory_reserved == c.max_memory_reserved
+
+
+def test_fp16_autocast_with_grad_scaler_still_steps_the_foreach_optimizer():
+    p = _predict(precision="fp16", optimizer="adam")
+    # the scaler's found-inf read answered "no inf": the Adam states were created and updated
+    assert p.inside_allocator["optimizer_state"] >= 2 * PARAM_BYTES
+
+
+def test_device_level_names_every_part():
+    p = _predict(device="a100-40gb")
+    assert p.outside_allocator == {"cuda_context": CONTEXTS["ampere"].bytes, "nccl_buffers": 0}
+    assert p.device_used == p.max_memory_reserved + CONTEXTS["ampere"].bytes
+    assert p.max_memory_reserved >= p.max_memory_allocated
+    d = p.as_dict()
+    assert d["device_used"] == p.device_used and "allocator.workspace" in d
+    assert p.margin_bytes == MIN_MARGIN_BYTES  # small job: the absolute floor applies
+
+
+def test_capacity_bound_frees_cached_segments_then_ooms():
+    cnn = CnnSpec((32, 64), image_res=64, classes=10)  # transient cuDNN workspaces
+
+    def run(capacity=None):
+        return _predict(cnn, batch=64, device="a100-40gb", capacity_gib=capacity)
+
+    free = run()
+    outside = sum(free.outside_allocator.values())
+    slack = free.max_memory_reserved - free.max_memory_allocated
+    assert slack > 20 * MiB  # cached segments beyond the live bytes
+    # room for the allocated peak + margin but not for the unbounded reserved peak
+    tight = run((free.max_memory_allocated + slack // 2 + MIN_MARGIN_BYTES + outside) / 2**30)
+    assert tight.fits and tight.segments_released > 0
+    assert tight.max_memory_allocated <= tight.max_memory_reserved < free.max_memory_reserved
+    over = run((free.max_memory_allocated // 2 + outside) / 2**30)
+    assert over.out_of_memory and not over.fits
+
+
+def test_deepspeed_zero_shards_and_names_its_buffers():
+    one = _predict(optimizer="adam:fused")
+    z2 = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed"))
+    z3 = _predict(distributed=DistributedSpec(dp=8, zero=3, framework="deepspeed"))
+    assert z2.optimizer.impl == "fused"  # DeepSpeed runs its own fused Adam
+    assert "ds_reduce_bucket" in z2.inside_allocator
+    assert {"ds_stage3_live_params", "ds_prefetch_bucket"} <= set(z3.inside_allocator)
+    assert z2.max_memory_allocated < one.max_memory_allocated
+    assert z2.outside_allocator["nccl_buffers"] > 0
+    with pytest.raises(ShardingError):
+        DistributedSpec(dp=8, zero=3, framework="megatron")
+    with pytest.raises(ShardingError):
+        _predict(distributed=DistributedSpec(dp=8, zero=3, framework="ddp"))
+
+
+def test_cudnn_workspace_is_allocated_around_convolutions():
+    cnn = CnnSpec((32, 64), image_res=64, classes=10)
+    x, y = cnn.example(16)
+    with_ws = predict_module_memory(cnn.build, x, y, device="a100-40gb")
+    prof = get_device("a100-40gb")
+    off = replace(prof, overheads=replace(prof.overheads, cudnn_workspaces=False))
+    no_ws = predict_module_memory(cnn.build, x, y, device=off)
+    assert with_ws.max_memory_allocated > no_ws.max_memory_allocated
+    assert with_ws.max_memory_reserved >= no_ws.max_memory_reserved
+
+
+def test_gpumemnet_generator_rules_rebuild_every_published_network():
+    rows = load_mlp_rows()
+    assert len(rows) == 3000
+    with torch.device("meta"):
+        for r in rows:
+            build_mlp(r)  # raises when a layer's parameter count differs from the published
+
+
+def test_gpumemnet_smallest_networks_match_the_measured_device_memory():
+    """Deterministic check on shipped real data: a few rows near the context calibration row
+    (full evaluation: benchmarks/bench_memory_predictor.py)."""
+    rows = load_mlp_rows()
+    calib = smallest_network(rows)
+    for i in (calib, 2724, 2334):
+        r = rows[i]
+        x, y = example_batch(r)
+        p = predict_module_memory(build_mlp(r), x, y,
+                                  loss_fn=default_loss if r.output > 1 else bce_loss)
+        assert abs(p.device_used / MiB - r.measured_mib) <= 2, (i, p.device_used / MiB)
+
+
+def test_generated_mlp_has_the_generators_layer_order():
+    r = load_mlp_rows()[0]  # pyramid, batchnorm, relu, dropout
+    kinds = [type(m).__name__ for m in GeneratedMLP(r).model][:4]
+    assert kinds == ["Linear", "BatchNorm1d", "ReLU", "Dropout"]
+
+
+def test_cli_mlp_cnn_and_named_errors(capsys):
+    rc = main(["memory", "--model", "mlp", "--input", "512", "--hidden", "256,128",
+               "--classes", "10", "--batch", "32", "--precision", "fp32",
+               "--device", "a100-40gb", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["fits"] and d["cuda_context"] == CONTEXTS["ampere"].bytes
+    rc = main(["memory", "--model", "cnn", "--channels", "16,32", "--image-res", "32",
+               "--batch", "4", "--device", "h200", "--optimizer", "adamw:fused"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "nvidia-smi" in out and "workspace" in out
+    assert main(["memory", "--model", "mlp", "--hidden", "12,x"]) == 1
+    assert "hidden" in capsys.readouterr().err
+    assert main(["memory", "--model", "mlp", "--optimizer", "lion"]) == 1
+    assert "optimizer" in capsys.readouterr().err
+    with pytest.raises(MemorySpecError):
+        MlpSpec(0, (4,), 2)
+    rc = main(["memory", "--model", "mlp", "--hidden", "4096,4096", "--input", "4096",
+               "--batch", "4096", "--capacity-gib", "1.6", "--device", "a100-40gb"])
+    assert rc == 2 and "OUT OF MEMORY" in capsys.readouterr().out
+
+
+def test_module_factory_from_cli(capsys):
+    rc = main(["memory", "--model", "module", "--module", "memory_factory:make",
+               "--input-shape", "3x16x16", "--batch", "4", "--device", "h100-80gb"])
+    assert rc == 0 and "FITS" in capsys.readouterr().out
+
