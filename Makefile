@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap test lint cpptest demo bench clean
+.PHONY: bootstrap test lint cpptest demo bench clean gpu-check gpu-carry
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -26,6 +26,18 @@ demo: bootstrap
 
 bench: bootstrap
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# GPU validation kit (docs/gpu-check.md). On the lent GPU machine, whose image has no venv:
+#   make gpu-check OUT=$$OUT          (python3 scripts/gpu_check.py --out $$OUT does the same)
+# Here, the CPU dry run of the same harness: make gpu-check GPU_CHECK_ARGS=--dry-run
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --out $(or $(OUT),out/gpu-check) $(GPU_CHECK_ARGS)
+
+# Fetch the wheels and .debs a GPU run carries into .gpu-carry/ (needs PyPI and Debian).
+gpu-carry:
+	bash scripts/gpu_carry.sh
 
 clean:
 	rm -rf build out .pytest_cache .ruff_cache vllm_kvpool/_kvio*.so

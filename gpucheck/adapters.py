@@ -1,0 +1,293 @@
+"""The ONE place where the kit calls the product's APIs (predictors, CONA, kvpool).
+
+The plugins' internals move; when an API changes, only this module follows it. Each function
+returns plain values, so the parts stay independent of the product's classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# --------------------------------------------------------------------------- predictors: devices
+
+
+def detect_device() -> Any | None:
+    """The predictors' ``Device`` detected through NVML (None without a GPU/NVML)."""
+    from predictors.devices import nvml_device
+
+    return nvml_device()
+
+
+def table_device(name: str, memory_bytes: float) -> tuple[str | None, Any | None]:
+    """(key, Device) of the device-table entry the detection maps ``name`` to."""
+    from predictors.devices import DEVICES, match_gpu_name
+
+    dev = match_gpu_name(name, memory_bytes)
+    if dev is None:
+        return None, None
+    return dev.name, DEVICES[dev.name]
+
+
+def time_device(device: str) -> str:
+    """The device name to ask the time predictor about for this machine: the table entry the
+    NVML detection maps the GPU to, or ``cpu`` (this CPU, calibrated)."""
+    if device == "cuda":
+        dev = detect_device()
+        if dev is not None:
+            return dev.name
+    return "cpu"
+
+
+# --------------------------------------------------------------------------- time predictor
+
+
+def transformer_spec(family: str, layers: int, hidden: int, heads: int, seq: int,
+                     vocab: int) -> Any:
+    from predictors.spec import TransformerSpec
+
+    return TransformerSpec(family, layers, hidden, heads, seq, vocab,
+                           swiglu=family == "llama", tied_embeddings=family != "llama")
+
+
+def build_time_model(spec: Any) -> Any:
+    from predictors.zoo import build
+
+    return build(spec)
+
+
+def time_batch(spec: Any, micro_batch: int) -> tuple[list, Any]:
+    """(positional inputs, target) of one micro-batch, as ``predict collect`` feeds them."""
+    from predictors.zoo import make_batch
+
+    b = make_batch(spec, micro_batch)
+    return list(b.inputs), b.target
+
+
+def spec_row(spec: Any) -> tuple[str, str]:
+    from predictors.collect import spec_to_row
+
+    return spec_to_row(spec)
+
+
+def predict_time(spec: Any, micro_batch: int, precision: str, device: str) -> dict:
+    """Seconds per iteration predicted for one GPU (dp1tp1pp1)."""
+    from predictors.spec import ParallelStrategy
+    from predictors.time_predictor import predict
+
+    res = predict(spec, ParallelStrategy(1, 1, 1, micro_batch, micro_batch), precision, device)
+    return {"seconds": res.seconds, "analytical_s": res.analytical_seconds,
+            "device": res.device, "calibrated": res.calibrated}
+
+
+# --------------------------------------------------------------------------- memory predictor
+
+
+def memory_presets() -> dict[str, Any]:
+    from predictors.memory.presets import PRESETS
+
+    return PRESETS
+
+
+def memory_scaled(base: str, width: float, depth: int, vocab: int, image_res: int | None) -> Any:
+    from predictors.memory.presets import PRESETS, scaled
+
+    spec = scaled(PRESETS[base], width, depth, vocab=vocab)
+    return spec.at_resolution(image_res) if image_res and spec.vision is not None else spec
+
+
+def memory_config(**kw) -> Any:
+    from predictors.memory.towers import TrainConfig
+
+    return TrainConfig(**kw)
+
+
+def build_memory_model(spec: Any, cfg: Any) -> Any:
+    """The model the memory predictor describes, real (not emulated), checkpointing applied."""
+    from predictors.memory.simulate import prepare_model
+
+    return prepare_model(spec, cfg, emulate=False)
+
+
+def memory_inputs(spec: Any, model: Any, cfg: Any) -> dict:
+    from predictors.memory.build import make_inputs
+
+    return make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+
+
+def memory_row_fields(spec: Any, cfg: Any) -> dict:
+    """key/spec/config columns exactly as ``predict collect-memory`` writes them."""
+    import json
+    from dataclasses import asdict
+
+    from predictors.memory.collect import row_key, spec_to_json
+
+    return {"key": row_key(spec, cfg), "spec": spec_to_json(spec),
+            "config": json.dumps(asdict(cfg))}
+
+
+def predict_memory(spec: Any, cfg: Any, capacity_gib: float) -> dict:
+    from predictors.memory.api import predict_peak_memory
+
+    p = predict_peak_memory(spec, batch=cfg.batch, seq=cfg.seq, image_res=cfg.image_res,
+                            images_per_sample=cfg.images_per_sample, precision=cfg.precision,
+                            checkpointing=cfg.checkpointing, attention=cfg.attention,
+                            frozen=cfg.frozen, capacity_gib=capacity_gib)
+    return {"peak_reserved": p.peak_reserved, "trained_on": p.trained_on}
+
+
+def predict_memory_module(model: Any, inputs: list, kwargs: dict, target: Any, precision: str,
+                          optimizer: str, device: str = "h200") -> dict:
+    """The memory predictor's ``nn.Module`` API (any model: here the MLP and the CNN) for one
+    training step with AdamW (``optimizer``: fused | foreach) on ``device``."""
+    from predictors.memory.module import predict_module_memory
+
+    p = predict_module_memory(model, inputs, target, kwargs=kwargs or None,
+                              optimizer=f"adamw:{optimizer}", precision=precision, device=device)
+    return {"peak_reserved": p.max_memory_reserved, "peak_allocated": p.max_memory_allocated,
+            "device_used": p.device_used}
+
+
+# --------------------------------------------------------------------------- CONA runtime
+
+
+def cona_train_config(spec: Any, precision: str) -> Any:
+    from megatron_cona.runtime import TrainConfig
+
+    return TrainConfig(spec, precision=precision, lr=1e-3, lr_warmup_samples=0)
+
+
+def cona_token_dataset(vocab: int, seq: int) -> Any:
+    """A repeating token pattern: a GPT learns it quickly, so the loss must fall."""
+    import torch
+
+    from megatron_cona.runtime import TokenDataset
+
+    pattern = torch.randint(0, vocab, (97,), generator=torch.Generator().manual_seed(0))
+    return TokenDataset(pattern.repeat(400), seq)
+
+
+def cona_build(cfg: Any, strategy: str) -> Any:
+    from megatron_cona.runtime import build_state
+    from predictors.spec import ParallelStrategy
+
+    return build_state(cfg, ParallelStrategy.parse(strategy))
+
+
+def cona_train_step(state: Any, data: Any) -> dict:
+    from megatron_cona.runtime import train_step
+
+    r = train_step(state, data)
+    return {"loss": float(r.loss), "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples, "strategy": state.strategy.name}
+
+
+def cona_switch(state: Any, strategy: str) -> tuple[Any, dict]:
+    """CONA's transactional strategy switch (in a 1-rank world only the batch can change)."""
+    from megatron_cona.runtime import switch_strategy
+    from predictors.spec import ParallelStrategy
+
+    res = switch_strategy(state, ParallelStrategy.parse(strategy))
+    return res.state, {"switched": res.switched, "moved_tensors": res.moved_tensors,
+                       "error": res.error, "seconds": res.seconds}
+
+
+def cona_state_tensors(state: Any) -> dict[str, Any]:
+    """Every tensor a reshard carries (weights, fp32 main weights, Adam moments), by key."""
+    from megatron_cona.reshard import layout, optimizer_state
+
+    kinds, _, _ = optimizer_state.adam_kinds(state)
+    return {f"{i}:{s.meta.key}": s.view
+            for i, s in enumerate(layout.state_segments(state, kinds))}
+
+
+def cona_reshard_same_layout(state: Any, bucket_bytes: int) -> tuple[Any, dict]:
+    """The reshard path a 1-rank world has: build a fresh state of the same layout (no weight
+    init), ``transfer_state`` everything into it through the process group in buckets, then
+    drop the old one. Returns (new state, facts)."""
+    from megatron_cona.reshard import transfer_state
+    from megatron_cona.runtime import activate, build_state
+
+    new = build_state(state.config, state.strategy, iteration=state.iteration,
+                      consumed_samples=state.consumed_samples, initialize=False,
+                      activate_now=False)
+    try:
+        stats = transfer_state(state, new, bucket_bytes=bucket_bytes)
+    except Exception:
+        new.destroy()
+        raise
+    state.destroy()
+    activate(new)
+    return new, {"bytes_total": stats.bytes_total, "bytes_sent": stats.bytes_sent,
+                 "buckets": stats.num_buckets, "peak_buffer_bytes": stats.peak_buffer_bytes}
+
+
+# --------------------------------------------------------------------------- kvpool engine
+
+
+def kvpool_engine(kv: dict, num_blocks: int, block_tokens: int, chunk_tokens: int,
+                  host_bytes: int, ssd_path: str, ssd_bytes: int, backend: str,
+                  staging: str = "256MiB") -> Any:
+    """A TransferEngine over one host pool + one SSD file for the KV tensors ``kv``."""
+    from vllm_kvpool.config import parse_pool_config
+    from vllm_kvpool.engine import TransferEngine
+    from vllm_kvpool.handlers import open_handlers
+    from vllm_kvpool.kv_layout import KVLayout
+    from vllm_kvpool.pool import PoolGeometry, layout_fingerprint
+
+    layout = KVLayout.from_kv_caches(kv, list(kv), num_blocks)
+    bpc = chunk_tokens // block_tokens
+    geometry = PoolGeometry(layout.block_bytes, bpc, layout_fingerprint(["gpucheck"]))
+    config = parse_pool_config({
+        "chunk_tokens": chunk_tokens, "staging": staging,
+        "devices": [{"host": {"capacity": host_bytes}},
+                    {"ssd": {"path": ssd_path, "backend": backend, "capacity": ssd_bytes}}]})
+    handlers = open_handlers(config, geometry)
+    return _Engine(TransferEngine(handlers, layout, verify_checksums=True), geometry, bpc)
+
+
+class _Engine:
+    """Save chunks to a chosen device and load them back through the engine's public calls."""
+
+    def __init__(self, engine: Any, geometry: Any, blocks_per_chunk: int) -> None:
+        self.engine, self.geometry, self.bpc = engine, geometry, blocks_per_chunk
+        self.checksums: dict[bytes, dict] = {}
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.geometry.chunk_bytes
+
+    def save(self, device: int, chunks: list[tuple[int, list[int]]], wait: Callable) -> None:
+        """``chunks``: (slot, block ids); returns when every write is committed."""
+        from vllm_kvpool.protocol import ChunkSave
+
+        saves = [ChunkSave("gpucheck", f"{device}:{slot}".encode(), device, slot, tuple(ids))
+                 for slot, ids in chunks]
+        self.engine.finish_step_saves(saves)
+        self.engine.wait_all()
+        report = self.engine.take_report()
+        if report.failed_saves or report.failed_devices:
+            raise RuntimeError(f"saves failed: {report.failed_saves[:3]} "
+                               f"devices {report.failed_devices}")
+        for key, rank, checksum in report.committed:
+            self.checksums[key] = {rank: checksum}
+        wait()
+
+    def load(self, device: int, chunks: list[tuple[int, list[int]]], wait: Callable) -> None:
+        import time
+
+        from vllm_kvpool.protocol import ChunkRead, LoadRequest
+
+        reads = tuple(ChunkRead(f"{device}:{slot}".encode(), device, slot, len(ids),
+                                self.checksums[f"{device}:{slot}".encode()], 0, tuple(ids))
+                      for slot, ids in chunks)
+        self.engine.start_loads([LoadRequest("gpucheck", reads, is_async=True)])
+        while "gpucheck" not in self.engine.take_finished([])[1]:
+            time.sleep(0.0005)
+        wait()
+        bad = self.engine.take_invalid_blocks()
+        if bad:
+            raise RuntimeError(f"{len(bad)} blocks reported invalid (corrupt or failed reads)")
+
+    def close(self) -> None:
+        self.engine.close()

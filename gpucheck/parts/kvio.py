@@ -1,0 +1,249 @@
+"""(1) ``vllm_kvpool._kvio`` built on the GPU machine against the carried liburing, then the
+transfer engine's GPU path: CUDA KV tensors -> host pool and -> a file on the machine's disk
+(through the SSD handler's staging buffers, O_DIRECT), back into zeroed KV tensors, checked
+byte for byte; GB/s of each leg next to a plain ``cudaMemcpyAsync`` (``Tensor.copy_(...,
+non_blocking=True)``) of the same bytes to/from pinned and pageable host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpucheck import adapters
+from gpucheck.common import (
+    NO_GPU,
+    ROOT,
+    Budget,
+    PartContext,
+    RowWriter,
+    cuda_sync,
+    error_text,
+)
+
+FILE = "kvio.csv"
+ERROR_ROW = {"test": "part", "path": "-"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    num_blocks: int
+    chunk_tokens: int
+    staging: str
+
+    @property
+    def page_bytes(self) -> int:  # one block of one layer, K and V, bf16
+        return 2 * self.block_tokens * self.kv_heads * self.head_dim * 2
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * self.num_blocks * self.page_bytes
+
+
+# GPU: Llama-3.1-8B's KV geometry (32 layers, 8 KV heads, head 128, bf16), 16384 tokens = 2 GiB,
+# half to the host pool, half to the file.
+GPU_SHAPE = Shape(32, 8, 128, 16, 1024, 256, "256MiB")
+DRY_SHAPE = Shape(2, 2, 16, 16, 64, 64, "4MiB")
+
+
+def build_kvio(prefix: str | None, build_dir: Path, out_dir: Path, configure_only: bool = False,
+               env: dict | None = None) -> dict:
+    """Configure (and build) the C++ core with CMake against the liburing that pkg-config finds
+    first (the carried prefix's, when the harness set PKG_CONFIG_PATH to it). Returns facts."""
+    import pybind11
+
+    env = {**os.environ, **(env or {})}
+    build_dir.mkdir(parents=True, exist_ok=True)
+    args = ["cmake", "-S", str(ROOT), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            "-DKVPOOL_BUILD_TESTS=OFF", "-DKVPOOL_WITH_SPDK=OFF",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}"]
+    if shutil.which("ninja"):
+        args += ["-G", "Ninja"]
+    t0 = time.perf_counter()
+    conf = subprocess.run(args, capture_output=True, text=True, env=env)
+    print(conf.stdout[-3000:], conf.stderr[-3000:], flush=True)
+    if conf.returncode:
+        raise RuntimeError(f"cmake configure failed (exit {conf.returncode}): "
+                           f"{conf.stderr.strip()[-400:]}")
+    facts: dict = {"configure_s": round(time.perf_counter() - t0, 2)}
+    m = re.search(r"kvio: liburing (\S+)", conf.stdout)
+    facts["liburing_version"] = m.group(1).rstrip(",") if m else None
+    cache = (build_dir / "CMakeCache.txt").read_text()
+    m = re.search(r"^pkgcfg_lib_LIBURING_uring:FILEPATH=(.*)$", cache, flags=re.M)
+    facts["liburing_link"] = m.group(1) if m else None
+    m = re.search(r"^LIBURING_INCLUDEDIR:INTERNAL=(.*)$", cache, flags=re.M)
+    facts["liburing_include"] = m.group(1) if m else None
+    facts["from_prefix"] = bool(prefix) and all(
+        (facts[k] or "").startswith(str(prefix)) for k in ("liburing_link", "liburing_include"))
+    if configure_only:
+        return facts
+    t1 = time.perf_counter()
+    build = subprocess.run(["cmake", "--build", str(build_dir), "--target", "_kvio", "-j",
+                            str(os.cpu_count() or 2)], capture_output=True, text=True, env=env)
+    print(build.stdout[-2000:], build.stderr[-2000:], flush=True)
+    if build.returncode:
+        raise RuntimeError(f"cmake build failed (exit {build.returncode}): "
+                           f"{build.stderr.strip()[-400:]}")
+    facts["build_s"] = round(time.perf_counter() - t1, 2)
+    so = sorted(out_dir.glob("_kvio*.so"))
+    facts["module"] = str(so[0]) if so else None
+    if so and shutil.which("ldd"):
+        ldd = subprocess.run(["ldd", str(so[0])], capture_output=True, text=True).stdout
+        m = re.search(r"liburing\S*\s+=>\s+(\S+)", ldd)
+        facts["liburing_loaded"] = m.group(1) if m else "static or not linked"
+    return facts
+
+
+def _make_kv(shape: Shape, device: str) -> dict:
+    import torch
+
+    kv = {}
+    for i in range(shape.layers):
+        t = torch.empty(shape.num_blocks, shape.kv_heads, shape.block_tokens, 2 * shape.head_dim,
+                        dtype=torch.bfloat16, device=device)
+        t.view(torch.int16).random_(-(2**14), 2**14)
+        kv[f"layers.{i}"] = t
+    return kv
+
+
+def _equal(kv: dict, ref: dict) -> bool:
+    import torch
+
+    return all(torch.equal(kv[k].view(torch.int16), ref[k].view(torch.int16)) for k in kv)
+
+
+def _engine(shape: Shape, kv: dict, workdir: Path, backend: str, slot_bytes_hint: int):
+    half = shape.num_blocks // 2
+    chunk_blocks = shape.chunk_tokens // shape.block_tokens
+    chunks_each = half // chunk_blocks
+    cap = (chunks_each + 2) * slot_bytes_hint
+    return adapters.kvpool_engine(kv, shape.num_blocks, shape.block_tokens, shape.chunk_tokens,
+                                  cap, str(workdir / "kvpool-file.bin"), cap, backend,
+                                  staging=shape.staging)
+
+
+def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter) -> dict:
+    """Save half the KV to the host pool and half to the file, zero the KV, load both back."""
+    import torch
+
+    kv = _make_kv(shape, device)
+    ref = {k: v.clone() for k, v in kv.items()}
+    cuda_sync(device)
+    chunk_blocks = shape.chunk_tokens // shape.block_tokens
+    slot_hint = -(-shape.layers * shape.page_bytes * chunk_blocks // 4096) * 4096
+    backend, note = "uring", ""
+    try:
+        eng = _engine(shape, kv, workdir, backend, slot_hint)
+    except Exception as exc:  # noqa: BLE001 - e.g. io_uring refused by the sandbox
+        backend, note = "posix", f"uring backend failed ({error_text(exc, 150)}); posix used"
+        eng = _engine(shape, kv, workdir, backend, slot_hint)
+    half = shape.num_blocks // 2
+    chunks = [list(range(b, b + chunk_blocks)) for b in range(0, shape.num_blocks, chunk_blocks)]
+    host = [(i, ids) for i, ids in enumerate(chunks) if ids[0] < half]
+    disk = [(i, ids) for i, ids in enumerate(chunks) if ids[0] >= half]
+    leg_bytes = {0: len(host) * eng.chunk_bytes, 1: len(disk) * eng.chunk_bytes}
+    where = "gpu" if device == "cuda" else "cpu_kv"
+    legs = {}
+    try:
+        for device_idx, items, name in ((0, host, f"{where}->host_pool"),
+                                        (1, disk, f"{where}->file ({backend}, staging)")):
+            t0 = time.perf_counter()
+            eng.save(device_idx, items, lambda: cuda_sync(device))
+            legs[name] = (leg_bytes[device_idx], time.perf_counter() - t0)
+        for t in kv.values():
+            t.zero_()
+        cuda_sync(device)
+        for device_idx, items, name in ((0, host, f"host_pool->{where}"),
+                                        (1, disk, f"file ({backend}, staging)->{where}")):
+            t0 = time.perf_counter()
+            eng.load(device_idx, items, lambda: cuda_sync(device))
+            legs[name] = (leg_bytes[device_idx], time.perf_counter() - t0)
+    finally:
+        eng.close()
+        (workdir / "kvpool-file.bin").unlink(missing_ok=True)
+    exact = _equal(kv, ref)
+    for name, (nbytes, secs) in legs.items():
+        w.write(test="engine", path=name, bytes=nbytes, seconds=secs, gbps=nbytes / secs / 1e9,
+                byte_exact=exact, repeats=1, status="ok", note=note,
+                detail={"layers": shape.layers, "chunk_bytes": eng.chunk_bytes,
+                        "backend": backend, "kv_device": device})
+    del ref
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"byte_exact": exact, "backend": backend,
+            "gbps": {k: round(b / s / 1e9, 3) for k, (b, s) in legs.items()}}
+
+
+def memcpy_baseline(nbytes: int, w: RowWriter, repeats: int = 5) -> dict:
+    """cudaMemcpyAsync of ``nbytes`` between the GPU and pinned / pageable host memory."""
+    import torch
+
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    out = {}
+    for pinned in (True, False):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        for name, dst, src in (("d2h", host, gpu), ("h2d", gpu, host)):
+            times = []
+            for _ in range(repeats):
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src, non_blocking=True)
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            path = f"{name}_{'pinned' if pinned else 'pageable'}"
+            best, med = min(times), statistics.median(times)
+            out[path] = round(nbytes / med / 1e9, 3)
+            w.write(test="memcpy", path=path, bytes=nbytes, seconds=med, gbps=nbytes / med / 1e9,
+                    byte_exact=True, repeats=repeats, status="ok",
+                    note="cudaMemcpyAsync via Tensor.copy_(non_blocking=True), median",
+                    detail={"best_gbps": round(nbytes / best / 1e9, 3)})
+        del host
+    return out
+
+
+def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
+    summary: dict = {}
+    workdir = Path(ctx.workdir)
+    if ctx.dry_run:
+        w.write(test="build", path="cmake", seconds=0, status="skipped",
+                note="dry run: the installed vllm_kvpool._kvio is used; the build against the "
+                     "carried liburing runs on the GPU machine (its CMake configure is tested "
+                     "by tests/gpu_check/test_gpu_carry.py)")
+    else:
+        t0 = time.perf_counter()
+        try:
+            facts = build_kvio(ctx.kvio_prefix, workdir / "build", ROOT / "vllm_kvpool")
+            from vllm_kvpool.native import kvio
+
+            facts["backends"] = list(kvio().backends())
+            w.write(test="build", path="cmake", seconds=time.perf_counter() - t0, status="ok",
+                    note="" if facts["from_prefix"] else "liburing NOT from the carried prefix",
+                    detail=facts)
+            summary["build"] = facts
+        except Exception as exc:  # noqa: BLE001 - without _kvio the engine legs cannot run
+            w.write(test="build", path="cmake", seconds=time.perf_counter() - t0,
+                    status="error", note=error_text(exc))
+            return {"_status": "error", "build_error": error_text(exc)}
+    budget.check("the engine round trip")
+    shape = DRY_SHAPE if ctx.dry_run else GPU_SHAPE
+    summary["engine"] = engine_roundtrip(shape, ctx.device, workdir, w)
+    if ctx.device != "cuda":
+        w.write(test="memcpy", path="cudaMemcpyAsync", seconds=0, status="skipped", note=NO_GPU)
+        return summary
+    budget.check("the cudaMemcpyAsync baseline")
+    summary["memcpy"] = memcpy_baseline(shape.total_bytes // 2, w)
+    return summary

@@ -1,0 +1,134 @@
+"""(4) megatron-core on the GPU through CONA's runtime: a ``GPTModel`` (local layer spec,
+megatron DDP, megatron's Adam with fp32 main weights) trained for a few iterations over NCCL in
+a 1-rank world, a global-batch switch (CONA's transactional ``switch_strategy``), and the reshard
+code path a 1-rank world has (a fresh state of the same layout filled by ``transfer_state``),
+checked tensor by tensor, then trained on.
+
+The dry run runs the same sequence on gloo with megatron-core's hard-coded CUDA calls
+redirected to the CPU (``megatron_cpu``, the CPU launcher's redirect; the plugin never imports
+it). In a 1-rank world every copy is local (``bytes_total`` counts remote bytes: 0); the check is
+that the destination, built without weight init, equals the source bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+from gpucheck import adapters
+from gpucheck.common import Budget, PartContext, RowWriter, error_text
+
+FILE = "megatron.csv"
+ERROR_ROW = {"event": "part", "strategy": "-"}
+# (layers, hidden, heads, seq, vocab, precision, bucket bytes)
+GPU_MODEL = (4, 1024, 16, 1024, 32000, "bf16-mixed", 8 * 2**20)
+DRY_MODEL = (2, 32, 4, 16, 64, "fp32", 16 * 2**10)
+START, SWITCHED = "dp1tp1pp1mb2gb8", "dp1tp1pp1mb2gb16"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        w.write(event="import", strategy="-", seconds=0, backend="-",
+                status="skipped" if ctx.dry_run else "error",
+                note=f"megatron-core not importable ({exc}); carry it with scripts/gpu_carry.sh")
+        return {"_status": "skipped" if ctx.dry_run else "error"}
+    if ctx.device == "cuda":
+        torch.cuda.set_device(0)
+        backend = "nccl"
+    else:
+        from megatron_cpu.cuda_redirect import install
+
+        install()
+        backend = "gloo"
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    layers, hidden, heads, seq, vocab, precision, bucket = DRY_MODEL if ctx.dry_run else GPU_MODEL
+    spec = adapters.transformer_spec("gpt", layers, hidden, heads, seq, vocab)
+    cfg = adapters.cona_train_config(spec, precision)
+    data = adapters.cona_token_dataset(vocab, seq)
+    base = {"backend": backend, "precision": precision}
+    losses: list[float] = []
+    summary: dict = {"backend": backend}
+
+    def sync():
+        if ctx.device == "cuda":
+            torch.cuda.synchronize()
+
+    def train(state, n: int, event: str) -> None:
+        for _ in range(n):
+            budget.check(f"a {event} iteration", reserve=3.0)
+            t0 = time.perf_counter()
+            r = adapters.cona_train_step(state, data)
+            sync()
+            losses.append(r["loss"])
+            ok = math.isfinite(r["loss"])
+            w.write(event=event, strategy=r["strategy"], iteration=r["iteration"],
+                    loss=r["loss"], seconds=time.perf_counter() - t0,
+                    consumed_samples=r["consumed_samples"], status="ok" if ok else "error",
+                    note="" if ok else "non-finite loss", **base)
+
+    try:
+        t0 = time.perf_counter()
+        state = adapters.cona_build(cfg, START)
+        sync()
+        w.write(event="init", strategy=START, seconds=time.perf_counter() - t0, status="ok",
+                detail={"layers": layers, "hidden": hidden, "seq": seq, "vocab": vocab}, **base)
+        train(state, 2 if ctx.dry_run else 3, "train")
+
+        t0 = time.perf_counter()
+        state, facts = adapters.cona_switch(state, SWITCHED)
+        sync()
+        ok = facts["switched"] and not facts["moved_tensors"] and state.strategy.name == SWITCHED
+        w.write(event="switch_batch", strategy=state.strategy.name,
+                seconds=time.perf_counter() - t0, consumed_samples=state.consumed_samples,
+                status="ok" if ok else "error", detail=facts,
+                note="" if ok else "a batch-only switch must switch and move no tensor", **base)
+        summary["switch_batch_ok"] = ok
+        before_consumed = state.consumed_samples
+        n = 1 if ctx.dry_run else 2
+        train(state, n, "train")
+        summary["samples_per_step_after_switch"] = (state.consumed_samples - before_consumed) / n
+
+        budget.check("the reshard", reserve=5.0)
+        before = {k: v.detach().clone() for k, v in adapters.cona_state_tensors(state).items()}
+        t0 = time.perf_counter()
+        state, facts = adapters.cona_reshard_same_layout(state, bucket)
+        sync()
+        after = adapters.cona_state_tensors(state)
+        mismatched = sorted(k for k in before
+                            if k not in after or not torch.equal(before[k], after[k]))
+        facts.update(tensors=len(before), mismatched=mismatched[:10],
+                     bytes_checked=sum(t.numel() * t.element_size() for t in before.values()))
+        ok = not mismatched and len(after) == len(before)
+        w.write(event="reshard", strategy=state.strategy.name, iteration=state.iteration,
+                seconds=time.perf_counter() - t0, consumed_samples=state.consumed_samples,
+                status="ok" if ok else "error", detail=facts,
+                note="" if ok else "the resharded state differs from the source", **base)
+        summary["reshard_exact"] = not mismatched
+        del before, after
+        train(state, 1 if ctx.dry_run else 2, "train_after")
+        summary["losses"] = [round(x, 4) for x in losses]
+        summary["loss_fell"] = losses[-1] < losses[0]
+        state.destroy()
+    except Exception as exc:  # noqa: BLE001 - recorded as a row; the harness goes on
+        w.write(event="error", strategy="-", seconds=0, status="error", note=error_text(exc),
+                **base)
+        summary["_status"] = "error"
+        summary["error"] = error_text(exc)
+    finally:
+        dist.destroy_process_group()
+    return summary

@@ -1,0 +1,245 @@
+"""(2) Memory ground truth: real training steps over a grid, with the memory predictor's
+prediction next to each row.
+
+Grid: LLaVA-like (CLIP ViT + projector + Llama), a ViT, a decoder LLM (the predictor's presets,
+scaled down, built by the predictor's own model builder), an MLP and a CNN; fp32, bf16
+autocast, bf16 pure, fp16 autocast + GradScaler; fused and foreach AdamW; activation
+checkpointing on/off. Per row: one warm-up step (creates the Adam states), peak stats reset,
+one measured step; ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and NVML's
+device-level used bytes (CUDA context and every other process included) before and after.
+The dry run executes the same steps on the CPU (no CUDA memory statistics: rows ``skipped``).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from gpucheck import adapters
+from gpucheck.common import (
+    NO_GPU,
+    Budget,
+    BudgetExceeded,
+    PartContext,
+    RowWriter,
+    error_text,
+    nvml_used_bytes,
+)
+from gpucheck.steps import MLP, RealStep, count_params
+
+FILE = "memory.csv"
+GROUND_TRUTH = "cuda: torch.cuda.max_memory_reserved of a real step (gpu_check)"
+PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+CAPACITY_GIB = 141
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str  # llava | vit | llm | mlp | cnn
+    size: str
+    precision: str
+    optimizer: str
+    checkpointing: str
+
+
+# (preset, width, depth, vocab, image_res, seq, batch) per family and size
+PRESET_MODELS = {
+    "gpu": {
+        "llava": ("llava-1.5-7b-like", 0.25, 4, 32064, 336, 1024, 4),
+        "vit": ("vit-l-like", 0.5, 8, None, 224, 1, 32),
+        "llm": ("llama-7b-like", 0.25, 4, 32064, None, 2048, 4),
+    },
+    "tiny": {
+        # LLaVA's image token id is 32000: the vocabulary must contain it on a real device
+        "llava": ("llava-1.5-7b-like", 0.0625, 1, 32064, 28, 16, 1),
+        "vit": ("vit-b-like", 0.125, 1, None, 32, 1, 2),
+        "llm": ("llama-7b-like", 0.0625, 1, 8192, None, 16, 1),
+    },
+}
+MLP_SIZES = {"gpu": (1024, 4096, 8, 1000, 2048), "tiny": (32, 64, 2, 10, 4)}  # in, hid, L, C, B
+CNN_SIZES = {"gpu": ((64, 128, 256), 2, 224, 64), "tiny": ((8, 16), 1, 16, 2)}
+
+
+def grid(tiny: bool) -> list[Point]:
+    """GPU: every family x precision x optimizer x checkpointing (no checkpointed CNN), in a
+    fixed shuffle so a cut by the budget still covers every family; dry run: one point per
+    family, together covering every precision, optimizer and checkpointing value."""
+    size = "tiny" if tiny else "gpu"
+    points = [Point(family, size, prec, opt, ckpt)
+              for family in ("llava", "vit", "llm", "mlp", "cnn") for prec in PRECISIONS
+              for opt in ("fused", "foreach") for ckpt in ("none", "full")
+              if not (family == "cnn" and ckpt == "full")]  # the zoo's CNN: no checkpointing
+    random.Random(0).shuffle(points)
+    if tiny:
+        want = {("llava", "fp32", "fused", "none"), ("vit", "bf16", "foreach", "full"),
+                ("llm", "fp16", "fused", "full"), ("mlp", "bf16-pure", "foreach", "full"),
+                ("cnn", "fp16", "foreach", "none")}
+        points = [p for p in points
+                  if (p.family, p.precision, p.optimizer, p.checkpointing) in want]
+    return points
+
+
+def _preset(point: Point):
+    base, width, depth, vocab, res, seq, batch = PRESET_MODELS[point.size][point.family]
+    spec = adapters.memory_scaled(base, width, depth, vocab or 8192, res)
+    cfg = adapters.memory_config(batch=batch, seq=seq, precision=point.precision,
+                                 checkpointing=point.checkpointing)
+    return spec, cfg
+
+
+def _build(point: Point, device: str):
+    """(model, positional inputs, kwargs, target, (spec, cfg) of a preset or None, batch)."""
+    import torch
+
+    if point.family in PRESET_MODELS["gpu"]:
+        spec, cfg = _preset(point)
+        with torch.device(device):
+            model = adapters.build_memory_model(spec, cfg)
+        kw = {k: v.to(device) for k, v in adapters.memory_inputs(spec, model, cfg).items()}
+        return model, [], kw, None, (spec, cfg), cfg.batch
+    if point.family == "mlp":
+        d_in, hidden, layers, classes, batch = MLP_SIZES[point.size]
+        with torch.device(device):
+            model = MLP(d_in, hidden, layers, classes, point.checkpointing == "full")
+        x = torch.randn(batch, d_in).to(device)
+        y = torch.randint(0, classes, (batch,)).to(device)
+        return model, [x], {}, y, None, batch
+    from predictors.zoo import ConvNetSpec
+
+    widths, blocks, image, batch = CNN_SIZES[point.size]
+    spec = ConvNetSpec("convnet", widths, blocks, image)
+    with torch.device(device):
+        model = adapters.build_time_model(spec)
+    inputs, target = adapters.time_batch(spec, batch)
+    return model, [t.to(device) for t in inputs], {}, target.to(device), None, batch
+
+
+def predict_point(point: Point) -> dict:
+    """The memory predictor's answer for one grid point (in a worker process on a GPU run, so
+    predictions overlap the measurements): the preset API for the presets' families, the
+    ``nn.Module`` API on a meta-device model (nothing allocated) for the MLP and the CNN."""
+    try:
+        if point.family in PRESET_MODELS["gpu"]:
+            spec, cfg = _preset(point)
+            p = adapters.predict_memory(spec, cfg, CAPACITY_GIB)
+            return {"pred_peak_reserved": p["peak_reserved"],
+                    "pred_note": f"predict_peak_memory (trained on {p['trained_on']})"}
+        model, inputs, kw, target, _, _ = _build(point, "meta")
+        p = adapters.predict_memory_module(model, inputs, kw, target, point.precision,
+                                           point.optimizer)
+        return {"pred_peak_reserved": p["peak_reserved"], "pred_device_used": p["device_used"],
+                "pred_note": "predict_module_memory (nn.Module API)"}
+    except Exception as exc:  # noqa: BLE001 - the ground truth row still stands
+        return {"pred_note": f"prediction failed: {error_text(exc, 200)}"}
+
+
+def measure(point: Point, device: str) -> dict:
+    """One warm-up step, peak statistics reset, one measured step (the steady state)."""
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+    before = nvml_used_bytes() if cuda else None
+    t0 = time.perf_counter()
+    model, inputs, kw, target, pair, batch = _build(point, device)
+    step = RealStep(model, point.precision, device, point.optimizer)
+    params = count_params(model)
+    step(inputs, kw, target)  # warm-up: Adam states, cuBLAS workspaces, autotuning
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    step(inputs, kw, target)
+    row: dict = {"family": point.family, "size": point.size, "precision": point.precision,
+                 "optimizer": point.optimizer, "checkpointing": point.checkpointing,
+                 "batch": batch, "params": params, "ground_truth": GROUND_TRUTH,
+                 "peak_phase": ""}
+    if cuda:
+        torch.cuda.synchronize()
+        row.update(peak_allocated=torch.cuda.max_memory_allocated(),
+                   peak_reserved=torch.cuda.max_memory_reserved(),
+                   nvml_used_before=before, nvml_used_peak=nvml_used_bytes(), status="ok")
+    else:
+        row.update(status="skipped", note=f"{NO_GPU}: the step ran on the cpu in "
+                   f"{time.perf_counter() - t0:.2f} s; CUDA memory statistics need a GPU")
+    row["trace_seconds"] = round(time.perf_counter() - t0, 3)
+    if pair is not None:
+        spec, cfg = pair
+        row.update(adapters.memory_row_fields(spec, cfg), model=spec.name)
+        row["key"] += f"|{point.optimizer}"  # collect-memory's key has no optimizer
+    else:
+        name = f"{point.family}-{point.size}"
+        row.update(key=f"{name}|{point.precision}|{point.optimizer}|{point.checkpointing}",
+                   model=name, config={"batch": batch, "precision": point.precision,
+                                       "checkpointing": point.checkpointing})
+    del step, model, inputs, kw
+    return row
+
+
+def _finish(row: dict, pred: dict) -> dict:
+    row = {**row, **pred}
+    if row.get("pred_peak_reserved") and row.get("peak_reserved"):
+        row["pred_error_pct"] = (100.0 * (row["pred_peak_reserved"] - row["peak_reserved"])
+                                 / row["peak_reserved"])
+    return row
+
+
+def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
+    points = grid(ctx.dry_run)
+    pool = None
+    if not ctx.dry_run:  # predictions are CPU work: overlap them with the GPU measurements
+        workers = max(1, min(8, (os.cpu_count() or 2) - 2))
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = {p: pool.submit(predict_point, p) for p in points} if pool else {}
+    pending: list[tuple[Point, dict]] = []
+    measured, errors, cut = 0, 0, None
+
+    def flush(wait_s: float = 0.0) -> None:
+        """Write measured rows, in order, whose prediction is ready (or waited ``wait_s``)."""
+        while pending:
+            point, row = pending[0]
+            fut = futures.get(point)
+            if fut is None:
+                pred = predict_point(point)
+            elif not fut.done() and wait_s <= 0:
+                return
+            else:
+                try:
+                    pred = fut.result(timeout=wait_s)
+                except Exception as exc:  # noqa: BLE001 - budget spent or a worker died
+                    pred = {"pred_note": "prediction not finished within the time budget "
+                                         f"({type(exc).__name__}); predict offline"}
+            w.write(**_finish(row, pred))
+            pending.pop(0)
+
+    try:
+        for i, point in enumerate(points):
+            # leave a quarter of the budget for predictions still running in the pool
+            if budget.expired(reserve=0.25 * budget.seconds if pool else 3.0):
+                cut = f"memory grid cut at {i}/{len(points)} points by the budget"
+                break
+            try:
+                pending.append((point, measure(point, ctx.device)))
+                measured += 1
+            except Exception as exc:  # noqa: BLE001 - one configuration failing (OOM...)
+                errors += 1
+                w.write(family=point.family, size=point.size, precision=point.precision,
+                        optimizer=point.optimizer, checkpointing=point.checkpointing,
+                        status="error", note=error_text(exc))
+            print(f"memory {i + 1}/{len(points)} {point}", flush=True)
+            flush()
+        while pending:
+            flush(wait_s=max(0.5, budget.left() - 3.0) / len(pending))
+    finally:
+        if pool:
+            pool.shutdown(wait=False, cancel_futures=True)
+    if cut:
+        raise BudgetExceeded(cut)
+    return {"points": len(points), "measured": measured, "errors": errors}
