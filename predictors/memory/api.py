@@ -26,6 +26,11 @@ class MemoryPrediction:
     trained_on: str  # what the residual model was trained against
 
     @property
+    def device_used(self) -> int:
+        """Device-level memory (``nvidia-smi`` ``memory.used``): reserved + CUDA context."""
+        return self.peak_reserved + self.context_bytes
+
+    @property
     def device_total(self) -> int:
         return int(self.peak_reserved * (1 + self.margin)) + self.context_bytes
 
@@ -45,7 +50,9 @@ class MemoryPrediction:
             f"  {'analytical peak':17s}{g(self.peak_allocated_analytical)}",
             f"predicted peak reserved {g(self.peak_reserved)} (residual model trained on: "
             f"{self.trained_on})",
-            f"+ safety margin {self.margin:.1%} + CUDA context {g(self.context_bytes)} = "
+            f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
+            f"{g(self.context_bytes)} = {g(self.device_used)}",
+            f"+ safety margin {self.margin:.1%} of reserved = "
             f"{g(self.device_total)} of {g(self.capacity)}",
             f"verdict: {'FITS' if self.fits else 'OUT OF MEMORY'}",
         ]

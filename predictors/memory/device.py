@@ -59,10 +59,11 @@ class DistributedSpec:
     ``ZeroRedundancyOptimizer``), ``deepspeed`` (its ZeRO with the documented defaults below),
     ``megatron`` (distributed optimizer = ZeRO-1 over a contiguous gradient buffer).
 
-    DeepSpeed defaults from https://www.deepspeed.ai/docs/config-json/ (ZeRO optimizations):
-    ``reduce_bucket_size`` 5e8 and ``allgather_bucket_size`` 5e8 elements,
-    ``stage3_prefetch_bucket_size`` 5e7, ``stage3_max_live_parameters`` 1e9,
-    ``stage3_param_persistence_threshold`` 1e5."""
+    DeepSpeed defaults from https://www.deepspeed.ai/docs/config-json/ (ZeRO optimizations) and
+    ``deepspeed/runtime/zero/config.py`` (``DeepSpeedZeroConfig``): ``reduce_bucket_size`` 5e8
+    and ``allgather_bucket_size`` 5e8 elements, ``stage3_prefetch_bucket_size`` 5e7,
+    ``stage3_max_live_parameters`` 1e9, ``stage3_param_persistence_threshold`` 1e5,
+    ``overlap_comm`` on at stage 3 only, ``contiguous_gradients`` on."""
 
     dp: int = 1
     zero: int = 0
@@ -131,11 +132,14 @@ class DistributedSpec:
             buffers["megatron_grad_buffer"] = grads  # contiguous main-grad buffer
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
+            # stage_1_and_2.py allocates its contiguous-gradient (ipg) buffer at the full
+            # reduce_bucket_size whatever the model size, a second one with overlap_comm;
+            # stage 3 keeps one flat ipg buffer
             overlap = self.overlap_comm if self.overlap_comm is not None else self.zero == 3
-            n = 2 if overlap else 1
-            buffers["ds_reduce_bucket"] = int(n * min(self.reduce_bucket * elem,
-                                                      max(grads, elem)))
+            n = 2 if overlap and self.zero == 2 else 1
+            buffers["ds_reduce_bucket"] = int(n * self.reduce_bucket * elem)
         if self.framework == "deepspeed" and self.zero == 1:
+            # the all-gather of updated parameters works in allgather_bucket_size pieces
             buffers["ds_allgather_bucket"] = int(min(self.allgather_bucket * elem,
                                                      max(params, elem)))
         if self.zero == 3:

@@ -99,9 +99,13 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
     z2 = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed"))
     z3 = _predict(distributed=DistributedSpec(dp=8, zero=3, framework="deepspeed"))
     assert z2.optimizer.impl == "fused"  # DeepSpeed runs its own fused Adam
-    assert "ds_reduce_bucket" in z2.inside_allocator
+    # the contiguous-gradient buffer has reduce_bucket_size (5e8) fp32 elements, model or not
+    assert z2.inside_allocator["ds_reduce_bucket"] == 5e8 * 4
     assert {"ds_stage3_live_params", "ds_prefetch_bucket"} <= set(z3.inside_allocator)
-    assert z2.max_memory_allocated < one.max_memory_allocated
+    small = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed",
+                                                 reduce_bucket=1e6))
+    # states and gradients sharded 8 ways, a 4 MB bucket instead of 2 GB
+    assert small.max_memory_allocated < one.max_memory_allocated < z2.max_memory_allocated
     assert z2.outside_allocator["nccl_buffers"] > 0
     with pytest.raises(ShardingError):
         DistributedSpec(dp=8, zero=3, framework="megatron")
