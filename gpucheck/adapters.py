@@ -80,6 +80,45 @@ def predict_time(spec: Any, micro_batch: int, precision: str, device: str) -> di
             "device": res.device, "calibrated": res.calibrated}
 
 
+def write_device_profile(measurements_csv: Any, profile: dict) -> None:
+    """The device a time-measurement CSV was taken on, where ``predict``'s loaders look."""
+    import json
+
+    from predictors.collect import device_profile_path
+
+    device_profile_path(measurements_csv).write_text(json.dumps(profile, indent=2))
+
+
+def train_time_family_model(measurements_csv: Any, models_dir: Any) -> str:
+    """Train the time correction of the device family a measurement CSV was taken on (its
+    ``.device.json``), labelled with the rows' provenance; returns the saved model's path."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from predictors.collect import device_profile_path
+    from predictors.train import train_measurement_model
+
+    path = Path(measurements_csv)
+    family = json.loads(device_profile_path(path).read_text())["family"]
+    model = train_measurement_model(path)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    prov = sorted({f"{r['gpu']} driver {r['driver']} CUDA {r['cuda']} torch {r['torch']} "
+                   f"{r['date']} commit {r['git_commit']}" for r in rows})
+    model.family = family
+    model.meta["training_data"] = (f"{path.name} ({len(rows)} GPU measurements, gpu_check; "
+                                   + "; ".join(prov) + ")")
+    return str(model.save(models_dir, f"time_{family}"))
+
+
+def train_memory_model(ground_truth_csv: Any) -> str:
+    """Retrain the shipped memory residual model on the (merged) ground truth."""
+    from predictors.memory.train import train_and_save
+
+    return train_and_save(ground_truth_csv).trained_on
+
+
 # --------------------------------------------------------------------------- memory predictor
 
 

@@ -1,0 +1,78 @@
+"""``python -m gpucheck.fold``: a GPU run's rows land in the predictors' data sets in the
+format their loaders read, with the run's provenance; a dry run is refused. (The rows here are
+made on the CPU and marked as GPU rows: this checks the plumbing, not a measurement.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gpucheck.common import RowWriter  # noqa: E402
+from gpucheck.fold import main as fold  # noqa: E402
+from gpucheck.parts import memory, timing  # noqa: E402
+from gpucheck.schema import columns  # noqa: E402
+
+PROV = {"gpu": "NVIDIA H200", "driver": "580.159.03", "cuda": "13.0", "torch": "2.11.0+cu130",
+        "date": "2026-12-03T16:00:00Z", "git_commit": "f77cc8e"}
+
+
+def _results(tmp_path: Path, dry_run: bool) -> Path:
+    out = tmp_path / "results"
+    out.mkdir()
+    point = next(p for p in memory.grid(True) if p.family == "llm")
+    row = memory.measure(point, "cpu")
+    row.update(status="ok", note="", peak_allocated=123 * 2**20, peak_reserved=160 * 2**20)
+    w = RowWriter(out / "memory.csv", columns("memory.csv"), PROV)
+    w.write(**row)
+    w.close()
+    trow = timing.measure_point(*timing.DRY_CONFIGS[0], "fp32", "cpu", True)
+    trow.pop("_spec")
+    trow.update(canary_ms=1.0, canary_ratio=1.0, status="ok")
+    w = RowWriter(out / "time.csv", columns("time.csv"), PROV)
+    w.write(**trow)
+    w.close()
+    run = {"dry_run": dry_run, "provenance": PROV, "seconds": 1.0,
+           "parts": {"device": {"status": "ok", "summary": {"nvml": {
+               "name": "NVIDIA H200", "memory_total": 143771 * 2**20}}}}}
+    (out / "run.json").write_text(json.dumps(run))
+    return out
+
+
+@pytest.mark.slow
+def test_fold_appends_memory_rows_and_writes_time_rows_with_provenance(tmp_path):
+    from predictors.collect import device_profile_path, load_measurements
+    from predictors.devices import Device
+    from predictors.memory.evaluate import load_rows
+
+    results = _results(tmp_path, dry_run=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "predictors/data/memory_ground_truth.csv", data)
+    before = len(load_rows(data / "memory_ground_truth.csv"))
+    assert fold([str(results), "--data-dir", str(data)]) == 0
+    rows = load_rows(data / "memory_ground_truth.csv")
+    assert len(rows) == before + 1
+    assert rows[-1].measured == 160 * 2**20 and "NVIDIA H200, driver 580.159.03" in \
+        rows[-1].ground_truth
+    assert fold([str(results), "--data-dir", str(data)]) == 0  # rerun: nothing doubled
+    assert len(load_rows(data / "memory_ground_truth.csv")) == before + 1
+    times = data / "time_h200.csv"
+    df = load_measurements(times)
+    assert len(df) == 1 and df["gpu"][0] == "NVIDIA H200"
+    device = Device.from_dict(json.loads(device_profile_path(times).read_text()))
+    assert device.family == "h100" and device.memory_bytes == 143771 * 2**20
+
+
+def test_fold_refuses_a_dry_run(tmp_path, capsys):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"dry_run": True, "provenance": PROV}))
+    assert fold([str(out), "--data-dir", str(tmp_path)]) == 2
+    assert "holds a dry run" in capsys.readouterr().err
