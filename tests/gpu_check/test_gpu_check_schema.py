@@ -114,3 +114,19 @@ def test_unpack_debs_names_what_is_missing(tmp_path):
     (tmp_path / "debs").mkdir()
     with pytest.raises(CarryError, match="no liburing-dev .deb"):
         unpack_debs(tmp_path, tmp_path / "prefix")
+
+
+def test_a_part_past_its_limit_is_killed_and_recorded(tmp_path):
+    import os
+
+    from gpucheck.common import PartContext
+    from gpucheck.harness import _run_part
+
+    ctx = PartContext(name="megatron", out=str(tmp_path), dry_run=True, device="cpu",
+                      budget_s=1.0, provenance=PROV, workdir=str(tmp_path))
+    ctx.save(tmp_path / "ctx.json")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with open(tmp_path / "log.txt", "w") as log:
+        res = _run_part(ctx, tmp_path / "ctx.json", env, timeout=1.0, log=log)
+    assert res["status"] == "timeout" and "killed at its 1 s limit" in res["error"]
+    assert res["seconds"] < 30  # the whole process group went, not just the shell
