@@ -40,6 +40,7 @@ class GroupLayout:
     page_bytes: int  # one block of one layer (vLLM's unpadded page)
     block_size: int  # tokens per block
     window_blocks: int | None = None  # sliding window: blocks it needs at a hit position
+    sliding_window: int = 0  # tokens (0: full attention)
 
     @property
     def kind(self) -> GroupKind:
@@ -55,6 +56,14 @@ class GroupLayout:
         if self.window_blocks is None:
             return 0, num_blocks
         return max(0, num_blocks - self.window_blocks), num_blocks
+
+    def first_kept(self, num_computed_tokens: int) -> int:
+        """First block vLLM still holds once ``num_computed_tokens`` are computed: its
+        ``SlidingWindowManager`` frees the blocks wholly before the window (every block stays
+        for full attention)."""
+        if self.window_blocks is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def window(self, hit_end: int) -> tuple[int, int]:
         """``[lo, hi)``: request blocks attention needs to go on after ``hit_end`` blocks."""
@@ -150,8 +159,9 @@ def group_layout(group_id: int, group: Any, block_size: int) -> GroupLayout:
     """A ``GroupLayout`` from a vLLM ``KVCacheGroupSpec`` (its spec class decides the kind)."""
     spec = group.kv_cache_spec
     kind = type(spec).__name__
-    window = None
+    window, tokens = None, 0
     if hasattr(spec, "sliding_window") and kind.startswith("SlidingWindow"):
+        tokens = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
         window = cdiv(spec.sliding_window - 1, block_size)
     elif not hasattr(spec, "num_kv_heads") or kind in ("ChunkedLocalAttentionSpec",
                                                        "CrossAttentionSpec"):  # fmt: skip
@@ -161,7 +171,7 @@ def group_layout(group_id: int, group: Any, block_size: int) -> GroupLayout:
         raise ValueError(f"kvpool: KV cache group {group_id} has block_size {spec.block_size}, "
                          f"the pool's chunks use {block_size}")  # fmt: skip
     page = getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
-    return GroupLayout(group_id, tuple(group.layer_names), page, block_size, window)
+    return GroupLayout(group_id, tuple(group.layer_names), page, block_size, window, tokens)
 
 
 def chunk_layout(kv_cache_config: Any, block_size: int, blocks_per_chunk: int) -> ChunkLayout:
@@ -215,7 +225,8 @@ class ModelGeometry:
         if hma and self.sliding_layers:
             assert self.sliding_window is not None
             groups.append(GroupLayout(1, tuple(f"swa.{i}" for i in range(self.sliding_layers)),
-                                      page, block_size, cdiv(self.sliding_window - 1, block_size)))  # fmt: skip
+                                      page, block_size, cdiv(self.sliding_window - 1, block_size),
+                                      self.sliding_window))  # fmt: skip
         return ChunkLayout(tuple(groups), bpc)
 
     def bytes_per_token(self, block_size: int = 16, chunk_tokens: int = 256,
