@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ def dataset_path() -> Path:
     return SHIPPED_CSV
 
 
-def load_mlp_rows(path: Path | None = None) -> list[MlpRow]:
-    path = path or dataset_path()
+def load_mlp_rows(path: Path | None = None) -> tuple[MlpRow, ...]:
+    return _load(path or dataset_path())
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: Path) -> tuple[MlpRow, ...]:
     rows = []
     with path.open() as f:
         for i, r in enumerate(csv.DictReader(f)):
@@ -95,7 +100,7 @@ def load_mlp_rows(path: Path | None = None) -> list[MlpRow]:
                                m["bn"] == "True",
                                tuple(int(p) for k, _, p in layers if k in _COUNTED),
                                float(r["Max GPU Memory (MiB)"])))
-    return rows
+    return tuple(rows)
 
 
 def _widths(row: MlpRow) -> list[int]:
@@ -155,7 +160,7 @@ def network_elements(row: MlpRow) -> int:
     return sum(row.layer_params) + row.batch * (row.input + sum(_widths(row)) + row.output)
 
 
-def smallest_network(rows: list[MlpRow]) -> int:
+def smallest_network(rows: tuple[MlpRow, ...]) -> int:
     """Index of the row closest to an empty process (CUDA + cuBLAS initialised, almost
     nothing allocated): the measurement the ``ampere`` CUDA-context size is read from."""
     return min(range(len(rows)), key=lambda i: (network_elements(rows[i]), i))
