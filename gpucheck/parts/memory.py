@@ -13,11 +13,8 @@ The dry run executes the same steps on the CPU (no CUDA memory statistics: rows 
 from __future__ import annotations
 
 import gc
-import multiprocessing
-import os
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from gpucheck import adapters
@@ -30,6 +27,7 @@ from gpucheck.common import (
     error_text,
     nvml_used_bytes,
 )
+from gpucheck.predictions import Predictions
 from gpucheck.steps import MLP, RealStep, count_params
 
 FILE = "memory.csv"
@@ -193,40 +191,26 @@ def _finish(row: dict, pred: dict) -> dict:
 
 def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     points = grid(ctx.dry_run)
-    pool = None
-    if not ctx.dry_run:  # predictions are CPU work: overlap them with the GPU measurements
-        workers = max(1, min(8, (os.cpu_count() or 2) - 2))
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = {p: pool.submit(predict_point, p) for p in points} if pool else {}
-    pending: list[tuple[Point, dict]] = []
+    abs_errors: list[float] = []
+
+    def merge(row: dict, pred: dict) -> dict:
+        row = _finish(row, pred)
+        if "pred_error_pct" in row:
+            abs_errors.append(abs(row["pred_error_pct"]))
+        return row
+
+    preds = Predictions(predict_point, merge, w, parallel=not ctx.dry_run)
+    for point in points:
+        preds.submit(point, point)
     measured, errors, cut = 0, 0, None
-
-    def flush(wait_s: float = 0.0) -> None:
-        """Write measured rows, in order, whose prediction is ready (or waited ``wait_s``)."""
-        while pending:
-            point, row = pending[0]
-            fut = futures.get(point)
-            if fut is None:
-                pred = predict_point(point)
-            elif not fut.done() and wait_s <= 0:
-                return
-            else:
-                try:
-                    pred = fut.result(timeout=wait_s)
-                except Exception as exc:  # noqa: BLE001 - budget spent or a worker died
-                    pred = {"pred_note": "prediction not finished within the time budget "
-                                         f"({type(exc).__name__}); predict offline"}
-            w.write(**_finish(row, pred))
-            pending.pop(0)
-
     try:
         for i, point in enumerate(points):
-            # leave a quarter of the budget for predictions still running in the pool
-            if budget.expired(reserve=0.25 * budget.seconds if pool else 3.0):
+            # on a GPU run, leave a quarter of the budget for predictions still in the pool
+            if budget.expired(reserve=3.0 if ctx.dry_run else 0.25 * budget.seconds):
                 cut = f"memory grid cut at {i}/{len(points)} points by the budget"
                 break
             try:
-                pending.append((point, measure(point, ctx.device)))
+                preds.measured(point, measure(point, ctx.device))
                 measured += 1
             except Exception as exc:  # noqa: BLE001 - one configuration failing (OOM...)
                 errors += 1
@@ -234,12 +218,10 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
                         optimizer=point.optimizer, checkpointing=point.checkpointing,
                         status="error", note=error_text(exc))
             print(f"memory {i + 1}/{len(points)} {point}", flush=True)
-            flush()
-        while pending:
-            flush(wait_s=max(0.5, budget.left() - 3.0) / len(pending))
+        preds.drain(budget)
     finally:
-        if pool:
-            pool.shutdown(wait=False, cancel_futures=True)
+        preds.close()
     if cut:
         raise BudgetExceeded(cut)
-    return {"points": len(points), "measured": measured, "errors": errors}
+    return {"points": len(points), "measured": measured, "errors": errors,
+            "mape_pct": sum(abs_errors) / len(abs_errors) if abs_errors else None}

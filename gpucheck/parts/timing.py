@@ -17,6 +17,7 @@ import time
 
 from gpucheck import adapters
 from gpucheck.common import Budget, BudgetExceeded, PartContext, RowWriter, error_text
+from gpucheck.predictions import Predictions
 from gpucheck.steps import RealStep
 
 FILE = "time.csv"
@@ -112,6 +113,26 @@ def measure_point(name, family, layers, hidden, heads, seq, mb, precision, devic
             "tflops": _flops(spec, mb) / low / 1e12, "_spec": spec}
 
 
+def predict_row(family, layers, hidden, heads, seq, mb, precision, device, tiny) -> dict:
+    """The time predictor's answer for one grid point (a worker process on a GPU run)."""
+    spec = adapters.transformer_spec(family, layers, hidden, heads, seq,
+                                     VOCAB["tiny" if tiny else "gpu"])
+    try:
+        pred = adapters.predict_time(spec, mb, precision, device)
+    except Exception as exc:  # noqa: BLE001 - the measurement stands without it
+        return {"pred_note": f"prediction failed: {error_text(exc, 200)}"}
+    return {"pred_seconds": pred["seconds"], "pred_analytical_s": pred["analytical_s"],
+            "pred_device": pred["device"],
+            "pred_note": "calibrated" if pred["calibrated"] else "analytical only"}
+
+
+def _merge(row: dict, pred: dict) -> dict:
+    row = {**row, **pred}
+    if row.get("pred_seconds") and row.get("seconds"):
+        row["pred_error_pct"] = 100.0 * (row["pred_seconds"] - row["seconds"]) / row["seconds"]
+    return row
+
+
 def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     tiny = ctx.dry_run
     configs = DRY_CONFIGS if tiny else GPU_CONFIGS
@@ -120,36 +141,44 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     random.Random(0).shuffle(points)
     device = adapters.time_device(ctx.device)
     print(f"time predictor device: {device}", flush=True)
+    abs_errors: list[float] = []
+
+    def merge(row: dict, pred: dict) -> dict:
+        row = _merge(row, pred)
+        if "pred_error_pct" in row:
+            abs_errors.append(abs(row["pred_error_pct"]))
+        return row
+
+    preds = Predictions(predict_row, merge, w, parallel=not tiny)
+    for cfg, prec in points:
+        preds.submit((cfg, prec), *cfg[1:], prec, device, tiny)
     best_canary = canary_ms(ctx.device)
-    errors, errs_pct = 0, []
-    for i, (cfg, prec) in enumerate(points):
-        if budget.expired(reserve=5.0):
-            raise BudgetExceeded(f"time grid cut at {i}/{len(points)} points by the budget")
-        canary = canary_ms(ctx.device)
-        best_canary = min(best_canary, canary)
-        try:
-            row = measure_point(*cfg, prec, ctx.device, tiny)
-        except Exception as exc:  # noqa: BLE001 - e.g. an OOM or an unsupported dtype
-            errors += 1
-            w.write(model=cfg[0], family=cfg[1], precision=prec, status="error",
-                    note=error_text(exc))
-            continue
-        spec = row.pop("_spec")
-        row.update(canary_ms=canary, canary_ratio=canary / best_canary, status="ok")
-        try:
-            pred = adapters.predict_time(spec, row["micro_batch"], prec, device)
-            row.update(pred_seconds=pred["seconds"], pred_analytical_s=pred["analytical_s"],
-                       pred_device=pred["device"],
-                       pred_note="calibrated" if pred["calibrated"] else "analytical only")
-            row["pred_error_pct"] = 100.0 * (pred["seconds"] - row["seconds"]) / row["seconds"]
-            errs_pct.append(abs(row["pred_error_pct"]))
-        except Exception as exc:  # noqa: BLE001 - the measurement stands without it
-            row["pred_note"] = f"prediction failed: {error_text(exc, 200)}"
-        if tiny:
-            row["note"] = "cpu dry run: host wall clock, tiny model (not ground truth for a GPU)"
-        w.write(**row)
-        print(f"time {i + 1}/{len(points)} {cfg[0]} {prec}: {row['seconds'] * 1e3:.2f} ms "
-              f"(pred {row.get('pred_seconds', float('nan')) * 1e3:.2f} ms)", flush=True)
-    mape = statistics.mean(errs_pct) if errs_pct else None
-    return {"points": len(points), "errors": errors, "mape_pct": mape,
-            "predictor_device": device}
+    errors, cut = 0, None
+    try:
+        for i, (cfg, prec) in enumerate(points):
+            if budget.expired(reserve=5.0 if tiny else 0.2 * budget.seconds):
+                cut = f"time grid cut at {i}/{len(points)} points by the budget"
+                break
+            canary = canary_ms(ctx.device)
+            best_canary = min(best_canary, canary)
+            try:
+                row = measure_point(*cfg, prec, ctx.device, tiny)
+            except Exception as exc:  # noqa: BLE001 - e.g. an OOM or an unsupported dtype
+                errors += 1
+                w.write(model=cfg[0], family=cfg[1], precision=prec, status="error",
+                        note=error_text(exc))
+                continue
+            row.pop("_spec")
+            row.update(canary_ms=canary, canary_ratio=canary / best_canary, status="ok")
+            if tiny:
+                row["note"] = "cpu dry run: host wall clock, tiny model (not GPU ground truth)"
+            print(f"time {i + 1}/{len(points)} {cfg[0]} {prec}: {row['seconds'] * 1e3:.2f} ms",
+                  flush=True)
+            preds.measured((cfg, prec), row)
+        preds.drain(budget)
+    finally:
+        preds.close()
+    if cut:
+        raise BudgetExceeded(cut)
+    return {"points": len(points), "errors": errors, "predictor_device": device,
+            "mape_pct": statistics.mean(abs_errors) if abs_errors else None}

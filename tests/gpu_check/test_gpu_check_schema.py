@@ -130,3 +130,25 @@ def test_a_part_past_its_limit_is_killed_and_recorded(tmp_path):
         res = _run_part(ctx, tmp_path / "ctx.json", env, timeout=1.0, log=log)
     assert res["status"] == "timeout" and "killed at its 1 s limit" in res["error"]
     assert res["seconds"] < 30  # the whole process group went, not just the shell
+
+
+def test_predictions_from_worker_processes_join_their_rows_in_grid_order(tmp_path):
+    from gpucheck.common import Budget
+    from gpucheck.predictions import Predictions
+
+    w = RowWriter(tmp_path / "kvio.csv", columns("kvio.csv"), PROV)
+    # dict(pairs) stands in for a predictor: any picklable callable returning the columns
+    preds = Predictions(dict, lambda row, pred: {**row, **pred}, w, parallel=True)
+    try:
+        assert preds.pool is not None
+        for i in range(3):
+            preds.submit(i, [("repeats", i)])
+        for i in range(3):
+            preds.measured(i, _kvio_row(path=f"leg{i}"))
+        preds.drain(Budget(60))
+    finally:
+        preds.close()
+        w.close()
+    rows = list(csv.DictReader(open(tmp_path / "kvio.csv")))
+    assert [(r["path"], r["repeats"]) for r in rows] == [("leg0", "0"), ("leg1", "1"),
+                                                         ("leg2", "2")]
