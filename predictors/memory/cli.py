@@ -35,6 +35,9 @@ def add_subcommands(subparsers) -> None:
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
     g.add_argument("--framework", default="ddp", choices=["ddp", "deepspeed", "megatron"])
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
+    g.add_argument("--trace", action="store_true",
+                   help="presets: trace the built module (optimizer, device-level output) "
+                        "instead of the analytical + LightGBM model")
     m.add_argument("--seq", type=int, default=2048, help="LLM sequence (image tokens included)")
     m.add_argument("--image-res", type=int, default=None)
     m.add_argument("--images-per-sample", type=int, default=1)
@@ -85,6 +88,8 @@ def _memory(args) -> int:
     from .api import predict_peak_memory
 
     frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
+    if args.trace:
+        return _memory_spec_traced(args, frozen)
     pred = predict_peak_memory(
         args.model, batch=args.batch, seq=args.seq, image_res=args.image_res,
         images_per_sample=args.images_per_sample, precision=args.precision, zero=args.zero,
@@ -124,6 +129,26 @@ def _memory_module(args) -> int:
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
                                  precision=args.precision, distributed=dist, device=device,
                                  capacity_gib=capacity, margin=args.margin)
+    print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
+    return 0 if pred.fits else 2
+
+
+def _memory_spec_traced(args, frozen: tuple[str, ...] | None) -> int:
+    import json
+
+    from .module import predict_spec_memory
+    from .towers import TrainConfig
+
+    cfg = TrainConfig(batch=args.batch, seq=args.seq, image_res=args.image_res,
+                      images_per_sample=args.images_per_sample, precision=args.precision,
+                      zero=args.zero, dp=args.dp, checkpointing=args.checkpointing,
+                      attention=args.attention, frozen=frozen)
+    device = args.device or {"24": "l40s", "40": "a100-40gb", "141": "h200"}.get(
+        str(args.capacity_gib), "h100-80gb")
+    pred = predict_spec_memory(args.model, cfg, optimizer=args.optimizer,
+                               framework=args.framework, device=device,
+                               capacity_gib=None if args.capacity_gib is None
+                               else float(args.capacity_gib), margin=args.margin)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
     return 0 if pred.fits else 2
 

@@ -26,10 +26,12 @@ from torch.utils._pytree import tree_map
 from ..precision import get_precision
 from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
+from .build import make_inputs
 from .device import DEVICES, DeviceProfile, DistributedSpec, get_device
 from .optimizers import OptimizerSpec
-from .simulate import Measurement, trace_step
-from .towers import MemorySpecError
+from .presets import get_preset
+from .simulate import Measurement, loss_from_output, prepare_model, trace_step
+from .towers import MemorySpecError, ModelSpec, TrainConfig, resolve_shapes
 
 DEFAULT_MARGIN = 0.05  # relative, on the allocator's reserved bytes (see docs: GPUMemNet)
 MIN_MARGIN_BYTES = 64 * MiB  # absolute floor: a few 20 MiB large-pool segments of slack
@@ -118,12 +120,24 @@ class DeviceMemoryPrediction:
 
 def _as_batch(inputs: Any, target: Any, kwargs: dict | None) -> Callable[[nn.Module], Batch]:
     """Fresh fake copies of the user's example tensors each step (a GPU step's host-to-device
-    copies are new allocations too)."""
-    def fake(tree: Any) -> Any:
-        return tree_map(lambda x: _fake_like(x) if isinstance(x, torch.Tensor) else x, tree)
-
+    copies are new allocations too); a tensor passed twice (labels as target and input) is
+    one copy, as in the user's loop."""
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    return lambda model: Batch(tuple(fake(list(args))), fake(target), fake(kwargs or {}))
+
+    def batch(model: nn.Module) -> Batch:
+        memo: dict[int, torch.Tensor] = {}
+
+        def fake(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if id(x) not in memo:
+                memo[id(x)] = _fake_like(x)
+            return memo[id(x)]
+
+        return Batch(tuple(tree_map(fake, list(args))), tree_map(fake, target),
+                     tree_map(fake, kwargs or {}))
+
+    return batch
 
 
 def predict_module_memory(
@@ -201,5 +215,33 @@ def predict_module_memory(
     return pred
 
 
+def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,
+                        optimizer: OptimizerSpec | str = "adamw", framework: str = "ddp",
+                        device: str | DeviceProfile = "h100-80gb",
+                        capacity_gib: float | None = None,
+                        margin: float | None = None) -> DeviceMemoryPrediction:
+    """A preset or :class:`ModelSpec` (LLaVA-like, LLM, ViT) through the traced path: the same
+    ``transformers`` module the presets build, with the chosen optimizer implementation and
+    device-level output. Traces the full depth (seconds to a minute for 7B models)."""
+    spec = get_preset(model) if isinstance(model, str) else model
+    spec = spec.at_resolution(cfg.image_res)
+    resolve_shapes(spec, cfg)
+    with torch.device("meta"):
+        kw = make_inputs(spec, _TokenIds(), cfg.batch, cfg.seq, cfg.images_per_sample)
+    return predict_module_memory(
+        lambda: prepare_model(spec, cfg), (), kw["labels"], kwargs=kw,
+        loss_fn=loss_from_output, optimizer=optimizer, precision=cfg.precision,
+        distributed=DistributedSpec(dp=cfg.dp, zero=cfg.zero, framework=framework),
+        device=device, capacity_gib=capacity_gib, margin=margin)
+
+
+class _TokenIds:
+    """Stands in for the built model in :func:`make_inputs` (only the image token id is read;
+    token values do not matter on meta/fake tensors)."""
+
+    class config:  # noqa: N801
+        image_token_id = 0
+
+
 __all__ = ["DEVICES", "DeviceMemoryPrediction", "DistributedSpec", "OptimizerSpec",
-           "predict_module_memory"]
+           "predict_module_memory", "predict_spec_memory"]

@@ -54,7 +54,7 @@ class Measurement:
         return row
 
 
-def _loss_from_output(out, target):
+def loss_from_output(out, target):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
@@ -85,7 +85,7 @@ def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = 
         return Batch((), kw["labels"], kw)
 
     return trace_step(lambda: prepare_model(spec, cfg), batch, cfg.precision,
-                      loss_fn=_loss_from_output, overheads=overheads, steps=steps)
+                      loss_fn=loss_from_output, overheads=overheads, steps=steps)
 
 
 def trace_step(build: Callable[[], torch.nn.Module],

@@ -20,10 +20,12 @@ from predictors.memory.gpumemnet import (
     load_mlp_rows,
     smallest_network,
 )
-from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory
+from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory, predict_spec_memory
 from predictors.memory.overheads import CONTEXTS
+from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simple import CnnSpec, MlpSpec
-from predictors.memory.towers import MemorySpecError, ShardingError
+from predictors.memory.simulate import simulate_step
+from predictors.memory.towers import MemorySpecError, ShardingError, TrainConfig
 from predictors.step import default_loss
 
 WIDE = MlpSpec(1024, (2048, 2048), 10)  # 6.3M parameters, 25 MiB of fp32 weights
@@ -179,3 +181,16 @@ def test_module_factory_from_cli(capsys):
                "--input-shape", "3x16x16", "--batch", "4", "--device", "h100-80gb"])
     assert rc == 0 and "FITS" in capsys.readouterr().out
 
+
+
+def test_a_spec_through_the_traced_path_is_the_simulators_step():
+    """A preset spec goes through the same trace as the simulated ground truth: with fused
+    AdamW (what that trace runs) the reserved peaks are equal; foreach Adam adds its temporary."""
+    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192)
+    cfg = TrainConfig(batch=2, seq=128, precision="bf16")
+    sim = simulate_step(spec, cfg)
+    fused = predict_spec_memory(spec, cfg, optimizer="adamw:fused", device="h100-80gb")
+    assert fused.max_memory_reserved == sim.peak_reserved
+    assert fused.max_memory_allocated == sim.peak_allocated
+    foreach = predict_spec_memory(spec, cfg, optimizer="adamw", device="h100-80gb")
+    assert foreach.max_memory_allocated > fused.max_memory_allocated
