@@ -10,8 +10,9 @@
    MAPE of device-level memory; the dynamic part (minus the context) and a fused-AdamW ablation
    (what the predictor assumed before) on a subset.
 2. OOM verdict: would the job fit a memory budget (the co-location question GPUMemNet asks:
-   what is left on a shared GPU, 1.5-4 GiB)? Confusion table per budget with its base rate;
-   "fits" when device-level + margin <= budget, measured "fits" when the observed peak is.
+   what is left on a shared GPU, 1.5-4 GiB, and the 40 GiB card)? Confusion table per budget
+   with its base rate; "fits" when device-level + margin <= budget, measured "fits" when the
+   observed peak is.
 3. Agreement with the simulator (NOT accuracy): the multimodal preset predictor against the
    caching-allocator simulator it shares code with (``predictors/data/memory_ground_truth.csv``,
    held out by family and size).
@@ -44,7 +45,7 @@ from predictors.memory.gpumemnet import (
 from predictors.memory.module import predict_module_memory
 from predictors.step import default_loss
 
-BUDGETS_GIB = (1.5, 2.0, 2.5, 3.0, 4.0)
+BUDGETS_GIB = (1.5, 2.0, 2.5, 3.0, 4.0, 40.0)  # co-location budgets; 40: the card itself
 FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated_mib",
           "context_mib", "margin_mib", "fused_reserved_mib"]
 
