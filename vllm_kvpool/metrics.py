@@ -77,6 +77,8 @@ class LookupCounters:
     save_skipped_full: int = 0  # chunks not saved because nothing was evictable
     evictions: int = 0
     invalidated: int = 0  # corrupt / failed chunks dropped from the index
+    restored: int = 0  # SSD chunks found again at start-up (a previous run's)
+    restored_hits: int = 0  # chunk loads served from those
 
     @property
     def hit_rate(self) -> float:

@@ -32,7 +32,7 @@ def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
             continue
         cls = handler_class(cfg)
         assert issubclass(cls, DeviceHandler)
-        dev, _ = cls.open_raw(cfg, geometry.num_slots(cfg), geometry.slot_bytes)
+        dev, _, _ = cls.open_raw(cfg, geometry)
         try:
             result = io.probe_device(dev, seconds=config.probe.seconds, chunk_bytes=PROBE_CHUNK)
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch
@@ -154,3 +155,47 @@ def test_local_pool_saves_and_fetches_byte_identical(tmp_path):
         assert devices["host0"].bytes_read > 0 and devices["ssd0"].bytes_read > 0
     for k in kv:
         assert torch.equal(kv[k], want[k])
+
+
+def test_pool_stops_using_a_failed_device_and_takes_it_back(tmp_path):
+    """Engine + pool: a device whose reads fail is marked failed (its chunks become misses, no
+    new chunks go there); once it can be reopened it is retried and placed on again."""
+    from vllm_kvpool.local import LocalPool
+
+    blocks = 32
+    kv = {"l0": torch.randn(blocks, 2, 16, 32, generator=torch.Generator().manual_seed(0))}
+    path = tmp_path / "s1.kvpool"
+    config = {"chunk_tokens": 64, "device_retry_seconds": 0.2, "devices": [
+        {"ssd": {"path": str(tmp_path / "s0.kvpool"), "capacity": "1MiB", "bandwidth_gbps": 1.0}},
+        {"ssd": {"path": str(path), "capacity": "1MiB", "bandwidth_gbps": 1.0}}]}  # fmt: skip
+    with LocalPool(config, kv, blocks, block_size=16) as pool:
+        first = [f"a{i}".encode() for i in range(blocks)]
+        assert pool.save(first, list(range(blocks))) == 8
+        size = path.stat().st_size
+        os.rename(path, tmp_path / "away")  # detached: reopening fails...
+        os.truncate(tmp_path / "away", 0)  # ...and reads of the open file end early
+        result = pool.fetch(first, list(range(blocks)))
+        assert not result.ok and pool.pool.weights.failed[1]
+        assert all(e.location.device == 0 for e in pool.pool.index.entries.values())
+        second = [f"b{i}".encode() for i in range(blocks)]
+        pool.save(second, list(range(blocks)))
+        assert all(e.location.device == 0 for e in pool.pool.index.entries.values())
+        time.sleep(0.3)
+        pool.status()  # a retry while still detached fails: the device stays out
+        pool.engine.wait_all()
+        assert pool.pool.weights.failed[1]
+        os.truncate(tmp_path / "away", size)
+        os.rename(tmp_path / "away", path)  # reattached
+        deadline = time.monotonic() + 10
+        while pool.pool.weights.failed[1] and time.monotonic() < deadline:
+            time.sleep(0.3)
+            pool.status()
+            pool.engine.wait_all()
+        assert not pool.pool.weights.failed[1]
+        third = [f"c{i}".encode() for i in range(blocks)]
+        assert pool.save(third, list(range(blocks))) > 0
+        assert any(e.location.device == 1 for e in pool.pool.index.entries.values())
+        want = kv["l0"].clone()
+        kv["l0"].zero_()
+        got = pool.fetch(third, list(range(blocks)))
+        assert got.ok and got.blocks == blocks and torch.equal(kv["l0"], want)

@@ -19,11 +19,12 @@ from vllm_kvpool.handlers.base import (
 from vllm_kvpool.handlers.device import DeviceHandler
 from vllm_kvpool.handlers.host import HostMemoryHandler
 from vllm_kvpool.handlers.spdk import SpdkHandler
+from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.pool import PoolGeometry
 
 __all__ = ["Buffer", "DeviceHandler", "HostMemoryHandler", "LoadOp", "MediumHandler", "Outcome",
            "SaveOp", "SpdkHandler", "StagingSlots", "handler_class", "open_handler",
-           "open_handlers"]  # fmt: skip
+           "open_handlers", "restorable_chunks"]  # fmt: skip
 
 
 def handler_class(cfg: DeviceConfig) -> type[MediumHandler]:
@@ -36,11 +37,10 @@ def open_handler(cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
                  rank_suffix: str = "") -> MediumHandler:  # fmt: skip
     """Allocate a host pool or open an SSD of the config (worker side)."""
     cls = handler_class(cfg)
-    slots = geometry.num_slots(cfg)
     if issubclass(cls, HostMemoryHandler):
-        return cls(cfg, geometry.slot_bytes, slots)
+        return cls(cfg, geometry.slot_bytes, geometry.num_slots(cfg))
     assert issubclass(cls, DeviceHandler)
-    return cls(cfg, geometry.slot_bytes, slots, config.staging, rank_suffix)
+    return cls(cfg, geometry, config.staging, rank_suffix)
 
 
 def open_handlers(config: PoolConfig, geometry: PoolGeometry,
@@ -55,3 +55,15 @@ def open_handlers(config: PoolConfig, geometry: PoolGeometry,
             h.close()
         raise
     return handlers
+
+
+def restorable_chunks(config: PoolConfig, geometry: PoolGeometry,
+                      world_size: int = 1) -> dict[int, list[RestoredChunk]]:  # fmt: skip
+    """Per device index, the chunks a previous run left that this pool may serve (read from
+    the media's index regions; host memory keeps nothing across a restart)."""
+    out = {}
+    for d, cfg in enumerate(config.devices):
+        cls = handler_class(cfg)
+        if issubclass(cls, DeviceHandler):
+            out[d] = cls.restorable(cfg, geometry, world_size)
+    return out

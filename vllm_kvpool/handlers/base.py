@@ -46,6 +46,7 @@ class SaveOp:
     slot: int
     address: int  # host memory holding the chunk's bytes (from ``save_buffer``)
     nbytes: int
+    block_hashes: tuple[bytes, ...] = ()  # the chunk's blocks: persistent media index them
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,18 @@
 """File or block-device medium (an SSD): ``_kvio.Device`` with io_uring + O_DIRECT, or posix.
 
 Every rank keeps its shard of every chunk in its own file (``<path>.rank<r>``; a block device
-is shared as is). The device holds the data region (``num_slots`` slots) and, after it, a
-scratch region for the bandwidth probe. Reads and writes go through registered staging buffers
-(one slot each) or, for reads, straight into KV pages (``LoadOp.target`` as segments).
+is shared as is). Device layout: the data region (``num_slots`` slots), the index region (one
+record per slot, ``persist``), then scratch space for the bandwidth probe. Reads and writes go
+through registered staging buffers (one slot each) or, for reads, straight into KV pages
+(``LoadOp.target`` as segments). A save completes only once its data is durable and its index
+record is written after it, so the chunk survives a restart.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +22,19 @@ import torch
 from vllm_kvpool.config import DeviceConfig
 from vllm_kvpool.handlers.base import Buffer, LoadOp, MediumHandler, Outcome, SaveOp, StagingSlots
 from vllm_kvpool.native import kvio
+from vllm_kvpool.persist import (
+    MAX_HASH_BYTES,
+    ChunkRecord,
+    RestoredChunk,
+    merge_ranks,
+    record_bytes,
+    scan_records,
+)
+from vllm_kvpool.pool import PoolGeometry
 
 logger = logging.getLogger("vllm_kvpool")
-PROBE_RESERVE = 64 * 2**20  # bytes after the data region, scratch space for probe_device
+PROBE_RESERVE = 64 * 2**20  # bytes after the index region, scratch space for probe_device
+RECORD_POOL = 2 * 2**20  # host buffer for index records being written
 
 
 def device_path(cfg: DeviceConfig, rank_suffix: str) -> str:
@@ -34,24 +48,32 @@ def device_path(cfg: DeviceConfig, rank_suffix: str) -> str:
 class DeviceHandler(MediumHandler):
     """A file or block device behind ``_kvio.Device`` (backend ``uring`` or ``posix``)."""
 
-    def __init__(self, cfg: DeviceConfig, slot_bytes: int, num_slots: int, staging_bytes: int,
+    def __init__(self, cfg: DeviceConfig, geometry: PoolGeometry, staging_bytes: int,
                  rank_suffix: str = "") -> None:  # fmt: skip
-        super().__init__(cfg, slot_bytes)
+        super().__init__(cfg, geometry.slot_bytes)
         self.io = kvio()
-        self.num_slots = num_slots
+        self.geometry = geometry
+        self.num_slots = geometry.num_slots(cfg)
+        self.record_bytes = record_bytes(geometry.blocks_per_chunk)
         self.rank_suffix = rank_suffix
-        self.device, self.data_base = self.open_device()
+        self.device, self.data_base, self.index_base = self.open_device()
+        self._sync_fd: int | None = None
         try:
-            pool = self.io.HostPool(max(staging_bytes // slot_bytes, 2) * slot_bytes,
+            pool = self.io.HostPool(max(staging_bytes // self.slot_bytes, 2) * self.slot_bytes,
                                     numa_node=cfg.numa_node, name=f"{cfg.name}-staging")  # fmt: skip
-            self.staging = StagingSlots(pool, slot_bytes)
-            self.device.register_host_pools([pool])
+            self.staging = StagingSlots(pool, self.slot_bytes)
+            self.records = self.io.HostPool(RECORD_POOL, numa_node=cfg.numa_node,
+                                            hugepages=False, name=f"{cfg.name}-index")  # fmt: skip
+            self.device.register_host_pools([pool, self.records])
+            self._sync_fd = self.open_sync_fd()
         except Exception:
             self.device.close()
             raise
         if self.device.note:
             logger.info("kvpool: device %s: %s", cfg.name, self.device.note)
         self._staging_bytes = torch.frombuffer(pool, dtype=torch.uint8)
+        self._record_lock = threading.Lock()
+        self._saves: dict[int, list[SaveOp]] = {}  # save tickets -> their ops (records to write)
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -63,18 +85,47 @@ class DeviceHandler(MediumHandler):
     def target(self) -> str:
         return self.target_of(self.cfg, self.rank_suffix)
 
+    @staticmethod
+    def regions(cfg: DeviceConfig, geometry: PoolGeometry) -> tuple[int, int, int]:
+        """(data bytes, index bytes, capacity to open): the data region starts at 0."""
+        data = geometry.num_slots(cfg) * geometry.slot_bytes
+        index = geometry.num_slots(cfg) * record_bytes(geometry.blocks_per_chunk)
+        return data, index, data + index + PROBE_RESERVE
+
     @classmethod
-    def open_raw(cls, cfg: DeviceConfig, num_slots: int, slot_bytes: int, rank_suffix: str = "",
-                 create: bool = True) -> tuple[Any, int]:  # fmt: skip
-        """Open (creating/preallocating a file) and reserve the data region: (device, base)."""
-        data_bytes = num_slots * slot_bytes
-        dev = kvio().Device(cls.target_of(cfg, rank_suffix), capacity=data_bytes + PROBE_RESERVE,
+    def open_raw(cls, cfg: DeviceConfig, geometry: PoolGeometry, rank_suffix: str = "",
+                 create: bool = True) -> tuple[Any, int, int]:  # fmt: skip
+        """Open (creating/preallocating a file), reserve data and index: (device, data, index)."""
+        data, index, capacity = cls.regions(cfg, geometry)
+        dev = kvio().Device(cls.target_of(cfg, rank_suffix), capacity=capacity,
                             backend=cfg.backend, queue_depth=cfg.queue_depth, name=cfg.name,
                             create=create)  # fmt: skip
-        return dev, dev.alloc(data_bytes)
+        try:
+            data_base, index_base = dev.alloc(data), dev.alloc(index)
+            if (data_base, index_base) != (0, data):  # the scheduler finds records there
+                raise OSError(f"kvpool: {cfg.name}: unexpected regions {data_base}, {index_base}")
+        except Exception:
+            dev.close()
+            raise
+        return dev, data_base, index_base
 
-    def open_device(self, create: bool = True) -> tuple[Any, int]:
-        return self.open_raw(self.cfg, self.num_slots, self.slot_bytes, self.rank_suffix, create)
+    def open_device(self, create: bool = True) -> tuple[Any, int, int]:
+        return self.open_raw(self.cfg, self.geometry, self.rank_suffix, create)
+
+    def open_sync_fd(self) -> int | None:
+        """A descriptor to make written data durable with (``fdatasync``)."""
+        return os.open(self.target, os.O_RDONLY)
+
+    @classmethod
+    def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
+                   world_size: int) -> list[RestoredChunk]:  # fmt: skip
+        """Chunks a previous run left on this device (every rank's file), oldest first."""
+        data, _, _ = cls.regions(cfg, geometry)
+        size = record_bytes(geometry.blocks_per_chunk)
+        per_rank = [scan_records(cls.target_of(cfg, f".rank{r}" if world_size > 1 else ""), data,
+                                 geometry.num_slots(cfg), size) for r in range(world_size)]  # fmt: skip
+        return merge_ranks(per_rank, geometry.layout_version, geometry.num_slots(cfg),
+                           geometry.slot_bytes, geometry.blocks_per_chunk)
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -113,8 +164,10 @@ class DeviceHandler(MediumHandler):
 
     # -- transfers -------------------------------------------------------------------------
     def submit_save(self, ops: Sequence[SaveOp]) -> int:
-        return self.device.submit_write([(self.offset(op.slot), op.address,
-                                           self.io_length(op.nbytes)) for op in ops])  # fmt: skip
+        ticket = self.device.submit_write([(self.offset(op.slot), op.address,
+                                            self.io_length(op.nbytes)) for op in ops])  # fmt: skip
+        self._saves[ticket] = list(ops)
+        return ticket
 
     def submit_load(self, ops: Sequence[LoadOp]) -> int:
         return self.device.submit_read([(self.offset(op.slot), op.target,
@@ -125,8 +178,49 @@ class DeviceHandler(MediumHandler):
         return self.device.poll(ticket)
 
     def wait(self, ticket: int) -> list[Outcome]:
-        return [Outcome(r.ok, r.status, r.checksum, r.message)
-                for r in self.device.wait(ticket, check=False)]  # fmt: skip
+        outcomes = [Outcome(r.ok, r.status, r.checksum, r.message)
+                    for r in self.device.wait(ticket, check=False)]  # fmt: skip
+        ops = self._saves.pop(ticket, None)
+        if ops is not None:
+            outcomes = self._persist(ops, outcomes)
+        return outcomes
+
+    # -- the index -------------------------------------------------------------------------
+    def make_durable(self) -> None:
+        """Data written so far survives a crash or power loss once this returns."""
+        if self._sync_fd is not None:
+            os.fdatasync(self._sync_fd)
+
+    def _persist(self, ops: list[SaveOp], outcomes: list[Outcome]) -> list[Outcome]:
+        """Index the chunks whose data is written: data made durable first, then the records."""
+        todo = [(i, op) for i, (op, o) in enumerate(zip(ops, outcomes, strict=True))
+                if o.ok and op.block_hashes
+                and all(0 < len(h) <= MAX_HASH_BYTES for h in op.block_hashes)]  # fmt: skip
+        if not todo:
+            return outcomes
+        try:
+            self.make_durable()
+        except OSError as exc:
+            msg = f"device {self.name}: fdatasync failed: {exc}"
+            return [Outcome(False, "error", 0, msg) if o.ok else o for o in outcomes]
+        size, per_batch = self.record_bytes, RECORD_POOL // self.record_bytes
+        seq = time.time_ns()
+        out = list(outcomes)
+        with self._record_lock:
+            for start in range(0, len(todo), per_batch):
+                batch = todo[start : start + per_batch]
+                writes = []
+                for k, (i, op) in enumerate(batch):
+                    rec = ChunkRecord(op.slot, op.block_hashes, len(op.block_hashes), op.nbytes,
+                                      out[i].checksum, self.geometry.layout_version, seq + i,
+                                      self.num_slots, self.slot_bytes)  # fmt: skip
+                    self.records.view(k * size, size)[:] = rec.encode(size)
+                    writes.append((self.index_base + op.slot * size,
+                                   self.records.address + k * size, size))  # fmt: skip
+                for (i, _), r in zip(batch, self.device.write(writes, check=False), strict=True):
+                    if not r.ok:  # the chunk is fine but would not survive a restart: fail it
+                        out[i] = Outcome(False, "error", 0, f"index record: {r.message}")
+        return out
 
     # -- health ----------------------------------------------------------------------------
     def try_recover(self) -> bool:
@@ -134,26 +228,32 @@ class DeviceHandler(MediumHandler):
         if not self.failed:
             return True
         try:
-            dev, base = self.open_device(create=False)
+            dev, data_base, index_base = self.open_device(create=False)
         except OSError as exc:
             logger.debug("kvpool: %s still unavailable: %s", self.name, exc)
             return False
         try:
-            self.io.probe_device(dev, seconds=0.05, chunk_bytes=max(self.alignment, 4096) * 16)
-            dev.register_host_pools([self.staging.pool])
+            self.io.probe_device(dev, seconds=0.05, chunk_bytes=max(dev.alignment, 4096) * 16)
+            dev.register_host_pools([self.staging.pool, self.records])
+            sync_fd = self.open_sync_fd()
         except Exception as exc:  # noqa: BLE001 - any failure keeps the device out
             logger.debug("kvpool: %s still failing: %s", self.name, exc)
             dev.close()
             return False
-        old, self.device, self.data_base = self.device, dev, base
+        old, old_fd = self.device, self._sync_fd
+        self.device, self.data_base, self.index_base, self._sync_fd = dev, data_base, index_base, sync_fd
         if not old.closed:
             old.close()
+        if old_fd is not None:
+            os.close(old_fd)
         with self._lock:
             self.failure = None
-        logger.warning("kvpool: %s is back (reopened %s at %s)", self.name, self.target,
-                       time.strftime("%H:%M:%S"))  # fmt: skip
+        logger.warning("kvpool: %s is back (reopened %s)", self.name, self.target)
         return True
 
     def close(self) -> None:
         if self.device is not None and not self.device.closed:
             self.device.close()
+        if self._sync_fd is not None:
+            os.close(self._sync_fd)
+            self._sync_fd = None
