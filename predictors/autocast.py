@@ -167,37 +167,43 @@ FP8_FORWARD = torch.float8_e4m3fn
 FP8_BACKWARD = torch.float8_e5m2
 
 
-def _fp8_mm(a: torch.Tensor, b: torch.Tensor, a_dtype, b_dtype, out_dtype) -> torch.Tensor:
-    """a @ b through ``torch._scaled_mm`` (first operand row-major, second column-major).
+def _quantize(t: torch.Tensor, dtype, column_major: bool = False) -> torch.Tensor:
+    """One cast kernel (Transformer Engine fuses amax update, scaling and transpose into it).
+    ``column_major``: the layout ``_scaled_mm`` needs for its second operand."""
+    q = t.to(dtype)
+    return q.t().contiguous().t() if column_major else q
 
-    Transformer Engine's delayed scaling takes the scale from the amax history and fuses the
-    amax update, scaling and transpose into one cast kernel per operand; we emit one cast
-    (plus the layout copy on the 1-byte tensor) per operand and a unit scale.
-    """
-    one = torch.ones((), dtype=torch.float32, device=a.device)
-    qa = a.to(a_dtype)
-    qb = b.to(b_dtype).t().contiguous().t()  # column-major second operand
-    return torch._scaled_mm(qa, qb, scale_a=one, scale_b=one, out_dtype=out_dtype)
+
+def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, out_dtype, bias=None) -> torch.Tensor:
+    # TE keeps scales in persistent buffers; this scalar is not a kernel (the tracer skips it)
+    one = torch.ones((), dtype=torch.float32, device=qa.device)
+    return torch._scaled_mm(qa, qb, scale_a=one, scale_b=one, bias=bias, out_dtype=out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):
+    """Transformer-Engine-style fp8 linear: forward casts the input and the weight once and
+    saves the fp8 copies (TE keeps the fp8 input and weight, with their transposes, for
+    backward); backward casts only the incoming gradient."""
+
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.dtypes = (x.dtype, weight.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        y = _fp8_mm(x2, weight.t(), FP8_FORWARD, FP8_FORWARD, x.dtype)
-        if bias is not None:
-            y = y + bias
+        qx, qw = _quantize(x2, FP8_FORWARD), _quantize(weight, FP8_FORWARD)
+        ctx.save_for_backward(qx, qw)
+        ctx.x_shape = x.shape
+        y = _scaled_mm(qx, qw.t(), x.dtype, bias)  # bias in the GEMM epilogue, as TE
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        qx, qw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_x = _fp8_mm(g2, weight, FP8_BACKWARD, FP8_FORWARD, x.dtype).reshape(x.shape)
-        grad_w = _fp8_mm(g2.t(), x2, FP8_BACKWARD, FP8_FORWARD, weight.dtype)
+        qg = _quantize(g2, FP8_BACKWARD)
+        grad_x = _scaled_mm(qg, qw.t().contiguous().t(), x_dtype).reshape(ctx.x_shape)
+        grad_w = _scaled_mm(qg.t().contiguous(), qx.t().contiguous().t(), w_dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b
 

@@ -91,7 +91,12 @@ def cmd_time(args) -> int:
         )
     if len(results) == 1:
         for k, v in next(iter(results.values()))["breakdown"].items():
-            print(f"    analytical {k:<11} {v * 1e3:10.3f} ms")
+            if k.endswith("_bytes"):
+                print(f"    network    {k:<14} {v / 1e9:10.3f} GB per rank per iteration")
+            elif k.endswith("nodes"):
+                print(f"    network    {k:<14} {int(v):10d}")
+            else:
+                print(f"    analytical {k:<14} {v * 1e3:10.3f} ms")
     return 0
 
 
@@ -143,43 +148,13 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def train_cpu_models(data: Path, out_dir: Path) -> list[Path]:
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
-    from predictors.devices import Device
-    from predictors.evaluate import measurement_features
-    from predictors.model import train_time_model
-
-    df = load_measurements(data)
-    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
-    paths = []
-    for aware in (True, False):
-        feats = measurement_features(df, aware, device, features_cache_path(data))
-        meta = {"training_data": f"{data.name} ({len(df)} CPU measurements, predict collect)",
-                "device_profile": device.to_dict(), "precision_aware": aware}  # fmt: skip
-        model = train_time_model(feats, df["seconds"].to_numpy(), "cpu", meta=meta)
-        paths.append(model.save(out_dir, "time_cpu" + ("" if aware else "_unaware")))
-    return paths
-
-
-def train_vtrain_model(out_dir: Path) -> Path:
-    from predictors.evaluate import vtrain_features
-    from predictors.model import train_time_model
-
-    rows, feats = vtrain_features()
-    meta = {"training_data": "predictors/data/ground_truth_single.csv (vTrain: 1,440 Megatron "
-            "GPT iteration times on A100, fp16 mixed; MIT licence in data/LICENSE.vtrain)",
-            "device": "a100-80gb", "precision_aware": True}  # fmt: skip
-    model = train_time_model(feats, [r.seconds for r in rows], "a100", meta=meta)
-    return model.save(out_dir, "time_a100")
-
-
 def cmd_train(args) -> int:
     out_dir = Path(args.out_dir)
     data = Path(args.data) if args.data else _shipped_measurements()
-    for path in train_cpu_models(data, out_dir):
+    from predictors.train import train_shipped_models
+
+    for path in train_shipped_models(data, out_dir, vtrain=args.vtrain):
         print(f"wrote {path}")
-    if args.vtrain:
-        print(f"wrote {train_vtrain_model(out_dir)}")
     return 0
 
 

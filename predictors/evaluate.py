@@ -27,26 +27,36 @@ class HeldOutResult:
 
 
 def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
-                    groups: Sequence[str], family: str) -> HeldOutResult:  # fmt: skip
-    """Train on all groups but one, predict that one; every group in turn."""
+                    groups: Sequence[str], family: str,
+                    precisions: Sequence[str] | None = None) -> HeldOutResult:  # fmt: skip
+    """Train on all groups but one, predict that one; every group in turn. ``precisions`` (one
+    per row) drop the precision features when there is only one
+    (:func:`predictors.train.feature_names`)."""
+    from predictors.train import feature_names
+
     y = np.asarray(seconds, dtype=float)
     pred = np.zeros(len(rows))
     per_group = {}
+    names = feature_names(rows, precisions) if precisions else None
     for g in sorted(set(groups)):
         train = [i for i, x in enumerate(groups) if x != g]
         test = [i for i, x in enumerate(groups) if x == g]
-        model = train_time_model([rows[i] for i in train], y[train], family)
+        model = train_time_model([rows[i] for i in train], y[train], family, names)
         pred[test] = model.predict([rows[i] for i in test])
         per_group[g] = mape(pred[test], y[test])
     return HeldOutResult(name, mape(pred, y), per_group, pred, y)
 
 
 def split_train_test(name: str, rows: Sequence[dict], seconds: Sequence[float],
-                     is_test: Sequence[bool], family: str) -> HeldOutResult:  # fmt: skip
+                     is_test: Sequence[bool], family: str,
+                     precisions: Sequence[str] | None = None) -> HeldOutResult:  # fmt: skip
+    from predictors.train import feature_names
+
     y = np.asarray(seconds, dtype=float)
     train = [i for i, t in enumerate(is_test) if not t]
     test = [i for i, t in enumerate(is_test) if t]
-    model = train_time_model([rows[i] for i in train], y[train], family)
+    model = train_time_model([rows[i] for i in train], y[train], family,
+                             feature_names(rows, precisions) if precisions else None)  # fmt: skip
     pred = model.predict([rows[i] for i in test])
     return HeldOutResult(name, mape(pred, y[test]), {}, pred, y[test])
 
@@ -69,11 +79,14 @@ def vtrain_features(precision_aware: bool = True, rows=None):
 
 def evaluate_vtrain() -> dict[str, HeldOutResult]:
     """Leave-one-model-size-out (hidden x depth) and train-small/test-large (h1024 -> h2048)."""
+    from predictors.vtrain import VTRAIN_PRECISION
+
     rows, feats = vtrain_features()
     y = [r.seconds for r in rows]
-    by_size = leave_group_out("vtrain_by_size", feats, y, [r.size for r in rows], "a100")
+    one = [VTRAIN_PRECISION]
+    by_size = leave_group_out("vtrain_by_size", feats, y, [r.size for r in rows], "a100", one)
     large = split_train_test("vtrain_h1024_to_h2048", feats, y,
-                             [r.spec.hidden_size == 2048 for r in rows], "a100")  # fmt: skip
+                             [r.spec.hidden_size == 2048 for r in rows], "a100", one)  # fmt: skip
     analytical = mape([f["analytical_s"] for f in feats], y)
     return {"by_size": by_size, "small_to_large": large,
             "analytical_only": HeldOutResult("vtrain_analytical", analytical, {},
@@ -92,8 +105,9 @@ def feature_code_version() -> str:
 
     root = Path(predictors.__file__).parent
     h = hashlib.sha256()
-    for name in ("trace.py", "features.py", "analytical.py", "autocast.py", "step.py", "zoo.py",
-                 "devices.py", "precision.py", "spec.py"):  # fmt: skip
+    # devices.py is not hashed: the CPU profile the rows use is part of the cache tag
+    for name in ("trace.py", "features.py", "analytical.py", "network.py", "autocast.py",
+                 "step.py", "zoo.py", "precision.py", "spec.py"):  # fmt: skip
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -131,18 +145,26 @@ def measurement_features(df, precision_aware: bool, device, cache: str | Path | 
     return out
 
 
+def size_tier(model: str) -> str:
+    """``gpt-s`` -> ``s``: the size suffix of a zoo name."""
+    return model.rsplit("-", 1)[-1]
+
+
 def evaluate_measurements(df, device, family: str = "cpu",
                           cache: str | Path | None = None) -> dict[str, HeldOutResult]:  # fmt: skip
-    """Leave-one-family-out and leave-one-size-out, precision-aware vs precision-unaware."""
+    """Leave-one-family-out and leave-one-size-tier-out, precision-aware vs precision-unaware.
+
+    A size tier (``xs``, ``s``, ``m``) is held out across ALL families at once: ``gpt-s``,
+    ``bert-s`` and ``llama-s`` share a shape, so holding out one model leaves its twins in."""
     y = df["seconds"].to_numpy()
+    tiers = [size_tier(m) for m in df["model"]]
     results = {}
     for aware in (True, False):
         feats = measurement_features(df, aware, device, cache)
         tag = "" if aware else "_unaware"
         results["by_family" + tag] = leave_group_out("by_family" + tag, feats, y,
                                                      list(df["family"]), family)  # fmt: skip
-        results["by_size" + tag] = leave_group_out("by_size" + tag, feats, y,
-                                                   list(df["model"]), family)  # fmt: skip
+        results["by_size" + tag] = leave_group_out("by_size" + tag, feats, y, tiers, family)
     return results
 
 

@@ -20,8 +20,9 @@ import torch
 
 from predictors.analytical import StepWork, class_times, iteration_time
 from predictors.devices import Device
+from predictors.network import Topology
 from predictors.precision import Precision, get_precision
-from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
 from predictors.step import Batch
 from predictors.trace import OP_CLASSES, Trace, trace_step
 from predictors.zoo import EmbeddingHead, ModelSpec, TransformerLayer, build, make_batch
@@ -164,18 +165,39 @@ def step_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precision,
 
 
 def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
-             device: Device, *, precision_aware: bool = True) -> dict[str, float]:  # fmt: skip
-    """Feature vector for the learned model; ``analytical_s`` is the roofline estimate."""
+             device: Device, *, precision_aware: bool = True,
+             options: TrainingOptions = DEFAULT_OPTIONS,
+             topology: Topology | None = None) -> dict[str, float]:  # fmt: skip
+    """Feature vector for the learned model; ``analytical_s`` is the roofline estimate.
+
+    The network features describe where the communication goes (bytes per rank over NVLink and
+    over InfiniBand, nodes each group spans, exposed vs raw collective time), so the correction
+    learned on single-node rows sees multi-node rows as "more of the same links", not as an
+    unknown regime."""
     p = get_precision(precision)
     if not precision_aware:
         p = get_precision("fp32")
     work = step_work(spec, strategy, p, device)
-    est = iteration_time(work, strategy, device)
+    est = iteration_time(work, strategy, device, options, topology)
+    m = strategy.num_microbatches
     f: dict[str, float] = {
         "log_analytical": math.log(est.total),
         "analytical_s": est.total,
         "log_compute_mb": math.log(est.compute_mb),
-        "comm_frac": (est.tp_comm_mb * strategy.num_microbatches + est.dp_comm) / est.total,
+        "comm_frac": (est.tp_comm_mb * m + est.pp_p2p_mb * m + est.dp_comm) / est.total,
+        "tp_comm_frac": est.tp_comm_mb * m / est.total,
+        "dp_comm_frac": est.dp_comm / est.total,
+        "dp_hidden_frac": (est.dp_comm_raw - est.dp_comm) / est.total,
+        "pp_comm_frac": est.pp_p2p_mb * m / est.total,
+        "log_bytes_nvlink": math.log1p(est.intra_bytes),
+        "log_bytes_ib": math.log1p(est.inter_bytes),
+        "ib_bytes_frac": est.inter_bytes / (est.intra_bytes + est.inter_bytes + 1.0),
+        "nodes": est.nodes, "tp_nodes": est.tp_nodes, "dp_nodes": est.dp_nodes,
+        "pp_nodes": est.pp_nodes,
+        "virtual_pipeline": options.virtual_pipeline,
+        "overlap_grad_reduce": float(options.overlap_grad_reduce),
+        "tp_comm_overlap": float(options.tp_comm_overlap),
+        "distributed_optimizer": float(options.distributed_optimizer),
         "bubble_frac": est.bubble / est.total,
         "opt_frac": est.optimizer / est.total,
         "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp,

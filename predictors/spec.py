@@ -48,6 +48,27 @@ class TransformerSpec:
 
 
 @dataclass(frozen=True)
+class TrainingOptions:
+    """Framework settings that decide how much communication hides under compute (Megatron's
+    flags of the same names). Defaults are Megatron's defaults."""
+
+    overlap_grad_reduce: bool = False  # DP all-reduce per bucket during the last backward
+    tp_comm_overlap: bool = False  # TP collectives overlapped with the layer's GEMMs
+    virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
+    distributed_optimizer: bool = False  # ZeRO-1: reduce-scatter grads, all-gather params
+    overlap_param_gather: bool = False  # the all-gather runs under the next forward
+
+    def __post_init__(self) -> None:
+        if self.virtual_pipeline < 1:
+            raise StrategyError(f"virtual_pipeline={self.virtual_pipeline} must be >= 1")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise StrategyError("overlap_param_gather=True needs distributed_optimizer=True")
+
+
+DEFAULT_OPTIONS = TrainingOptions()
+
+
+@dataclass(frozen=True)
 class ParallelStrategy:
     """DP x TP x PP degrees plus micro- and global-batch sizes (in sequences)."""
 

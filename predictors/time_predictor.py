@@ -2,10 +2,11 @@
 
 The model is traced once per distinct layer shape (cached), so after warm-up a call costs the
 roofline composition plus one LightGBM row (well under 10 ms). The learned correction is the
-shipped model of the device's family (``predictors/models/time_<family>.json``). GPUs of a
-family with no shipped model borrow the A100 (vTrain) correction, which mostly captures
-Megatron's kernel efficiencies and framework overheads; other devices without one get the
-analytical estimate alone (``PredictionResult.calibrated`` False).
+shipped model of the device's family (``predictors/models/time_<family>.json``). A device
+family without one gets the analytical estimate alone (``PredictionResult.calibrated`` False):
+the A100 correction encodes the efficiency vTrain's software reached on A100s and does not
+transfer (on Megatron-Core's public H100 runs, borrowing it gave 22.8% MAPE, the analytical
+estimate 8.2%; ``benchmarks/bench_time_predictor.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from predictors.analytical import Breakdown, iteration_time
 from predictors.devices import Device, get_device, require_precision_support
 from predictors.features import features, step_work
 from predictors.model import TimeModel, shipped_model_path
+from predictors.network import Topology
 from predictors.precision import Precision, get_precision
-from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.spec import (
+    DEFAULT_OPTIONS,
+    ParallelStrategy,
+    StrategyError,
+    TrainingOptions,
+    TransformerSpec,
+)
 from predictors.zoo import ModelSpec
-
-GPU_FALLBACK_FAMILY = "a100"
 
 
 @dataclass(frozen=True)
@@ -40,12 +46,19 @@ def _family_model(family: str) -> TimeModel | None:
     return TimeModel.load(path) if path else None
 
 
-def _validate(spec: ModelSpec, strategy: ParallelStrategy, p: Precision, dev: Device) -> None:
+def _validate(spec: ModelSpec, strategy: ParallelStrategy, p: Precision, dev: Device,
+              options: TrainingOptions) -> None:  # fmt: skip
     require_precision_support(dev, p)
     if not isinstance(strategy, ParallelStrategy):
         raise StrategyError(f"strategy={strategy!r} must be a ParallelStrategy")
     if isinstance(spec, TransformerSpec):
         strategy.check(strategy.world_size, spec)
+        vp = options.virtual_pipeline
+        if vp > 1 and (strategy.pp == 1 or spec.num_layers % (strategy.pp * vp)):
+            raise StrategyError(
+                f"strategy {strategy.name}: virtual_pipeline={vp} needs pp > 1 and pp*vp "
+                f"dividing num_layers={spec.num_layers}"
+            )
     elif strategy.tp != 1 or strategy.pp != 1:
         raise StrategyError(
             f"strategy {strategy.name}: model family {spec.family!r} supports data parallelism only"
@@ -53,16 +66,14 @@ def _validate(spec: ModelSpec, strategy: ParallelStrategy, p: Precision, dev: De
 
 
 @functools.lru_cache(maxsize=65536)
-def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str,
-             device_name: str) -> PredictionResult:  # fmt: skip
+def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device_name: str,
+             options: TrainingOptions, topology: Topology | None) -> PredictionResult:  # fmt: skip
     dev = get_device(device_name)
     p = get_precision(precision)
-    _validate(spec, strategy, p, dev)
-    row = features(spec, strategy, p, dev)
-    breakdown = iteration_time(step_work(spec, strategy, p, dev), strategy, dev)
+    _validate(spec, strategy, p, dev, options)
+    row = features(spec, strategy, p, dev, options=options, topology=topology)
+    breakdown = iteration_time(step_work(spec, strategy, p, dev), strategy, dev, options, topology)
     family = dev.family
-    if _family_model(family) is None and dev.kind == "gpu":
-        family = GPU_FALLBACK_FAMILY
     model = _family_model(family)
     seconds = model.predict_one(row) if model else row["analytical_s"]
     path = shipped_model_path(family) if model else None
@@ -71,20 +82,42 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str,
 
 
 def predict(model_spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
-            device: str | Device = "a100-80gb") -> PredictionResult:  # fmt: skip
-    """Full prediction with the analytical breakdown (compute, TP, PP, bubble, DP, optimizer)."""
+            device: str | Device = "a100-80gb", *, options: TrainingOptions | None = None,
+            topology: Topology | None = None) -> PredictionResult:  # fmt: skip
+    """Full prediction with the analytical breakdown (compute, TP, PP, bubble, DP, optimizer,
+    bytes over NVLink / InfiniBand, nodes each group spans).
+
+    ``topology`` describes the node (GPUs, NICs, NVLink and per-NIC rates); by default the
+    device table's DGX/HGX node (8 GPUs, one NIC each). ``options`` are Megatron's overlap and
+    interleaving flags (default: Megatron's defaults, nothing overlapped)."""
     p = get_precision(precision)
     name = device.name if isinstance(device, Device) else device
     get_device(name)  # raises UnknownDeviceError for a bad name before any work
-    return _predict(model_spec, strategy, p.name, name)
+    return _predict(model_spec, strategy, p.name, name, options or DEFAULT_OPTIONS, topology)
 
 
 def predict_iteration_time(model_spec: ModelSpec, strategy: ParallelStrategy,
-                           precision: str | Precision,
-                           device: str | Device = "a100-80gb") -> float:  # fmt: skip
+                           precision: str | Precision, device: str | Device = "a100-80gb", *,
+                           options: TrainingOptions | None = None,
+                           topology: Topology | None = None) -> float:  # fmt: skip
     """Seconds per training iteration (forward+backward of all micro-batches + optimizer).
 
     Raises ``UnknownPrecisionError``, ``UnknownDeviceError``, ``StrategyError`` (strategy does
     not divide the model) and ``UnsupportedPrecisionError`` (fp8 on a device without it).
     """
-    return predict(model_spec, strategy, precision, device).seconds
+    return predict(model_spec, strategy, precision, device, options=options,
+                   topology=topology).seconds  # fmt: skip
+
+
+def predict_with_model(model: TimeModel | None, model_spec: ModelSpec, strategy: ParallelStrategy,
+                       precision: str | Precision, device: str | Device = "a100-80gb", *,
+                       options: TrainingOptions | None = None,
+                       topology: Topology | None = None) -> float:  # fmt: skip
+    """Seconds per iteration under a caller's correction (e.g. one trained with
+    :func:`predictors.train.train_vtrain_model` and ``exclude``); ``None``: analytical only."""
+    p = get_precision(precision)
+    dev = get_device(device)
+    options = options or DEFAULT_OPTIONS
+    _validate(model_spec, strategy, p, dev, options)
+    row = features(model_spec, strategy, p, dev, options=options, topology=topology)
+    return model.predict_one(row) if model else row["analytical_s"]

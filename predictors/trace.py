@@ -198,6 +198,10 @@ class OpTracer(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs and not name.endswith("_"):
             return
+        if not ins and all(t.dim() == 0 for t in outs):
+            return  # a scalar constant (fp8 scale): a persistent buffer in real code
+        if name in ("clone", "contiguous") and ins and ins[0].dtype in FP8:
+            return  # fp8 transposed copy: written by the fused cast-transpose kernel (TE)
         floats = [t for t in ins + outs if t.is_floating_point()]
         pool = [t for t in ins if t.is_floating_point()] or floats
         if not pool:

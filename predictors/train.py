@@ -1,0 +1,85 @@
+"""Training the learned corrections (the public training API; ``predict train`` calls it).
+
+* :func:`train_vtrain_model` — the GPU (A100 family) correction on vTrain's measured Megatron
+  times. ``exclude`` drops rows, e.g. a model-size group, so a caller (CONA's benchmark) can
+  train a variant that never saw what it will be asked about.
+* :func:`train_measurement_model` — the CPU correction on ``predict collect`` measurements,
+  with the same kind of ``exclude`` (a pandas row predicate).
+
+A data set measured at one precision says nothing about precision: its precision features are
+constant or just stand in for model size. Features that describe precision are therefore only
+given to the booster when the training rows span more than one precision; precision effects on
+a GPU then come from the roofline's per-dtype rates alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from predictors.features import PRECISION_FEATURES
+from predictors.model import TimeModel, train_time_model
+from predictors.vtrain import VTrainRow
+
+VTRAIN_META = ("predictors/data/ground_truth_single.csv (vTrain: 1,440 Megatron GPT iteration "
+               "times on A100, fp16 mixed; MIT licence in data/LICENSE.vtrain)")  # fmt: skip
+
+
+def feature_names(rows: Sequence[dict], precisions: Sequence[str]) -> list[str]:
+    names = sorted({k for r in rows for k in r} - {"analytical_s"})
+    if len(set(precisions)) < 2:
+        names = [n for n in names if n not in PRECISION_FEATURES]
+    return names
+
+
+def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
+                       rows: Sequence[VTrainRow] | None = None) -> TimeModel:  # fmt: skip
+    """The A100 correction trained on vTrain rows for which ``exclude(row)`` is false.
+
+    Example (hold out one model size): ``train_vtrain_model(lambda r: r.size == "h2048-l24")``;
+    ``r.spec`` and ``r.strategy`` are the row's :class:`TransformerSpec` and
+    :class:`ParallelStrategy`."""
+    from predictors.evaluate import vtrain_features
+    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
+
+    rows = [r for r in (rows if rows is not None else load_vtrain())
+            if not (exclude and exclude(r))]  # fmt: skip
+    if not rows:
+        raise ValueError("exclude removed every vTrain row; nothing to train on")
+    rows, feats = vtrain_features(rows=rows)
+    names = feature_names(feats, [VTRAIN_PRECISION])
+    meta = {"training_data": VTRAIN_META, "device": VTRAIN_DEVICE, "precision_aware": True,
+            "excluded_rows": 1440 - len(rows) if exclude else 0}  # fmt: skip
+    return train_time_model(feats, [r.seconds for r in rows], "a100", names, meta)
+
+
+def train_measurement_model(data: str | Path, precision_aware: bool = True,
+                            exclude: Callable | None = None) -> TimeModel:  # fmt: skip
+    """The CPU correction trained on a ``predict collect`` CSV (rows where ``exclude(row)``,
+    a pandas row, is true are left out)."""
+    from predictors.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.devices import Device
+    from predictors.evaluate import measurement_features
+
+    data = Path(data)
+    df = load_measurements(data)
+    if exclude is not None:
+        df = df[~df.apply(exclude, axis=1)]
+    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    feats = measurement_features(df, precision_aware, device, features_cache_path(data))
+    meta = {"training_data": f"{data.name} ({len(df)} CPU measurements, predict collect)",
+            "device_profile": device.to_dict(), "precision_aware": precision_aware}  # fmt: skip
+    names = feature_names(feats, list(df["precision"]) if precision_aware else ["fp32"])
+    return train_time_model(feats, df["seconds"].to_numpy(), "cpu", names, meta)
+
+
+def train_shipped_models(data: str | Path, out_dir: str | Path, vtrain: bool = True) -> list[Path]:
+    """What ``predict train`` writes: the CPU models (precision-aware and the ablation) and,
+    with ``vtrain``, the A100 model."""
+    out_dir = Path(out_dir)
+    paths = [train_measurement_model(data, aware).save(out_dir, "time_cpu" + ("" if aware else "_unaware"))
+             for aware in (True, False)]  # fmt: skip
+    if vtrain:
+        paths.append(train_vtrain_model().save(out_dir, "time_a100"))
+    return paths
