@@ -14,6 +14,7 @@ for the OOM verdict. Not emulated: ZeRO sharding (traced at dp=1; the analytical
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..autocast import autocast_context
 from ..step import Batch, LossFn, TrainingStep, default_loss
 from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
@@ -68,8 +70,21 @@ def prepare_model(spec: ModelSpec, cfg: TrainConfig, emulate: bool = True) -> to
             towers[name].requires_grad_(False)
     if cfg.checkpointing == "full":
         target = model.vision_tower if spec.text is None else model
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs: dict = {"use_reentrant": False}
+        if emulate and cfg.prec.autocast:
+            # Real autocast state is restored for the recompute by torch.utils.checkpoint; the
+            # emulation is a TorchFunctionMode it does not know, so re-enter it for recompute.
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(),
+                                            _recompute_autocast(cfg.precision))
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+@contextlib.contextmanager
+def _recompute_autocast(precision: str):
+    # autocast_context() enters its modes when called; checkpoint wants a context to enter later
+    with autocast_context(precision, "cuda"):
+        yield
 
 
 def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER,

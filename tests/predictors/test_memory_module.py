@@ -194,3 +194,12 @@ def test_a_spec_through_the_traced_path_is_the_simulators_step():
     assert fused.max_memory_allocated == sim.peak_allocated
     foreach = predict_spec_memory(spec, cfg, optimizer="adamw", device="h100-80gb")
     assert foreach.max_memory_allocated > fused.max_memory_allocated
+
+
+def test_checkpointing_under_autocast_traces_and_saves_less():
+    """The autocast emulation is re-entered for the recompute (it used to fail there)."""
+    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192)
+    none, full = (simulate_step(spec, TrainConfig(batch=4, seq=256, precision="bf16",
+                                                  checkpointing=c)) for c in ("none", "full"))
+    assert full.breakdown["activation"] < 0.7 * none.breakdown["activation"]
+    assert full.peak_allocated < none.peak_allocated
