@@ -175,6 +175,16 @@ def predict_memory(spec: Any, cfg: Any, capacity_gib: float) -> dict:
     return {"peak_reserved": p.peak_reserved, "trained_on": p.trained_on}
 
 
+def predict_memory_traced(spec: Any, cfg: Any, optimizer: str, device: str = "h200") -> dict:
+    """The memory predictor's traced path for a preset spec (``predict memory --trace``): the
+    real module on fake tensors with the chosen AdamW implementation, device-level output."""
+    from predictors.memory.module import predict_spec_memory
+
+    p = predict_spec_memory(spec, cfg, optimizer=f"adamw:{optimizer}", device=device)
+    return {"peak_reserved": p.max_memory_reserved, "peak_allocated": p.max_memory_allocated,
+            "device_used": p.device_used}
+
+
 def predict_memory_module(model: Any, inputs: list, kwargs: dict, target: Any, precision: str,
                           optimizer: str, device: str = "h200") -> dict:
     """The memory predictor's ``nn.Module`` API (any model: here the MLP and the CNN) for one

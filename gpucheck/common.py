@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
-import os
 import platform
 import subprocess
 import time
@@ -233,6 +232,3 @@ def cuda_sync(device: str) -> None:
 
         torch.cuda.synchronize()
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false")

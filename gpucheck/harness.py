@@ -88,8 +88,6 @@ def _run_part(ctx: PartContext, ctx_path: Path, env: dict, timeout: float, log) 
                 continue
             log.write(f"  [{ctx.name}] {line}")
             log.flush()
-            if os.environ.get("GPUCHECK_ECHO"):
-                print(f"  [{ctx.name}] {line}", end="", flush=True)
         rc = proc.wait()
     finally:
         timer.cancel()

@@ -49,8 +49,9 @@ MEMORY = _cols(
     Col("optimizer", "str", True), Col("precision", "str", True),
     Col("checkpointing", "str", True), Col("batch", "int", True), Col("params", "int", True),
     Col("nvml_used_before", "int"), Col("nvml_used_peak", "int"),
-    Col("pred_peak_reserved", "int"), Col("pred_device_used", "int"),
-    Col("pred_error_pct", "float"), Col("pred_note", "str"),
+    Col("pred_peak_reserved", "int"), Col("pred_error_pct", "float"),
+    Col("pred_traced_reserved", "int"), Col("pred_traced_error_pct", "float"),
+    Col("pred_device_used", "int"), Col("pred_note", "str"),
 )
 # (3) time ground truth; the first columns are predictors/data/cpu_measurements.csv's.
 TIME = _cols(

@@ -118,22 +118,34 @@ def _build(point: Point, device: str):
 
 
 def predict_point(point: Point) -> dict:
-    """The memory predictor's answer for one grid point (in a worker process on a GPU run, so
-    predictions overlap the measurements): the preset API for the presets' families, the
-    ``nn.Module`` API on a meta-device model (nothing allocated) for the MLP and the CNN."""
+    """The memory predictor's answers for one grid point (in a worker process on a GPU run,
+    so predictions overlap the measurements). Presets: the shipped default
+    (``predict_peak_memory``, residual model) and the traced path (``predict_spec_memory``);
+    MLP and CNN: the ``nn.Module`` API on a meta-device model (nothing allocated)."""
+    out: dict = {}
+    notes = []
     try:
         if point.family in PRESET_MODELS["gpu"]:
             spec, cfg = _preset(point)
-            p = adapters.predict_memory(spec, cfg, CAPACITY_GIB)
-            return {"pred_peak_reserved": p["peak_reserved"],
-                    "pred_note": f"predict_peak_memory (trained on {p['trained_on']})"}
-        model, inputs, kw, target, _, _ = _build(point, "meta")
-        p = adapters.predict_memory_module(model, inputs, kw, target, point.precision,
-                                           point.optimizer)
-        return {"pred_peak_reserved": p["peak_reserved"], "pred_device_used": p["device_used"],
-                "pred_note": "predict_module_memory (nn.Module API)"}
+            try:
+                p = adapters.predict_memory(spec, cfg, CAPACITY_GIB)
+                out["pred_peak_reserved"] = p["peak_reserved"]
+                notes.append(f"predict_peak_memory (trained on {p['trained_on']})")
+            except Exception as exc:  # noqa: BLE001 - the traced path may still answer
+                notes.append(f"predict_peak_memory failed: {error_text(exc, 150)}")
+            t = adapters.predict_memory_traced(spec, cfg, point.optimizer)
+            notes.append("traced: predict_spec_memory")
+        else:
+            model, inputs, kw, target, _, _ = _build(point, "meta")
+            t = adapters.predict_memory_module(model, inputs, kw, target, point.precision,
+                                               point.optimizer)
+            out["pred_peak_reserved"] = t["peak_reserved"]
+            notes.append("predict_module_memory (nn.Module API)")
+        out.update(pred_traced_reserved=t["peak_reserved"], pred_device_used=t["device_used"])
     except Exception as exc:  # noqa: BLE001 - the ground truth row still stands
-        return {"pred_note": f"prediction failed: {error_text(exc, 200)}"}
+        notes.append(f"prediction failed: {error_text(exc, 200)}")
+    out["pred_note"] = "; ".join(notes)
+    return out
 
 
 def measure(point: Point, device: str) -> dict:
@@ -183,9 +195,11 @@ def measure(point: Point, device: str) -> dict:
 
 def _finish(row: dict, pred: dict) -> dict:
     row = {**row, **pred}
-    if row.get("pred_peak_reserved") and row.get("peak_reserved"):
-        row["pred_error_pct"] = (100.0 * (row["pred_peak_reserved"] - row["peak_reserved"])
-                                 / row["peak_reserved"])
+    if row.get("peak_reserved"):
+        for pred, err in (("pred_peak_reserved", "pred_error_pct"),
+                          ("pred_traced_reserved", "pred_traced_error_pct")):
+            if row.get(pred):
+                row[err] = 100.0 * (row[pred] - row["peak_reserved"]) / row["peak_reserved"]
     return row
 
 
