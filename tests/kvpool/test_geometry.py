@@ -129,3 +129,18 @@ def test_paper_model_geometry(model, per_token, fetch_32k):
     if geo.sliding_layers:
         assert geo.fetch_bytes(32768, hma=False) == 24 * 2048 * 32768  # 1.5 GiB with HMA off
         assert geo.bytes_per_token(hma=False) == 49152
+
+
+def test_first_kept_block_follows_vllms_sliding_window_manager():
+    """The scheduler never plans a copy of a block vLLM already freed: ``first_kept`` is the
+    block count vLLM's own ``SlidingWindowManager.get_num_skipped_tokens`` frees."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    swa, full = chunk_layout(_gpt_oss_like(), BS, blocks_per_chunk=16).groups[::-1]
+    manager = SimpleNamespace(sliding_window=128, extra_retained_tokens=0)
+    for computed in (0, 100, 127, 128, 129, 143, 144, 1000, 4096):
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, computed)
+        assert swa.first_kept(computed) == skipped // BS, computed
+        assert full.first_kept(computed) == 0
