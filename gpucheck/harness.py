@@ -205,6 +205,9 @@ def run(out: Path, *, dry_run: bool, budget_s: float | None = None,
         (out / RUN_FILE).write_text(json.dumps(run_info, indent=2, default=str))
         _log(log, "schema: " + ("all files valid" if not errors else f"{len(errors)} errors: "
                                 + "; ".join(errors[:5])))
+        for name, res in results.items():  # the device tool returns the output's tail
+            _log(log, f"summary {name}: " + json.dumps(res.get("summary") or res.get("error"),
+                                                       default=str)[:600])
         _log(log, f"gpu_check: done in {run_info['seconds']:.0f} s: " + ", ".join(
             f"{k} {v['status']}" for k, v in results.items()))
     shutil.rmtree(scratch, ignore_errors=True)  # build tree, carried site, the I/O file
