@@ -35,6 +35,8 @@ def add_subcommands(subparsers) -> None:
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
     g.add_argument("--framework", default="ddp", choices=["ddp", "deepspeed", "megatron"])
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
+    g.add_argument("--context-mib", type=float, default=None,
+                   help="your stack's measured CUDA context (default: the device's, see docs)")
     g.add_argument("--trace", action="store_true",
                    help="presets: trace the built module (optimizer, device-level output) "
                         "instead of the analytical + LightGBM model")
@@ -128,7 +130,8 @@ def _memory_module(args) -> int:
     capacity = None if args.capacity_gib is None else float(args.capacity_gib)
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
                                  precision=args.precision, distributed=dist, device=device,
-                                 capacity_gib=capacity, margin=args.margin)
+                                 capacity_gib=capacity, margin=args.margin,
+                                 context_mib=args.context_mib)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
     return 0 if pred.fits else 2
 
@@ -148,7 +151,8 @@ def _memory_spec_traced(args, frozen: tuple[str, ...] | None) -> int:
     pred = predict_spec_memory(args.model, cfg, optimizer=args.optimizer,
                                framework=args.framework, device=device,
                                capacity_gib=None if args.capacity_gib is None
-                               else float(args.capacity_gib), margin=args.margin)
+                               else float(args.capacity_gib), margin=args.margin,
+                               context_mib=args.context_mib)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
     return 0 if pred.fits else 2
 

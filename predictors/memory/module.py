@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -153,6 +153,7 @@ def predict_module_memory(
     device: str | DeviceProfile = "a100-40gb",
     capacity_gib: float | None = None,
     margin: float | None = None,
+    context_mib: float | None = None,
 ) -> DeviceMemoryPrediction:
     """Predict ``max_memory_allocated``, ``max_memory_reserved`` and device-level memory of one
     training step of ``model`` (an ``nn.Module``, real or on the meta device, or a factory
@@ -162,11 +163,19 @@ def predict_module_memory(
     ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
     ``precision``: a name of :data:`predictors.precision.PRECISIONS`; ``distributed``: data
     parallelism, ZeRO stage and framework (DeepSpeed / Megatron distributed optimizer);
-    ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``)."""
+    ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``);
+    ``context_mib``: your stack's measured CUDA context (``nvidia-smi`` used after
+    ``torch.cuda.init()`` and one matmul, minus ``torch.cuda.memory_reserved()``) instead of
+    the device's default from :data:`overheads.CONTEXTS`."""
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
     dist = distributed or DistributedSpec()
     prof = get_device(device) if isinstance(device, str) else device
+    if context_mib is not None:
+        if context_mib < 0:
+            raise MemorySpecError(f"context_mib={context_mib} must be >= 0")
+        prof = replace(prof, overheads=replace(prof.overheads,
+                                               context_bytes=int(context_mib * MiB)))
     capacity = prof.capacity if capacity_gib is None else int(capacity_gib * GiB)
     if capacity <= 0:
         raise MemorySpecError(f"capacity_gib={capacity_gib} must be positive")
@@ -218,8 +227,8 @@ def predict_module_memory(
 def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,
                         optimizer: OptimizerSpec | str = "adamw", framework: str = "ddp",
                         device: str | DeviceProfile = "h100-80gb",
-                        capacity_gib: float | None = None,
-                        margin: float | None = None) -> DeviceMemoryPrediction:
+                        capacity_gib: float | None = None, margin: float | None = None,
+                        context_mib: float | None = None) -> DeviceMemoryPrediction:
     """A preset or :class:`ModelSpec` (LLaVA-like, LLM, ViT) through the traced path: the same
     ``transformers`` module the presets build, with the chosen optimizer implementation and
     device-level output. Traces the full depth (seconds to a minute for 7B models)."""
@@ -232,7 +241,7 @@ def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,
         lambda: prepare_model(spec, cfg), (), kw["labels"], kwargs=kw,
         loss_fn=loss_from_output, optimizer=optimizer, precision=cfg.precision,
         distributed=DistributedSpec(dp=cfg.dp, zero=cfg.zero, framework=framework),
-        device=device, capacity_gib=capacity_gib, margin=margin)
+        device=device, capacity_gib=capacity_gib, margin=margin, context_mib=context_mib)
 
 
 class _TokenIds:

@@ -76,6 +76,10 @@ def test_device_level_names_every_part():
     d = p.as_dict()
     assert d["device_used"] == p.device_used and "allocator.workspace" in d
     assert p.margin_bytes == MIN_MARGIN_BYTES  # small job: the absolute floor applies
+    own = _predict(device="a100-40gb", context_mib=500)
+    assert own.device_used == p.max_memory_reserved + 500 * MiB
+    with pytest.raises(MemorySpecError):
+        _predict(context_mib=-1)
 
 
 def test_capacity_bound_frees_cached_segments_then_ooms():
