@@ -16,10 +16,42 @@ import numpy as np
 import torch
 
 from vllm_kvpool.geometry import ChunkLayout, GroupLayout
+from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.kv_layout import MAX_SEGMENTS, KVLayout, LayerPages, _merge_adjacent
 from vllm_kvpool.protocol import ChunkRead, ChunkSave
 
 SectionIds = Sequence[Sequence[int]]  # block ids per section, in the layout's section order
+
+
+def section_save_ids(layout: ChunkLayout, first: int, num_blocks: int,
+                     group_ids: Sequence[Sequence[int]]) -> tuple[int, ...]:  # fmt: skip
+    """A save's ``block_ids``: each section's blocks from its group's block table
+    (``group_ids[vLLM group id]``), section after section, for the chunk at request block
+    ``first``."""
+    return tuple(b for s in layout.sections(num_blocks) for b in
+                 group_ids[s.group.group_id][first + s.first : first + s.first + s.num_blocks])  # fmt: skip
+
+
+def section_read(layout: ChunkLayout, entry: ChunkEntry, first: int,
+                 group_ids: Sequence[Sequence[int]], load_from: int,
+                 hit_end: int) -> ChunkRead | None:  # fmt: skip
+    """The read of the stored chunk ``entry`` (request blocks from ``first``) for a hit ending at
+    block ``hit_end`` whose blocks before ``load_from`` vLLM already holds: full-attention groups
+    get every block, sliding-window groups only the window at ``hit_end``. None: nothing to put
+    back from this chunk."""
+    loc = entry.location
+    wanted = {s.group.group_id: (lo, hi) for s, lo, hi
+              in layout.loads(first, loc.num_blocks, load_from, hit_end)}  # fmt: skip
+    if not wanted:
+        return None
+    ids: list[int] = []
+    sections = []
+    for s in layout.sections(loc.num_blocks):
+        lo, hi = wanted.get(s.group.group_id, (0, 0))
+        ids += group_ids[s.group.group_id][lo:hi]
+        sections.append((max(0, lo - first - s.first), hi - lo))
+    return ChunkRead(entry.key, loc.device, loc.slot, loc.num_blocks, dict(entry.checksums), 0,
+                     tuple(ids), tuple(sections))  # fmt: skip
 
 
 class ChunkKV:

@@ -14,6 +14,7 @@ Load
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,11 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from vllm_kvpool.config import PoolConfig, pool_config_from_extra
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata
+from vllm_kvpool.geometry import chunk_layout
+from vllm_kvpool.identity import engine_identity
 from vllm_kvpool.metrics import default_status_path
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
 
@@ -42,26 +46,23 @@ if TYPE_CHECKING:
     from vllm_kvpool.engine import TransferEngine
 
 
-def _single_group(kv_cache_config: KVCacheConfig) -> Any:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvpool supports one KV cache group (got {len(groups)}); vLLM turns "
-                         "the hybrid KV cache manager off for this connector")  # fmt: skip
-    return groups[0]
-
-
 def pool_geometry(config: PoolConfig, vllm_config: VllmConfig,
                   kv_cache_config: KVCacheConfig) -> PoolGeometry:  # fmt: skip
-    """Chunk geometry both sides derive from vLLM's KV cache config."""
-    group = _single_group(kv_cache_config)
-    spec = group.kv_cache_spec
-    page = getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+    """Chunk geometry both sides derive from vLLM's KV cache config: one section per KV cache
+    group (``geometry.ChunkLayout``; several groups when vLLM's hybrid manager is on)."""
     block_size = vllm_config.cache_config.block_size
     bpc = config.check_block_size(block_size)
-    version = layout_fingerprint([tuple(group.layer_names), page, str(spec.dtype), block_size,
-                                  type(spec).__name__])  # fmt: skip
-    return PoolGeometry(block_bytes=page * len(group.layer_names), blocks_per_chunk=bpc,
-                        layout_version=version)  # fmt: skip
+    layout = chunk_layout(kv_cache_config, block_size, bpc)
+    specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in layout.groups]
+    if len(layout.groups) == 1:
+        (group,), (spec,) = layout.groups, specs
+        version = layout_fingerprint([group.layer_names, group.page_bytes, str(spec.dtype),
+                                      block_size, type(spec).__name__])  # fmt: skip
+        return PoolGeometry(group.block_bytes, bpc, version)
+    version = layout_fingerprint([(g.layer_names, g.page_bytes, str(s.dtype), type(s).__name__,
+                                   g.window_blocks) for g, s in zip(layout.groups, specs,
+                                                                    strict=True)] + [block_size])  # fmt: skip
+    return PoolGeometry(sum(g.block_bytes for g in layout.groups), bpc, version, layout)
 
 
 def _world(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -73,8 +74,11 @@ def _world(vllm_config: VllmConfig) -> tuple[int, int]:
     return rank, world
 
 
-class UnifiedKVPoolConnector(KVConnectorBase_V1):
-    """One logical KV pool over host-memory pools and SSDs, striped by bandwidth."""
+class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """One logical KV pool over host-memory pools and SSDs, striped by bandwidth.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; each KV cache group is its own
+    section of every chunk (sliding-window groups only the window, see ``geometry``)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -85,7 +89,11 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.pool_config = pool_config_from_extra(extra)
-        self.geometry = pool_geometry(self.pool_config, vllm_config, kv_cache_config)
+        geometry = pool_geometry(self.pool_config, vllm_config, kv_cache_config)
+        # Chunks of another model, dtype, TP layout or block hashing are never served (SSD
+        # chunks outlive the process: their index records carry this fingerprint).
+        self.geometry = replace(geometry, layout_version=layout_fingerprint(
+            [geometry.layout_version, geometry.blocks_per_chunk, *engine_identity(vllm_config)]))
         self.geometry.check_capacity(self.pool_config)
         rank, world_size = _world(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -94,9 +102,12 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
             # A cache: a chunk that fails to load is recomputed instead of failing the request.
             # vLLM reads this policy right after building the scheduler-side connector.
             self._kv_transfer_config.kv_load_failure_policy = self.pool_config.load_failure
+            block_size = vllm_config.cache_config.block_size
+            hash_block = kv_cache_config.hash_block_size or block_size
             self.scheduler = PoolScheduler(
-                self.pool_config, self.geometry, vllm_config.cache_config.block_size, world_size,
-                extra.get("status_file") or str(default_status_path()))  # fmt: skip
+                self.pool_config, self.geometry, block_size, world_size,
+                extra.get("status_file") or str(default_status_path()),
+                hash_scale=block_size // hash_block)  # fmt: skip
         else:
             from vllm_kvpool.worker import PoolWorker
 
@@ -131,6 +142,16 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
         return self.scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        """``SupportsHMA``: once per request, before vLLM frees any group's blocks."""
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while saves are unacknowledged: an idle engine takes no step, and
+        only a step brings the worker's commits back (else the next identical prompt misses)."""
+        return self._role == KVConnectorRole.SCHEDULER and self.scheduler.has_unsettled_saves()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role != KVConnectorRole.SCHEDULER:
             return None
@@ -151,9 +172,9 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1):
 
     # ========================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        group = _single_group(self._kv_cache_config)
-        self.worker.register_kv_caches(kv_caches, group.layer_names,
-                                       self._kv_cache_config.num_blocks)  # fmt: skip
+        block_size = self._vllm_config.cache_config.block_size
+        chunks = chunk_layout(self._kv_cache_config, block_size, self.geometry.blocks_per_chunk)
+        self.worker.register_kv_caches(kv_caches, chunks, self._kv_cache_config.num_blocks)
 
     def unregister_kv_caches(self) -> None:
         """vLLM >= 0.33 sleep mode, before the KV memory is unmapped: finish every background

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_kvpool.chunk_kv import ChunkKV
 from vllm_kvpool.handlers import Buffer, LoadOp, MediumHandler, SaveOp
 from vllm_kvpool.kv_layout import COPY_THREADS, KVLayout
 from vllm_kvpool.native import kvio
@@ -116,10 +117,10 @@ class TransferEngine:
     ``tiers[d]`` is the handler of pool device ``d`` (the config's device order).
     """
 
-    def __init__(self, tiers: list[MediumHandler], layout: KVLayout, rank: int = 0,
+    def __init__(self, tiers: list[MediumHandler], layout: KVLayout | ChunkKV, rank: int = 0,
                  verify_checksums: bool = True, retry_seconds: float = 10.0) -> None:  # fmt: skip
         self.tiers = tiers
-        self.layout = layout
+        self.layout = layout if isinstance(layout, ChunkKV) else ChunkKV.single(layout)
         self.rank = rank
         self.verify = verify_checksums
         self.retry_seconds = retry_seconds
@@ -193,8 +194,13 @@ class TransferEngine:
         event = self._record_event()
         for li in missing:
             self._saver.submit(self._gather_layer, self._step_buffers, li, event)
+        copied = self._saver.submit(lambda: None)
         self._saver.submit(self._write_step, self._step_buffers)
         self._step_buffers, self._step_layers = None, set()
+        if self.layout.hybrid:
+            # Sliding-window groups free out-of-window blocks while the request runs, and the
+            # next step may write them for another token: copy them out before returning.
+            copied.result()
 
     def _ensure_step_buffers(self, saves: Sequence[ChunkSave]) -> None:
         if self._step_buffers is None:
@@ -213,7 +219,7 @@ class TransferEngine:
 
     def _take_buffers(self, saves: list[ChunkSave]) -> list[_SaveBuffer]:
         return [_SaveBuffer(job, self.tiers[job.device].save_buffer(
-                    job.slot, len(job.block_ids) * self.layout.block_bytes))
+                    job.slot, self.layout.save_bytes(job)))
                 for job in saves]  # fmt: skip
 
     def _gather_layer(self, buffers_future: Future, li: int, event: Any) -> None:
@@ -221,8 +227,7 @@ class TransferEngine:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
         for b in buffers:
-            n = len(b.job.block_ids)
-            self.layout.gather(li, b.job.block_ids, b.buf.view, n)
+            self.layout.gather_job(li, b.job, b.buf.view)
 
     def _write_step(self, buffers_future: Future) -> None:
         buffers = buffers_future.result()
@@ -235,8 +240,8 @@ class TransferEngine:
                 by_device[b.job.device].append(b)
         for device, group in by_device.items():
             handler = self.tiers[device]
-            ops = [SaveOp(b.job.slot, b.buf.address, len(b.job.block_ids) * self.layout.block_bytes)
-                   for b in group]  # fmt: skip
+            ops = [SaveOp(b.job.slot, b.buf.address, self.layout.save_bytes(b.job),
+                          b.job.block_hashes) for b in group]  # fmt: skip
             start = time.perf_counter()
             try:
                 ticket = handler.submit_save(ops)
@@ -267,7 +272,7 @@ class TransferEngine:
             else:
                 self._report.committed.append((b.job.key, self.rank, checksum))
                 c = self._report.counters.device(name)
-                c.bytes_written += len(b.job.block_ids) * self.layout.block_bytes
+                c.bytes_written += self.layout.save_bytes(b.job)
                 c.write_seconds += elapsed
                 c.chunks_written += 1
             self._pending_saves[b.job.req_id] -= 1
@@ -328,7 +333,7 @@ class TransferEngine:
 
     def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
         """Keep every SSD busy (two waves in flight each) while resident chunks are copied."""
-        pending = [_PendingRead(req, r, r.stored_blocks * self.layout.block_bytes)
+        pending = [_PendingRead(req, r, self.layout.nbytes(r.stored_blocks))
                    for req in loads for r in req.reads]  # fmt: skip
         queues: dict[int, deque[_PendingRead]] = defaultdict(deque)
         resident: list[_PendingRead] = []
@@ -374,8 +379,7 @@ class TransferEngine:
             good = [p for p in pending if p.ok and p.buf is not None]
             for li, event in enumerate(events):
                 for p in good:
-                    self.layout.scatter(li, p.read.block_ids, p.buf.view, p.read.stored_blocks,
-                                        p.read.skip)  # fmt: skip
+                    self.layout.scatter_read(li, p.read, p.buf.view)
                 if self.layout.layers[li].tensor.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
                 event.set()
@@ -386,17 +390,26 @@ class TransferEngine:
                 if not p.ok:
                     self._invalid_blocks.update(p.read.block_ids)
 
+    def _expected(self, r: ChunkRead) -> int | None:
+        """The checksum a read must match (None: unverified)."""
+        return r.checksums.get(self.rank) if self.verify or r.verify else None
+
     def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
         """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
         r = p.read
-        if r.skip or len(r.block_ids) != r.stored_blocks or handler.io_length(p.nbytes) != p.nbytes:
+        if not self.layout.whole_read(r) or handler.io_length(p.nbytes) != p.nbytes:
             return None
-        return self.layout.direct_segments(r.block_ids, handler.mem_alignment, handler.alignment)
+        return self.layout.read_segments(r, handler.mem_alignment, handler.alignment)
 
     def _fill(self, device: int, queue: deque[_PendingRead], waves: deque[_Wave],
               fits: bool) -> None:  # fmt: skip
         """Submit reads until two waves are in flight or the staging buffers are all taken."""
         handler = self.tiers[device]
+        if handler.failed:  # failed mid-batch: the rest of its reads are misses
+            for p in queue:
+                p.ok = False
+            queue.clear()
+            return
         wave_size = handler.staging_slots if fits else max(1, handler.staging_slots // 2)
         while queue and len(waves) < 2:
             wave: list[_PendingRead] = []
@@ -413,7 +426,7 @@ class TransferEngine:
                     target = p.buf.address
                 queue.popleft()
                 wave.append(p)
-                expected = p.read.checksums.get(self.rank) if self.verify else None
+                expected = self._expected(p.read)
                 ops.append(LoadOp(p.read.slot, target, p.nbytes, expected))
             if not wave:
                 return
@@ -466,12 +479,12 @@ class TransferEngine:
         """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
         assert p.buf is not None
         r = p.read
-        ops = self.layout.chunk_ops(r.block_ids, p.buf.address, True, r.stored_blocks, r.skip)
+        ops = self.layout.read_ops(r, p.buf.address)
         if ops is not None:
             self.io.copy_many(ops, threads=threads)
             return
         for li in range(len(self.layout.layers)):
-            self.layout.scatter(li, r.block_ids, p.buf.view, r.stored_blocks, r.skip)
+            self.layout.scatter_read(li, r, p.buf.view)
 
     def _drain_resident(self, chunks: deque[_PendingRead]) -> None:
         while (p := _pop(chunks)) is not None:
@@ -485,11 +498,11 @@ class TransferEngine:
         p.buf = handler.load_buffer(p.read.slot, p.nbytes)
         assert p.buf is not None  # resident media never run out of buffers
         r = p.read
-        expected = r.checksums.get(self.rank) if self.verify else None
+        expected = self._expected(r)
         ops = None
-        if scatter and expected is not None and not r.skip and len(r.block_ids) == r.stored_blocks:
+        if scatter and expected is not None and self.layout.whole_read(r):
             # The whole chunk goes to the KV in byte order: hash it while it is copied.
-            ops = self.layout.chunk_ops(r.block_ids, p.buf.address, to_kv=True)
+            ops = self.layout.read_ops(r, p.buf.address)
         if ops is not None:
             p.ok = self.io.copy_many_checksum(ops) == expected
         else:

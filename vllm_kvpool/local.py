@@ -25,7 +25,7 @@ import torch
 
 from vllm_kvpool.config import PoolConfig, load_pool_config
 from vllm_kvpool.engine import TransferEngine
-from vllm_kvpool.handlers import MediumHandler, open_handlers
+from vllm_kvpool.handlers import MediumHandler, open_handlers, restorable_chunks
 from vllm_kvpool.kv_layout import KVLayout
 from vllm_kvpool.metrics import PoolStatus
 from vllm_kvpool.placement import DeviceWeights
@@ -57,6 +57,8 @@ class LocalPool:
                                                                                  self.geometry)
         self.pool = UnifiedPool(self.config, self.geometry,
                                 DeviceWeights(gbps, self.config.probe.drift_threshold))
+        for device, chunks in restorable_chunks(self.config, self.geometry).items():
+            self.pool.restore(device, chunks)  # a previous run's SSD chunks (same layout_id)
         self.engine = TransferEngine(open_handlers(self.config, self.geometry), self.layout,
                                      verify_checksums=self.config.verify_checksums,
                                      retry_seconds=self.config.device_retry_seconds)  # fmt: skip
@@ -79,7 +81,8 @@ class LocalPool:
         planned = self.pool.plan_saves(req_id, chunks)
         saves = [ChunkSave(req_id, p.entry.key, p.entry.location.device, p.entry.location.slot,
                            tuple(block_ids[p.first_block : p.first_block
-                                           + p.entry.location.num_blocks]))
+                                           + p.entry.location.num_blocks]),
+                           block_hashes=p.entry.block_hashes)
                  for p in planned]  # fmt: skip
         self.engine.finish_step_saves(saves)
         self.engine.wait_all()
@@ -94,7 +97,8 @@ class LocalPool:
         hits = self.pool.match(block_hashes)
         reads = tuple(ChunkRead(h.entry.key, h.entry.location.device, h.entry.location.slot,
                                 h.entry.location.num_blocks, dict(h.entry.checksums), 0,
-                                tuple(block_ids[h.first_block : h.first_block + h.num_blocks]))
+                                tuple(block_ids[h.first_block : h.first_block + h.num_blocks]),
+                                verify=not h.entry.validated)
                       for h in hits)  # fmt: skip
         self._requests += 1
         req_id = f"local-{self._requests}"

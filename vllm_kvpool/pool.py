@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 from vllm_kvpool.config import DeviceConfig, PoolConfig
 from vllm_kvpool.eviction import evict_lru
+from vllm_kvpool.geometry import ChunkLayout
 from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit, ChunkIndex, ChunkLocation
 from vllm_kvpool.metrics import DeviceUsage, LookupCounters, PoolStatus, TransferCounters
+from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.placement import DeviceWeights, Placement
 from vllm_kvpool.protocol import WorkerReport
 
@@ -39,10 +41,15 @@ class PoolGeometry:
     block_bytes: int  # one vLLM block across all layers this worker holds
     blocks_per_chunk: int
     layout_version: int
+    layout: ChunkLayout | None = None  # several KV cache groups: what a chunk keeps of each
+
+    def nbytes(self, num_blocks: int) -> int:
+        """Stored bytes of a chunk of ``num_blocks`` blocks."""
+        return self.layout.nbytes(num_blocks) if self.layout else num_blocks * self.block_bytes
 
     @property
     def chunk_bytes(self) -> int:
-        return self.block_bytes * self.blocks_per_chunk
+        return self.nbytes(self.blocks_per_chunk)
 
     @property
     def slot_bytes(self) -> int:
@@ -76,6 +83,10 @@ class SlotAllocator:
 
     def give(self, slot: int) -> None:
         self.free.append(slot)
+
+    def reserve(self, slots: set[int]) -> None:
+        """Take these particular slots (chunks restored after a restart)."""
+        self.free = [s for s in self.free if s not in slots]
 
     @property
     def num_free(self) -> int:
@@ -125,10 +136,30 @@ class UnifiedPool:
             self.index.touch(e.key)
 
     def unpin(self, entries: Sequence[ChunkEntry]) -> None:
+        """A load finished; entries still indexed passed their checksum (corrupt ones were
+        invalidated by the same worker report), so a restored chunk counts as validated."""
         for e in entries:
             e.readers -= 1
+            if not e.dead:
+                e.validated = True
             if e.dead and e.readers == 0:
                 self._release(e)
+
+    def restore(self, device: int, chunks: Sequence[RestoredChunk]) -> int:
+        """Index chunks a previous run left on ``device`` (oldest first, so LRU order holds);
+        each is verified on its first read. Returns how many were indexed."""
+        todo = [c for c in chunks if c.slot < self.slots[device].total
+                and c.block_hashes[0] not in self.index]  # fmt: skip
+        self.slots[device].reserve({c.slot for c in todo})
+        for c in todo:
+            loc = ChunkLocation(device, c.slot, c.num_blocks, c.nbytes,
+                                self.geometry.layout_version)  # fmt: skip
+            entry = self.index.reserve(c.block_hashes[0], c.block_hashes, loc)
+            entry.checksums = dict(c.checksums)
+            entry.committed = len(entry.checksums) >= self.world_size
+            entry.validated, entry.restored = False, True
+        self.lookups.restored += len(todo)
+        return len(todo)
 
     # -- saves -----------------------------------------------------------------------------
     def shorter_copy_unsettled(self, hashes: Sequence[BlockHash]) -> bool:
@@ -172,7 +203,7 @@ class UnifiedPool:
         for (first, hashes), device in zip(todo, devices, strict=False):
             loc = ChunkLocation(device=device, slot=self.slots[device].take(),
                                 num_blocks=len(hashes),
-                                nbytes=len(hashes) * self.geometry.block_bytes,
+                                nbytes=self.geometry.nbytes(len(hashes)),
                                 layout_version=self.geometry.layout_version)  # fmt: skip
             planned.append(PlannedSave(self.index.reserve(hashes[0], hashes, loc), first))
         self.lookups.saves += len(planned)

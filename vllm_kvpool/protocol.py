@@ -18,7 +18,9 @@ class ChunkSave:
     key: bytes
     device: int
     slot: int
-    block_ids: tuple[int, ...]  # vLLM block ids holding the chunk, in order
+    block_ids: tuple[int, ...]  # vLLM block ids holding the chunk, in order, section by section
+    num_blocks: int = 0  # blocks of the chunk (0: len(block_ids), a single KV cache group)
+    block_hashes: tuple[bytes, ...] = ()  # the chunk's block hashes (indexed on SSDs)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class ChunkRead:
     checksums: dict[int, int]  # worker rank -> checksum of that rank's shard
     skip: int  # leading blocks of the chunk already present (local prefix-cache hit)
     block_ids: tuple[int, ...]  # destination vLLM blocks for chunk blocks skip, skip+1, ...
+    # Several KV cache groups (``chunk_kv``): (skip, count) per section, block_ids section by
+    # section; () is the single group (skip, len(block_ids)).
+    sections: tuple[tuple[int, int], ...] = ()
+    verify: bool = False  # check the checksum even with verify_checksums off (restored chunk)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvpool.chunk_kv import section_read, section_save_ids
 from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata, PoolWorkerMetadata
+from vllm_kvpool.handlers import restorable_chunks
 from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.metrics import counter_delta, flat_counters
 from vllm_kvpool.placement import DeviceWeights
@@ -36,8 +38,10 @@ STATUS_INTERVAL_S = 1.0
 @dataclass
 class _RequestState:
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
+    computed: int = 0  # tokens computed before this step (vLLM freed windows up to there)
     next_chunk: int = 0  # first chunk not yet saved in full
+    stopped: bool = False  # a chunk could not be saved: nothing after it can ever match
     partial_saved: bool = False  # chunk next_chunk's partial prompt copy was saved
     inflight_saves: set[bytes] = field(default_factory=set)
     counted: bool = False
@@ -47,16 +51,22 @@ class PoolScheduler:
     """The scheduler-side role of ``UnifiedKVPoolConnector``."""
 
     def __init__(self, config: PoolConfig, geometry: PoolGeometry, block_size: int,
-                 world_size: int, status_path: str) -> None:  # fmt: skip
+                 world_size: int, status_path: str, hash_scale: int = 1) -> None:  # fmt: skip
         self.pool_config = config
         self.geometry = geometry
+        self.layout = geometry.layout  # several KV cache groups (hybrid manager), else None
         self.block_size = block_size
+        self.hash_scale = hash_scale  # vLLM hashes blocks of block_size / hash_scale tokens
         self.status_path = status_path
         gbps = probe_bandwidths(config, geometry)
         logger.info("kvpool: placement weights (GB/s): %s", dict(
             zip((d.name for d in config.devices), gbps, strict=True)))  # fmt: skip
         weights = DeviceWeights(gbps, drift_threshold=config.probe.drift_threshold)
         self.pool = UnifiedPool(config, geometry, weights, world_size)
+        for device, chunks in restorable_chunks(config, geometry, world_size).items():
+            if n := self.pool.restore(device, chunks):
+                logger.info("kvpool: %s: %d chunks of a previous run restored (each verified on "
+                            "its first read)", config.devices[device].name, n)  # fmt: skip
         self._requests: dict[str, _RequestState] = {}
         self._lookups: dict[str, tuple[int, list]] = {}
         self._load_pins: dict[str, list[ChunkEntry]] = {}
@@ -71,8 +81,14 @@ class PoolScheduler:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
         # At least one prompt token must be computed to produce logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = self.pool.match(request.block_hashes[:max_blocks])
-        matched = sum(h.num_blocks for h in hits) * self.block_size
+        hits = self.pool.match(self._hashes(request)[:max_blocks])
+        if self.layout is not None:  # a hit ends where every sliding window is stored
+            usable = self.layout.usable_hit_blocks(
+                [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
+            hits = [h for h in hits if h.first_block < usable]
+            matched = usable * self.block_size
+        else:
+            matched = sum(h.num_blocks for h in hits) * self.block_size
         self._lookups[request.request_id] = (num_computed_tokens, hits)
         external = matched - num_computed_tokens
         if external <= 0:
@@ -90,18 +106,26 @@ class PoolScheduler:
             self.pool.lookups.hit_tokens += num_external_tokens
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0]
+        group_ids = blocks.get_block_ids()
         first = computed // self.block_size
         last = (computed + num_external_tokens) // self.block_size
         reads, pinned = [], []
         for hit in hits:
+            loc = hit.entry.location
+            if self.layout is not None:
+                read = section_read(self.layout, hit.entry, hit.first_block, group_ids, first,
+                                    last)  # fmt: skip
+                if read is None:
+                    continue
+                reads.append(read)
+                pinned.append(hit.entry)
+                continue
             lo, hi = max(hit.first_block, first), min(hit.first_block + hit.num_blocks, last)
             if lo >= hi:
                 continue
-            loc = hit.entry.location
             reads.append(ChunkRead(hit.entry.key, loc.device, loc.slot, loc.num_blocks,
                                    dict(hit.entry.checksums), lo - hit.first_block,
-                                   tuple(block_ids[lo:hi])))  # fmt: skip
+                                   tuple(group_ids[0][lo:hi])))  # fmt: skip
             pinned.append(hit.entry)
         self.pool.pin(pinned)
         self._load_pins[req_id] = pinned
@@ -109,7 +133,17 @@ class PoolScheduler:
         if not is_async:
             self._sync_loads.append(req_id)
         self.pool.lookups.loads += 1
+        self.pool.lookups.restored_hits += sum(e.restored for e in pinned)
+        # A chunk restored after a restart is verified on its first read, whatever the config.
+        reads = [r if e.validated else replace(r, verify=True) for r, e in zip(reads, pinned,
+                                                                               strict=True)]
         self._next_meta.loads.append(LoadRequest(req_id, tuple(reads), is_async))
+
+    def _hashes(self, request: Request) -> list:
+        """The request's block hashes at the pool's block size (vLLM may hash finer)."""
+        if self.hash_scale == 1:
+            return request.block_hashes
+        return request.block_hashes[self.hash_scale - 1 :: self.hash_scale]
 
     # -- saves -----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolStepMetadata:
@@ -119,7 +153,8 @@ class PoolScheduler:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
+            state.computed = new.num_computed_tokens
             self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -128,9 +163,11 @@ class PoolScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for mine, ids in zip(state.block_ids, new_ids, strict=True):
+                    mine.extend(ids)
+            state.computed = cached.num_computed_tokens[i]
             self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
         return meta
 
@@ -139,15 +176,19 @@ class PoolScheduler:
         and the prompt's partial last chunk once, at the prompt's end; a chunk that generated
         tokens fill later replaces that partial copy."""
         request, bpc = state.request, self.geometry.blocks_per_chunk
+        if state.stopped or not state.block_ids:
+            return
+        hashes_all = self._hashes(request)
         prompt_blocks = request.num_prompt_tokens // self.block_size
-        limit = min(num_done // self.block_size, len(request.block_hashes), len(state.block_ids))
+        limit = min(num_done // self.block_size, len(hashes_all),
+                    min(len(ids) for ids in state.block_ids))  # fmt: skip
         if not self.pool_config.save_decode:
             limit = min(limit, prompt_blocks)
         chunks = []
         c = state.next_chunk
         while c * bpc < limit:
             end = min((c + 1) * bpc, limit)
-            hashes = request.block_hashes[c * bpc : end]
+            hashes = hashes_all[c * bpc : end]
             if end < (c + 1) * bpc:  # partial: only the prompt's last chunk, once, at its end
                 if state.partial_saved or end < prompt_blocks or c * bpc >= prompt_blocks:
                     break
@@ -160,15 +201,40 @@ class PoolScheduler:
             c += 1
             state.partial_saved = False
         state.next_chunk = c
+        chunks = self._windows_held(state, chunks)
         if not chunks:
             return
         for planned in self.pool.plan_saves(request.request_id, chunks):
             entry, first = planned.entry, planned.first_block
-            ids = tuple(state.block_ids[first : first + entry.location.num_blocks])
-            meta.saves.append(ChunkSave(request.request_id, entry.key, entry.location.device,
-                                        entry.location.slot, ids))  # fmt: skip
+            n = entry.location.num_blocks
+            if self.layout is None:
+                ids = tuple(state.block_ids[0][first : first + n])
+                save = ChunkSave(request.request_id, entry.key, entry.location.device,
+                                 entry.location.slot, ids)  # fmt: skip
+            else:
+                ids = section_save_ids(self.layout, first, n, state.block_ids)
+                save = ChunkSave(request.request_id, entry.key, entry.location.device,
+                                 entry.location.slot, ids, n)  # fmt: skip
+            meta.saves.append(replace(save, block_hashes=tuple(entry.block_hashes)))
             state.inflight_saves.add(entry.key)
             self._save_owner[entry.key] = request.request_id
+
+    def _windows_held(self, state: _RequestState,
+                      chunks: list[tuple[int, list]]) -> list[tuple[int, list]]:  # fmt: skip
+        """The chunks whose sliding-window tails vLLM still holds. A tail freed before its chunk
+        was planned (its save deferred) is gone for good: that chunk and everything after it
+        are not saved (a prefix with a hole never matches past it)."""
+        if self.layout is None or not self.layout.hybrid:
+            return chunks
+        for i, (first, hashes) in enumerate(chunks):
+            entry = self.pool.index.get(hashes[0])
+            if entry is not None and len(entry.block_hashes) >= len(hashes):
+                continue  # already pooled (e.g. loaded from it): nothing to copy
+            for s in self.layout.sections(len(hashes)):
+                if s.num_blocks and first + s.first < s.group.first_kept(state.computed):
+                    state.stopped = True
+                    return chunks[:i]
+        return chunks
 
     # -- worker reports --------------------------------------------------------------------
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -187,6 +253,10 @@ class PoolScheduler:
         for key in self.pool.apply_report(report):
             self._save_finished(key)
 
+    def has_unsettled_saves(self) -> bool:
+        """Saves planned whose outcome no worker reported yet."""
+        return bool(self._save_owner)
+
     def _save_finished(self, key: bytes) -> None:
         req_id = self._save_owner.pop(key, None)
         state = self._requests.get(req_id) if req_id else None
@@ -194,7 +264,7 @@ class PoolScheduler:
             state.inflight_saves.discard(key)
 
     def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+                         block_ids: Any) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
         req_id = request.request_id
         self._lookups.pop(req_id, None)
         self.pool.forget_request(req_id)

@@ -6,15 +6,14 @@ Built once ``register_kv_caches`` shows vLLM's real KV tensors; turns each step'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from vllm_kvpool.chunk_kv import ChunkKV
 from vllm_kvpool.config import PoolConfig, PoolConfigError
 from vllm_kvpool.connector_meta import PoolStepMetadata, PoolWorkerMetadata
 from vllm_kvpool.engine import TransferEngine
+from vllm_kvpool.geometry import ChunkLayout
 from vllm_kvpool.handlers import open_handlers
-from vllm_kvpool.kv_layout import KVLayout
 from vllm_kvpool.pool import PoolGeometry
 
 
@@ -29,13 +28,14 @@ class PoolWorker:
         self.world_size = world_size
         self.engine: TransferEngine | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str],
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], chunks: ChunkLayout,
                            num_blocks: int) -> None:  # fmt: skip
-        layout = KVLayout.from_kv_caches(kv_caches, layer_names, num_blocks)
-        if layout.block_bytes != self.geometry.block_bytes:
-            raise PoolConfigError(
-                "chunk layout", f"KV tensors hold {layout.block_bytes} bytes per block, the "
-                f"KV cache spec says {self.geometry.block_bytes}")  # fmt: skip
+        """``chunks``: what a chunk keeps of each KV cache group (``geometry.chunk_layout``)."""
+        layout = ChunkKV.from_kv_caches(kv_caches, chunks, num_blocks)
+        try:
+            layout.check()
+        except ValueError as exc:
+            raise PoolConfigError("chunk layout", str(exc)) from exc
         suffix = f".rank{self.rank}" if self.world_size > 1 else ""
         handlers = open_handlers(self.pool_config, self.geometry, suffix)
         self.engine = TransferEngine(handlers, layout, self.rank, self.pool_config.verify_checksums,
