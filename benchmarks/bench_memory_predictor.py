@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from predictors.memory.allocator import GiB, MiB
 from predictors.memory.gpumemnet import (
+    NUM_SAMPLES,
     MlpRow,
     bce_loss,
     build_mlp,
@@ -50,11 +51,13 @@ FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated
           "context_mib", "margin_mib", "fused_reserved_mib"]
 
 
-def _predict(row: MlpRow, optimizer: str):
+def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
     x, y = example_batch(row)
     return predict_module_memory(build_mlp(row), x, y, optimizer=optimizer,
                                  loss_fn=default_loss if row.output > 1 else bce_loss,
-                                 device="a100-40gb")
+                                 device="a100-40gb",
+                                 last_batch=(NUM_SAMPLES % row.batch or None) if last_batch
+                                 else None)
 
 
 def _load_cache(path: Path) -> dict[int, dict]:
@@ -64,7 +67,8 @@ def _load_cache(path: Path) -> dict[int, dict]:
         return {int(r["index"]): r for r in csv.DictReader(f)}
 
 
-def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float) -> list[dict]:
+def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float,
+                  last_batch: bool) -> list[dict]:
     from tqdm import tqdm
 
     rows = load_mlp_rows()
@@ -81,7 +85,7 @@ def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float) 
             if time.monotonic() > deadline:
                 print(f"stopped after --minutes {minutes}; rerun to resume", file=sys.stderr)
                 break
-            p = _predict(rows[i], "adam")
+            p = _predict(rows[i], "adam", last_batch)
             fused = _predict(rows[i], "adam:fused") if i % ablation_every == 0 else None
             rec = {"index": i, "measured_mib": rows[i].measured_mib,
                    "device_used_mib": p.device_used / MiB,
@@ -167,9 +171,13 @@ def main() -> None:
                     help="fused-AdamW ablation on every N-th row")
     ap.add_argument("--cache", type=Path, default=Path("out/bench_memory_gpumemnet.csv"))
     ap.add_argument("--minutes", type=float, default=60.0, help="stop predicting after this")
+    ap.add_argument("--last-batch", action="store_true",
+                    help="also trace the loader's smaller last batch (4096 %% batch); use its "
+                         "own --cache")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    recs = run_gpumemnet(args.every, args.ablation_every, args.cache, args.minutes)
+    recs = run_gpumemnet(args.every, args.ablation_every, args.cache, args.minutes,
+                         args.last_batch)
     mape, false_fits = report(recs)
     sim = simulator_agreement()
     print(f"{time.perf_counter() - t0:.0f} s")

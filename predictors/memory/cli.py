@@ -35,6 +35,8 @@ def add_subcommands(subparsers) -> None:
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
     g.add_argument("--framework", default="ddp", choices=["ddp", "deepspeed", "megatron"])
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
+    g.add_argument("--last-batch", type=int, default=None,
+                   help="the loader's smaller last batch (len(dataset) %% batch), traced too")
     g.add_argument("--context-mib", type=float, default=None,
                    help="your stack's measured CUDA context (default: the device's, see docs)")
     g.add_argument("--trace", action="store_true",
@@ -131,7 +133,7 @@ def _memory_module(args) -> int:
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
                                  precision=args.precision, distributed=dist, device=device,
                                  capacity_gib=capacity, margin=args.margin,
-                                 context_mib=args.context_mib)
+                                 context_mib=args.context_mib, last_batch=args.last_batch)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
     return 0 if pred.fits else 2
 

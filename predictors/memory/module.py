@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..precision import get_precision
 from ..step import Batch, LossFn, default_loss
@@ -118,20 +118,29 @@ class DeviceMemoryPrediction:
         return "\n".join(lines)
 
 
-def _as_batch(inputs: Any, target: Any, kwargs: dict | None) -> Callable[[nn.Module], Batch]:
+def _as_batch(inputs: Any, target: Any, kwargs: dict | None,
+              sizes: list[int | None]) -> Callable[[nn.Module], Batch]:
     """Fresh fake copies of the user's example tensors each step (a GPU step's host-to-device
     copies are new allocations too); a tensor passed twice (labels as target and input) is
-    one copy, as in the user's loop."""
+    one copy, as in the user's loop. ``sizes`` gives each step's batch size (None: as given);
+    tensors whose first dimension is the example's batch size are cut to it."""
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    first = next((t for t in tree_leaves([args, target, kwargs]) if isinstance(t, torch.Tensor)
+                  and t.dim() > 0), None)
+    full = None if first is None else first.shape[0]
+    steps = iter(sizes)
 
     def batch(model: nn.Module) -> Batch:
+        size = next(steps)
         memo: dict[int, torch.Tensor] = {}
 
         def fake(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
             if id(x) not in memo:
-                memo[id(x)] = _fake_like(x)
+                cut = size is not None and x.dim() > 0 and x.shape[0] == full
+                memo[id(x)] = torch.empty((size, *x.shape[1:]), dtype=x.dtype,
+                                          device="cpu") if cut else _fake_like(x)
             return memo[id(x)]
 
         return Batch(tuple(tree_map(fake, list(args))), tree_map(fake, target),
@@ -154,6 +163,7 @@ def predict_module_memory(
     capacity_gib: float | None = None,
     margin: float | None = None,
     context_mib: float | None = None,
+    last_batch: int | None = None,
 ) -> DeviceMemoryPrediction:
     """Predict ``max_memory_allocated``, ``max_memory_reserved`` and device-level memory of one
     training step of ``model`` (an ``nn.Module``, real or on the meta device, or a factory
@@ -166,7 +176,9 @@ def predict_module_memory(
     ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``);
     ``context_mib``: your stack's measured CUDA context (``nvidia-smi`` used after
     ``torch.cuda.init()`` and one matmul, minus ``torch.cuda.memory_reserved()``) instead of
-    the device's default from :data:`overheads.CONTEXTS`."""
+    the device's default from :data:`overheads.CONTEXTS`; ``last_batch``: a data loader's
+    smaller last batch of an epoch (``len(dataset) % batch`` with ``drop_last=False``), traced
+    between two full steps, since its differently sized blocks fragment the cache."""
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
     dist = distributed or DistributedSpec()
@@ -186,14 +198,17 @@ def predict_module_memory(
     else:
         raise MemorySpecError(f"model={type(model).__name__} is neither an nn.Module nor a "
                               "factory returning one")
-    batch = _as_batch(inputs, target, kwargs)
+    if last_batch is not None and last_batch < 1:
+        raise MemorySpecError(f"last_batch={last_batch} must be >= 1")
+    sizes: list[int | None] = [None, last_batch, None] if last_batch else [None, None]
     outside = prof.outside_allocator(dist)
     m = DEFAULT_MARGIN if margin is None else margin
     opt = dist.effective_optimizer(opt)
 
     def run(limit: int | None) -> Measurement:
-        return trace_step(build, batch, precision, loss_fn=loss_fn, make_optimizer=opt.build,
-                          overheads=prof.overheads, capacity=limit)
+        return trace_step(build, _as_batch(inputs, target, kwargs, sizes), precision,
+                          loss_fn=loss_fn, make_optimizer=opt.build, overheads=prof.overheads,
+                          capacity=limit, steps=len(sizes))
 
     meas = run(None)
     extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision,
