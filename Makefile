@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap test lint cpptest demo bench clean gpu-check gpu-carry
+.PHONY: bootstrap test lint cpptest demo bench bench-env clean gpu-check gpu-carry
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -23,6 +23,10 @@ cpptest: bootstrap
 
 demo: bootstrap
 	$(PY) scripts/demo.py --out out
+
+# The benchmark environment .venv-bench/ (the pins + LMCache 0.5.6, the rival); not part of test.
+bench-env: bootstrap
+	@bash scripts/bench_env.sh
 
 bench: bootstrap
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -1,13 +1,724 @@
-"""Unified KV pool vs serial tiers: fetch a long-context prefix's KV (see vllm_kvpool/bench.py).
+"""Fetch a long prefix's KV into paged KV tensors: the unified pool vs real LMCache 0.5.6.
 
-    python benchmarks/bench_kvpool.py                 # 32K-token Llama-3.1-8B prefix, 4 GiB
-    python benchmarks/bench_kvpool.py --scale 0.125   # 4K tokens, 512 MiB
-Last line: ratio_vs_serial=X frac_of_limit=Y
+Every measurement runs in a fresh child process (same interpreter): build the KV, store it in the
+system under test, sync, drop the page cache (root), zero the KV, time the fetch, check the KV is
+byte-identical (xxh64 per layer). Repetitions are interleaved across systems; medians + spread.
+
+Systems
+  lmcache-*   real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
+              ``use_odirect`` on/off), driven through a thin CPU adapter (its vLLM connector does
+              not run on CPU) whose copy is a plain slice copy (``slice``) or LMCache's own
+              ``lmcache.device_ops.multi_layer_kv_transfer`` (``kernel``); OMP_NUM_THREADS=1.
+              Needs ``make bench-env`` (.venv-bench); skipped with the reason otherwise.
+  pool-serial the pool's engine with ``placement: single_tier_serial`` (host first, then SSD):
+              isolates the placement gain from the I/O-path gain.
+  pool-bw     the pool with ``bandwidth`` placement; ``pool-rr`` round robin (S3).
+Scenarios (KV = Llama-3.1-8B geometry by default: 32 layers, 8 KV heads, head 128, bf16; 32K
+tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfer layout, which
+both LMCache's kernel and the pool take as is)
+  S1 matched split: host holds 7/8 of the chunks, the rest on one SSD file; LMCache's CPU tier
+     is sized for the whole prefix (its disk reads are staged there) and the chunks past the
+     host share are removed from it after the store, so both hold the same chunks in memory.
+  S2 host smaller than the prefix (1/2): LMCache as its docs configure it (CPU tier = the host
+     capacity, disk behind it); reported as its time or "did not complete in T s".
+  S3 several devices: 2 host pools + an SSD file + a second SSD (a loop device with O_DIRECT over
+     /dev/shm, read-throttled by the blkio cgroup so bandwidths really differ); LMCache on its one
+     local_disk (the faster device), matched split at the same host share.
+
+    flock /work/coord/heavy.lock .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
+    python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
+    python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
+Last line: ratio_vs_lmcache=X ratio_vs_lmcache_multi=Y multi_frac_of_bound=W
+           ratio_vs_serial_same_engine=V frac_of_optimum=Z
 """
 
-import sys
+from __future__ import annotations
 
-from vllm_kvpool.bench import main
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LMCACHE_CHUNK = 256
+GPU_MODEL = ("H100-SXM bf16 989 TFLOP/s dense at 40% MFU; Llama-3.1-8B prefill FLOPs = "
+             "2*8.0e9*S + 4*32*4096*S*(P+S/2); fetch time as measured here")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- geometry
+@dataclass(frozen=True)
+class Geometry:
+    """KV geometry of the model whose prefix is fetched (a parameter: other models plug in)."""
+
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    tokens: int = 32768
+    chunk_tokens: int = 256
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tokens // self.block_size
+
+    @property
+    def page_bytes(self) -> int:  # one block of one layer, K and V
+        return 2 * self.block_size * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_tokens // self.block_size * self.page_bytes * self.layers
+
+    @property
+    def num_chunks(self) -> int:
+        return self.tokens // self.chunk_tokens
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes * self.layers
+
+    def check(self) -> None:
+        if self.chunk_tokens % self.block_size or self.tokens % self.chunk_tokens:
+            raise ValueError(f"tokens ({self.tokens}) must be a multiple of chunk_tokens "
+                             f"({self.chunk_tokens}), itself a multiple of block_size "
+                             f"({self.block_size})")  # fmt: skip
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype: {self.dtype!r} is not bfloat16, float16 or float32")
+
+
+def make_kv(g: Geometry) -> list[Any]:
+    """Per-layer KV [blocks, 2, block_size, heads, head_dim] (vLLM FlashInfer layout), page
+    aligned (torch under THP_MEM_ALLOC_ENABLE=1), seeded random values."""
+    import torch
+
+    dtype = getattr(torch, g.dtype)
+    layer_bytes = g.num_blocks * g.page_bytes
+    raw = torch.empty(g.layers * layer_bytes + 4096, dtype=torch.uint8)
+    base = (-raw.data_ptr()) % 4096
+    gen = torch.Generator().manual_seed(0)
+    kv = []
+    for i in range(g.layers):
+        t = raw[base + i * layer_bytes : base + (i + 1) * layer_bytes]
+        t.view(torch.int16).copy_(torch.randint(-(2**14), 2**14, (layer_bytes // 2,),
+                                                dtype=torch.int16, generator=gen))  # fmt: skip
+        kv.append(t.view(dtype).view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim))
+    return kv
+
+
+def kv_digest(kv: list[Any]) -> list[int]:
+    from vllm_kvpool.native import kvio
+
+    io = kvio()
+    return [io.checksum(t.data_ptr(), t.numel() * t.element_size()) for t in kv]
+
+
+def block_hashes(g: Geometry, salt: str) -> list[bytes]:
+    """A hash chain over the prefix's blocks (as vLLM's: each names the prefix up to it)."""
+    out, prev = [], salt.encode()
+    for i in range(g.num_blocks):
+        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------- systems
+@dataclass
+class Result:
+    system: str
+    scenario: str
+    seconds: float | None  # None: did not complete
+    nbytes: int
+    sys_cpu_s: float
+    identical: bool
+    device_bytes: dict[str, int] = field(default_factory=dict)
+    device_gbps: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    cold: bool = True
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def _sys_cpu() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
+def run_pool(g: Geometry, spec: dict[str, Any]) -> Result:
+    """The pool through its public engine API (``vllm_kvpool.local.LocalPool``)."""
+    from vllm_kvpool.local import LocalPool
+
+    for d in spec["config"]["devices"]:
+        if "ssd" in d and not d["ssd"]["path"].startswith("/dev/"):
+            Path(d["ssd"]["path"]).unlink(missing_ok=True)  # no chunks of an earlier run
+    kv = make_kv(g)
+    digest = kv_digest(kv)
+    names = {f"layers.{i}": t for i, t in enumerate(kv)}
+    hashes = block_hashes(g, spec["salt"])
+    ids = list(range(g.num_blocks))
+    with LocalPool(spec["config"], names, g.num_blocks, g.block_size,
+                   bandwidths=spec.get("gbps"),
+                   layout_id=f"{spec['salt']}-{spec['system']}") as pool:  # fmt: skip
+        saved = pool.save(hashes, ids)
+        if saved != g.num_chunks:
+            raise RuntimeError(f"{spec['system']}: stored {saved} of {g.num_chunks} chunks")
+        before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
+        cold = drop_page_cache()
+        for t in kv:
+            t.zero_()
+        sys0 = _sys_cpu()
+        fetched = pool.fetch(hashes, ids)
+        sys_s = _sys_cpu() - sys0
+        identical = fetched.ok and fetched.blocks == g.num_blocks and kv_digest(kv) == digest
+        devices = pool.status().transfers.devices
+        dev_bytes = {k: v.bytes_read - before.get(k, 0) for k, v in devices.items()}
+    return Result(spec["system"], spec["scenario"], fetched.seconds, g.prefix_bytes, sys_s,
+                  identical, {k: b for k, b in dev_bytes.items() if b},
+                  {k: b / fetched.seconds / 1e9 for k, b in dev_bytes.items() if b}, cold=cold)  # fmt: skip
+
+
+def _lmcache_adapter(kv: list[Any], g: Geometry, copy: str) -> Any:
+    """LMCache's GPU-connector interface over CPU KV tensors (its vLLM connector has none)."""
+    import torch
+    from lmcache import device_ops
+    from lmcache.lmcache_native import EngineKVFormat, TransferDirection
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+    from lmcache.v1.memory_management import MemoryFormat
+
+    hd = g.kv_heads * g.head_dim
+    flat = [t.view(g.num_blocks, 2, g.block_size, hd) for t in kv]
+
+    def runs(slots: Any) -> list[tuple[int, int, int]]:
+        """(first token in the chunk, first block, blocks) of consecutive block runs."""
+        blocks = (slots[:: g.block_size] // g.block_size).tolist()
+        out, start = [], 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                out.append((start * g.block_size, blocks[start], i - start))
+                start = i
+        return out
+
+    class CPUAdapter(GPUConnectorInterface):
+        def get_shape(self, num_tokens: int) -> Any:
+            return torch.Size([2, g.layers, num_tokens, hd])
+
+        def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
+            pass
+
+        def to_gpu(self, obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            slots = kwargs["slot_mapping"][start:end]
+            if copy == "kernel":
+                device_ops.multi_layer_kv_transfer(
+                    obj.tensor, flat, slots, torch.device("cpu"), g.num_blocks * g.block_size,
+                    TransferDirection.H2D, EngineKVFormat.NL_X_NB_TWO_BS_NH_HS,
+                    block_size=g.block_size, head_size=g.head_dim)  # fmt: skip
+                return
+            for tok, b0, nb in runs(slots):
+                n = nb * g.block_size
+                for layer, t in enumerate(flat):
+                    src = obj.tensor[:, layer, tok : tok + n].view(2, nb, g.block_size, hd)
+                    t[b0 : b0 + nb].copy_(src.transpose(0, 1))
+
+        def from_gpu(self, obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            slots = kwargs["slot_mapping"][start:end]
+            for tok, b0, nb in runs(slots):
+                n = nb * g.block_size
+                for layer, t in enumerate(flat):
+                    dst = obj.tensor[:, layer, tok : tok + n].view(2, nb, g.block_size, hd)
+                    dst.copy_(t[b0 : b0 + nb].transpose(0, 1))
+            obj.metadata.fmt = MemoryFormat.KV_2LTD
+
+        def batched_to_gpu(self, objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+            for o, s, e in zip(objs, starts, ends, strict=True):
+                self.to_gpu(o, s, e, **kwargs)
+
+        def batched_from_gpu(self, objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+            for o, s, e in zip(objs, starts, ends, strict=True):
+                self.from_gpu(o, s, e, **kwargs)
+
+    return CPUAdapter()
+
+
+def run_lmcache(g: Geometry, spec: dict[str, Any]) -> Result:
+    """Real LMCache: store through its engine, keep ``resident`` leading chunks in its CPU tier
+    (the rest only on its disk), fetch with ``retrieve``."""
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    disk_dir = Path(spec["disk_dir"])
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    disk_dir.mkdir(parents=True)
+    kv = make_kv(g)
+    digest = kv_digest(kv)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=spec["cpu_gib"],
+        local_disk=f"file://{disk_dir}/", max_local_disk_size=spec["disk_gib"],
+        extra_config={"use_odirect": spec["odirect"]})  # fmt: skip
+    meta = LMCacheMetadata(model_name=spec["salt"], world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=getattr(torch, g.dtype),
+                           kv_shape=(g.layers, 2, LMCACHE_CHUNK, g.kv_heads, g.head_dim))  # fmt: skip
+    engine = LMCacheEngineBuilder.get_or_create("bench", config, meta,
+                                                _lmcache_adapter(kv, g, spec["copy"]), None, None)  # fmt: skip
+    try:
+        engine.post_init()
+        gen = torch.Generator().manual_seed(int(hashlib.md5(spec["salt"].encode()).hexdigest()[:7], 16))
+        tokens = torch.randint(3, 32000, (g.tokens,), generator=gen)
+        slots = torch.arange(g.tokens)
+        engine.store(tokens, slot_mapping=slots)
+        keys = [k for _, _, k in engine.token_database.process_tokens(tokens=tokens)]
+        sm = engine.storage_manager
+        disk = sm.storage_backends["LocalDiskBackend"]
+        deadline = time.monotonic() + 600
+        while sum(disk.contains(k) for k in keys) < len(keys):  # write-through finished
+            if time.monotonic() > deadline:
+                raise RuntimeError("LMCache did not finish writing its disk tier in 600 s")
+            time.sleep(0.05)
+        if spec.get("resident") is not None:  # matched split: only the host share in memory
+            for k in keys[spec["resident"] :]:
+                sm.remove(k, ["LocalCPUBackend"])
+        cpu = sm.storage_backends["LocalCPUBackend"]
+        in_cpu = 0
+        while in_cpu < len(keys) and cpu.contains(keys[in_cpu]):
+            in_cpu += 1
+        cold = drop_page_cache()
+        for t in kv:
+            t.zero_()
+        sys0, start = _sys_cpu(), time.perf_counter()
+        mask = engine.retrieve(tokens, slot_mapping=slots)
+        seconds = time.perf_counter() - start
+        sys_s = _sys_cpu() - sys0
+        identical = bool(mask.all()) and kv_digest(kv) == digest
+    finally:
+        LMCacheEngineBuilder.destroy("bench")
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    cb = in_cpu * g.chunk_bytes
+    dev = {"lmcache-cpu": cb, "lmcache-disk": g.prefix_bytes - cb}
+    return Result(spec["system"], spec["scenario"], seconds, g.prefix_bytes, sys_s, identical,
+                  {k: b for k, b in dev.items() if b},
+                  {k: b / seconds / 1e9 for k, b in dev.items() if b}, cold=cold)  # fmt: skip
+
+
+def child_main(payload: str) -> int:
+    job = json.loads(payload)
+    g = Geometry(**job["geometry"])
+    spec = job["spec"]
+    if spec.get("cgroup"):  # the throttled loop device's limit applies to this process
+        Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    result = run_lmcache(g, spec) if spec["system"].startswith("lmcache") else run_pool(g, spec)
+    print("RESULT " + json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- devices
+@dataclass
+class Devices:
+    """The second SSD of S3: a loop device over /dev/shm (else a posix file there)."""
+
+    second: str | None = None  # /dev/loopN (uring) or a /dev/shm file (posix)
+    second_backend: str = "uring"
+    second_note: str = ""
+    cgroup: str | None = None
+    _loop: str | None = None
+    _backing: Path | None = None
+
+    @classmethod
+    def setup(cls, second_bytes: int, throttle_mbps: int, log) -> Devices:
+        dev = cls()
+        backing = Path("/dev/shm/bench_kvpool_ssd1.img")
+        try:
+            with open(backing, "wb") as f:
+                f.truncate(second_bytes)
+            loop = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(backing)],
+                                  check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.CalledProcessError) as exc:
+            dev.second, dev.second_backend, dev._backing = str(backing), "posix", backing
+            dev.second_note = f"posix file on /dev/shm (loop device unavailable: {exc})"
+            log(f"second SSD: {dev.second_note}")
+            return dev
+        dev._loop, dev._backing, dev.second = loop, backing, loop
+        dev.second_note = f"{loop} (losetup --direct-io=on over /dev/shm)"
+        # cgroup v2 io.max needs the io controller on the unified hierarchy; where it is bound to
+        # v1 (as on this VM) v1 blkio throttling is the same kernel limiter (blk-throttle).
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        io_v2 = v2.exists() and "io" in v2.read_text().split()
+        blkio = Path("/sys/fs/cgroup/blkio")
+        major_minor = Path(f"/sys/block/{Path(loop).name}/dev").read_text().strip()
+        try:
+            if io_v2:
+                cg = Path("/sys/fs/cgroup/bench_kvpool")
+                cg.mkdir(exist_ok=True)
+                (cg / "io.max").write_text(f"{major_minor} rbps={throttle_mbps * 10**6}\n")
+                how = "cgroup v2 io.max"
+            elif blkio.is_dir():
+                cg = blkio / "bench_kvpool"
+                cg.mkdir(exist_ok=True)
+                (cg / "blkio.throttle.read_bps_device").write_text(
+                    f"{major_minor} {throttle_mbps * 10**6}\n")
+                how = ("cgroup v1 blkio.throttle.read_bps_device (v2 io.max unavailable here: the "
+                       "io controller is bound to the v1 hierarchy)")  # fmt: skip
+            else:
+                raise OSError("no io/blkio cgroup controller")
+            dev.cgroup = str(cg)
+            dev.second_note += f", reads throttled to {throttle_mbps} MB/s by {how}"
+        except OSError as exc:
+            dev.second_note += f", NOT throttled ({exc})"
+        log(f"second SSD: {dev.second_note}")
+        return dev
+
+    def close(self) -> None:
+        if self.cgroup:
+            with contextlib.suppress(OSError):
+                Path(self.cgroup).rmdir()
+        if self._loop:
+            subprocess.run(["losetup", "-d", self._loop], check=False)
+        if self._backing is not None:
+            self._backing.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- orchestration
+def run_child(g: Geometry, spec: dict[str, Any], timeout: float) -> Result:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    payload = json.dumps({"geometry": asdict(g), "spec": spec})
+    proc = subprocess.Popen([sys.executable, __file__, "--child", payload], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, 9)  # exactly the child this run started
+        out, err = proc.communicate()
+        stuck = [ln for ln in err.splitlines() if "No eviction candidates" in ln or "Waiting" in ln]
+        line = stuck[-1].strip() if stuck else (err.strip().splitlines() or ["(no log)"])[-1]
+        return Result(spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
+                      note=f"did not complete in {timeout:.0f} s; its log: {line[-240:]}")  # fmt: skip
+    for ln in out.splitlines():
+        if ln.startswith("RESULT "):
+            return Result(**json.loads(ln[7:]))
+    raise RuntimeError(f"{spec['system']} ({spec['scenario']}) failed:\n{err[-3000:]}")
+
+
+def lmcache_available() -> str | None:
+    """None when LMCache runs here, else why not."""
+    try:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"lmcache not importable ({type(exc).__name__}: {exc}); run `make bench-env`"
+    return None
+
+
+def pool_config(g: Geometry, devices: list[dict[str, Any]], placement: str) -> dict[str, Any]:
+    return {"chunk_tokens": g.chunk_tokens, "placement": placement, "staging": "256MiB",
+            "probe": {"seconds": 0.5, "size": "512MiB"}, "devices": devices}  # fmt: skip
+
+
+def slot(g: Geometry) -> int:
+    return -(-g.chunk_bytes // 4096) * 4096
+
+
+def probe(g: Geometry, config: dict[str, Any]) -> list[float]:
+    """The product's own probe (host memcpy, SSD O_DIRECT reads), as placement weights."""
+    from vllm_kvpool.config import load_pool_config
+    from vllm_kvpool.pool import PoolGeometry
+    from vllm_kvpool.probe import probe_bandwidths
+
+    bpc = g.chunk_tokens // g.block_size
+    return probe_bandwidths(load_pool_config(config), PoolGeometry(g.chunk_bytes // bpc, bpc, 0))
+
+
+def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
+              lmc_reason: str | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per scenario: the pool's devices, their capacities in chunks, the systems."""
+    n, s = g.num_chunks, slot(g)
+    wd = args.workdir
+    ssd0 = {"ssd": {"path": str(wd / "ssd0.kvpool"), "backend": "uring", "capacity": (n + 1) * s}}
+    host1 = max(1, round(n * args.host_fraction))
+    host2 = max(1, round(n * args.small_host_fraction))
+    lmc_gib = (n + 4) * g.chunk_bytes / 2**30  # whole prefix + slack: its disk reads stage here
+    base = {"disk_dir": str(wd / "lmcache_disk"), "disk_gib": lmc_gib, "cpu_gib": lmc_gib}
+    lmc: list[dict[str, Any]] = []
+    if lmc_reason is None:
+        lmc = [{**base, "system": "lmcache-slice-odirect", "copy": "slice", "odirect": True,
+                "resident": host1},
+               {**base, "system": "lmcache-slice-buffered", "copy": "slice", "odirect": False,
+                "resident": host1}]  # fmt: skip
+        if not args.skip_lmcache_kernel:
+            lmc.append({**base, "system": "lmcache-kernel-odirect", "copy": "kernel",
+                        "odirect": True, "resident": host1})  # fmt: skip
+    pools = [("pool-bw", "bandwidth"), ("pool-serial", "single_tier_serial")]
+    out: dict[str, dict[str, Any]] = {
+        "S1": {"devices": [{"host": {"capacity": host1 * s}}, ssd0], "caps": [host1, n + 1],
+               "systems": pools, "lmcache": lmc}}  # fmt: skip
+    s2_lmc = []
+    if lmc_reason is None:  # as LMCache's docs configure it: CPU tier = the host memory
+        s2_lmc = [{**base, "system": "lmcache-docs-odirect", "copy": "slice", "odirect": True,
+                   "cpu_gib": host2 * g.chunk_bytes / 2**30, "resident": None}]  # fmt: skip
+    out["S2"] = {"devices": [{"host": {"capacity": host2 * s}}, ssd0], "caps": [host2, n + 1],
+                 "systems": pools, "lmcache": s2_lmc, "lmcache_reps": 1}  # fmt: skip
+    if dev is not None and dev.second is not None:
+        h = max(1, host2 // 2)
+        second = {"ssd": {"path": dev.second, "backend": dev.second_backend,
+                          "capacity": (n + 1) * s}}  # fmt: skip
+        devs3 = [{"host": {"capacity": h * s, "numa_node": 0}},
+                 {"host": {"capacity": (host2 - h) * s, "numa_node": 0}}, ssd0, second]
+        s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
+        out["S3"] = {"devices": devs3, "caps": [h, host2 - h, n + 1, n + 1],
+                     "systems": [*pools, ("pool-rr", "round_robin")],
+                     "lmcache": s3_lmc, "lmcache_device": 2}  # fmt: skip
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{med(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def run(args: argparse.Namespace, log=print) -> str:
+    from vllm_kvpool.placement import optimal_fetch
+
+    g = args.geometry
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    lmc_reason = "disabled (--no-lmcache)" if args.no_lmcache else lmcache_available()
+    log(f"KV: {g.tokens} tokens x {g.layers} layers x {g.kv_heads} KV heads x head {g.head_dim}, "
+        f"{g.dtype}, block {g.block_size} = {g.prefix_bytes / 2**30:.2f} GiB in {g.num_chunks} "
+        f"chunks of {g.chunk_tokens} tokens ({g.chunk_bytes / 2**20:.0f} MiB)")
+    log(f"LMCache: {'lmcache 0.5.6 (real)' if lmc_reason is None else 'SKIPPED: ' + lmc_reason}")
+    log("vLLM OffloadingConnector: not runnable here ('CPU Offloading is currently only supported "
+        "on CUDA-alike and XPU GPUs', vllm/v1/kv_offload/cpu/spec.py)")
+    dev = None
+    if not args.no_multi and (args.scenarios is None or "S3" in args.scenarios):
+        dev = Devices.setup((g.num_chunks + 2) * slot(g) + (80 << 20), args.throttle_mbps, log)
+    results: dict[str, list[Result]] = {}
+    bounds: dict[str, dict[str, Any]] = {}
+    try:
+        for name, sc in scenarios(g, args, dev, lmc_reason).items():
+            if args.scenarios and name not in args.scenarios:
+                continue
+            cgroup = dev.cgroup if (dev is not None and name == "S3") else None
+            if cgroup:  # probe (and run) under the second SSD's throttle
+                Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+            gbps = probe(g, pool_config(g, sc["devices"], "bandwidth"))
+            opt_s, opt_counts = optimal_fetch(g.num_chunks, g.chunk_bytes, gbps, sc["caps"])
+            kinds = [next(iter(d)) for d in sc["devices"]]
+            names = [f"{k}{kinds[:i].count(k)}" for i, k in enumerate(kinds)]  # config defaults
+            bounds[name] = {"gbps": gbps, "opt_s": opt_s, "names": names}
+            log(f"[{name}] devices: " + ", ".join(
+                f"{nm} ({d[k].get('path', 'memory')}, {c} chunks, {b:.2f} GB/s)"
+                for nm, k, d, c, b in zip(names, kinds, sc["devices"], sc["caps"], gbps,
+                                          strict=True)))  # fmt: skip
+            log(f"[{name}] capacity-constrained optimum {opt_s:.3f} s (chunks per device "
+                f"{opt_counts}); bytes / summed bandwidths {g.prefix_bytes / sum(gbps) / 1e9:.3f} s")
+            if "lmcache_device" in sc:  # the same memory + LMCache's one (faster) disk
+                i = sc["lmcache_device"]
+                bounds[name]["lmcache_opt_s"] = optimal_fetch(
+                    g.num_chunks, g.chunk_bytes, [sum(gbps[:2]), gbps[i]],
+                    [sc["caps"][0] + sc["caps"][1], g.num_chunks])[0]  # fmt: skip
+            for rep in range(args.reps):
+                jobs = [{"system": system, "scenario": name, "salt": f"{name}-{rep}",
+                         "config": pool_config(g, sc["devices"], placement), "gbps": gbps,
+                         "cgroup": cgroup} for system, placement in sc["systems"]]  # fmt: skip
+                if rep < sc.get("lmcache_reps", args.reps):
+                    jobs += [{**j, "scenario": name, "salt": f"{name}-{rep}", "cgroup": cgroup}
+                             for j in sc["lmcache"]]  # fmt: skip
+                for spec in jobs if rep % 2 == 0 else jobs[::-1]:  # interleaved, alternating
+                    timeout = args.lmcache_timeout if spec["system"] == "lmcache-docs-odirect" \
+                        else args.timeout  # fmt: skip
+                    r = run_child(g, spec, timeout)
+                    results.setdefault(f"{name}/{r.system}", []).append(r)
+                    shown = f"{r.seconds:.3f} s {r.gbps:5.2f} GB/s" if r.seconds else r.note
+                    log(f"[{name} rep {rep}] {r.system:24s} {shown}  sys {r.sys_cpu_s:.2f} s  "
+                        f"identical={r.identical} cold={r.cold} GiB "
+                        f"{ {k: round(v / 2**30, 2) for k, v in r.device_bytes.items()} }")
+                    if r.seconds is not None and not r.identical:
+                        raise RuntimeError(f"{r.system} ({name}): fetched KV differs from the "
+                                           "stored KV")  # fmt: skip
+    finally:
+        if dev is not None:
+            dev.close()
+        (args.workdir / "ssd0.kvpool").unlink(missing_ok=True)
+    return summarize(g, results, bounds, args, log)
+
+
+def summarize(g: Geometry, results: dict[str, list[Result]], bounds: dict[str, dict[str, Any]],
+              args: argparse.Namespace, log) -> str:  # fmt: skip
+    log(f"\n{'scenario/system':32s} {'seconds med [min-max]':>24s} {'GB/s':>6s} {'sys_cpu_s':>9s} "
+        f"{'frac_opt':>8s} {'frac_sum':>8s} identical")
+    times = {k: [r.seconds for r in v if r.seconds] for k, v in results.items()}
+    fracs: list[float] = []
+    for key, rs in results.items():
+        ts = times[key]
+        if not ts:
+            log(f"{key:32s} {rs[0].note}")
+            continue
+        b = bounds[key.split("/")[0]]
+        fs = g.prefix_bytes / sum(b["gbps"]) / 1e9 / med(ts)
+        if key.endswith("/pool-bw"):
+            fracs += [b["opt_s"] / t for t in ts]
+        log(f"{key:32s} {spread(ts):>24s} {g.prefix_bytes / med(ts) / 1e9:6.2f} "
+            f"{med([r.sys_cpu_s for r in rs]):9.2f} {b['opt_s'] / med(ts):8.2f} {fs:8.2f} "
+            f"{all(r.identical for r in rs)}")
+    for key, rs in results.items():
+        if times[key]:
+            devs = {d: round(med([r.device_gbps.get(d, 0.0) for r in rs]), 2)
+                    for d in rs[0].device_bytes}  # fmt: skip
+            log(f"  {key}: GiB per device "
+                f"{ {d: round(b / 2**30, 2) for d, b in rs[0].device_bytes.items()} }, GB/s {devs}")
+
+    def ratio(num: str, den: str) -> float:
+        a, b = times.get(num, []), times.get(den, [])
+        return med(a) / med(b) if a and b else float("nan")
+
+    s1_lmc = [k for k in ("S1/lmcache-slice-odirect", "S1/lmcache-slice-buffered",
+                          "S1/lmcache-kernel-odirect") if times.get(k)]  # fmt: skip
+    best_lmc = min(s1_lmc, key=lambda k: med(times[k])) if s1_lmc else None
+    x = ratio(best_lmc, "S1/pool-bw") if best_lmc else float("nan")
+    y = ratio("S3/lmcache-slice-odirect", "S3/pool-bw")
+    b3 = bounds.get("S3", {})
+    bound = b3["lmcache_opt_s"] / b3["opt_s"] if "lmcache_opt_s" in b3 else float("nan")
+    w = y / bound
+    v = ratio("S1/pool-serial", "S1/pool-bw")
+    z = med(fracs) if fracs else float("nan")
+    if best_lmc:
+        log(f"X uses LMCache's faster configuration in S1: {best_lmc.split('/')[1]}")
+    if "lmcache_opt_s" in b3:
+        log(f"S3 bound on ratio_vs_lmcache_multi: optimum over LMCache's devices (same memory + "
+            f"its one disk) / optimum over all = {bound:.2f}")
+    for key in ("S1/pool-bw", "S2/pool-bw", "S3/pool-bw", "S3/pool-rr", "S3/pool-serial"):
+        if times.get(key):
+            pred = med([predicted(r, bounds[key.split("/")[0]]) for r in results[key] if r.seconds])
+            log(f"{key}: max_d bytes_d/bw_d predicts {pred:.3f} s, measured {med(times[key]):.3f} s")
+    if times.get("S1/pool-bw"):
+        suffix = 512
+        flops = 2 * 8.0e9 * suffix + 4 * 32 * 4096 * suffix * (g.tokens + suffix / 2)
+        log(f"modelled GPU TTFT ({suffix}-token suffix; {GPU_MODEL}): pool "
+            f"{med(times['S1/pool-bw']) + flops / (989e12 * 0.4):.2f} s")
+    if args.out is not None:
+        plot(results, args.out / "bench_kvpool.png", g)
+    return (f"ratio_vs_lmcache={x:.2f} ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} "
+            f"ratio_vs_serial_same_engine={v:.2f} frac_of_optimum={z:.2f}")
+
+
+def predicted(r: Result, bound: dict[str, Any]) -> float:
+    """max_d bytes_d / bw_d for the bytes this run really took from each device (probed bw)."""
+    from vllm_kvpool.placement import fetch_seconds
+
+    return fetch_seconds([r.device_bytes.get(n, 0) for n in bound["names"]], bound["gbps"])
+
+
+def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k, v in results.items() if any(r.seconds for r in v)]
+    if not keys:
+        return
+    devices = sorted({d for k in keys for d in results[k][0].device_bytes})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(keys) + 2.5), sharey=True)
+    left = [0.0] * len(keys)
+    for d in devices:
+        gib = [results[k][0].device_bytes.get(d, 0) / 2**30 for k in keys]
+        a1.barh(keys, gib, left=left, label=d)
+        left = [a + b for a, b in zip(left, gib, strict=True)]
+    width = 0.8 / max(len(devices), 1)
+    for i, d in enumerate(devices):
+        gbps = [med([r.device_gbps.get(d, 0.0) for r in results[k] if r.seconds]) for k in keys]
+        a2.barh([j - 0.4 + (i + 0.5) * width for j in range(len(keys))], gbps, height=width,
+                label=d)  # fmt: skip
+    a1.set_xlabel("GiB fetched from each device")
+    a2.set_xlabel("GB/s per device during the fetch (median)")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    fig.suptitle(f"{g.tokens}-token prefix ({g.prefix_bytes / 2**30:.1f} GiB), cold: per-device "
+                 "bytes and bandwidth")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--host-fraction", type=float, default=0.875, help="S1 host share (< 1)")
+    p.add_argument("--small-host-fraction", type=float, default=0.5, help="S2/S3 host share")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--scenarios", nargs="*", choices=("S1", "S2", "S3"), default=None)
+    p.add_argument("--throttle-mbps", type=int, default=1500,
+                   help="read limit of the second SSD (cgroup io.max / blkio)")  # fmt: skip
+    p.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if importable")
+    p.add_argument("--skip-lmcache-kernel", action="store_true",
+                   help="skip LMCache with its own (slow) CPU copy kernel")  # fmt: skip
+    p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
+    p.add_argument("--timeout", type=float, default=600, help="per measurement, seconds")
+    p.add_argument("--lmcache-timeout", type=float, default=60,
+                   help="S2: how long LMCache-as-documented may take before 'did not complete'")
+    p.add_argument("--workdir", type=Path, default=REPO / "out" / "bench_kvpool",
+                   help="directory on the SSD for the device file and LMCache's disk tier")
+    p.add_argument("--out", type=Path, default=None, help="write the plot here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        return child_main(argv[1])
+    if "--model" in argv:  # the paper's models, per model (beside this script)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from kvpool_models import main as models_main
+
+        return models_main(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.geometry = Geometry(args.layers, args.kv_heads, args.head_dim, args.dtype,
+                             args.block_size, args.tokens, args.chunk_tokens)  # fmt: skip
+    try:
+        args.geometry.check()
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.geometry.chunk_tokens != LMCACHE_CHUNK:
+        p.error(f"--chunk-tokens must be {LMCACHE_CHUNK} (LMCache's chunk) for a like-for-like run")
+    if not (0 < args.small_host_fraction < args.host_fraction < 1) or args.reps < 1:
+        p.error("need 0 < --small-host-fraction < --host-fraction < 1 and --reps >= 1")
+    print(run(args))
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

