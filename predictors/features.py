@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from predictors.analytical import StepWork, class_times, iteration_time
+from predictors.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.devices import Device
 from predictors.network import Topology
 from predictors.precision import Precision, get_precision
@@ -168,7 +168,18 @@ def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Preci
              device: Device, *, precision_aware: bool = True,
              options: TrainingOptions = DEFAULT_OPTIONS,
              topology: Topology | None = None) -> dict[str, float]:  # fmt: skip
-    """Feature vector for the learned model; ``analytical_s`` is the roofline estimate.
+    """Feature vector for the learned model; ``analytical_s`` is the roofline estimate."""
+    return features_and_breakdown(spec, strategy, precision, device,
+                                  precision_aware=precision_aware, options=options,
+                                  topology=topology)[0]  # fmt: skip
+
+
+def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
+                           precision: str | Precision, device: Device, *,
+                           precision_aware: bool = True,
+                           options: TrainingOptions = DEFAULT_OPTIONS,
+                           topology: Topology | None = None) -> tuple[dict[str, float], Breakdown]:  # fmt: skip
+    """:func:`features` and the roofline's breakdown they were computed from.
 
     The network features describe where the communication goes (bytes per rank over NVLink and
     over InfiniBand, nodes each group spans, exposed vs raw collective time), so the correction
@@ -218,7 +229,7 @@ def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Preci
         f[f"time_frac_{cls}"] = times.get(cls, 0.0) / est.compute_mb
     if precision_aware:
         f.update(_precision_features(work.fwd_bwd, p))
-    return f
+    return f, est
 
 
 def _precision_features(trace: Trace, p: Precision) -> dict[str, float]:

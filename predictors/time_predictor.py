@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from predictors.analytical import Breakdown, iteration_time
+from predictors.analytical import Breakdown
 from predictors.devices import Device, get_device, require_precision_support
-from predictors.features import features, step_work
+from predictors.features import features, features_and_breakdown
 from predictors.model import TimeModel, shipped_model_path
 from predictors.network import Topology
 from predictors.precision import Precision, get_precision
@@ -71,8 +71,8 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device
     dev = get_device(device_name)
     p = get_precision(precision)
     _validate(spec, strategy, p, dev, options)
-    row = features(spec, strategy, p, dev, options=options, topology=topology)
-    breakdown = iteration_time(step_work(spec, strategy, p, dev), strategy, dev, options, topology)
+    row, breakdown = features_and_breakdown(spec, strategy, p, dev, options=options,
+                                            topology=topology)  # fmt: skip
     family = dev.family
     model = _family_model(family)
     seconds = model.predict_one(row) if model else row["analytical_s"]
