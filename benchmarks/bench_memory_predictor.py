@@ -4,11 +4,12 @@
    CC BY 4.0, see ``predictors/memory/gpumemnet.py``), zero-shot: each network is rebuilt from
    the generator's rules (checked against the published parameter counts) and goes through the
    public API, ``predict_module_memory(model, inputs, target, optimizer="adam",
-   device="a100-40gb")``, the code path users run. Nothing is fitted to these rows; the CUDA
-   context of that software stack is the one constant the shipped ``ampere`` profile takes from
-   the dataset (its smallest network, which is then excluded from the figures here).
-   MAPE of device-level memory; the dynamic part (minus the context) and a fused-AdamW ablation
-   (what the predictor assumed before) on a subset.
+   device="a100-40gb", last_batch=4096 % batch)``, the code path users run (the generator's
+   loader has 4096 samples and keeps the smaller last batch; ``--two-step`` drops it). Nothing
+   is fitted to these rows; the CUDA context of that software stack is the one constant the
+   shipped ``ampere`` profile takes from the dataset (its smallest network, which is then
+   excluded from the figures here). MAPE of device-level memory; the dynamic part (minus the
+   context) and a fused-Adam ablation (what the predictor assumed before) on a subset.
 2. OOM verdict: would the job fit a memory budget (the co-location question GPUMemNet asks:
    what is left on a shared GPU, 1.5-4 GiB, and the 40 GiB card)? Confusion table per budget
    with its base rate; "fits" when device-level + margin <= budget, measured "fits" when the
@@ -86,7 +87,8 @@ def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float,
                 print(f"stopped after --minutes {minutes}; rerun to resume", file=sys.stderr)
                 break
             p = _predict(rows[i], "adam", last_batch)
-            fused = _predict(rows[i], "adam:fused") if i % ablation_every == 0 else None
+            fused = (_predict(rows[i], "adam:fused", last_batch) if i % ablation_every == 0
+                     else None)
             rec = {"index": i, "measured_mib": rows[i].measured_mib,
                    "device_used_mib": p.device_used / MiB,
                    "reserved_mib": p.max_memory_reserved / MiB,
@@ -169,15 +171,18 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="score every N-th row (1 = all)")
     ap.add_argument("--ablation-every", type=int, default=100,
                     help="fused-AdamW ablation on every N-th row")
-    ap.add_argument("--cache", type=Path, default=Path("out/bench_memory_gpumemnet.csv"))
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="prediction cache (default out/bench_memory_gpumemnet[_twostep].csv)")
     ap.add_argument("--minutes", type=float, default=60.0, help="stop predicting after this")
-    ap.add_argument("--last-batch", action="store_true",
-                    help="also trace the loader's smaller last batch (4096 %% batch); use its "
-                         "own --cache")
+    ap.add_argument("--two-step", action="store_true",
+                    help="ablation: trace two full steps only, not the generator's loader "
+                         "(4096 samples: a smaller last batch every epoch)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    recs = run_gpumemnet(args.every, args.ablation_every, args.cache, args.minutes,
-                         args.last_batch)
+    cache = args.cache or Path(
+        f"out/bench_memory_gpumemnet{'_twostep' if args.two_step else ''}.csv")
+    recs = run_gpumemnet(args.every, args.ablation_every, cache, args.minutes,
+                         not args.two_step)
     mape, false_fits = report(recs)
     sim = simulator_agreement()
     print(f"{time.perf_counter() - t0:.0f} s")
