@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tests.support.dist import run_distributed  # noqa: E402
+from megatron_cpu.launch import run_distributed  # noqa: E402
 
 
 def _tree_bytes(paths: list[str]) -> int:
@@ -92,8 +92,14 @@ def _checkpoint_switch(state, cfg, target, ckpt_dir: str):
 def _rank(rank: int, world: int, args: argparse.Namespace, shm_dir: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_cona.reshard import switch_strategy
-    from megatron_cona.runtime import TokenDataset, TrainConfig, build_state, evaluate, train_step
+    from megatron_cona.runtime import (
+        TokenDataset,
+        TrainConfig,
+        build_state,
+        evaluate,
+        switch_strategy,
+        train_step,
+    )
     from predictors.spec import ParallelStrategy, TransformerSpec
 
     spec = TransformerSpec("gpt", num_layers=args.layers, hidden_size=args.hidden,

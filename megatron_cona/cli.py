@@ -41,6 +41,10 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 # ------------------------------------------------------------------------------------- plan
 
 
@@ -81,27 +85,23 @@ def _ttp_parser() -> argparse.ArgumentParser:
     from megatron_cona.ttp import TTPOptions
 
     d = TTPOptions()
-    p = argparse.ArgumentParser(prog="cona ttp", description="Time-to-perplexity: static vs "
-                                "CONA vs oracle chain; SIMULATED clock, REAL training progress.")
+    p = argparse.ArgumentParser(prog="cona ttp", description="Time-to-perplexity: offline "
+                                "planner, best static, Megatron ramp-up, Pollux-style, CONA and "
+                                "the branch-and-measure oracle; SIMULATED clock, REAL training.")
     p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--families", type=_str_list, default=d.families,
+                   help="small models that really train: gpt, llama (comma-separated)")
+    p.add_argument("--seeds", type=_int_list, default=d.seeds)
     p.add_argument("--target-gpus", type=int, default=d.target_gpus)
     p.add_argument("--target-device", default=d.target_device)
-    p.add_argument("--target-precision", default=d.target_precision)
-    p.add_argument("--vtrain-csv", type=Path, default=d.vtrain_csv,
-                   help="measured A100 iteration times (vTrain); missing: predictor only")
-    p.add_argument("--all-candidates", dest="measured_only", action="store_false",
-                   help="also candidates vTrain did not measure (the clock then uses the "
-                   "time predictor for them)")
-    p.add_argument("--static-global-batch", type=int, default=d.static_global_batch)
+    p.add_argument("--user-global-batch", type=int, default=d.user_global_batch)
     p.add_argument("--global-batch-range", type=_int_pair, default=d.global_batch_range)
     p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)
-    p.add_argument("--static-samples", type=int, default=d.static_samples)
+    p.add_argument("--budget-samples", type=int, default=d.budget_samples,
+                   help="length of the offline planner's run; its final loss is the target")
     p.add_argument("--interval-samples", type=int, default=d.interval_samples)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--lr-sweep", type=_float_list, default=d.lr_sweep,
-                   help="tune the static baseline's LR over these (comma-separated) first")
+    p.add_argument("--lr-sweep", type=_float_list, default=d.lr_sweep)
     p.add_argument("--min-gain", type=float, default=d.min_gain)
-    p.add_argument("--seed", type=int, default=d.seed)
     return p
 
 
@@ -111,22 +111,38 @@ def ttp_options(argv: list[str]):
     return TTPOptions(**vars(_ttp_parser().parse_args(argv)))
 
 
+def ttp_result_line(report: dict) -> str:
+    """The benchmark's last line: medians over every (family, seed) case."""
+    s = report["summary"]
+    return (f"speedup_vs_planner={s['speedup_vs_planner']['median']:.2f} "
+            f"speedup_vs_tuned_static={s['speedup_vs_tuned_static']['median']:.2f} "
+            f"speedup_vs_rampup={s['speedup_vs_rampup']['median']:.2f} "
+            f"speedup_vs_pollux={s['speedup_vs_pollux']['median']:.2f} "
+            f"gap_to_oracle={s['gap_to_oracle_pct']['median']:.1f}%")
+
+
 def print_ttp(report: dict) -> None:
+    clock, pred = report["clock"], report["predictor"]
     print(f"NOTE: {report['note']}")
-    print(f"target validation perplexity {report['target_ppl']:.3f} (static run's final); "
-          f"static strategy {report['static_strategy']}; clock lookups: "
-          f"{report['clock_measured_lookups']} measured (vTrain), "
-          f"{report['clock_predicted_lookups']} predicted; base LR {report['lr']:g}"
-          + (f" (static sweep: {report['static_lr_sweep']})" if len(report['static_lr_sweep']) > 1
-             else ""))
-    for name, run in report["runs"].items():
-        chain = " -> ".join(dict.fromkeys(p["strategy"] for p in run["points"]))
-        print(f"  {name:7s} TTP {run['ttp_s']:9.1f} s (simulated)  switches "
-              f"{len(run['switches']):2d}  chain: {chain}")
-    print(f"oracle speedup vs static {report['oracle_speedup_vs_static']:.2f}x")
-    gap = report["gap_to_oracle_pct"]
-    print(f"speedup_vs_static={report['speedup_vs_static']:.2f} "
-          f"gap_to_oracle={gap:.1f}%" if math.isfinite(gap) else "gap_to_oracle=inf%")
+    print(f"clock: {clock['rule']}; fixed layout-switch cost {clock['fixed_layout_switch_s']:.3f}"
+          f" s and batch switch {clock['batch_switch_s']:.4f} s (measured here), link "
+          f"{clock['link_bytes_per_s'] / 1e9:.0f} GB/s; lookups {clock['exact_lookups']} "
+          f"measured, {clock['line_lookups']} from a measured layout's line")
+    print(f"CONA's predictor: trained on {pred['train_rows']} vTrain rows without group "
+          f"{pred['held_out_group']}; its MAPE on the charged rows {pred['held_out_mape_pct']:.2f}%"
+          f"; {len(report['candidates'])} candidates")
+    for case in report["cases"]:
+        print(f"{case['family']} seed {case['seed']}: target ppl {case['target_ppl']:.3f} "
+              f"(planner {case['planner_strategy']}, lr {case['lr']:g})")
+        for name, run in case["runs"].items():
+            chain = " -> ".join(dict.fromkeys(p["strategy"] for p in run["points"]))
+            print(f"  {name:8s} TTP {run['ttp_s']:9.1f} s  switches {len(run['switches']):2d}  "
+                  f"{chain[:120]}")
+    for name, m in report["summary"].items():
+        print(f"{name}: median {m['median']:.3f} (min {m['min']:.3f}, max {m['max']:.3f}) over "
+              f"{len(m['values'])} cases")
+    print(f"wall {report['wall_s']:.0f} s")
+    print(ttp_result_line(report))
 
 
 def _ttp(rest: list[str]) -> None:
@@ -174,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ttp", help="time-to-perplexity evaluation (cona ttp --help)", add_help=False)
     p = sub.add_parser("plot", help="plot a run's strategy timeline or a TTP report")
     p.add_argument("--log", type=Path, help="--cona-log file of a run")
-    p.add_argument("--ttp", type=Path, help="ttp.json written by cona ttp")
+    p.add_argument("--ttp", type=Path, help="ttp.json written by cona ttp (one plot per case "
+                   "into the --out directory)")
     p.add_argument("--out", type=Path, required=True)
     return parser
 
@@ -202,13 +219,17 @@ def main(argv: list[str] | None = None) -> int:
 
             if bool(args.log) == bool(args.ttp):
                 raise CliError("plot: give exactly one of --log or --ttp")
-            args.out.parent.mkdir(parents=True, exist_ok=True)
             if args.log:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
                 print(plot_run_timeline(args.log, args.out))
             else:
                 import json
 
-                print(plot_ttp(json.loads(args.ttp.read_text()), args.out))
+                report = json.loads(args.ttp.read_text())
+                args.out.mkdir(parents=True, exist_ok=True)
+                for case in report["cases"]:
+                    print(plot_ttp(case, report["note"],
+                                   args.out / f"ttp_{case['family']}_s{case['seed']}.png"))
         return 0
     except (CliError, ValueError, OSError, KeyError) as err:
         print(f"cona: error: {type(err).__name__}: {err}", file=sys.stderr)

@@ -79,6 +79,34 @@ class GradientSample:
         return cls(tuple(replica_sq), local_batch, global_sq, local_batch * len(replica_sq))
 
 
+@dataclass
+class GradStats:
+    """Squared gradient norms of one iteration, as a training loop measures them: every
+    data-parallel replica's local gradient (before the reduction), the reduced gradient, and
+    optionally the first micro-batch's gradient (the small batch when there is one replica).
+    Norms are of unscaled gradients (no fp16 loss scale)."""
+
+    local_sq_norms: list[float]  # one per DP replica, gradient of its local mean loss
+    local_batch: int  # samples behind each local gradient
+    global_sq_norm: float  # after DP reduction
+    global_batch: int
+    first_microbatch_sq_norm: float | None = None  # per replica 0's first micro-batch
+    micro_batch: int = 1
+
+    def sample(self) -> GradientSample | None:
+        """The two batch sizes to estimate from: the replicas when there are several, else the
+        first micro-batch against the accumulated gradient; None when neither exists."""
+        if not math.isfinite(self.global_sq_norm):
+            return None
+        if len(self.local_sq_norms) >= 2:
+            return GradientSample.from_replicas(self.local_sq_norms, self.local_batch,
+                                                self.global_sq_norm)
+        if self.first_microbatch_sq_norm is not None and self.micro_batch < self.global_batch:
+            return GradientSample((self.first_microbatch_sq_norm,), self.micro_batch,
+                                  self.global_sq_norm, self.global_batch)
+        return None
+
+
 class GradientNoiseScale:
     """Running estimate of ``|G|^2``, ``tr(S)`` and ``phi = tr(S)/|G|^2``."""
 

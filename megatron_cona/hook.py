@@ -8,11 +8,13 @@ happen from outside it. The hook does what fits into that loop:
   norms follow Megatron's own grad-norm convention: shared and tensor-parallel duplicate
   parameters counted once),
 * ranks candidates every ``--cona-interval`` iterations and logs every decision (``--cona-log``),
-* applies switches that Megatron-LM's loop supports in place: a new global batch with the same
-  layout and micro-batch (the micro-batch calculator is reconfigured; the learning rate follows
-  ``--cona-lr-scaling``),
-* reports other switches (layout or micro-batch changes) as recommendations: relaunch with the
-  new flags, or train with ``megatron_cona.pretrain_gpt``, which reshards in memory.
+* acts through the same :class:`~megatron_cona.session.ConaSession` as ``pretrain_gpt``, with
+  :class:`MegatronLMExecutor`: a new global batch with the same layout and micro-batch is applied
+  in place (the micro-batch calculator is reconfigured; the learning rate follows
+  ``--cona-lr-scaling``); a layout or micro-batch change raises
+  :class:`~megatron_cona.session.SwitchUnsupported` with the reason below, and the session keeps
+  it as a recommendation (``hook.recommendation``): relaunch with the new flags, or train with
+  ``megatron_cona.pretrain_gpt``, which reshards in memory.
 
 Use in Megatron-LM (``megatron/training/training.py``)::
 
@@ -26,7 +28,6 @@ Use in Megatron-LM (``megatron/training/training.py``)::
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,11 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_cona.arguments import static_strategy, validate_cona_args
-from megatron_cona.controller import ConaController, controller_from_args
+from megatron_cona.gns import GradStats
+from megatron_cona.lr_scaling import apply_lr_scale
 from megatron_cona.policy import Decision
-from predictors.spec import TransformerSpec
+from megatron_cona.session import ConaSession, SwitchOutcome, SwitchUnsupported, session_from_args
+from predictors.spec import ParallelStrategy, TransformerSpec
 
 log = logging.getLogger("megatron_cona.hook")
 
@@ -58,34 +61,61 @@ def _grad_sq_norm(model_chunks) -> float:
     return float(total)
 
 
-class _GradStats:
-    """The fields ``controller.gradient_sample`` reads, filled by the finalize wrapper."""
+LAYOUT_UNSUPPORTED = (
+    "Megatron-LM's train() holds the model, optimizer and data iterator as locals built for one "
+    "(DP, TP, PP) layout and micro-batch, so a hook cannot replace them; relaunch with the new "
+    "flags or train with megatron_cona.pretrain_gpt, which reshards in memory")
 
-    def __init__(self, local: list[float], local_batch: int, global_sq: float) -> None:
-        self.local_sq_norms, self.local_batch, self.global_sq_norm = local, local_batch, global_sq
-        self.global_batch = local_batch * len(local)
-        self.first_microbatch_sq_norm, self.micro_batch = None, local_batch
+
+class MegatronLMExecutor:
+    """Acts inside Megatron-LM's loop: global-batch changes in place, nothing else."""
+
+    def __init__(self, strategy: ParallelStrategy, scheduler) -> None:
+        self._strategy = strategy
+        self.scheduler = scheduler
+        self.base_lr, self.base_min_lr = scheduler.max_lr, scheduler.min_lr
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        return self._strategy
+
+    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
+        box = [strategy.name]
+        dist.broadcast_object_list(box, src=0)
+        return ParallelStrategy.parse(box[0])
+
+    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
+        old = self._strategy
+        if target.layout != old.layout or target.micro_batch != old.micro_batch:
+            raise SwitchUnsupported(f"{old.name} -> {target.name}: {LAYOUT_UNSUPPORTED}")
+        mbc.reconfigure_num_microbatches_calculator(
+            dist.get_rank(), None, target.global_batch_size, target.micro_batch, target.dp,
+            decrease_batch_size_if_needed=False)
+        self._strategy = target
+        log.info("global batch %d -> %d in place", old.global_batch_size,
+                 target.global_batch_size)
+        return SwitchOutcome(True, 0.0)
+
+    def set_lr_scale(self, scale: float) -> None:
+        apply_lr_scale(self.scheduler, self.base_lr, self.base_min_lr, scale)
 
 
 class ConaHook:
     def __init__(self, args, model_chunks, opt_param_scheduler, *, loss_scale=lambda: 1.0,
-                 controller: ConaController | None = None) -> None:
+                 session: ConaSession | None = None) -> None:
         world = dist.get_world_size()
         model = TransformerSpec("gpt", args.num_layers, args.hidden_size,
                                 args.num_attention_heads, args.seq_length,
                                 getattr(args, "padded_vocab_size", None) or 50304)
         settings = validate_cona_args(args, world, model)
         self.args = args
-        self.strategy = static_strategy(args, world)
-        self.controller = controller or controller_from_args(
+        self.executor = MegatronLMExecutor(static_strategy(args, world), opt_param_scheduler)
+        self.session = session or session_from_args(
             args, settings, model, world, "bf16-mixed" if args.bf16 else
-            "fp16-mixed" if args.fp16 else "fp32", write_log=dist.get_rank() == 0)
-        self.scheduler = opt_param_scheduler
-        self.base_lr, self.base_min_lr = opt_param_scheduler.max_lr, opt_param_scheduler.min_lr
+            "fp16-mixed" if args.fp16 else "fp32", self.executor,
+            write_log=dist.get_rank() == 0)
         self.loss_scale = loss_scale
-        self.recommendation: Decision | None = None
-        self._stats: _GradStats | None = None
-        self._model = model_chunks
+        self._stats: GradStats | None = None
         config = model_chunks[0].config
         inner = config.finalize_model_grads_func
 
@@ -97,39 +127,24 @@ class ConaHook:
                 "cuda" if torch.cuda.is_available() else "cpu"))
             gathered = [torch.zeros_like(mine) for _ in range(ps.get_data_parallel_world_size())]
             dist.all_gather(gathered, mine, group=ps.get_data_parallel_group())
-            s = self.strategy
-            self._stats = _GradStats([float(x) for x in gathered],
-                                     s.micro_batch * s.num_microbatches, global_sq)
+            s = self.executor.strategy
+            local_batch = s.micro_batch * s.num_microbatches
+            self._stats = GradStats([float(x) for x in gathered], local_batch, global_sq,
+                                    local_batch * len(gathered))
             return out
 
         config.finalize_model_grads_func = finalize
 
+    @property
+    def strategy(self) -> ParallelStrategy:
+        return self.executor.strategy
+
+    @property
+    def recommendation(self) -> ParallelStrategy | None:
+        """The last strategy CONA chose that Megatron-LM's loop cannot switch to."""
+        return self.session.unsupported[-1].target if self.session.unsupported else None
+
     def on_step(self, iteration: int, seconds: float) -> Decision | None:
         """Call after every training step; returns the decision on ranking iterations."""
         stats, self._stats = self._stats, None
-        if stats is not None and not math.isfinite(stats.global_sq_norm):
-            stats = None
-        self.controller.observe(self.strategy, seconds, stats)
-        if not self.controller.due(iteration):
-            return None
-        decision = self.controller.decide(iteration, self.strategy)
-        target = decision.target
-        if target == self.strategy:
-            return decision
-        if target.layout == self.strategy.layout and target.micro_batch == self.strategy.micro_batch:
-            mbc.reconfigure_num_microbatches_calculator(
-                dist.get_rank(), None, target.global_batch_size, target.micro_batch, target.dp,
-                decrease_batch_size_if_needed=False)
-            self.controller.record_switch(iteration, self.strategy, target, 0.0)
-            scale = self.controller.lr_scale(target)
-            self.scheduler.max_lr = self.base_lr * scale
-            self.scheduler.min_lr = self.base_min_lr * scale
-            self.strategy = target
-            log.info("iteration %d: global batch -> %d in place", iteration,
-                     target.global_batch_size)
-        else:
-            self.recommendation = decision
-            log.warning("iteration %d: CONA recommends %s (layout/micro-batch change): relaunch "
-                        "with its flags or train with megatron_cona.pretrain_gpt to reshard in "
-                        "memory", iteration, target.name)
-        return decision
+        return self.session.after_step(iteration, seconds, stats)

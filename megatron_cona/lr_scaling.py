@@ -37,3 +37,12 @@ def lr_scale(rule: str, batch: float, base_batch: float, noise_scale: float = ma
     if rule == "none":
         return 1.0
     raise LRScalingError(f"--cona-lr-scaling={rule!r} is unknown; choose one of {', '.join(RULES)}")
+
+
+def apply_lr_scale(scheduler, base_lr: float, base_min_lr: float, scale: float) -> None:
+    """Set a megatron ``OptimizerParamScheduler``'s peak and floor LR to ``scale`` times the base
+    ones and push the result into the optimizer (warmup/decay keep their sample-based shape).
+    The one place any CONA loop changes the learning rate."""
+    scheduler.max_lr = base_lr * scale
+    scheduler.min_lr = base_min_lr * scale
+    scheduler.step(increment=0)

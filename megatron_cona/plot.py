@@ -4,6 +4,7 @@ strategy timeline from its CONA decision log (``--cona-log``)."""
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"static": "tab:gray", "cona": "tab:blue", "oracle": "tab:green"}
+COLORS = {"planner": "tab:gray", "static": "tab:brown", "rampup": "tab:orange",
+          "pollux": "tab:purple", "cona": "tab:blue", "oracle": "tab:green"}
 
 
 def _segments(xs: list[float], labels: list[str]) -> list[tuple[float, float, str]]:
@@ -35,19 +37,22 @@ def _timeline(ax, segments, row: float, palette: dict[str, tuple]) -> None:
                     va="center", fontsize=6)
 
 
-def plot_ttp(report: dict, path: Path) -> Path:
-    runs = report["runs"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 1.4]})
+def plot_ttp(case: dict, note: str, path: Path) -> Path:
+    """One TTP case: validation loss vs simulated time of every chain, and their strategies."""
+    runs = case["runs"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
     for name, run in runs.items():
         pts = run["points"]
         top.plot([p["sim_time"] for p in pts], [p["val_loss"] for p in pts], marker=".",
                  color=COLORS.get(name), label=f"{name} (TTP {run['ttp_s']:.0f}s)")
-    top.axhline(report["target_val_loss"], color="k", ls="--", lw=0.8,
-                label=f"target ppl {report['target_ppl']:.2f}")
+    top.axhline(case["target_val_loss"], color="k", ls="--", lw=0.8,
+                label=f"target ppl {case['target_ppl']:.2f}")
     top.set_ylabel("validation loss (real)")
-    top.set_title(f"speedup vs static {report['speedup_vs_static']:.2f}x, "
-                  f"gap to oracle {report['gap_to_oracle_pct']:+.1f}%", fontsize=10)
+    t = case["ttp_s"]
+    top.set_title(f"{case['family']} seed {case['seed']}: CONA speedup vs planner "
+                  f"{t['planner'] / t['cona']:.2f}x; oracle TTP {t.get('oracle', math.nan):.0f}s",
+                  fontsize=10)
     top.legend(fontsize=8)
     palette: dict[str, tuple] = {}
     for row, run in enumerate(runs.values()):
@@ -56,8 +61,8 @@ def plot_ttp(report: dict, path: Path) -> Path:
                   row, palette)
     bottom.set_yticks(range(len(runs)), list(runs))
     bottom.set_xlabel("SIMULATED time (s)")
-    fig.text(0.01, 0.005, textwrap.fill(report["note"], 150), fontsize=7)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

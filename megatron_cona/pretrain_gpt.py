@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_cona.arguments import ConaArgumentError, add_cona_args, static_strategy
 from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
-from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec import TransformerSpec
 
 log = logging.getLogger("megatron_cona.pretrain_gpt")
 
@@ -155,34 +155,12 @@ class RunSummary:
     seconds: list[float] = field(default_factory=list)
 
 
-def _agree(strategy: ParallelStrategy) -> ParallelStrategy:
-    """Rank 0's choice on every rank (decisions are computed everywhere from identical inputs;
-    broadcasting makes agreement independent of floating-point luck)."""
-    box = [strategy.name]
-    dist.broadcast_object_list(box, src=0)
-    return ParallelStrategy.parse(box[0])
-
-
-def _max_over_world(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64,
-                     device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def apply_lr_scale(state, base_lr: float, base_min_lr: float, scale: float) -> None:
-    """Rescale the scheduler's peak/floor LR (warmup/decay keep their sample-based shape)."""
-    state.scheduler.max_lr = base_lr * scale
-    state.scheduler.min_lr = base_min_lr * scale
-    state.scheduler.step(increment=0)
-
-
 def train(args: argparse.Namespace) -> RunSummary:
     """Run the configured training on the current world; returns the run summary."""
     from megatron_cona import runtime
     from megatron_cona.arguments import validate_cona_args
-    from megatron_cona.controller import controller_from_args
-    from megatron_cona.reshard.switch import switch_strategy
+    from megatron_cona.runtime.executor import RuntimeExecutor, max_over_world
+    from megatron_cona.session import session_from_args
 
     init_distributed(args.distributed_backend)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -204,14 +182,15 @@ def train(args: argparse.Namespace) -> RunSummary:
         clip_grad=args.clip_grad, dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, seed=args.seed,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    state = runtime.build_state(cfg, start)
-    controller = (controller_from_args(args, settings, spec, world, cfg.precision,
-                                       write_log=rank == 0) if args.cona else None)
+    executor = RuntimeExecutor(runtime.build_state(cfg, start))
+    session = (session_from_args(args, settings, spec, world, cfg.precision, executor,
+                                 write_log=rank == 0) if args.cona else None)
     summary = RunSummary(timeline=[(0, start.name)])
     for it in range(1, args.train_iters + 1):
+        state = executor.state
         t0 = time.perf_counter()
-        result = runtime.train_step(state, corpus.train, grad_stats=controller is not None)
-        seconds = _max_over_world(time.perf_counter() - t0)
+        result = runtime.train_step(state, corpus.train, grad_stats=session is not None)
+        seconds = max_over_world(time.perf_counter() - t0)
         if not math.isfinite(result.loss):
             raise TrainingError(f"iteration {it}: loss={result.loss} under {state.strategy.name}")
         summary.losses.append(result.loss)
@@ -228,28 +207,18 @@ def train(args: argparse.Namespace) -> RunSummary:
             if rank == 0:
                 log.info("validation at iteration %d | lm loss %.4f | ppl %.2f", it, val,
                          math.exp(min(val, 50)))
-        if controller is None:
+        if session is None:
             continue
-        controller.observe(state.strategy, seconds, result.grad_stats)
-        if not controller.due(it) or it == args.train_iters:
-            continue
-        decision = controller.decide(it, state.strategy)
-        target = _agree(decision.target)
-        if target == state.strategy:
-            continue
-        old = state.strategy
-        switched = switch_strategy(state, target)
-        state = switched.state
-        if not switched.switched:
-            log.warning("iteration %d: switch to %s rolled back: %s", it, target.name,
-                        switched.error)
-            continue
-        seconds = _max_over_world(switched.seconds)
-        controller.record_switch(it, old, target, seconds)
-        apply_lr_scale(state, args.lr, args.min_lr, controller.lr_scale(target))
-        summary.timeline.append((it, target.name))
-        summary.switches.append({"iteration": it, "from": old.name, "to": target.name,
-                                 "seconds": seconds, "moved_tensors": switched.moved_tensors})
+        switches = len(session.switches)
+        session.after_step(it, seconds, result.grad_stats, final=it == args.train_iters)
+        for record in session.switches[switches:]:
+            if record.outcome.switched:
+                summary.timeline.append((it, record.new.name))
+                summary.switches.append({"iteration": it, "from": record.old.name,
+                                         "to": record.new.name,
+                                         "seconds": record.outcome.seconds,
+                                         "moved_tensors": record.outcome.moved_tensors})
+    state = executor.state
     state.destroy()
     return summary
 

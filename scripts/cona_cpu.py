@@ -2,8 +2,9 @@
 """Run CONA entry points on CPU-only machines (gloo ranks spawned here).
 
 megatron-core hard-codes ``torch.cuda`` calls (DDP buffers, RNG tracker), so on a machine without
-a GPU every rank first installs the CPU redirect of ``tests/support/megatron_cpu.py``. The plugin
-(``megatron_cona``) never does that itself; this launcher, outside the plugin, does.
+a GPU every rank first installs the CPU redirect of ``megatron_cpu.cuda_redirect`` (the gloo
+ranks are started by ``megatron_cpu.launch``). The plugin (``megatron_cona``) never does that
+itself; this launcher, outside the plugin, does.
 
     python scripts/cona_cpu.py pretrain --nproc 4 -- --num-layers 2 --hidden-size 64 ... --cona
     python scripts/cona_cpu.py ttp --nproc 2 --out out
@@ -57,14 +58,14 @@ def _ttp_worker(rank: int, world: int, opts) -> dict:
     progress = None
     if rank == 0:
         def progress(name, point):
-            print(f"[{name:6s}] samples {point.samples:6d}  sim {point.sim_time:8.1f}s  "
+            print(f"[{name:18s}] samples {point.samples:6d}  sim {point.sim_time:8.1f}s  "
                   f"val loss {point.val_loss:.4f}  {point.strategy}  phi={point.noise_scale:.1f}",
                   flush=True)
     return run_ttp(opts, progress)
 
 
 def spawn(fn, nproc: int, *args, timeout: float = 1800.0):
-    from tests.support.dist import run_distributed
+    from megatron_cpu.launch import run_distributed
 
     return run_distributed(fn, nproc, *args, timeout=timeout, threads=max(1, 2 // nproc))
 

@@ -1,9 +1,13 @@
-"""Checkpoint-free resharding of a CONA training state between parallel strategies.
+"""Checkpoint-free resharding: move weights and optimizer state between two built model/optimizer
+sets of different parallel layouts, in memory, over the job's process group.
 
-Entry point: :func:`switch_strategy` (see :mod:`megatron_cona.reshard.switch`)."""
+Entry point: :func:`transfer_state`. It does not import the CONA runtime; the runtime's
+transactional switch (:func:`megatron_cona.runtime.switch.switch_strategy`) builds the new set,
+calls it and commits or rolls back."""
 
 from megatron_cona.reshard.plan import ReshardPlan, ReshardPlanError, SegmentMeta, build_plan
-from megatron_cona.reshard.switch import DEFAULT_BUCKET_BYTES, SwitchResult, switch_strategy
+from megatron_cona.reshard.state import ModelOptimizerSet
+from megatron_cona.reshard.transfer import DEFAULT_BUCKET_BYTES, TransferStats, transfer_state
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ReshardPlan", "ReshardPlanError", "SegmentMeta",
-           "SwitchResult", "build_plan", "switch_strategy"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "ModelOptimizerSet", "ReshardPlan", "ReshardPlanError",
+           "SegmentMeta", "TransferStats", "build_plan", "transfer_state"]

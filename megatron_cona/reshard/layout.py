@@ -1,4 +1,4 @@
-"""Describe what a :class:`TrainState` holds as boxes of global tensors (engine glue).
+"""Describe what a model/optimizer set holds as boxes of global tensors (engine glue).
 
 For every model parameter the canonical name is the one it would have with PP = 1 (transformer
 layers renamed by their global ``layer_number``; the last stage's tied ``output_layer.weight``
@@ -33,7 +33,7 @@ from megatron_cona.reshard.boxes import (
     volume,
 )
 from megatron_cona.reshard.plan import SegmentMeta
-from megatron_cona.runtime import TrainState
+from megatron_cona.reshard.state import ModelOptimizerSet
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
@@ -54,7 +54,7 @@ class _Placement:
     chunks: tuple[tuple[Box, Box], ...]
 
 
-def named_parameters(state: TrainState) -> list[tuple[str, torch.nn.Parameter]]:
+def named_parameters(state: ModelOptimizerSet) -> list[tuple[str, torch.nn.Parameter]]:
     """Model parameters of this rank under their canonical (PP = 1) names."""
     core = state.core_model
     offsets = {}
@@ -74,12 +74,12 @@ def named_parameters(state: TrainState) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _placement(name: str, p: torch.Tensor, state: TrainState) -> _Placement:
+def _placement(name: str, p: torch.Tensor, state: ModelOptimizerSet) -> _Placement:
     shape = tuple(p.shape)
-    if not getattr(p, "tensor_model_parallel", False) or state.strategy.tp == 1:
+    if not getattr(p, "tensor_model_parallel", False) or state.tp_size == 1:
         box = tuple((0, n) for n in shape)
         return _Placement(name, shape, ((box, box),))
-    tp, tp_rank = state.strategy.tp, state.groups.coord.tp
+    tp, tp_rank = state.tp_size, state.tp_rank
     dim, stride = int(p.partition_dim), int(getattr(p, "partition_stride", 1))
     local = shape[dim]
     if local % stride:
@@ -129,19 +129,19 @@ def _local_shape(placement: _Placement) -> list[int]:
     return shape
 
 
-def weight_segments(state: TrainState) -> list[Segment]:
+def weight_segments(state: ModelOptimizerSet) -> list[Segment]:
     segs = []
     for name, p in named_parameters(state):
         segs += _segments_of(_placement(name, p, state), "w", p.data)
     return segs
 
 
-def megatron_optimizers(state: TrainState) -> list:
+def megatron_optimizers(state: ModelOptimizerSet) -> list:
     opt = state.optimizer
     return list(getattr(opt, "chained_optimizers", [opt]))
 
 
-def main_params(state: TrainState) -> dict[int, tuple[torch.Tensor, tuple[int, int] | None]]:
+def main_params(state: ModelOptimizerSet) -> dict[int, tuple[torch.Tensor, tuple[int, int] | None]]:
     """id(model param) -> (main param, flat range or None) for every param this rank optimizes.
 
     ``flat`` is the DistributedOptimizer shard's range in the flattened local parameter."""
@@ -168,17 +168,17 @@ def main_params(state: TrainState) -> dict[int, tuple[torch.Tensor, tuple[int, i
     return out
 
 
-def inner_optimizer_states(state: TrainState) -> list[tuple[torch.optim.Optimizer, dict]]:
+def inner_optimizer_states(state: ModelOptimizerSet) -> list[tuple[torch.optim.Optimizer, dict]]:
     return [(opt.optimizer, opt.optimizer.state) for opt in megatron_optimizers(state)]
 
 
-def optimizer_segments(state: TrainState, kinds: list[str]) -> list[Segment]:
+def optimizer_segments(state: ModelOptimizerSet, kinds: list[str]) -> list[Segment]:
     """Segments of the fp32 main weights (mixed precision only) and of the Adam ``kinds``."""
     mains = main_params(state)
     adam_state = {}
     for _, st in inner_optimizer_states(state):
         adam_state.update(st)
-    mixed = state.config.precision != "fp32"
+    mixed = state.mixed_precision
     segs = []
     for name, p in named_parameters(state):
         if id(p) not in mains:
@@ -194,6 +194,6 @@ def optimizer_segments(state: TrainState, kinds: list[str]) -> list[Segment]:
     return segs
 
 
-def state_segments(state: TrainState, kinds: list[str]) -> list[Segment]:
+def state_segments(state: ModelOptimizerSet, kinds: list[str]) -> list[Segment]:
     """Everything a switch moves: weights, then main weights and the Adam ``kinds``."""
     return weight_segments(state) + optimizer_segments(state, kinds)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from megatron_cona.reshard import layout
-from megatron_cona.runtime import TrainState
+from megatron_cona.reshard.state import ModelOptimizerSet
 
 
-def adam_kinds(state: TrainState) -> tuple[list[str], float | None, bool]:
+def adam_kinds(state: ModelOptimizerSet) -> tuple[list[str], float | None, bool]:
     """Tensor-valued Adam state keys, the step count held by this rank (None: no state yet) and
     whether the optimizer keeps ``step`` in its param groups (TE/apex FusedAdam)."""
     kinds: set[str] = set()
@@ -34,7 +34,7 @@ def adam_kinds(state: TrainState) -> tuple[list[str], float | None, bool]:
     return sorted(kinds), step, in_groups
 
 
-def init_optimizer_state(state: TrainState, kinds: list[str], step: float | None,
+def init_optimizer_state(state: ModelOptimizerSet, kinds: list[str], step: float | None,
                           step_in_groups: bool) -> None:
     """Create zero Adam state (overwritten by the transfer) with ``step`` steps done."""
     if step is None:
@@ -51,7 +51,7 @@ def init_optimizer_state(state: TrainState, kinds: list[str], step: float | None
                     entry.setdefault(kind, torch.zeros_like(p.data))
 
 
-def copy_scalar_state(old: TrainState, new: TrainState) -> None:
+def copy_scalar_state(old: ModelOptimizerSet, new: ModelOptimizerSet) -> None:
     old_opts = layout.megatron_optimizers(old)
     new_opts = layout.megatron_optimizers(new)
     for o, n in zip(old_opts, new_opts, strict=True):
@@ -65,5 +65,3 @@ def copy_scalar_state(old: TrainState, new: TrainState) -> None:
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))
     dst.step(increment=0)  # push the current LR / WD into the new optimizer's param groups
-    new.iteration, new.consumed_samples = old.iteration, old.consumed_samples
-    new.pre_reduction_hooks = list(old.pre_reduction_hooks)

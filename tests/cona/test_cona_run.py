@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.support.dist import run_distributed
+from megatron_cpu.launch import run_distributed
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--lr", "2e-3", "--lr-decay-style", "constant",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_cona.reshard.boxes import full_box, intersect, volume  # noqa: E402
 from megatron_cona.reshard.plan import ReshardPlanError, SegmentMeta, build_plan  # noqa: E402
-from tests.support.dist import run_distributed  # noqa: E402
+from megatron_cpu.launch import run_distributed  # noqa: E402
 
 SPEC = dict(family="gpt", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
             vocab_size=200)
@@ -177,13 +177,14 @@ def _scenario(rank, source: str, target: str, precision: str, distopt: bool, wat
     import torch.distributed as dist
 
     from megatron_cona.parallel import live_group_count
-    from megatron_cona.reshard import optimizer_state, switch_strategy
+    from megatron_cona.reshard import optimizer_state
     from megatron_cona.runtime import (
         TokenDataset,
         TrainConfig,
         activate,
         build_state,
         forward_logits,
+        switch_strategy,
         train_step,
     )
     from predictors.spec import ParallelStrategy, TransformerSpec

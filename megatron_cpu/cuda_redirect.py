@@ -1,4 +1,4 @@
-"""TEST-ONLY: run megatron-core on CPU by redirecting its hard-coded ``torch.cuda`` use.
+"""Run megatron-core on CPU by redirecting its hard-coded ``torch.cuda`` use.
 
 megatron-core creates tensors with ``device="cuda"`` / ``torch.cuda.current_device()``, calls
 ``.cuda()``, and uses CUDA streams, events and the CUDA RNG.  :func:`install` makes all of that
@@ -11,7 +11,8 @@ gloo ranks without a GPU:
 * the CUDA RNG API is mapped onto the CPU generator (``model_parallel_cuda_manual_seed`` and the
   RNG tracker then fork CPU RNG states, which is what a CPU run needs).
 
-The plugin (``megatron_cona``) never imports this module; only tests and benchmarks do.
+The plugin (``megatron_cona``) never imports this module; the CPU launcher
+(:mod:`megatron_cpu.launch`) installs it in every rank it starts.
 """
 
 from __future__ import annotations

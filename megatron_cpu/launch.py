@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks and collect each rank's return value.
+"""Run a function on N gloo CPU ranks and collect each rank's return value.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo
 world on a free 127.0.0.1 port, calls ``fn(rank, world_size, *args)`` on every rank and returns the
@@ -21,7 +21,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-class DistributedTestError(RuntimeError):
+class DistributedRunError(RuntimeError):
     """A rank failed (its traceback is in the message) or the world timed out."""
 
 
@@ -41,7 +41,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
         torch.set_num_threads(threads)
         if cpu_shim:
-            from tests.support.megatron_cpu import install
+            from megatron_cpu.cuda_redirect import install
 
             install()
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -76,8 +76,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         while len(values) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DistributedTestError(
-                    f"distributed test timed out after {timeout:.0f}s; ranks done: "
+                raise DistributedRunError(
+                    f"distributed run timed out after {timeout:.0f}s; ranks done: "
                     f"{sorted(values)}" + "".join(failures))
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
@@ -87,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     # A rank died without reporting (segfault, os._exit); the rest will hang.
                     time.sleep(1.0)
                     if results.empty():
-                        raise DistributedTestError(
+                        raise DistributedRunError(
                             f"rank(s) {dead} exited with codes "
                             f"{[procs[i].exitcode for i in dead]} without a result") from None
                 continue
@@ -97,7 +97,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 failures.append(f"\n--- rank {rank} ---\n{payload}")
                 break  # the others are probably blocked on the failed rank
         if failures:
-            raise DistributedTestError("distributed test failed:" + "".join(failures))
+            raise DistributedRunError("distributed run failed:" + "".join(failures))
         return [values[r] for r in range(world_size)]
     finally:
         for p in procs:

@@ -1,4 +1,4 @@
-"""The atomic, checkpoint-free strategy switch.
+"""The atomic, checkpoint-free strategy switch of a CONA training state.
 
 ``switch_strategy(state, new_strategy)`` (collective over the default world) returns a
 :class:`SwitchResult` whose ``state`` is the one to keep training with:
@@ -6,10 +6,10 @@
 * same (DP, TP, PP), other micro/global batch: only the strategy, the micro-batch calculator
   and the data position bookkeeping change — no tensor moves, no rebuild;
 * otherwise: build the new layout's groups, model, DDP buffers and optimizer (no weight init),
-  plan the move of weights, fp32 main weights and Adam moments from the global shapes and both
-  layouts' shards (:mod:`megatron_cona.reshard.plan`), stream it in buckets over the process
-  group, copy the scalar state (Adam step, fp16 grad scaler, LR scheduler, iteration, consumed
-  samples), reseed the RNG tracker for the new layout, destroy the old layout's groups.
+  move weights, fp32 main weights, Adam moments and scalar optimizer state with
+  :func:`megatron_cona.reshard.transfer_state` (planned from the global shapes and both layouts'
+  shards, streamed in buckets over the process group), carry iteration, consumed samples and
+  gradient hooks, reseed the RNG tracker for the new layout, destroy the old layout's groups.
 
 Atomicity: every phase that can fail locally (validate, build, plan, each transfer bucket,
 finalize) ends with a vote on the world group.  If any rank failed, every rank discards the new
@@ -35,16 +35,11 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_cona.parallel import build_groups
-from megatron_cona.reshard import layout, optimizer_state
-from megatron_cona.reshard.copy_service import TorchDistCopyService
-from megatron_cona.reshard.execute import run_plan
-from megatron_cona.reshard.plan import ReshardPlan, build_plan
-from megatron_cona.runtime import TrainState, activate, build_state, configure_microbatches
+from megatron_cona.reshard.transfer import DEFAULT_BUCKET_BYTES, transfer_state
+from megatron_cona.runtime.state import TrainState, activate, build_state, configure_microbatches
 from predictors.spec import ParallelStrategy
 
 logger = logging.getLogger("megatron_cona.reshard")
-
-DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 class SwitchAborted(RuntimeError):
@@ -134,16 +129,19 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
                collective=True)
         new_state = holder["state"]
         clock.lap("build")
-        plan, kinds = _plan(old, new_state, bucket_bytes, on_phase)
-        src, dst = layout.state_segments(old, kinds), layout.state_segments(new_state, kinds)
-        clock.lap("plan")
-        service = TorchDistCopyService()
-        result.bytes_sent = run_plan(
-            plan, src, dst, dist.get_rank(), service, _vote,
-            None if on_phase is None else (lambda i: on_phase(f"transfer:{i}")))
-        clock.lap("transfer")
-        _phase("finalize", on_phase, lambda: optimizer_state.copy_scalar_state(old, new_state))
-        clock.lap("finalize")
+
+        def phase(name, body, collective=False):
+            if name == "finalize":
+                clock.lap("transfer")  # the buckets ran since the plan
+            value = _phase(name, on_phase, body, collective)
+            clock.lap(name.split(":")[0])
+            return value
+
+        stats = transfer_state(
+            old, new_state, bucket_bytes=bucket_bytes, phase=phase, vote=_vote,
+            on_bucket=None if on_phase is None else (lambda i: on_phase(f"transfer:{i}")))
+        new_state.iteration, new_state.consumed_samples = old.iteration, old.consumed_samples
+        new_state.pre_reduction_hooks = list(old.pre_reduction_hooks)
     except SwitchAborted as abort:
         _rollback(old, new_state or holder.get("state"), rng)
         result.error = str(abort)
@@ -154,8 +152,8 @@ def switch_strategy(state: TrainState, new_strategy: ParallelStrategy, *,
     old.destroy()
     activate(new_state)
     result.state, result.switched, result.moved_tensors = new_state, True, True
-    result.bytes_total, result.num_buckets = plan.bytes_moved(), len(plan.buckets)
-    result.peak_buffer_bytes = plan.peak_bucket_bytes(dist.get_rank())
+    result.bytes_sent, result.bytes_total = stats.bytes_sent, stats.bytes_total
+    result.num_buckets, result.peak_buffer_bytes = stats.num_buckets, stats.peak_buffer_bytes
     result.seconds = time.perf_counter() - start
     if dist.get_rank() == 0:
         logger.info("switched %s -> %s in %.3fs (%s): %d buckets, %.1f MiB moved",
@@ -171,7 +169,7 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.laps[name], self.last = now - self.last, now
+        self.laps[name], self.last = self.laps.get(name, 0.0) + now - self.last, now
 
 
 def _validate(old: TrainState, new: ParallelStrategy, bucket_bytes: int) -> None:
@@ -194,39 +192,6 @@ def _build(old: TrainState, new: ParallelStrategy) -> TrainState:
     except Exception:
         groups.destroy()
         raise
-
-
-def _gather(obj) -> list:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _plan(old: TrainState, new: TrainState, bucket_bytes: int,
-          on_phase: Callable[[str], None] | None) -> tuple[ReshardPlan, list[str]]:
-    """Plan phase; collectives only between votes, so a local failure cannot strand a peer."""
-    def describe_source():
-        kinds, step, in_groups = optimizer_state.adam_kinds(old)
-        return [s.meta for s in layout.state_segments(old, kinds)], kinds, step, in_groups
-
-    gathered = _gather(_phase("plan:source", on_phase, describe_source))
-
-    def describe_destination():
-        kind_sets = {tuple(k) for _, k, _, _ in gathered if k}
-        if len(kind_sets) > 1:
-            raise RuntimeError(f"optimizer state kinds differ across ranks: {kind_sets}")
-        kinds = list(kind_sets.pop()) if kind_sets else []
-        steps = [st for _, _, st, _ in gathered if st is not None]
-        step = max(steps) if steps else None
-        optimizer_state.init_optimizer_state(new, kinds, step, any(g for *_, g in gathered))
-        return [s.meta for s in layout.state_segments(new, kinds)], kinds
-
-    described = _phase("plan:destination", on_phase, describe_destination)
-    kinds = described[1]
-    dst = _gather(described[0])
-    plan = _phase("plan", on_phase, lambda: build_plan([g[0] for g in gathered], dst,
-                                                         bucket_bytes))
-    return plan, kinds
 
 
 def _rng_snapshot():

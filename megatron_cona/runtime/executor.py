@@ -1,0 +1,50 @@
+"""How a :class:`~megatron_cona.session.ConaSession` acts on the CONA runtime: switches run the
+transactional in-memory reshard (:func:`~megatron_cona.runtime.switch.switch_strategy`), the
+learning rate follows through the one LR rule."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_cona.lr_scaling import apply_lr_scale
+from megatron_cona.runtime.state import TrainState
+from megatron_cona.runtime.switch import DEFAULT_BUCKET_BYTES, switch_strategy
+from megatron_cona.session import SwitchOutcome
+from predictors.spec import ParallelStrategy
+
+
+def max_over_world(seconds: float) -> float:
+    """The slowest rank's time (an iteration or a switch is as slow as its slowest rank)."""
+    t = torch.tensor([seconds], dtype=torch.float64,
+                     device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+class RuntimeExecutor:
+    """Owns the running :class:`TrainState`; ``state`` changes when a switch commits."""
+
+    def __init__(self, state: TrainState, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.state = state
+        self.base_lr = state.scheduler.max_lr
+        self.base_min_lr = state.scheduler.min_lr
+        self.bucket_bytes = bucket_bytes
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        return self.state.strategy
+
+    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
+        box = [strategy.name]
+        dist.broadcast_object_list(box, src=0)
+        return ParallelStrategy.parse(box[0])
+
+    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
+        result = switch_strategy(self.state, target, bucket_bytes=self.bucket_bytes)
+        self.state = result.state
+        return SwitchOutcome(result.switched, max_over_world(result.seconds),
+                             result.moved_tensors, result.error)
+
+    def set_lr_scale(self, scale: float) -> None:
+        apply_lr_scale(self.state.scheduler, self.base_lr, self.base_min_lr, scale)

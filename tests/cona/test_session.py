@@ -1,0 +1,147 @@
+"""One CONA loop: the same ConaSession driven through the runtime's executor, the Megatron-LM
+hook's executor and the TTP simulated cluster's executor makes the same decisions on a scripted
+case; the runtime really switches (batch and layout), the hook says why it cannot switch a
+layout."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_cona.gns import GradStats
+from megatron_cona.hook import LAYOUT_UNSUPPORTED, MegatronLMExecutor
+from megatron_cona.session import SwitchUnsupported
+from megatron_cpu.launch import run_distributed
+from predictors.spec import ParallelStrategy
+
+P = ParallelStrategy.parse
+BATCH_ONLY = {"dp2tp1pp1mb2gb4": 0.10, "dp2tp1pp1mb2gb8": 0.15, "dp2tp1pp1mb2gb16": 0.25}
+WITH_LAYOUT = {**BATCH_ONLY, "dp1tp2pp1mb2gb16": 0.12}
+START = "dp2tp1pp1mb2gb8"
+
+
+def _stats(strategy: ParallelStrategy, phi: float) -> GradStats:
+    """Noise-free statistics of |G|^2 = 1 and tr(S) = phi at the strategy's batch sizes."""
+    gb = strategy.global_batch_size
+    local = gb // strategy.dp
+    return GradStats([1 + phi / local] * strategy.dp, local, 1 + phi / gb, gb)
+
+
+def _phi(iteration: int) -> float:
+    return 2.0 if iteration <= 6 else 300.0  # small noise early, large later
+
+
+def _session(executor, table):
+    from megatron_cona.gns import GradientNoiseScale
+    from megatron_cona.goodput import CalibratedThroughput
+    from megatron_cona.policy import PolicyConfig, SwitchPolicy
+    from megatron_cona.session import ConaSession, SessionConfig
+    from megatron_cona.ttp.clock import TableThroughput
+
+    cands = [P(n) for n in table]
+    return ConaSession(cands, CalibratedThroughput(TableThroughput({P(n): t for n, t in
+                                                                    table.items()})),
+                       SwitchPolicy(PolicyConfig(min_gain=0.05, horizon_intervals=1e6,
+                                                 patience=1, cooldown=0)),
+                       GradientNoiseScale(0.5), SessionConfig(interval=2, base_batch=8),
+                       executor)
+
+
+def _drive(session, table, iterations=14, on_step=None):
+    for it in range(1, iterations + 1):
+        if on_step is not None:
+            on_step()
+        s = session.executor.strategy
+        session.after_step(it, table[s.name], _stats(s, _phi(it)))
+    return [(d.iteration, d.switch, d.current.strategy.name, d.best.strategy.name,
+             round(d.gain, 9), round(d.noise_scale, 6)) for d in session.decisions]
+
+
+def _world(rank, world):
+    from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
+    from megatron_cona.runtime import TrainConfig, build_state, train_step
+    from megatron_cona.runtime.executor import RuntimeExecutor
+    from megatron_cona.ttp.chains import SimulatedExecutor, Trainer, TrainerConfig
+    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+    from predictors.spec import TransformerSpec
+
+    spec = TransformerSpec("gpt", 2, 32, 4, 16, VOCAB_SIZE)
+    corpus = build_corpus(CorpusConfig(seq_length=16, max_train_bytes=1 << 18))
+    out = {}
+
+    # runtime: real steps, real switches
+    runtime = RuntimeExecutor(build_state(TrainConfig(spec, lr=1e-3), P(START)))
+    sess = _session(runtime, BATCH_ONLY)
+    out["runtime"] = _drive(sess, BATCH_ONLY,
+                            on_step=lambda: train_step(runtime.state, corpus.train))
+    out["runtime_strategy"] = runtime.state.strategy.name
+    out["runtime_lr"] = (runtime.state.scheduler.max_lr,
+                         1e-3 * sess.lr_scale(runtime.state.strategy))
+    out["runtime_switches"] = [(r.old.name, r.new.name, r.outcome.switched)
+                               for r in sess.switches]
+
+    # Megatron-LM hook: the scheduler of a live state, global batch changed in place
+    hook = MegatronLMExecutor(P(START), runtime.state.scheduler)
+    out["hook"] = _drive(_session(hook, BATCH_ONLY), BATCH_ONLY)
+    out["hook_strategy"] = hook.strategy.name
+
+    # the TTP simulated cluster: real training of the batch, clock-charged switches
+    clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.5, 0.01, 300e9)
+    trainer = Trainer(TrainerConfig(spec, 1234, 0, 10_000, 0.1, 32), corpus)
+    trainer.start(1e-3, 8, 1.0)
+    sim = SimulatedExecutor(clock, trainer, P(START))
+    out["simulated"] = _drive(_session(sim, BATCH_ONLY), BATCH_ONLY, on_step=trainer.step)
+    out["simulated_exec"] = trainer.state.strategy.global_batch_size
+    out["simulated_charged"] = [c for *_, c in sim.pending]
+    trainer.close()
+
+    # a layout candidate wins: the runtime reshards, the hook says why it cannot
+    sess = _session(runtime, WITH_LAYOUT)
+    _drive(sess, WITH_LAYOUT, on_step=lambda: train_step(runtime.state, corpus.train))
+    out["layout_switches"] = [(r.new.name, r.outcome.switched, r.outcome.moved_tensors)
+                              for r in sess.switches]
+    out["layout_loss_finite"] = math.isfinite(train_step(runtime.state, corpus.train).loss)
+    hook = MegatronLMExecutor(P(START), runtime.state.scheduler)
+    sess = _session(hook, WITH_LAYOUT)
+    _drive(sess, WITH_LAYOUT)
+    out["hook_unsupported"] = [(u.target.name, u.reason) for u in sess.unsupported]
+    runtime.state.destroy()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_three_executors_drive_the_same_session():
+    results = run_distributed(_world, 2, timeout=600)
+    res = results[0]
+    assert results[1]["runtime"] == res["runtime"]
+    decisions = res["runtime"]
+    assert len(decisions) == 7 and any(d[1] for d in decisions)
+    assert res["hook"] == decisions
+    assert res["simulated"] == decisions
+    # small noise first: the session goes to the small batch, then to the large one
+    chosen = [d[3] for d in decisions if d[1]]
+    assert chosen[0].endswith("gb4") and chosen[-1].endswith("gb16")
+    assert res["runtime_strategy"] == res["hook_strategy"] == chosen[-1]
+    assert res["simulated_exec"] == 16  # the trainer really runs the chosen batch
+    assert res["simulated_charged"] == [0.01] * len(chosen)
+    assert all(ok for *_, ok in res["runtime_switches"])
+    lr, expected = res["runtime_lr"]
+    assert lr == pytest.approx(expected) and lr == pytest.approx(1e-3 * math.sqrt(16 / 8))
+    # layout: the runtime moved tensors; the hook recorded why it could not
+    assert ("dp1tp2pp1mb2gb16", True, True) in res["layout_switches"]
+    assert res["layout_loss_finite"]
+    assert res["hook_unsupported"] and res["hook_unsupported"][0][0] == "dp1tp2pp1mb2gb16"
+    assert LAYOUT_UNSUPPORTED in res["hook_unsupported"][0][1]
+
+
+def test_hook_executor_names_why_a_layout_cannot_switch():
+    sched = SimpleNamespace(max_lr=1e-3, min_lr=1e-4)
+    hook = MegatronLMExecutor(P("dp4tp1pp1mb2gb16"), sched)
+    with pytest.raises(SwitchUnsupported, match="train\\(\\) holds the model, optimizer"):
+        hook.switch(P("dp2tp2pp1mb2gb16"))
+    with pytest.raises(SwitchUnsupported, match="dp4tp1pp1mb2gb16 -> dp4tp1pp1mb4gb16"):
+        hook.switch(P("dp4tp1pp1mb4gb16"))  # micro-batch: the data loader is built for one
+    assert hook.strategy == P("dp4tp1pp1mb2gb16")
