@@ -2,8 +2,7 @@
 
 Reads --size-gib GiB of --chunk-mib MiB chunks from a cold device file, in the same run:
   (a) buffered read() through the filesystem after posix_fadvise(DONTNEED),
-  (b) the `uring` backend of vllm_kvpool._kvio (O_DIRECT, registered buffers, checksum-verified),
-  (c) the `spdk` backend when compiled in and KVPOOL_SPDK_TRID names a target.
+  (b) the `uring` backend of vllm_kvpool._kvio (O_DIRECT, registered buffers, checksum-verified).
 Each is run --repeats times (alternating) and the median is reported: GB/s and kernel (system)
 CPU seconds per GB from getrusage. The last line is
 
@@ -11,7 +10,15 @@ CPU seconds per GB from getrusage. The last line is
 
 with X = uring GB/s / buffered GB/s and Y = buffered sys-s/GB / uring sys-s/GB.
 
+With --backend spdk (needs the module built with SPDK and a target: --trid or KVPOOL_SPDK_TRID)
+it instead reads the namespace through the `spdk` backend (checksum-verified, --queue-depth ops
+of --chunk-mib in flight) and, alternating with it, runs SPDK's own `spdk_nvme_perf` (--perf or
+on PATH) at the same queue depth and I/O size; the last line is
+
+    spdk_gbps=X nvme_perf_gbps=Y ratio_vs_nvme_perf=X/Y
+
     .venv/bin/python benchmarks/bench_kvio.py --size-gib 2
+    .venv/bin/python benchmarks/bench_kvio.py --backend spdk --trid "$KVPOOL_SPDK_TRID" --size-gib 1
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -107,9 +117,10 @@ def bench_buffered(path: Path, size: int, chunk: int) -> Run:
 
 
 def bench_device(method: str, dev: _kvio.Device, pool: _kvio.HostPool, size: int, chunk: int,
-                 checksums: list[int]) -> Run:
-    """Streams every chunk of the device with ~queue_depth reads in flight (two tickets)."""
-    per_ticket = max(1, dev.queue_depth // 2)
+                 checksums: list[int], ops_in_flight: int = 0) -> Run:
+    """Streams every chunk of the device with ~ops_in_flight (default: queue_depth) reads in
+    flight (two tickets)."""
+    per_ticket = max(1, (ops_in_flight or dev.queue_depth) // 2)
     n = size // chunk
     s0, u0 = rusage()
     t0 = time.perf_counter()
@@ -137,19 +148,103 @@ def median_run(runs: list[Run]) -> Run:
                statistics.median(r.sys_s for r in runs), statistics.median(r.user_s for r in runs))
 
 
+def run_nvme_perf(perf: str, trid: str, qd: int, chunk: int, seconds: float, mask: str) -> Run:
+    """SPDK's spdk_nvme_perf reading the same namespace at the same queue depth and I/O size."""
+    cmd = [perf, "-r", trid, "-q", str(qd), "-o", str(chunk), "-w", "read", "-t",
+           str(max(1, round(seconds))), "-c", mask]
+    s0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + seconds)
+    s1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    m = re.search(r"^Total\s*:\s*([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    if out.returncode != 0 or not m:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {out.returncode}):\n"
+                           f"{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    mib_s = float(m.group(2))
+    secs = max(1, round(seconds))
+    return Run("spdk_nvme_perf", secs, int(mib_s * MiB * secs), s1.ru_stime - s0.ru_stime,
+               s1.ru_utime - s0.ru_utime)
+
+
+def main_spdk(args: argparse.Namespace, chunk: int, size: int) -> int:
+    trid = args.trid or os.environ.get("KVPOOL_SPDK_TRID", "")
+    why = ("module built without SPDK" if "spdk" not in _kvio.backends()
+           else "no target (--trid / KVPOOL_SPDK_TRID)" if not trid else "")
+    perf = args.perf or shutil.which("spdk_nvme_perf") or ""
+    if not why and not perf:
+        why = "spdk_nvme_perf not found (--perf or PATH)"
+    if why:
+        print(f"spdk: skipped ({why})")
+        return 0
+    # The Device's queue depth counts NVMe commands: --queue-depth ops of one chunk each, split
+    # to the controller's max transfer size, as spdk_nvme_perf splits its I/Os.
+    with _kvio.Device(trid, backend="spdk", name="bench-probe") as d:
+        per_op = -(-chunk // d.max_transfer)
+        size = min(size, d.capacity // chunk * chunk)
+    qd_cmds = min(4096, args.queue_depth * per_op)
+    print(f"spdk read benchmark: {size / (1 << 30):.2f} GiB in {args.chunk_mib} MiB ops, "
+          f"{args.queue_depth} ops in flight ({qd_cmds} NVMe commands of <= "
+          f"{chunk // per_op // 1024} KiB), target {trid}", flush=True)
+    pool = _kvio.HostPool(args.queue_depth * chunk, name="bench-dst")
+    src = _kvio.HostPool(chunk, name="bench-spdk-src")
+    np.frombuffer(src, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, chunk,
+                                                                       dtype=np.uint8)
+    results: dict[str, list[Run]] = {}
+    with _kvio.Device(trid, backend="spdk", capacity=size, queue_depth=qd_cmds,
+                      spdk_core_mask=args.spdk_core_mask if args.spdk_core_mask is not None
+                      else args.perf_core_mask, name="bench-spdk") as dev:
+        dev.register_host_pools([pool, src])
+        sums: list[int] = []
+        for first in range(0, size // chunk, 32):
+            sums += [r.checksum for r in dev.write(
+                [(i * chunk, src.address, chunk) for i in range(first, min(size // chunk, first + 32))])]
+        last = 1.0
+        for rep in range(args.repeats):
+            run = bench_device("spdk", dev, pool, size, chunk, sums, args.queue_depth)
+            last = run.seconds
+            results.setdefault("spdk", []).append(run)
+            prun = run_nvme_perf(perf, trid, args.queue_depth, chunk, last, args.perf_core_mask)
+            results.setdefault("spdk_nvme_perf", []).append(prun)
+            print(f"  [{rep + 1}/{args.repeats}] spdk {run.gbps:6.2f} GB/s   spdk_nvme_perf "
+                  f"{prun.gbps:6.2f} GB/s", flush=True)
+    med = {m: statistics.median(r.gbps for r in rs) for m, rs in results.items()}
+    spread = {m: (min(r.gbps for r in rs), max(r.gbps for r in rs)) for m, rs in results.items()}
+    for m in med:
+        print(f"{m:<16} median {med[m]:6.2f} GB/s  (min {spread[m][0]:.2f}, max {spread[m][1]:.2f})")
+    ratio = med["spdk"] / med["spdk_nvme_perf"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_kvio_spdk.json").write_text(json.dumps(
+        {"size_bytes": size, "chunk_bytes": chunk, "queue_depth_ops": args.queue_depth,
+         "queue_depth_commands": qd_cmds, "trid": trid,
+         "runs": {m: [asdict(r) | {"gbps": r.gbps} for r in rs] for m, rs in results.items()},
+         "ratio_vs_nvme_perf": ratio}, indent=2))
+    print(f"spdk_gbps={med['spdk']:.2f} nvme_perf_gbps={med['spdk_nvme_perf']:.2f} "
+          f"ratio_vs_nvme_perf={ratio:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("uring", "spdk"), default="uring",
+                    help="uring: vs buffered read(); spdk: vs spdk_nvme_perf")
     ap.add_argument("--size-gib", type=float, default=2.0, help="bytes to read per method (>= 2)")
     ap.add_argument("--chunk-mib", type=int, default=2, help="chunk size in MiB")
-    ap.add_argument("--queue-depth", type=int, default=32, help="uring/spdk queue depth")
+    ap.add_argument("--queue-depth", type=int, default=32, help="ops (chunks) in flight")
     ap.add_argument("--repeats", type=int, default=3, help="runs per method (median reported)")
     ap.add_argument("--dir", type=Path, default=REPO / ".tmp", help="where the device file lives")
     ap.add_argument("--out", type=Path, default=REPO / "out", help="JSON results go here")
+    ap.add_argument("--trid", default="", help="spdk: transport id (default KVPOOL_SPDK_TRID)")
+    ap.add_argument("--perf", default="", help="spdk: path of spdk_nvme_perf")
+    ap.add_argument("--perf-core-mask", default="0x1", help="spdk: spdk_nvme_perf -c")
+    ap.add_argument("--spdk-core-mask", default=None,
+                    help="spdk: poller CPUs of the backend (default: --perf-core-mask, the same "
+                         "core spdk_nvme_perf polls on)")
     args = ap.parse_args(argv)
     if args.size_gib <= 0 or args.chunk_mib <= 0 or args.repeats <= 0:
         ap.error("--size-gib, --chunk-mib and --repeats must be positive")
     chunk = args.chunk_mib * MiB
     size = int(args.size_gib * (1 << 30)) // chunk * chunk
+    if args.backend == "spdk":
+        return main_spdk(args, chunk, size)
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / f"bench_kvio_{os.getpid()}.img"
     print(f"kvio read benchmark: {size / (1 << 30):.2f} GiB in {args.chunk_mib} MiB chunks, "
@@ -170,20 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault(method, []).append(run)
                     print(f"  [{rep + 1}/{args.repeats}] {method:<16} {run.gbps:6.2f} GB/s  "
                           f"sys {run.sys_s_per_gb:.4f} s/GB", flush=True)
-        trid = os.environ.get("KVPOOL_SPDK_TRID", "")
-        if "spdk" in _kvio.backends() and trid:
-            with _kvio.Device(trid, backend="spdk", capacity=size,
-                              queue_depth=args.queue_depth) as sdev:
-                sdev.register_host_pools([pool])
-                src = _kvio.HostPool(chunk, name="bench-spdk-src")
-                sums = [r.checksum for r in sdev.write(
-                    [(i * chunk, src.address, chunk) for i in range(size // chunk)])]
-                for _ in range(args.repeats):
-                    results.setdefault("spdk", []).append(
-                        bench_device("spdk", sdev, pool, size, chunk, sums))
-        else:
-            why = "not compiled" if "spdk" not in _kvio.backends() else "KVPOOL_SPDK_TRID unset"
-            print(f"  spdk: skipped ({why})", flush=True)
     finally:
         path.unlink(missing_ok=True)
 

@@ -47,6 +47,11 @@ class Backend {
   virtual std::string note() const { return ""; }
   virtual bool sqpoll() const { return false; }
   virtual uint64_t inflight() const = 0;
+  // DMA by physical address (SPDK over PCIe): host pools must be hugetlb pages, which never move.
+  virtual bool needs_hugetlb() const { return false; }
+  // "ok", or for a backend that can lose its device (SPDK): "reconnecting" / "failed".
+  virtual std::string state() const { return "ok"; }
+  virtual uint64_t reconnects() const { return 0; }
 };
 
 struct BackendOptions {
@@ -55,6 +60,7 @@ struct BackendOptions {
   unsigned queue_depth = 32;
   bool sqpoll = false;
   unsigned threads = 0;   // posix workers, 0 = min(queue_depth, 8)
+  std::string core_mask;  // spdk: CPUs of the controller's poller ("" = KVPOOL_SPDK_CORE_MASK)
   CompletionFn complete;
 };
 
@@ -67,6 +73,7 @@ std::unique_ptr<Backend> make_posix_backend(const BackendOptions& opts);
 struct SpdkGeometry {
   uint64_t capacity = 0;
   uint32_t sector_size = 0;
+  uint32_t max_transfer = 0;  // bytes per NVMe command (ops are split to it)
 };
 std::unique_ptr<Backend> make_spdk_backend(const BackendOptions& opts, const std::string& trid,
                                            SpdkGeometry* geometry);

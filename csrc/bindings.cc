@@ -11,6 +11,7 @@
 #include "copy.h"
 #include "device.h"
 #include "host_pool.h"
+#include "log.h"
 #include "probe.h"
 
 namespace py = pybind11;
@@ -22,12 +23,15 @@ using namespace kvio;
 #ifndef KVPOOL_LIBURING_VERSION
 #define KVPOOL_LIBURING_VERSION "unknown"
 #endif
+#ifndef KVPOOL_SPDK_VERSION
+#define KVPOOL_SPDK_VERSION ""
+#endif
 
 namespace {
 
 // Exception classes, created at import (see PYBIND11_MODULE below).
 struct ErrorClasses {
-  py::object kvio, alignment, pool_full, corrupt;
+  py::object kvio, alignment, pool_full, corrupt, unavailable;
 };
 ErrorClasses* g_errors = nullptr;
 
@@ -36,6 +40,7 @@ py::object error_class(ErrorKind kind) {
     case ErrorKind::Alignment: return g_errors->alignment;
     case ErrorKind::PoolFull: return g_errors->pool_full;
     case ErrorKind::Corrupt: return g_errors->corrupt;
+    case ErrorKind::Unavailable: return g_errors->unavailable;
     default: return g_errors->kvio;
   }
 }
@@ -63,6 +68,16 @@ void log_note(const std::string& what, const std::string& note) {
   const char* level = seen.insert(key).second ? "warning" : "debug";
   py::module_::import("logging").attr("getLogger")("vllm_kvpool.kvio").attr(level)(
       "%s: %s", what, note);
+}
+
+// Moves queued engine log records (SPDK's log, reconnects) into Python logging. Called with the
+// GIL held on the way out of device calls; engine threads never take the GIL themselves.
+void flush_engine_log() {
+  if (!engine_log_pending()) return;
+  const auto records = drain_engine_log();
+  if (records.empty()) return;
+  py::object logger = py::module_::import("logging").attr("getLogger")("vllm_kvpool.kvio");
+  for (const auto& r : records) logger.attr("log")(r.level, "%s", r.message);
 }
 
 const char* status_name(Status s) {
@@ -205,8 +220,11 @@ py::list wait_ticket(Device& dev, uint64_t ticket, py::object timeout, bool chec
     }
     if (r.status == Status::Corrupt && !first_bad) first_bad = &r;
   }
+  flush_engine_log();
   if (!check || !first_bad) return results_to_list(results);
-  const ErrorKind kind = first_bad->status == Status::Corrupt ? ErrorKind::Corrupt : ErrorKind::Io;
+  const ErrorKind kind = first_bad->status == Status::Corrupt ? ErrorKind::Corrupt
+                         : unavailable_errno(first_bad->err) ? ErrorKind::Unavailable
+                                                             : ErrorKind::Io;
   const int err = first_bad->err;
   const int64_t off = static_cast<int64_t>(first_bad->offset);
   const std::string msg = first_bad->message;
@@ -217,6 +235,7 @@ py::list wait_ticket(Device& dev, uint64_t ticket, py::object timeout, bool chec
 
 uint64_t submit(Device& dev, py::handle ops, bool write) {
   std::vector<IoOp> parsed = parse_ops(ops, write);
+  flush_engine_log();
   py::gil_scoped_release nogil;
   return dev.submit(write, parsed);
 }
@@ -260,6 +279,11 @@ PYBIND11_MODULE(_kvio, m) {
       "A host pool or device allocator has no free extent large enough.");
   g_errors->corrupt = make("CorruptError", py::make_tuple(g_errors->kvio),
                            "A read chunk did not match its checksum (raised by wait(check=True)).");
+  g_errors->unavailable = make(
+      "DeviceUnavailableError", py::make_tuple(g_errors->kvio),
+      "The device lost its connection (ECONNRESET: in-flight I/O failed), is reconnecting "
+      "(ENOTCONN) or is marked failed (ENODEV); Device.state says which. Nothing was returned "
+      "as data; retry once Device.state is 'ok' again.");
   // Default attributes so every instance has them even when raised from Python.
   for (py::object* c : {&g_errors->kvio}) {
     c->attr("device") = "";
@@ -288,6 +312,7 @@ PYBIND11_MODULE(_kvio, m) {
     d["liburing"] = KVPOOL_LIBURING_VERSION;
 #ifdef KVPOOL_HAVE_SPDK
     d["spdk"] = true;
+    d["spdk_version"] = KVPOOL_SPDK_VERSION;
 #else
     d["spdk"] = false;
 #endif
@@ -295,6 +320,9 @@ PYBIND11_MODULE(_kvio, m) {
     return d;
   });
   m.def("numa_nodes", &numa_nodes, "NUMA nodes with memory ([0] without libnuma).");
+  m.def("flush_log", &flush_engine_log,
+        "Move queued engine log records (SPDK, reconnects) into logger 'vllm_kvpool.kvio' "
+        "(also done by every Device call).");
 
   m.def(
       "checksum",
@@ -428,7 +456,7 @@ PYBIND11_MODULE(_kvio, m) {
   py::class_<Device, std::shared_ptr<Device>>(m, "Device")
       .def(py::init([](std::string path, uint64_t capacity, std::string backend,
                        unsigned queue_depth, bool sqpoll, bool create, std::string name,
-                       unsigned threads) {
+                       unsigned threads, std::string spdk_core_mask) {
              DeviceOptions o;
              o.path = std::move(path);
              o.capacity = capacity;
@@ -438,17 +466,22 @@ PYBIND11_MODULE(_kvio, m) {
              o.create = create;
              o.name = std::move(name);
              o.threads = threads;
+             o.spdk_core_mask = std::move(spdk_core_mask);
              std::shared_ptr<Device> d;
-             {
+             try {
                py::gil_scoped_release nogil;
                d = std::make_shared<Device>(o);
+             } catch (...) {
+               flush_engine_log();  // SPDK's own account of why it failed
+               throw;
              }
+             flush_engine_log();
              log_note("device '" + d->name() + "'", d->note());
              return d;
            }),
            py::arg("path"), py::arg("capacity") = 0, py::arg("backend") = "uring",
            py::arg("queue_depth") = 32, py::arg("sqpoll") = false, py::arg("create") = true,
-           py::arg("name") = "", py::arg("threads") = 0)
+           py::arg("name") = "", py::arg("threads") = 0, py::arg("spdk_core_mask") = "")
       .def_property_readonly("path", &Device::path)
       .def_property_readonly("name", &Device::name)
       .def_property_readonly("backend", &Device::backend_name)
@@ -457,6 +490,12 @@ PYBIND11_MODULE(_kvio, m) {
       .def_property_readonly("alignment", &Device::alignment)
       .def_property_readonly("mem_alignment", &Device::mem_alignment)
       .def_property_readonly("queue_depth", &Device::queue_depth)
+      .def_property_readonly("max_transfer", &Device::max_transfer)
+      .def_property_readonly("state",
+                             [](Device& d) {
+                               flush_engine_log();
+                               return d.state();
+                             })
       .def_property_readonly("sqpoll", &Device::sqpoll)
       .def_property_readonly("closed", &Device::closed)
       .def_property_readonly("note", &Device::note)
@@ -512,6 +551,8 @@ PYBIND11_MODULE(_kvio, m) {
              out["errors"] = s.errors;
              out["corrupt"] = s.corrupt;
              out["inflight"] = s.inflight;
+             out["reconnects"] = s.reconnects;
+             flush_engine_log();
              return out;
            })
       .def("close", &Device::close, py::call_guard<py::gil_scoped_release>())

@@ -13,7 +13,13 @@ constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kHugePage = 2 * kMiB;
 
 // Which Python exception class an Error becomes (see bindings.cc).
-enum class ErrorKind { Io, Alignment, PoolFull, Corrupt, Value };
+// Unavailable: the device lost its connection or is marked failed (retry later, data not lost).
+enum class ErrorKind { Io, Alignment, PoolFull, Corrupt, Value, Unavailable };
+
+// errnos with which a backend reports I/O that failed because the device is unavailable.
+inline bool unavailable_errno(int err) {
+  return err == ECONNRESET || err == ENOTCONN || err == ENODEV;
+}
 
 // Every failure of the engine carries the device, the offset and errno, so the Python side can
 // raise KvioError(errno, message) with .device/.offset set.

@@ -55,6 +55,7 @@ Device::Device(const DeviceOptions& opts) : opts_(opts) {
   bo.queue_depth = opts_.queue_depth;
   bo.sqpoll = opts_.sqpoll;
   bo.threads = opts_.threads;
+  bo.core_mask = opts_.spdk_core_mask;
   bo.complete = [this](Request* r, int err, const std::string& detail) {
     on_complete(r, err, detail);
   };
@@ -66,6 +67,7 @@ Device::Device(const DeviceOptions& opts) : opts_(opts) {
     kind_ = "spdk";
     align_ = geo.sector_size;
     mem_align_ = 4;  // NVMe PRP/SGL entries need dword-aligned payloads
+    max_transfer_ = geo.max_transfer;
     if (opts_.capacity > geo.capacity) {
       throw Error(ErrorKind::Value, name_, -1, EINVAL,
                   "device '" + name_ + "': capacity " + std::to_string(opts_.capacity) +
@@ -187,6 +189,10 @@ Device::~Device() {
 
 bool Device::sqpoll() const { return backend_ && backend_->sqpoll(); }
 
+std::string Device::state() const {
+  return closed_ ? "closed" : backend_->state();
+}
+
 std::string Device::note() const {
   std::string n = note_;
   if (backend_) {
@@ -199,7 +205,18 @@ std::string Device::note() const {
 void Device::register_host_pools(const std::vector<std::shared_ptr<HostPool>>& pools) {
   if (closed_) throw_errno(name_, "register_host_pools", -1, 0, EBADF);
   std::vector<Region> regions;
-  for (const auto& p : pools) regions.push_back({p->address(), p->capacity()});
+  for (const auto& p : pools) {
+    if (backend_->needs_hugetlb() && !p->hugepages()) {
+      throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                  "device '" + name_ + "': host pool '" + p->name() +
+                      "' is not backed by hugetlb pages (" +
+                      (p->note().empty() ? std::string("hugepages=False") : p->note()) +
+                      "); SPDK over PCIe DMAs to physical addresses and transparent huge "
+                      "pages can move under it: reserve huge pages (/proc/sys/vm/nr_hugepages) "
+                      "or use an NVMe-oF transport (TCP/RDMA), which accepts such pools");
+    }
+    regions.push_back({p->address(), p->capacity()});
+  }
   backend_->register_regions(regions);
   std::lock_guard<std::mutex> l(mu_);
   pools_ = pools;
@@ -253,6 +270,14 @@ void Device::check_op(bool write, const IoOp& op) const {
 uint64_t Device::submit(bool write, const std::vector<IoOp>& ops) {
   if (closed_) throw_errno(name_, write ? "write" : "read", -1, 0, EBADF);
   for (const IoOp& op : ops) check_op(write, op);
+  const std::string st = backend_->state();
+  if (st != "ok") {
+    const int err = st == "reconnecting" ? ENOTCONN : ENODEV;
+    throw Error(ErrorKind::Unavailable, name_, -1, err,
+                "device '" + name_ + "': " + (write ? "write" : "read") + ": device is " + st +
+                    " (" + std::to_string(backend_->reconnects()) +
+                    " reconnects so far; its chunks are unavailable until it recovers)");
+  }
   auto t = std::make_shared<Ticket>();
   const size_t n = ops.size();
   t->results.resize(n);
@@ -394,7 +419,8 @@ bool Device::wait(uint64_t ticket, double timeout_s, std::vector<IoResult>* out)
 
 DeviceStats Device::stats() const {
   return {bytes_read_.load(), bytes_written_.load(), reads_.load(), writes_.load(),
-          errors_.load(),     corrupt_.load(),       backend_ ? backend_->inflight() : 0};
+          errors_.load(),     corrupt_.load(),       backend_ ? backend_->inflight() : 0,
+          backend_ ? backend_->reconnects() : 0};
 }
 
 void Device::close() {

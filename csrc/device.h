@@ -64,10 +64,11 @@ struct DeviceOptions {
   bool create = true;
   std::string name;
   unsigned threads = 0;
+  std::string spdk_core_mask;
 };
 
 struct DeviceStats {
-  uint64_t bytes_read, bytes_written, reads, writes, errors, corrupt, inflight;
+  uint64_t bytes_read, bytes_written, reads, writes, errors, corrupt, inflight, reconnects;
 };
 
 class Device {
@@ -85,6 +86,10 @@ class Device {
   uint64_t alignment() const { return align_; }
   uint64_t mem_alignment() const { return mem_align_; }
   unsigned queue_depth() const { return opts_.queue_depth; }
+  // Largest transfer the backend issues as one command (ops are split to it); 0 = no limit.
+  uint64_t max_transfer() const { return max_transfer_; }
+  // "ok" | "reconnecting" | "failed" (SPDK controller lost) | "closed".
+  std::string state() const;
   bool sqpoll() const;
   bool closed() const { return closed_.load(); }
   std::string note() const;
@@ -116,6 +121,7 @@ class Device {
   uint64_t capacity_ = 0;
   uint64_t align_ = 1;
   uint64_t mem_align_ = 1;
+  uint64_t max_transfer_ = 0;
   std::unique_ptr<ExtentAllocator> alloc_;
   std::unique_ptr<Backend> backend_;
   std::vector<std::shared_ptr<HostPool>> pools_;  // keeps registered memory alive

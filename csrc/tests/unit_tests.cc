@@ -19,6 +19,7 @@
 #include "device.h"
 #include "extent_allocator.h"
 #include "host_pool.h"
+#include "log.h"
 #include "probe.h"
 
 using namespace kvio;
@@ -218,12 +219,36 @@ static void concurrency(const std::string& path, const std::string& backend) {
   ::unlink(path.c_str());
 }
 
+// The SPDK log path: a burst per source, the rest counted and reported once, bounded queue.
+static void test_rate_limited_log() {
+  using C = RateLimitedLog::Clock;
+  RateLimitedLog log(3, std::chrono::seconds(10), 8);
+  const C::time_point t0{};
+  for (int i = 0; i < 100; ++i) log.add(kLogError, "nvme_qpair.c:650", "aborting queued i/o", t0);
+  log.add(kLogWarning, "other.c:1", "another source", t0);
+  auto out = log.drain();
+  CHECK(out.size() == 4);  // 3 of the flood + the other source
+  CHECK(out.size() == 4 && out[3].message == "another source" && out[0].level == kLogError);
+  CHECK(!log.pending());
+  // Next window: the suppressed count comes first, then the new message.
+  log.add(kLogError, "nvme_qpair.c:650", "aborting queued i/o", t0 + std::chrono::seconds(11));
+  out = log.drain();
+  CHECK(out.size() == 2);
+  CHECK(out.size() == 2 && out[0].message.find("97 similar messages suppressed") == 0);
+  // Queue bound: distinct sources beyond the capacity are dropped and counted.
+  for (int i = 0; i < 20; ++i) log.add(kLogInfo, "src" + std::to_string(i), "m", t0);
+  out = log.drain();
+  CHECK(out.size() == 9);
+  CHECK(out.size() == 9 && out[8].message.find("12 engine log messages dropped") == 0);
+}
+
 int main(int argc, char** argv) {
   const std::string dir = argc > 1 ? argv[1] : ".";
   test_xxh64();
   test_allocator();
   test_host_pool();
   test_copy();
+  test_rate_limited_log();
   roundtrip(dir + "/kvio_unit_uring.img", "uring");
   roundtrip(dir + "/kvio_unit_posix.img", "posix");
   concurrency(dir + "/kvio_unit_cc_uring.img", "uring");
