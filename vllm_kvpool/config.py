@@ -66,6 +66,7 @@ class DeviceConfig:
     path: str | None = None
     backend: Backend = "uring"
     spdk_trid: str | None = None
+    spdk_core_mask: str | None = None  # CPUs of the SPDK poller (None: KVPOOL_SPDK_CORE_MASK)
     queue_depth: int = 32
     bandwidth_gbps: float | None = None  # fixed placement weight; skips the probe
 
@@ -120,6 +121,8 @@ class PoolConfig:
                             queue_depth=d.queue_depth)  # fmt: skip
                 if d.spdk_trid:
                     body["spdk_trid"] = d.spdk_trid
+                if d.spdk_core_mask:
+                    body["spdk_core_mask"] = d.spdk_core_mask
             if d.bandwidth_gbps is not None:
                 body["bandwidth_gbps"] = d.bandwidth_gbps
             devices.append({d.kind: body})
@@ -183,8 +186,9 @@ def _choice(obj: dict, key: str, default: str, choices: tuple[str, ...], field_p
 
 
 _HOST_KEYS = {"name", "numa_node", "capacity", "bandwidth_gbps"}
-_SSD_KEYS = {"name", "path", "capacity", "backend", "spdk_trid", "numa_node", "queue_depth",
-             "bandwidth_gbps"}  # fmt: skip
+_SSD_KEYS = {"name", "path", "capacity", "backend", "spdk_trid", "spdk_core_mask", "numa_node",
+             "queue_depth", "bandwidth_gbps"}  # fmt: skip
+_CORE_MASK = re.compile(r"0[xX][0-9a-fA-F]+|\[?\d+(-\d+)?(,\d+(-\d+)?)*\]?")
 
 
 def _parse_device(entry: Any, index: int) -> DeviceConfig:
@@ -213,10 +217,17 @@ def _parse_device(entry: Any, index: int) -> DeviceConfig:
         raise PoolConfigError(f"{where}.spdk_trid", "required when backend is spdk")
     if trid is not None and not isinstance(trid, str):
         raise PoolConfigError(f"{where}.spdk_trid", f"expected a transport id string, got {trid!r}")
+    mask = body.get("spdk_core_mask")
+    if mask is not None and (backend != "spdk" or not isinstance(mask, str)
+                             or not _CORE_MASK.fullmatch(mask.replace(" ", ""))):  # fmt: skip
+        raise PoolConfigError(f"{where}.spdk_core_mask",
+                              f"expected a CPU mask ('0x4') or list ('2', '2-3') for backend spdk, "
+                              f"got {mask!r}")  # fmt: skip
     if backend != "spdk" and not Path(path).exists() and not Path(path).parent.is_dir():
         raise PoolConfigError(f"{where}.path", f"neither {path} nor its directory exists")
     return DeviceConfig(
         "ssd", name, capacity, numa_node=numa_node, path=path, backend=backend, spdk_trid=trid,
+        spdk_core_mask=mask,
         queue_depth=_int(body, "queue_depth", 32, where, minimum=1), bandwidth_gbps=bandwidth,
     )  # fmt: skip
 

@@ -34,7 +34,13 @@ def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
         assert issubclass(cls, DeviceHandler)
         dev, _, _ = cls.open_raw(cfg, geometry)
         try:
-            result = io.probe_device(dev, seconds=config.probe.seconds, chunk_bytes=PROBE_CHUNK)
+            pool = None
+            if cfg.backend == "spdk":  # registered (hugetlb) buffers: over PCIe nothing else DMAs
+                pool = io.HostPool(PROBE_CHUNK * max(2, dev.queue_depth), numa_node=cfg.numa_node,
+                                   name=f"{cfg.name}-probe")  # fmt: skip
+                dev.register_host_pools([pool])
+            result = io.probe_device(dev, seconds=config.probe.seconds, chunk_bytes=PROBE_CHUNK,
+                                     pool=pool)  # fmt: skip
         finally:
             dev.close()
         gbps.append(max(float(result["read_gbps"]), 1e-3))

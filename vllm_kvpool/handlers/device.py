@@ -48,6 +48,8 @@ def device_path(cfg: DeviceConfig, rank_suffix: str) -> str:
 class DeviceHandler(MediumHandler):
     """A file or block device behind ``_kvio.Device`` (backend ``uring`` or ``posix``)."""
 
+    records_hugepages = False  # the index-record buffer is small: no huge page for it
+
     def __init__(self, cfg: DeviceConfig, geometry: PoolGeometry, staging_bytes: int,
                  rank_suffix: str = "") -> None:  # fmt: skip
         super().__init__(cfg, geometry.slot_bytes)
@@ -63,7 +65,8 @@ class DeviceHandler(MediumHandler):
                                     numa_node=cfg.numa_node, name=f"{cfg.name}-staging")  # fmt: skip
             self.staging = StagingSlots(pool, self.slot_bytes)
             self.records = self.io.HostPool(RECORD_POOL, numa_node=cfg.numa_node,
-                                            hugepages=False, name=f"{cfg.name}-index")  # fmt: skip
+                                            hugepages=self.records_hugepages,
+                                            name=f"{cfg.name}-index")  # fmt: skip
             self.device.register_host_pools([pool, self.records])
             self._sync_fd = self.open_sync_fd()
         except Exception:
@@ -99,7 +102,8 @@ class DeviceHandler(MediumHandler):
         data, index, capacity = cls.regions(cfg, geometry)
         dev = kvio().Device(cls.target_of(cfg, rank_suffix), capacity=capacity,
                             backend=cfg.backend, queue_depth=cfg.queue_depth, name=cfg.name,
-                            create=create)  # fmt: skip
+                            create=create,
+                            **({"spdk_core_mask": cfg.spdk_core_mask} if cfg.spdk_core_mask else {}))  # fmt: skip
         try:
             data_base, index_base = dev.alloc(data), dev.alloc(index)
             if (data_base, index_base) != (0, data):  # the scheduler finds records there

@@ -5,17 +5,30 @@ The same transfers and index records as a file or block device; it differs in wh
 follow completed data writes, but the namespace's volatile write cache is not flushed), and in
 restart: the index region is not scanned at start-up (the scheduler cannot open the namespace
 beside the worker), so SPDK chunks do not survive a restart yet.
+
+A lost NVMe-oF connection is handled inside the engine: in-flight I/O fails
+(``DeviceUnavailableError``), the engine marks this medium failed (its chunks become misses),
+the controller reconnects by itself and ``Device.state`` returns to ``"ok"``; ``try_recover``
+then checks a verified round trip before the pool uses the device again.
 """
 
 from __future__ import annotations
+
+import logging
 
 from vllm_kvpool.config import DeviceConfig
 from vllm_kvpool.handlers.device import DeviceHandler
 from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.pool import PoolGeometry
 
+logger = logging.getLogger("vllm_kvpool")
+
 
 class SpdkHandler(DeviceHandler):
+    # Over PCIe the controller DMAs into the registered pools, which must then be hugetlb pages
+    # (the engine refuses others with a ValueError naming the pool); NVMe-oF accepts any.
+    records_hugepages = True
+
     @classmethod
     def target_of(cls, cfg: DeviceConfig, rank_suffix: str = "") -> str:
         assert cfg.spdk_trid is not None  # the config parser requires it for spdk
@@ -28,3 +41,35 @@ class SpdkHandler(DeviceHandler):
     def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
                    world_size: int) -> list[RestoredChunk]:  # fmt: skip
         return []
+
+    def try_recover(self) -> bool:
+        """Back once the engine reconnected the controller and a verified write/read of one
+        staging slot through the probe scratch region (never live chunks) succeeds."""
+        if not self.failed:
+            return True
+        if self.device.state != "ok":
+            return False
+        slots = self.staging.take(1, block=False)
+        if not slots:
+            return False
+        scratch = None
+        try:
+            nbytes = self.io_length(min(self.slot_bytes, 1 << 20))
+            scratch = self.device.alloc(nbytes)
+            addr = self.staging.address(slots[0])
+            [w] = self.device.write([(scratch, addr, nbytes)])
+            [r] = self.device.read([(scratch, addr, nbytes, w.checksum)])
+            if not r.ok:
+                return False
+        except OSError as exc:
+            logger.debug("kvpool: %s still failing: %s", self.name, exc)
+            return False
+        finally:
+            if scratch is not None:
+                self.device.free(scratch)
+            self.staging.give(slots)
+        with self._lock:
+            self.failure = None
+        logger.warning("kvpool: %s is back (controller reconnected %d time(s))", self.name,
+                       self.device.stats()["reconnects"])
+        return True
