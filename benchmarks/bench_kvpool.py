@@ -410,7 +410,8 @@ class Devices:
 
     def close(self) -> None:
         if self.cgroup:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # leave it first: a cgroup with members stays
+                Path(self.cgroup).parent.joinpath("cgroup.procs").write_text(str(os.getpid()))
                 Path(self.cgroup).rmdir()
         if self._loop:
             subprocess.run(["losetup", "-d", self._loop], check=False)
