@@ -25,7 +25,7 @@ both LMCache's kernel and the pool take as is)
      /dev/shm, read-throttled by the blkio cgroup so bandwidths really differ); LMCache on its one
      local_disk (the faster device), matched split at the same host share.
 
-    flock /work/coord/heavy.lock .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
+    .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
 Last line: ratio_vs_lmcache=X ratio_vs_lmcache_multi=Y multi_frac_of_bound=W

@@ -1,6 +1,6 @@
 """Time-predictor benchmark: every timing-dependent accuracy claim of the time predictor.
 
-    flock /work/coord/heavy.lock .venv/bin/python benchmarks/bench_time_predictor.py
+    .venv/bin/python benchmarks/bench_time_predictor.py
     .venv/bin/python benchmarks/bench_time_predictor.py --fresh-repeats 0   # no CPU measuring
 
 A  vTrain (1,440 measured Megatron iteration times, one node of A100s), held out by model size
