@@ -40,8 +40,8 @@ STEPS = (
         "memory_demo.txt",
     ),
     DemoStep(
-        "predictors: time predictor held-out accuracy (scatter plots)",
-        ("benchmarks/bench_time_predictor.py", "--out", "{out}"),
+        "predictors: time predictor accuracy (vTrain by size, public H100 data, CPU by size tier)",
+        ("benchmarks/bench_time_predictor.py", "--fresh-repeats", "0"),  # no fresh CPU timing
         "time_eval.txt",
     ),
     DemoStep(
