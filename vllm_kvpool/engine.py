@@ -449,6 +449,7 @@ class TransferEngine:
         elapsed = now - max(wave.submitted, last_done.get(device, 0.0))
         last_done[device] = now
         good_bytes = 0
+        corrupt_slots: list[int] = []
         counters = WorkerReport()
         c = counters.counters.device(handler.name)
         for p, r in zip(wave.reads, results, strict=True):
@@ -459,10 +460,16 @@ class TransferEngine:
             if r.status == "corrupt":
                 c.corrupt += 1
                 counters.corrupt.append(p.read.key)
+                corrupt_slots.append(p.read.slot)
                 logger.warning("kvpool: corrupt chunk on %s (recomputed): %s", handler.name,
                                r.message)  # fmt: skip
             else:
                 self._device_failed(device, r.message)
+        if corrupt_slots:  # its record must not offer the chunk again after a restart
+            try:
+                handler.retire(corrupt_slots)
+            except OSError as exc:
+                self._device_failed(device, str(exc))
         c.bytes_read += good_bytes
         c.read_seconds += elapsed
         c.chunks_read += sum(p.ok for p in wave.reads)

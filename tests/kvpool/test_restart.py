@@ -135,17 +135,18 @@ def test_sigkill_mid_save_leaves_no_visible_partial_chunk(tmp_path):
                              cwd=REPO)  # fmt: skip
     committed = 0
     try:
-        deadline = time.monotonic() + 120
-        while committed < 80 and time.monotonic() < deadline:  # 64 slots: the pool evicts and reuses slots
+        # 128 slots in all: past 160 chunks the pool has evicted and reused slots. No deadline:
+        # a slow machine only takes longer (pytest's timeout bounds a hung child).
+        while committed < 160:
             line = child.stdout.readline()
             if not line:
                 break
             committed += int(line.split()[1])
-        time.sleep(0.05)  # mid-save: it saves without pause
+        time.sleep(0.05)  # somewhere mid-save (it saves without pause); fault points: test_crash_points
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    assert committed >= 80, "the saving process did not get going"
+    assert committed >= 160, "the saving process did not get going"
     kv = {f"l{i}": torch.zeros(BLOCKS, 2, BLOCK, 32) for i in range(2)}
     with LocalPool(ssd_config(tmp_path), kv, BLOCKS, BLOCK, layout_id="crash") as pool:
         entries = list(pool.pool.index.entries.values())

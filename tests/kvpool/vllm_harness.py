@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +244,9 @@ class Harness:
                     self.finished.add(o.request_id)
         self.steps += 1
         if not out.num_scheduled_tokens:
-            time.sleep(0.002)  # idle step (waiting on the connector): let its threads run
+            # Idle step (waiting on the connector): let its transfers finish, so how many steps
+            # a request takes does not depend on how busy the machine is.
+            self.worker.engine.wait_all()
         return out
 
     def _forward(self, out) -> None:

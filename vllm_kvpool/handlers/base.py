@@ -187,5 +187,8 @@ class MediumHandler(ABC):
         self._done[ticket] = outcomes
         return ticket
 
+    def retire(self, slots: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Forget ``slots`` durably (persistent media erase their index records)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the medium (waits for its I/O)."""

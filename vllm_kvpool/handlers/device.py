@@ -4,8 +4,12 @@ Every rank keeps its shard of every chunk in its own file (``<path>.rank<r>``; a
 is shared as is). Device layout: the data region (``num_slots`` slots), the index region (one
 record per slot, ``persist``), then scratch space for the bandwidth probe. Reads and writes go
 through registered staging buffers (one slot each) or, for reads, straight into KV pages
-(``LoadOp.target`` as segments). A save completes only once its data is durable and its index
-record is written after it, so the chunk survives a restart.
+(``LoadOp.target`` as segments).
+
+Write order for a slot (crash consistency, ``persist``): the slot's old record is erased and made
+durable before the new data may overwrite it; the new data is made durable before its record is
+written. So at every instant an intact record on the device describes durable bytes that are
+still in its slot, and a save completes only once its record is written (it survives a restart).
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class DeviceHandler(MediumHandler):
         self.num_slots = geometry.num_slots(cfg)
         self.record_bytes = record_bytes(geometry.blocks_per_chunk)
         self.rank_suffix = rank_suffix
+        # 1 = the slot may have an index record on the device (unknown slots of a device that
+        # held data count as recorded): it is erased before the slot is overwritten.
+        self._recorded = bytearray(self.num_slots) if self.starts_empty() else \
+            bytearray(b"\x01") * self.num_slots  # fmt: skip
         self.device, self.data_base, self.index_base = self.open_device()
         self._sync_fd: int | None = None
         try:
@@ -120,6 +128,13 @@ class DeviceHandler(MediumHandler):
         """A descriptor to make written data durable with (``fdatasync``)."""
         return os.open(self.target, os.O_RDONLY)
 
+    def starts_empty(self) -> bool:
+        """Whether the medium holds no index record yet (a file this open creates or that is
+        empty); otherwise every slot's record is erased before the slot is first reused."""
+        target = self.target
+        return not target.startswith("/dev/") and (not os.path.exists(target)
+                                                   or os.path.getsize(target) == 0)
+
     @classmethod
     def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
                    world_size: int) -> list[RestoredChunk]:  # fmt: skip
@@ -168,6 +183,7 @@ class DeviceHandler(MediumHandler):
 
     # -- transfers -------------------------------------------------------------------------
     def submit_save(self, ops: Sequence[SaveOp]) -> int:
+        self.retire([op.slot for op in ops])  # old records gone (durably) before new data lands
         ticket = self.device.submit_write([(self.offset(op.slot), op.address,
                                             self.io_length(op.nbytes)) for op in ops])  # fmt: skip
         self._saves[ticket] = list(ops)
@@ -207,24 +223,49 @@ class DeviceHandler(MediumHandler):
         except OSError as exc:
             msg = f"device {self.name}: fdatasync failed: {exc}"
             return [Outcome(False, "error", 0, msg) if o.ok else o for o in outcomes]
-        size, per_batch = self.record_bytes, RECORD_POOL // self.record_bytes
         seq = time.time_ns()
+        records = [(op.slot, ChunkRecord(op.slot, op.block_hashes, len(op.block_hashes), op.nbytes,
+                                         outcomes[i].checksum, self.geometry.layout_version,
+                                         seq + k, self.num_slots, self.slot_bytes).encode(
+                                             self.record_bytes))
+                   for k, (i, op) in enumerate(todo)]  # fmt: skip
         out = list(outcomes)
-        with self._record_lock:
-            for start in range(0, len(todo), per_batch):
-                batch = todo[start : start + per_batch]
-                writes = []
-                for k, (i, op) in enumerate(batch):
-                    rec = ChunkRecord(op.slot, op.block_hashes, len(op.block_hashes), op.nbytes,
-                                      out[i].checksum, self.geometry.layout_version, seq + i,
-                                      self.num_slots, self.slot_bytes)  # fmt: skip
-                    self.records.view(k * size, size)[:] = rec.encode(size)
-                    writes.append((self.index_base + op.slot * size,
-                                   self.records.address + k * size, size))  # fmt: skip
-                for (i, _), r in zip(batch, self.device.write(writes, check=False), strict=True):
-                    if not r.ok:  # the chunk is fine but would not survive a restart: fail it
-                        out[i] = Outcome(False, "error", 0, f"index record: {r.message}")
+        for (i, _), error in zip(todo, self._write_records(records), strict=True):
+            if error:  # the chunk is fine but would not survive a restart: fail it
+                out[i] = Outcome(False, "error", 0, f"index record: {error}")
         return out
+
+    def retire(self, slots: Sequence[int]) -> None:
+        """Erase the index records of ``slots`` and make that durable before returning: called
+        before a slot is overwritten (a crash between the new data and its record must not leave
+        the old record pointing at new bytes) and for a chunk found corrupt. Raises OSError."""
+        stale = [s for s in dict.fromkeys(slots) if self._recorded[s]]
+        if not stale:
+            return
+        empty = bytes(self.record_bytes)
+        errors = [e for e in self._write_records([(s, empty) for s in stale]) if e]
+        if errors:
+            raise OSError(f"device {self.name}: erasing index records failed: {errors[0]}")
+        self.make_durable()
+        for s in stale:
+            self._recorded[s] = 0
+
+    def _write_records(self, records: Sequence[tuple[int, bytes]]) -> list[str]:
+        """Write ``(slot, record bytes)`` to the index region; per record "" or the error."""
+        size, per_batch = self.record_bytes, RECORD_POOL // self.record_bytes
+        errors: list[str] = []
+        with self._record_lock:
+            for start in range(0, len(records), per_batch):
+                batch = records[start : start + per_batch]
+                writes = []
+                for k, (slot, raw) in enumerate(batch):
+                    self._recorded[slot] = 1  # from now on it may be on the device, torn or not
+                    self.records.view(k * size, size)[:] = raw
+                    writes.append((self.index_base + slot * size, self.records.address + k * size,
+                                   size))  # fmt: skip
+                errors += ["" if r.ok else r.message
+                           for r in self.device.write(writes, check=False)]  # fmt: skip
+        return errors
 
     # -- health ----------------------------------------------------------------------------
     def try_recover(self) -> bool:

@@ -37,6 +37,9 @@ class SpdkHandler(DeviceHandler):
     def open_sync_fd(self) -> int | None:
         return None
 
+    def starts_empty(self) -> bool:
+        return False  # a namespace may hold a previous run's records
+
     @classmethod
     def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
                    world_size: int) -> list[RestoredChunk]:  # fmt: skip
