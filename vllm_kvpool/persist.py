@@ -5,12 +5,12 @@ record ``s`` describes the chunk in slot ``s``: its block hashes (the key is the
 count, byte length, this rank's xxh64, the pool fingerprint (KV layout + model identity + block
 hashing, see ``connector.pool_geometry``), a sequence number and a checksum of the record itself.
 
-Crash consistency: a worker writes a chunk's record only after the chunk's data write completed
-and was made durable (``fdatasync`` of the file or block device), so a record that reads back
-intact always describes complete data; a torn record fails its own checksum and is ignored. A
-record left behind when its slot was reused for another chunk (crash between the new chunk's
-data and its record) still points at the slot, but the chunk's bytes no longer match its
-checksum: restored chunks are verified on their first read, whatever ``verify_checksums`` says.
+Crash consistency: before a slot is overwritten its old record is erased and made durable; a
+worker writes a chunk's record only after the chunk's data write completed and was made durable
+(``fdatasync`` of the file or block device). So a record that reads back intact always describes
+complete data still in its slot; a torn record fails its own checksum and is ignored. Restored
+chunks are still verified on their first read, whatever ``verify_checksums`` says (media can
+change under the pool).
 At start-up the scheduler rebuilds the index from the records whose fingerprint matches
 (records of another model, dtype, block size, chunk size or TP layout are ignored and their
 slots reused). Host-memory chunks are not persisted: they are lost on restart.
