@@ -38,14 +38,14 @@ class RealStep:
 
     def __init__(self, model: nn.Module, precision: str, device: str,
                  optimizer: str = "fused") -> None:
-        from predictors.autocast import Fp8LinearEmulation
+        from predictors.autocast import emulation_mode
         from predictors.precision import get_precision
 
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS}")
         self.p = get_precision(precision)
         self.device, self.model = device, model
-        self._fp8 = Fp8LinearEmulation
+        self._emulation = emulation_mode
         if self.p.param_dtype != torch.float32:
             model.to(self.p.param_dtype)
         self.params = [q for q in model.parameters() if q.requires_grad]
@@ -61,8 +61,8 @@ class RealStep:
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.p.tf32
             torch.backends.cudnn.allow_tf32 = self.p.tf32
-        if self.p.fp8:
-            stack.enter_context(self._fp8())
+        if self.p.emulation is not None:
+            stack.enter_context(self._emulation(self.p))
         if self.p.autocast:
             stack.enter_context(torch.autocast(self.device, dtype=self.p.compute_dtype))
         return stack

@@ -8,7 +8,9 @@ autograd, exactly where real autocast acts, so casts are recorded in the graph a
 for backward have the dtype they would have on the GPU (which the memory predictor relies on).
 
 :class:`Fp8LinearEmulation` turns every ``F.linear`` into Transformer-Engine-style fp8 GEMMs
-(``torch._scaled_mm`` on e4m3 inputs in forward, e5m2 gradients in backward).
+(``torch._scaled_mm`` on e4m3 inputs in forward, e5m2 gradients in backward) with the cast
+kernels of the precision's recipe; :func:`emulation_mode` maps a precision's ``emulation``
+field to its mode.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from predictors.precision import Precision, get_precision
+from predictors.precision import Fp8Recipe, Precision, get_precision
 
 # CUDA autocast op lists (names of the Python-visible torch functions / Tensor methods).
 CUDA_LOWER_PRECISION_OPS = frozenset(
@@ -161,17 +163,22 @@ class CudaAutocastEmulation(TorchFunctionMode):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8: Transformer-Engine-style GEMMs with delayed scaling.
+# fp8: Transformer Engine's te.Linear, per recipe (predictors.precision.Fp8Recipe).
 
 FP8_FORWARD = torch.float8_e4m3fn
 FP8_BACKWARD = torch.float8_e5m2
 
 
-def _quantize(t: torch.Tensor, dtype, column_major: bool = False) -> torch.Tensor:
-    """One cast kernel (Transformer Engine fuses amax update, scaling and transpose into it).
-    ``column_major``: the layout ``_scaled_mm`` needs for its second operand."""
-    q = t.to(dtype)
-    return q.t().contiguous().t() if column_major else q
+def _quantize(t: torch.Tensor, dtype, recipe: Fp8Recipe) -> torch.Tensor:
+    """One fused cast(-transpose) kernel per tensor, as TE runs it. Current scaling first
+    reduces the tensor's amax (TE docs, "FP8 Current Scaling requires two tensor reads per
+    quantization: one to compute amax, one to cast";
+    nvidia.github.io/TransformerEngine/features/low_precision_training/fp8_delayed_scaling);
+    delayed scaling records the amax inside the cast and MXFP8 computes its 1x32 block scales
+    inside it."""
+    if recipe.extra_amax_pass:
+        torch.linalg.vector_norm(t, float("inf"))
+    return t.to(dtype)
 
 
 def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, out_dtype, bias=None) -> torch.Tensor:
@@ -186,11 +193,12 @@ class _Fp8Linear(torch.autograd.Function):
     backward); backward casts only the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, recipe):
         ctx.has_bias = bias is not None
         ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.recipe = recipe
         x2 = x.reshape(-1, x.shape[-1])
-        qx, qw = _quantize(x2, FP8_FORWARD), _quantize(weight, FP8_FORWARD)
+        qx, qw = _quantize(x2, FP8_FORWARD, recipe), _quantize(weight, FP8_FORWARD, recipe)
         ctx.save_for_backward(qx, qw)
         ctx.x_shape = x.shape
         y = _scaled_mm(qx, qw.t(), x.dtype, bias)  # bias in the GEMM epilogue, as TE
@@ -201,23 +209,42 @@ class _Fp8Linear(torch.autograd.Function):
         qx, qw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        qg = _quantize(g2, FP8_BACKWARD)
+        qg = _quantize(g2, FP8_BACKWARD, ctx.recipe)
         grad_x = _scaled_mm(qg, qw.t().contiguous().t(), x_dtype).reshape(ctx.x_shape)
         grad_w = _scaled_mm(qg.t().contiguous(), qx.t().contiguous().t(), w_dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 class Fp8LinearEmulation(TorchFunctionMode):
-    """Run every ``F.linear`` as fp8 GEMMs (forward e4m3 x e4m3, backward e5m2 x e4m3)."""
+    """Run every ``F.linear`` of the covered layers as fp8 GEMMs (forward e4m3 x e4m3,
+    backward e5m2 x e4m3); attention BMMs are not linears and stay in the high dtype, and
+    layers the recipe does not cover (the LM head) are traced at ``recipe.fallback``."""
+
+    def __init__(self, recipe: Fp8Recipe) -> None:
+        super().__init__()
+        self.recipe = recipe
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear or getattr(func, "__name__", "") == "linear":
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _Fp8Linear.apply(x, weight, bias)
+            return _Fp8Linear.apply(x, weight, bias, self.recipe)
         return func(*args, **kwargs)
+
+
+# Emulation modes by the name a Precision entry declares (Precision.emulation).
+EMULATION_MODES = {"te_fp8": lambda p: Fp8LinearEmulation(p.recipe)}
+
+
+def emulation_mode(precision: str | Precision) -> TorchFunctionMode:
+    """The mode that stands in for ``precision``'s library (its ``emulation`` field)."""
+    p = get_precision(precision)
+    if p.emulation not in EMULATION_MODES:
+        raise ValueError(f"precision {p.name!r}: emulation={p.emulation!r} has no mode; "
+                         f"known: {', '.join(EMULATION_MODES)}")  # fmt: skip
+    return EMULATION_MODES[p.emulation](p)
 
 
 TARGETS = ("cuda", "cpu")
@@ -235,8 +262,8 @@ def autocast_context(
     if target not in TARGETS:
         raise ValueError(f"target={target!r} must be one of {TARGETS}")
     stack = contextlib.ExitStack()
-    if p.fp8:
-        stack.enter_context(Fp8LinearEmulation())
+    if p.emulation is not None:
+        stack.enter_context(emulation_mode(p))
     if p.autocast:
         if target == "cpu":
             stack.enter_context(torch.autocast("cpu", dtype=p.compute_dtype))

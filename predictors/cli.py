@@ -125,10 +125,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_collect(args) -> int:
-    from predictors.collect import CPU_PRECISIONS, collect, default_grid
-    from predictors.precision import get_precision
+    from predictors.collect import collect, default_grid
+    from predictors.precision import cpu_precisions, get_precision
 
-    precisions = args.precisions.split(",") if args.precisions else CPU_PRECISIONS
+    precisions = args.precisions.split(",") if args.precisions else cpu_precisions()
     for name in precisions:
         get_precision(name)  # named error before any measurement
     models = args.models.split(",") if args.models else None
@@ -175,13 +175,14 @@ def run_eval(data: Path, out: Path, vtrain: bool = True) -> dict[str, float]:
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
     res = evaluate_measurements(df, device, cache=features_cache_path(data))
     summary = {k: v.mape for k, v in res.items()}
-    for key in ("by_family", "by_size", "by_family_unaware", "by_size_unaware"):
+    for key in ("by_precision", "by_family", "by_size", "by_family_unaware", "by_size_unaware"):
         scatter_by_precision(res[key], df["precision"], out, f"CPU held out {key}")
     if vtrain:
         vt = evaluate_vtrain()
         summary.update({f"vtrain_{k}": v.mape for k, v in vt.items()})
-        scatter_by_precision(vt["by_size"], ["fp16-mixed"] * len(vt["by_size"].measured), out,
-                             "vTrain A100 held out by model size")  # fmt: skip
+        for key in ("unseen_hidden", "by_depth"):
+            scatter_by_precision(vt[key], ["fp16-mixed"] * len(vt[key].measured), out,
+                                 f"vTrain A100 {key}")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval_time.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -30,12 +30,10 @@ from pathlib import Path
 
 import torch
 
+from predictors.precision import cpu_precisions
 from predictors.spec import ParallelStrategy, TransformerSpec
 from predictors.zoo import ConvNetSpec, ModelSpec, ViTSpec
 
-CPU_PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp16-pure", "bf16-mixed", "fp16-mixed")
-GPU_PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "fp16-pure", "bf16-mixed",
-                  "fp16-mixed", "fp8")  # fmt: skip
 COLUMNS = ("model", "family", "spec_kind", "spec_json", "seq", "precision", "micro_batch", "dp",
            "seconds", "median_s", "min_s", "wall_s", "repeats", "canary_ms", "canary_ratio",
            "threads", "timestamp")  # fmt: skip
@@ -86,8 +84,9 @@ def _seq(spec: ModelSpec) -> int:
     return getattr(spec, "seq_length", 0) if isinstance(spec, TransformerSpec) else 0
 
 
-def default_grid(precisions: Iterable[str] = CPU_PRECISIONS, seqs=(32, 128), batches=(1, 4),
+def default_grid(precisions: Iterable[str] | None = None, seqs=(32, 128), batches=(1, 4),
                  models: Iterable[str] | None = None, dp_sizes=(1, 2)) -> list[GridPoint]:  # fmt: skip
+    precisions = cpu_precisions() if precisions is None else tuple(precisions)
     points = []
     for dp in dp_sizes:
         for seq in seqs:

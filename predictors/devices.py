@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 CPU_THREADS = 1  # `predict collect` measures single-threaded steps; CPU predictions match that
-DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 SMALL_GEMM_N, LARGE_GEMM_N = 96, 384  # calibration GEMM sizes (n x n x n)
 SMALL_GEMM_FLOPS, LARGE_GEMM_FLOPS = 2.0 * SMALL_GEMM_N**3, 2.0 * LARGE_GEMM_N**3
 
@@ -44,6 +43,9 @@ class Device:
     devices_per_node: int = 8
     launch_overhead: float = 5e-6  # seconds per kernel (GPU launch, CPU dispatch)
     comm_latency: float = 10e-6  # seconds per collective step
+    # fixed cost of a tensor-core GEMM beyond FLOPs / rate (prologue, epilogue, the last
+    # partial wave): small GEMMs run far below peak, large ones approach it
+    gemm_latency: float = 0.0
     vec_bw: dict[str, float] = field(default_factory=dict)  # elementwise bytes/s per dtype key
     # measured GEMM rate at SMALL_GEMM_FLOPS per dtype key (CPUs: small GEMMs run far below
     # peak); rates between the two sizes are interpolated in log space
@@ -84,15 +86,17 @@ class Device:
 
 
 # Effective host-side cost per kernel of eager PyTorch/Megatron training (launch + Python
-# dispatch + stream sync points), and per collective step: fitted once to the vTrain A100 data
-# (it minimises the spread of measured/roofline; the learned model corrects what is left).
+# dispatch + stream sync points), and per collective step. Defaults for devices without a
+# correction; a trained correction carries the values fitted on its own training rows
+# (predictors.calibrate, meta["device_constants"]), and held-out evaluations refit per fold.
 GPU_KERNEL_OVERHEAD = 40e-6
 GPU_COMM_LATENCY = 20e-6
 
 
-def _gpu(name, family, fp32, tf32, half, fp8, mem_bw, nvlink, ib, mem_gb, bf16=None) -> Device:
+def _gpu(name, family, fp32, tf32, half, fp8, mem_bw, nvlink, ib, mem_gb, bf16=None,
+         mxfp8=0.0) -> Device:  # fmt: skip
     peaks = {"fp32": fp32, "tf32": tf32, "bf16": half if bf16 is None else bf16, "fp16": half,
-             "fp8": fp8}  # fmt: skip
+             "fp8": fp8, "mxfp8": mxfp8}  # fmt: skip
     return Device(
         name,
         family,
@@ -118,6 +122,10 @@ DEVICES: dict[str, Device] = {
             "h100-80gb", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 3350 * G, 450 * G, 50 * G, 80
         ),  # fmt: skip
         _gpu("h200", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 4800 * G, 450 * G, 50 * G, 141),
+        # HGX B200 datasheet (dense = half the sparse figures): MXFP8 block scaling runs on
+        # Blackwell tensor cores at the fp8 rate; NVLink 5 1.8 TB/s bidirectional per GPU
+        _gpu("b200", "b200", 75 * T, 1100 * T, 2250 * T, 4500 * T, 8000 * G, 900 * G, 50 * G, 180,
+             mxfp8=4500 * T),  # fmt: skip
         _gpu("l40s", "l40s", 91.6 * T, 183 * T, 362 * T, 733 * T, 864 * G, 32 * G, 25 * G, 48),
         # V100 has no bf16 tensor cores: bf16 matmuls fall back to CUDA-core fp32 rates.
         _gpu(
@@ -144,10 +152,13 @@ def get_device(name: str | Device) -> Device:
 
 
 def require_precision_support(device: Device, precision) -> None:
-    if getattr(precision, "fp8", False) and not device.supports_fp8:
+    """The precision's ``requires_rate`` column must be non-zero on ``device``."""
+    col = precision.requires_rate
+    if col is not None and device.peak_flops.get(col, 0.0) <= 0:
+        have = [n for n, d in DEVICES.items() if d.peak_flops.get(col, 0.0) > 0]
         raise UnsupportedPrecisionError(
-            f"precision={precision.name!r} needs fp8 tensor cores; device={device.name!r} has none "
-            "(fp8 runs on h100-80gb, h200, l40s)"
+            f"precision={precision.name!r} needs the device's {col!r} rate (requires_rate); "
+            f"device={device.name!r} has none ({precision.name} runs on {', '.join(have) or 'no table device'})"
         )
 
 
@@ -179,7 +190,7 @@ def nvml_device() -> Device | None:
 def match_gpu_name(name: str, memory_bytes: float, count: int = 8) -> Device | None:
     n = name.upper()
     gb = memory_bytes / 2**30
-    for token, key in (("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"),
+    for token, key in (("B200", "b200"), ("H200", "h200"), ("H100", "h100-80gb"), ("L40S", "l40s"),
                        ("V100", "v100"), ("A100", "a100-80gb" if gb > 50 else "a100-40gb")):  # fmt: skip
         if token in n:
             base = DEVICES[key]

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from predictors.model import mape, train_time_model
+from predictors.train import feature_names
 
 
 @dataclass
@@ -24,6 +25,7 @@ class HeldOutResult:
     per_group: dict[str, float]
     predicted: np.ndarray = field(repr=False)
     measured: np.ndarray = field(repr=False)
+    constants: dict[str, dict[str, float]] = field(default_factory=dict)  # per fold, in us
 
 
 def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
@@ -32,8 +34,6 @@ def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
     """Train on all groups but one, predict that one; every group in turn. ``precisions`` (one
     per row) drop the precision features when there is only one
     (:func:`predictors.train.feature_names`)."""
-    from predictors.train import feature_names
-
     y = np.asarray(seconds, dtype=float)
     pred = np.zeros(len(rows))
     per_group = {}
@@ -50,8 +50,6 @@ def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
 def split_train_test(name: str, rows: Sequence[dict], seconds: Sequence[float],
                      is_test: Sequence[bool], family: str,
                      precisions: Sequence[str] | None = None) -> HeldOutResult:  # fmt: skip
-    from predictors.train import feature_names
-
     y = np.asarray(seconds, dtype=float)
     train = [i for i, t in enumerate(is_test) if not t]
     test = [i for i, t in enumerate(is_test) if t]
@@ -65,30 +63,96 @@ def split_train_test(name: str, rows: Sequence[dict], seconds: Sequence[float],
 # vTrain (A100, Megatron, fp16 mixed)
 
 
-def vtrain_features(precision_aware: bool = True, rows=None):
+def vtrain_features(precision_aware: bool = True, rows=None, device=None):
+    """(rows, feature rows) of vTrain; ``device`` defaults to the table's ``a100-80gb`` (pass
+    one with fitted constants, :func:`predictors.calibrate.with_constants`)."""
     from predictors.devices import get_device
     from predictors.features import features
     from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
 
     rows = rows if rows is not None else load_vtrain()
-    dev = get_device(VTRAIN_DEVICE)
+    dev = device or get_device(VTRAIN_DEVICE)
     feats = [features(r.spec, r.strategy, VTRAIN_PRECISION, dev,
                       precision_aware=precision_aware) for r in rows]  # fmt: skip
     return rows, feats
 
 
-def evaluate_vtrain() -> dict[str, HeldOutResult]:
-    """Leave-one-model-size-out (hidden x depth) and train-small/test-large (h1024 -> h2048)."""
-    from predictors.vtrain import VTRAIN_PRECISION
+class _VTrainFolds:
+    """Train/test folds on vTrain with the host constants fitted on each fold's training rows
+    (:mod:`predictors.calibrate`); feature rows are shared between folds that fit the same."""
 
-    rows, feats = vtrain_features()
-    y = [r.seconds for r in rows]
-    one = [VTRAIN_PRECISION]
-    by_size = leave_group_out("vtrain_by_size", feats, y, [r.size for r in rows], "a100", one)
-    large = split_train_test("vtrain_h1024_to_h2048", feats, y,
-                             [r.spec.hidden_size == 2048 for r in rows], "a100", one)  # fmt: skip
-    analytical = mape([f["analytical_s"] for f in feats], y)
-    return {"by_size": by_size, "small_to_large": large,
+    def __init__(self, rows) -> None:
+        from predictors.devices import get_device
+        from predictors.vtrain import VTRAIN_DEVICE
+
+        self.rows = rows
+        self.base = get_device(VTRAIN_DEVICE)
+        self._feats: dict[tuple, list[dict]] = {}
+
+    def features(self, constants: dict[str, float]) -> list[dict]:
+        from predictors.calibrate import with_constants
+
+        key = tuple(sorted(constants.items()))
+        if key not in self._feats:
+            dev = with_constants(self.base, constants)
+            self._feats[key] = vtrain_features(rows=self.rows, device=dev)[1]
+        return self._feats[key]
+
+    def fold(self, train: list[int], test: list[int]) -> tuple[np.ndarray, dict[str, float]]:
+        """Predictions on ``test`` of a correction (and constants) fitted on ``train`` only."""
+        from predictors.calibrate import fit_gpu_constants
+        from predictors.vtrain import VTRAIN_PRECISION
+
+        constants = fit_gpu_constants([self.rows[i] for i in train], VTRAIN_PRECISION, self.base)
+        feats = self.features(constants)
+        names = feature_names(feats, [VTRAIN_PRECISION])
+        model = train_time_model([feats[i] for i in train],
+                                 [self.rows[i].seconds for i in train], "a100", names)  # fmt: skip
+        return model.predict([feats[i] for i in test]), constants
+
+    def split(self, name: str, groups: Sequence[str],
+              folds: Sequence[tuple[set[str], set[str]]]) -> HeldOutResult:  # fmt: skip
+        """Pooled MAPE over ``folds`` of (train groups, test groups)."""
+        y = np.array([r.seconds for r in self.rows])
+        preds, trues, per_group, fitted = [], [], {}, {}
+        for train_g, test_g in folds:
+            train = [i for i, g in enumerate(groups) if g in train_g]
+            test = [i for i, g in enumerate(groups) if g in test_g]
+            pred, constants = self.fold(train, test)
+            label = "+".join(sorted(test_g))
+            per_group[label] = mape(pred, y[test])
+            fitted[label] = {k: v * 1e6 for k, v in constants.items()}
+            preds.append(pred)
+            trues.append(y[test])
+        pred, true = np.concatenate(preds), np.concatenate(trues)
+        return HeldOutResult(name, mape(pred, true), per_group, pred, true, fitted)
+
+
+def evaluate_vtrain() -> dict[str, HeldOutResult]:
+    """vTrain splits, every constant fitted inside the fold:
+
+    * ``unseen_hidden`` (headline): train on one hidden size, test on the other, both
+      directions (h1024 -> h2048 and h2048 -> h1024), pooled;
+    * ``by_depth`` (secondary): leave one (hidden, depth) group out; its hidden size is seen
+      at three other depths, so this is interpolation;
+    * ``analytical_only``: the roofline with the shipped constants, no correction.
+
+    vTrain has one sequence length (1024), one head count (16) and one precision: unseen
+    sequence length, head count and precision are scored on the CPU measurements."""
+    from predictors.vtrain import load_vtrain
+
+    folds = _VTrainFolds(load_vtrain())
+    rows = folds.rows
+    hidden = [f"h{r.spec.hidden_size}" for r in rows]
+    hs = sorted(set(hidden))
+    unseen = folds.split("vtrain_unseen_hidden", hidden,
+                         [({a}, {b}) for a in hs for b in hs if a != b])  # fmt: skip
+    sizes = [r.size for r in rows]
+    all_sizes = set(sizes)
+    by_depth = folds.split("vtrain_by_depth", sizes, [(all_sizes - {g}, {g}) for g in sorted(all_sizes)])
+    analytical = mape([f["analytical_s"] for f in vtrain_features(rows=rows)[1]],
+                      [r.seconds for r in rows])  # fmt: skip
+    return {"unseen_hidden": unseen, "by_depth": by_depth,
             "analytical_only": HeldOutResult("vtrain_analytical", analytical, {},
                                              np.array([]), np.array([]))}  # fmt: skip
 
@@ -152,7 +216,9 @@ def size_tier(model: str) -> str:
 
 def evaluate_measurements(df, device, family: str = "cpu",
                           cache: str | Path | None = None) -> dict[str, HeldOutResult]:  # fmt: skip
-    """Leave-one-family-out and leave-one-size-tier-out, precision-aware vs precision-unaware.
+    """Leave-one-family-out and leave-one-size-tier-out, precision-aware vs precision-unaware;
+    precision-aware also leave-one-precision-out (``by_precision``: a precision the correction
+    never saw) and unseen sequence length (``by_seq``).
 
     A size tier (``xs``, ``s``, ``m``) is held out across ALL families at once: ``gpt-s``,
     ``bert-s`` and ``llama-s`` share a shape, so holding out one model leaves its twins in."""
@@ -165,7 +231,24 @@ def evaluate_measurements(df, device, family: str = "cpu",
         results["by_family" + tag] = leave_group_out("by_family" + tag, feats, y,
                                                      list(df["family"]), family)  # fmt: skip
         results["by_size" + tag] = leave_group_out("by_size" + tag, feats, y, tiers, family)
+        if aware:
+            results["by_precision"] = leave_group_out("by_precision", feats, y,
+                                                      list(df["precision"]), family)  # fmt: skip
+            results["by_seq"] = _unseen_seq(feats, y, [int(v) for v in df["seq"]], family)
     return results
+
+
+def _unseen_seq(feats: list[dict], y: np.ndarray, seqs: list[int], family: str) -> HeldOutResult:
+    """Hold out each sequence length of the sequence models in turn (rows without one, seq 0,
+    always train), pooled."""
+    preds, trues, per = [], [], {}
+    for s in sorted({v for v in seqs if v > 0}):
+        res = split_train_test(f"seq{s}", feats, y, [v == s for v in seqs], family)
+        per[f"seq{s}"] = res.mape
+        preds.append(res.predicted)
+        trues.append(res.measured)
+    pred, true = np.concatenate(preds), np.concatenate(trues)
+    return HeldOutResult("by_seq", mape(pred, true), per, pred, true)
 
 
 def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_dir: str | Path,

@@ -21,18 +21,26 @@ import torch
 from predictors.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.devices import Device
 from predictors.network import Topology
-from predictors.precision import Precision, get_precision
+from predictors.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
 from predictors.step import Batch
 from predictors.trace import OP_CLASSES, Trace, trace_step
 from predictors.zoo import EmbeddingHead, ModelSpec, TransformerLayer, build, make_batch
 
-PRECISION_FEATURES = (
-    "param_bits", "compute_bits", "autocast", "master_fp32", "grad_scaler", "tf32", "fp8",
+# features of the traced kernels that only vary with precision (the entry's own encoding,
+# Precision.encoding, is added to these by precision_feature_names)
+TRACED_PRECISION_FEATURES = (
     "cast_bytes", "cast_count", "tc_flop_frac", "matmul_flops_fp32", "matmul_flops_bf16",
     "matmul_flops_fp16", "matmul_flops_fp8", "vec_bytes_fp32", "vec_bytes_bf16",
     "vec_bytes_fp16",
 )  # fmt: skip
+
+
+def precision_feature_names() -> set[str]:
+    """Every feature that describes precision, over all registered entries."""
+    from predictors.precision import PRECISIONS
+
+    return set(TRACED_PRECISION_FEATURES).union(*(p.encoding() for p in PRECISIONS.values()))
 
 
 def _bits(dtype: torch.dtype) -> int:
@@ -102,8 +110,11 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     key = _canonical(spec)
     layer_step, layer_opt = _at_batch("layer", key, strategy.tp, strategy.micro_batch,
                                       precision.name, target)  # fmt: skip
+    # an fp8 recipe covers the layers' linears only: TE keeps the embedding and LM head in
+    # the high-precision dtype (te.Linear is not used there; LLM Foundry does the same)
+    head_precision = precision.recipe.fallback if precision.recipe else precision.name
     head_step, head_opt = _at_batch("head", key, strategy.tp, strategy.micro_batch,
-                                    precision.name, target)  # fmt: skip
+                                    head_precision, target)  # fmt: skip
     layers = spec.num_layers // strategy.pp
     fwd_bwd = layer_step.repeated(layers) + head_step
     optimizer = layer_opt.repeated(layers) + head_opt
@@ -120,6 +131,8 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
         dp_grad_elements=grad_elems,
         pp_bytes=act_bytes,
+        fp8_tensors=sum(r.name == "_scaled_mm" for r in fwd_bwd.records),
+        fp8_recipe=precision.recipe,
     )
 
 
@@ -210,6 +223,10 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
         "tp_comm_overlap": float(options.tp_comm_overlap),
         "distributed_optimizer": float(options.distributed_optimizer),
         "bubble_frac": est.bubble / est.total,
+        "recompute_frac": est.recompute_mb * m / est.total,
+        "fsdp_comm_frac": est.fsdp_comm_mb * m / est.total,
+        "fsdp": float(options.fsdp),
+        "fp8_recipe_frac": est.fp8_recipe_s / est.total,
         "opt_frac": est.optimizer / est.total,
         "dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp,
         "micro_batch": strategy.micro_batch, "num_microbatches": strategy.num_microbatches,
@@ -235,8 +252,8 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
 def _precision_features(trace: Trace, p: Precision) -> dict[str, float]:
     from predictors.analytical import dtype_key
 
-    mm = {"fp32": 0.0, "tf32": 0.0, "bf16": 0.0, "fp16": 0.0, "fp8": 0.0}
-    vec = {"fp32": 0.0, "tf32": 0.0, "bf16": 0.0, "fp16": 0.0, "fp8": 0.0}
+    mm = dict.fromkeys(RATE_COLUMNS, 0.0)
+    vec = dict.fromkeys(RATE_COLUMNS, 0.0)
     tc = total = 0.0
     for r in trace.records:
         k = dtype_key(r)
@@ -248,20 +265,14 @@ def _precision_features(trace: Trace, p: Precision) -> dict[str, float]:
             vec[k] += r.bytes
     casts = [r for r in trace.records if r.op_class == "cast"]
     return {
-        "param_bits": _bits(p.param_dtype),
-        "compute_bits": _bits(p.compute_dtype),
-        "autocast": float(p.autocast),
-        "master_fp32": float(p.master_weights_fp32),
-        "grad_scaler": float(p.grad_scaler),
-        "tf32": float(p.tf32),
-        "fp8": float(p.fp8),
+        **p.encoding(),
         "cast_bytes": math.log1p(sum(r.bytes for r in casts)),
         "cast_count": float(len(casts)),
         "tc_flop_frac": tc / total if total else 0.0,
         "matmul_flops_fp32": math.log1p(mm["fp32"] + mm["tf32"]),
         "matmul_flops_bf16": math.log1p(mm["bf16"]),
         "matmul_flops_fp16": math.log1p(mm["fp16"]),
-        "matmul_flops_fp8": math.log1p(mm["fp8"]),
+        "matmul_flops_fp8": math.log1p(mm["fp8"] + mm["mxfp8"]),
         "vec_bytes_fp32": math.log1p(vec["fp32"]),
         "vec_bytes_bf16": math.log1p(vec["bf16"]),
         "vec_bytes_fp16": math.log1p(vec["fp16"]),

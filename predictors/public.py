@@ -74,13 +74,15 @@ class PrecisionPair:
     fast: str
     measured_ratio: float  # t_reference / t_fast
     note: str = ""
+    options: TrainingOptions = TrainingOptions()
 
 
 def load_llm_foundry_pairs() -> list[PrecisionPair]:
     """bf16 vs fp8 on the same MPT run. MPT stores fp32 weights under autocast in both runs;
     the closest pair in our precision table that changes only the matmul dtype is
-    ``bf16-mixed`` vs ``fp8`` (both bf16 weights with fp32 masters). FSDP ``FULL_SHARD`` on one
-    node is priced as data parallelism (its collectives stay on NVLink in both runs)."""
+    ``bf16-mixed`` vs ``fp8`` (both bf16 weights with fp32 masters). The runs use FSDP
+    ``FULL_SHARD`` (``TrainingOptions.fsdp``) and, where the table says so, activation
+    checkpointing."""
     pairs = []
     with open(data_path(FOUNDRY_CSV), newline="") as f:
         for r in csv.DictReader(f):
@@ -92,13 +94,12 @@ def load_llm_foundry_pairs() -> list[PrecisionPair]:
             if strategy.num_microbatches != int(r["grad_accum"]):
                 raise ValueError(f"{FOUNDRY_CSV}: row {r['model']}: batch sizes disagree")
             ratio = float(r["fp8_tokens_per_s_per_gpu"]) / float(r["bf16_tokens_per_s_per_gpu"])
-            note = (
-                "activation checkpointing (not modelled)"
-                if r["activation_checkpointing"] == "True"
-                else ""
-            )
+            ckpt = r["activation_checkpointing"] == "True"
             pairs.append(PrecisionPair(f"{r['model']}-s{r['seq_len']}", spec, strategy,
-                                       "h100-80gb", "bf16-mixed", "fp8", ratio, note))  # fmt: skip
+                                       "h100-80gb", "bf16-mixed", "fp8", ratio,
+                                       "activation checkpointing" if ckpt else "",
+                                       TrainingOptions(fsdp=True,
+                                                       activation_checkpointing=ckpt)))  # fmt: skip
     return pairs
 
 
@@ -133,8 +134,8 @@ def evaluate_precision_pairs() -> PublicResult:
 
     rows = []
     for p in load_llm_foundry_pairs():
-        ref = predict_iteration_time(p.spec, p.strategy, p.reference, p.device)
-        fast = predict_iteration_time(p.spec, p.strategy, p.fast, p.device)
+        ref = predict_iteration_time(p.spec, p.strategy, p.reference, p.device, options=p.options)
+        fast = predict_iteration_time(p.spec, p.strategy, p.fast, p.device, options=p.options)
         rows.append((p.name, ref / fast, p.measured_ratio))
     pred, true = np.array([p for _, p, _ in rows]), np.array([t for _, _, t in rows])
     return PublicResult("llm_foundry_bf16_fp8_ratio",

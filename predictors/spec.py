@@ -57,10 +57,17 @@ class TrainingOptions:
     virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     distributed_optimizer: bool = False  # ZeRO-1: reduce-scatter grads, all-gather params
     overlap_param_gather: bool = False  # the all-gather runs under the next forward
+    # PyTorch FSDP FULL_SHARD / ZeRO-3 over the DP group: parameters all-gathered before each
+    # micro-batch's forward and again before its backward, gradients reduce-scattered
+    fsdp: bool = False
+    activation_checkpointing: bool = False  # every layer's forward re-runs in backward
 
     def __post_init__(self) -> None:
         if self.virtual_pipeline < 1:
             raise StrategyError(f"virtual_pipeline={self.virtual_pipeline} must be >= 1")
+        if self.fsdp and self.distributed_optimizer:
+            raise StrategyError("fsdp=True and distributed_optimizer=True are two ZeRO modes; "
+                                "choose one")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise StrategyError("overlap_param_gather=True needs distributed_optimizer=True")
 

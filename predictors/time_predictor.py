@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from predictors.analytical import Breakdown
+from predictors.calibrate import with_constants
 from predictors.devices import Device, get_device, require_precision_support
 from predictors.features import features, features_and_breakdown
 from predictors.model import TimeModel, shipped_model_path
@@ -71,10 +72,12 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device
     dev = get_device(device_name)
     p = get_precision(precision)
     _validate(spec, strategy, p, dev, options)
-    row, breakdown = features_and_breakdown(spec, strategy, p, dev, options=options,
-                                            topology=topology)  # fmt: skip
     family = dev.family
     model = _family_model(family)
+    if model:  # the constants the correction was trained with
+        dev = with_constants(dev, model.meta.get("device_constants"))
+    row, breakdown = features_and_breakdown(spec, strategy, p, dev, options=options,
+                                            topology=topology)  # fmt: skip
     seconds = model.predict_one(row) if model else row["analytical_s"]
     path = shipped_model_path(family) if model else None
     return PredictionResult(seconds, row["analytical_s"], breakdown, model is not None, dev.name,
@@ -119,5 +122,7 @@ def predict_with_model(model: TimeModel | None, model_spec: ModelSpec, strategy:
     dev = get_device(device)
     options = options or DEFAULT_OPTIONS
     _validate(model_spec, strategy, p, dev, options)
+    if model:
+        dev = with_constants(dev, model.meta.get("device_constants"))
     row = features(model_spec, strategy, p, dev, options=options, topology=topology)
     return model.predict_one(row) if model else row["analytical_s"]

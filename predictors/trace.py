@@ -89,10 +89,11 @@ def classify(name: str, phase: str, casts: bool) -> str:
     return "elementwise"
 
 
-def dtype_class(dtype: torch.dtype | None, tf32: bool = False) -> str:
-    """Which peak-FLOP/s column of a device an op's math uses."""
+def dtype_class(dtype: torch.dtype | None, tf32: bool = False, fp8_column: str = "fp8") -> str:
+    """Which peak-FLOP/s column of a device an op's math uses (``fp8_column``: the column
+    of the precision's fp8 recipe, ``fp8`` or ``mxfp8``)."""
     if dtype in FP8:
-        return "fp8"
+        return fp8_column
     if dtype in LOW_PRECISION:
         return "fp16"  # bf16 and fp16 have the same tensor-core rate on every listed GPU
     if dtype == torch.float64:
@@ -110,7 +111,7 @@ class OpRecord:
     phase: str
     op_class: str
     dtype: str  # dtype the op computes in, e.g. "bfloat16"
-    dtype_class: str  # fp32 | tf32 | fp16 | fp8 | fp64 (peak-rate column)
+    dtype_class: str  # fp32 | tf32 | fp16 | fp8 | mxfp8 | fp64 (peak-rate column)
     in_shapes: tuple[tuple[int, ...], ...]
     out_shapes: tuple[tuple[int, ...], ...]
     flops: float
@@ -172,9 +173,10 @@ class Trace:
 class OpTracer(TorchDispatchMode):
     """Record every non-view aten kernel; set :attr:`phase` (or pass it as ``on_phase``)."""
 
-    def __init__(self, tf32: bool = False) -> None:
+    def __init__(self, tf32: bool = False, fp8_column: str = "fp8") -> None:
         super().__init__()
         self.tf32 = tf32
+        self.fp8_column = fp8_column
         self.phase = "init"
         self.trace = Trace()
 
@@ -228,7 +230,7 @@ class OpTracer(TorchDispatchMode):
         if name.endswith("_"):  # in-place: the mutated operands are written back
             mutated = [args[0], args[2], args[3]] if "adam" in name else [args[0]]
             moved += sum(_bytes(t) for t in tree_leaves(mutated) if isinstance(t, torch.Tensor))
-        dclass = dtype_class(compute, self.tf32 and compute == torch.float32)
+        dclass = dtype_class(compute, self.tf32 and compute == torch.float32, self.fp8_column)
         aligned = all(d % 8 == 0 for t in ins[:2] for d in t.shape[-2:]) if ins else False
         tensor_core = op_class in TENSOR_CORE_CLASSES and dclass != "fp32" and aligned
         causal = op_class == "attention" and _is_causal(args, kwargs)
@@ -262,7 +264,8 @@ def trace_step(build_model, build_batch, precision, *, target: str = "cuda", **k
     from predictors.precision import get_precision
     from predictors.step import trace_training_step
 
-    tracer = OpTracer(tf32=get_precision(precision).tf32)
+    p = get_precision(precision)
+    tracer = OpTracer(tf32=p.tf32, fp8_column=p.recipe.rate_column if p.recipe else "fp8")
     trace_training_step(
         build_model, build_batch, precision, target=target, modes=[tracer],
         on_phase=tracer.on_phase, steps=2, **kw,

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from predictors.features import PRECISION_FEATURES
+from predictors.features import precision_feature_names
 from predictors.model import TimeModel, train_time_model
 from predictors.vtrain import VTrainRow
 
@@ -29,7 +29,8 @@ VTRAIN_META = ("predictors/data/ground_truth_single.csv (vTrain: 1,440 Megatron 
 def feature_names(rows: Sequence[dict], precisions: Sequence[str]) -> list[str]:
     names = sorted({k for r in rows for k in r} - {"analytical_s"})
     if len(set(precisions)) < 2:
-        names = [n for n in names if n not in PRECISION_FEATURES]
+        drop = precision_feature_names()
+        names = [n for n in names if n not in drop]
     return names
 
 
@@ -39,7 +40,10 @@ def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
 
     Example (hold out one model size): ``train_vtrain_model(lambda r: r.size == "h2048-l24")``;
     ``r.spec`` and ``r.strategy`` are the row's :class:`TransformerSpec` and
-    :class:`ParallelStrategy`."""
+    :class:`ParallelStrategy`. The host constants (per-kernel overhead, collective latency)
+    are fitted on the same rows and kept in ``meta["device_constants"]``."""
+    from predictors.calibrate import fit_gpu_constants, with_constants
+    from predictors.devices import get_device
     from predictors.evaluate import vtrain_features
     from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
 
@@ -47,10 +51,13 @@ def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
             if not (exclude and exclude(r))]  # fmt: skip
     if not rows:
         raise ValueError("exclude removed every vTrain row; nothing to train on")
-    rows, feats = vtrain_features(rows=rows)
+    constants = fit_gpu_constants(rows, VTRAIN_PRECISION, get_device(VTRAIN_DEVICE))
+    rows, feats = vtrain_features(rows=rows,
+                                  device=with_constants(get_device(VTRAIN_DEVICE), constants))  # fmt: skip
     names = feature_names(feats, [VTRAIN_PRECISION])
     meta = {"training_data": VTRAIN_META, "device": VTRAIN_DEVICE, "precision_aware": True,
-            "excluded_rows": 1440 - len(rows) if exclude else 0}  # fmt: skip
+            "excluded_rows": 1440 - len(rows) if exclude else 0,
+            "device_constants": constants}  # fmt: skip
     return train_time_model(feats, [r.seconds for r in rows], "a100", names, meta)
 
 

@@ -19,9 +19,10 @@ from gpucheck import adapters
 from gpucheck.common import Budget, BudgetExceeded, PartContext, RowWriter, error_text
 from gpucheck.predictions import Predictions
 from gpucheck.steps import RealStep
+from predictors.devices import get_device
+from predictors.precision import PRECISIONS
 
 FILE = "time.csv"
-GPU_PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16", "bf16-mixed", "fp8")
 DRY_PRECISIONS = ("fp16", "fp8")  # autocast + GradScaler; torch._scaled_mm (CPU kernel)
 # (name, family, layers, hidden, heads, seq, micro-batch)
 GPU_CONFIGS = (
@@ -136,7 +137,10 @@ def _merge(row: dict, pred: dict) -> dict:
 def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     tiny = ctx.dry_run
     configs = DRY_CONFIGS if tiny else GPU_CONFIGS
-    precisions = DRY_PRECISIONS if tiny else GPU_PRECISIONS
+    # every entry of the one Precision table the device can run
+    rates = get_device(adapters.time_device(ctx.device)).peak_flops
+    precisions = DRY_PRECISIONS if tiny else tuple(
+        n for n, p in PRECISIONS.items() if p.requires_rate is None or rates.get(p.requires_rate))
     points = [(c, p) for c in configs for p in precisions]
     random.Random(0).shuffle(points)
     device = adapters.time_device(ctx.device)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from predictors.precision import get_precision
+from predictors.precision import get_precision, megatron_precisions
 from predictors.spec import TransformerSpec
 
-SUPPORTED_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+SUPPORTED_PRECISIONS = megatron_precisions()  # entries of the Precision table with a Megatron flag
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..devices import get_device as get_compute_device
+from ..precision import get_precision
 from .allocator import MiB
 from .optimizers import OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
@@ -120,7 +121,7 @@ class DistributedSpec:
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
         delta = 0
-        elem = 2 if precision.startswith(("bf16", "fp16", "fp8")) else 4
+        elem = get_precision(precision).param_dtype.itemsize
         if self.zero >= 1:
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only

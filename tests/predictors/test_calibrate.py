@@ -1,0 +1,35 @@
+"""The roofline's non-datasheet constants are fitted on the rows given, and only those."""
+
+from dataclasses import replace
+
+import pytest
+
+from predictors.analytical import iteration_time
+from predictors.calibrate import fit_gpu_constants, with_constants
+from predictors.devices import get_device
+from predictors.features import step_work
+from predictors.precision import get_precision
+from predictors.vtrain import load_vtrain
+
+
+def test_fit_recovers_the_constants_rows_were_made_with():
+    """Rows whose 'measured' time is the roofline at known constants (times a constant
+    offset the correction would absorb) give back exactly those constants."""
+    base = get_device("a100-80gb")
+    truth = {"launch_overhead": 60e-6, "comm_latency": 20e-6, "gemm_latency": 10e-6}
+    dev = replace(base, **truth)
+    p = get_precision("fp16-mixed")
+    rows = [r for r in load_vtrain() if r.spec.num_layers == 12][::6]
+    made = [replace(r, seconds=1.3 * iteration_time(step_work(r.spec, r.strategy, p, dev),
+                                                    r.strategy, dev).total) for r in rows]  # fmt: skip
+    assert fit_gpu_constants(made, "fp16-mixed", base) == truth
+
+
+def test_with_constants_names_a_bad_field():
+    dev = get_device("a100-80gb")
+    assert with_constants(dev, None) is dev
+    assert with_constants(dev, {"gemm_latency": 5e-6}).gemm_latency == 5e-6
+    with pytest.raises(ValueError, match="bogus"):
+        with_constants(dev, {"bogus": 1.0})
+    with pytest.raises(ValueError, match="rows is empty"):
+        fit_gpu_constants([], "fp16-mixed", dev)
