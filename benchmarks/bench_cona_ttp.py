@@ -1,15 +1,22 @@
 #!/usr/bin/env python
-"""Time-to-perplexity: CONA vs the offline planner, the best static strategy in hindsight,
-Megatron's batch ramp-up, Pollux-style batch+LR adaptation, and the branch-and-measure oracle.
+"""Time-to-perplexity: CONA vs the offline planner, the hindsight-best static strategy,
+Megatron's batch ramp-up (swept), Pollux (adaptdl's own goodput code, when installed) and the
+DP bound over every (global batch x layout) sequence.
 
-Training progress is REAL (small megatron-core GPT-style and Llama-style models, byte-level
-CPython stdlib sources, 2 gloo CPU ranks, 3 seeds); the clock is SIMULATED: vTrain-measured
-GPT-3 1.3B iteration times on 8x A100, switch cost = measured fixed cost + reshard-plan bytes over
-NVLink. CONA's time predictor is trained without the model-size group the clock charges.
+Training progress is REAL: cached curves of small megatron-core models (GPT-style, Llama-style)
+on CPython stdlib sources, one per (family, seed, global batch, LR), trained once (1-rank CPU
+processes) and cached by provenance; every run re-trains one cached curve and requires it to
+match bit for bit. The clock is SIMULATED: vTrain-measured GPT-3 1.3B iteration times on
+8x A100, switch cost = measured fixed cost + reshard-plan bytes over NVLink. Two LR variants:
+``sqrt`` (one tuned base LR, sqrt-scaled) and ``table`` (per-batch LR from one sweep).
 
-Last line (medians over families x seeds):
-``speedup_vs_planner=A speedup_vs_tuned_static=B speedup_vs_rampup=C speedup_vs_pollux=D
-gap_to_oracle=E%`` (goals: A >= 1.4; B, C, D >= 1.1; E <= 2.6).
+Building the curve set the first time is long (``--build-only`` does only that); with the cache
+in place the default run takes a few minutes. ``--fresh`` re-trains everything; ``--smoke`` is a
+tiny end-to-end check (one family, one seed, short budget; its numbers mean nothing).
+
+Last line (medians over families x seeds, ``table`` variant; ``sqrt`` just above):
+``ref_vs_best_static=R ref_switches=K speedup_vs_planner=A speedup_vs_tuned_static=B
+speedup_vs_rampup=C speedup_vs_pollux=D gap_to_bound=E%``.
 """
 
 from __future__ import annotations
@@ -20,44 +27,38 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _worker(rank: int, world: int, opts):
-    import logging
-
-    from megatron_cona.ttp import run_ttp
-
-    logging.basicConfig(level=logging.WARNING, force=True)
-    start = time.time()
-
-    def progress(name, point):
-        if rank == 0:
-            print(f"[{time.time() - start:5.0f}s] {name:18s} samples {point.samples:6d}  "
-                  f"sim {point.sim_time:7.1f}s  val {point.val_loss:.4f}  {point.strategy}",
-                  flush=True)
-
-    return run_ttp(opts, progress)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
-    from megatron_cona.cli import print_ttp
-    from megatron_cona.ttp import TTPOptions
-    from megatron_cpu.launch import run_distributed
+    from cona_pollux import register_pollux
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--quick", action="store_true",
-                        help="one family, one seed, short budget (development)")
-    args = parser.parse_args()
-    if args.quick:
-        opts = TTPOptions(out=args.out, families=("gpt",), seeds=(1234,), budget_samples=2048,
-                          rampup_starts=(16,), rampup_fractions=(0.25,))
-    else:
-        opts = TTPOptions(out=args.out)
+    from megatron_cona.cli import _ttp_parser, print_ttp
+    from megatron_cona.ttp import TTPOptions, run_ttp
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     parents=[_ttp_parser()], add_help=False,
+                                     conflict_handler="resolve")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny end-to-end check (one family and seed, short budget)")
+    parser.add_argument("--build-only", action="store_true",
+                        help="build the curve cache and stop before the cases")
+    args = vars(parser.parse_args())
+    smoke = args.pop("smoke")
+    if smoke:
+        args.update(families=("gpt",), seeds=(1234,), budget_samples=512, batches=(8, 16, 64),
+                    lr_grid=(2e-3,), lr_multipliers=(1.0,), rampup_starts=(16,),
+                    rampup_fractions=(0.25,), interval_samples=64, max_samples_factor=1.5)
+    opts = TTPOptions(**args)
+    pollux = register_pollux()
+    print(f"pollux: {pollux}", flush=True)
     t0 = time.time()
-    report = run_distributed(_worker, 2, opts, timeout=3600, threads=1)[0]
-    print(f"wall time {time.time() - t0:.0f}s; plots {args.out}/ttp_<family>_s<seed>.png; "
-          f"report {args.out / 'ttp.json'}")
+    report = run_ttp(opts, lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
+    if opts.build_only:
+        print(f"curve cache built in {time.time() - t0:.0f}s: {opts.cache}")
+        return
+    print(f"wall time {time.time() - t0:.0f}s; plots {opts.out}/ttp_<family>_s<seed>_<variant>"
+          f".png; report {opts.out / 'ttp.json'}")
     print_ttp(report)
 
 

@@ -3,7 +3,7 @@
     cona plan --world 8 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
               --seq-length 1024 --global-batch-range 16,128 --device a100-80gb
     torchrun --nproc-per-node 8 -m megatron_cona.cli run <Megatron-LM flags> --cona ...
-    cona ttp --out out                # GPUs; CPU: python scripts/cona_cpu.py ttp --nproc 2
+    cona ttp --out out                # GPUs; CPU: python scripts/cona_cpu.py ttp
     cona plot --log cona.jsonl --out out/cona_timeline.png
 
 Errors print one line naming the problem and exit with status 2.
@@ -85,23 +85,33 @@ def _ttp_parser() -> argparse.ArgumentParser:
     from megatron_cona.ttp import TTPOptions
 
     d = TTPOptions()
-    p = argparse.ArgumentParser(prog="cona ttp", description="Time-to-perplexity: offline "
-                                "planner, best static, Megatron ramp-up, Pollux-style, CONA and "
-                                "the branch-and-measure oracle; SIMULATED clock, REAL training.")
+    p = argparse.ArgumentParser(prog="cona ttp", description="Time-to-perplexity on cached real "
+                                "training curves and a SIMULATED clock: every registered "
+                                "baseline, CONA and the DP bound.")
     p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--cache", type=Path, default=d.cache, help="curve cache directory")
     p.add_argument("--families", type=_str_list, default=d.families,
                    help="small models that really train: gpt, llama (comma-separated)")
     p.add_argument("--seeds", type=_int_list, default=d.seeds)
-    p.add_argument("--target-gpus", type=int, default=d.target_gpus)
-    p.add_argument("--target-device", default=d.target_device)
+    p.add_argument("--variants", type=_str_list, default=d.variants,
+                   help="LR variants: sqrt (one tuned base LR, sqrt-scaled), table (per batch)")
+    p.add_argument("--batches", type=_int_list, default=d.batches)
     p.add_argument("--user-global-batch", type=int, default=d.user_global_batch)
-    p.add_argument("--global-batch-range", type=_int_pair, default=d.global_batch_range)
-    p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)
     p.add_argument("--budget-samples", type=int, default=d.budget_samples,
                    help="length of the offline planner's run; its final loss is the target")
     p.add_argument("--interval-samples", type=int, default=d.interval_samples)
-    p.add_argument("--lr-sweep", type=_float_list, default=d.lr_sweep)
+    p.add_argument("--lr-grid", type=_float_list, default=d.lr_grid)
+    p.add_argument("--lr-multipliers", type=_float_list, default=d.lr_multipliers)
+    p.add_argument("--rampup-starts", type=_int_list, default=d.rampup_starts)
+    p.add_argument("--rampup-fractions", type=_float_list, default=d.rampup_fractions)
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help="1-rank processes training curves at a time")
     p.add_argument("--min-gain", type=float, default=d.min_gain)
+    p.add_argument("--noise-z", type=float, default=d.noise_z)
+    p.add_argument("--fresh", action="store_true", help="re-train every curve")
+    p.add_argument("--no-check-exact", dest="check_exact", action="store_false",
+                   help="skip re-training one cached curve bit-exactly")
+    p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
     return p
 
 
@@ -111,38 +121,41 @@ def ttp_options(argv: list[str]):
     return TTPOptions(**vars(_ttp_parser().parse_args(argv)))
 
 
-def ttp_result_line(report: dict) -> str:
-    """The benchmark's last line: medians over every (family, seed) case."""
-    s = report["summary"]
-    return (f"speedup_vs_planner={s['speedup_vs_planner']['median']:.2f} "
-            f"speedup_vs_tuned_static={s['speedup_vs_tuned_static']['median']:.2f} "
-            f"speedup_vs_rampup={s['speedup_vs_rampup']['median']:.2f} "
-            f"speedup_vs_pollux={s['speedup_vs_pollux']['median']:.2f} "
-            f"gap_to_oracle={s['gap_to_oracle_pct']['median']:.1f}%")
-
-
 def print_ttp(report: dict) -> None:
-    clock, pred = report["clock"], report["predictor"]
+    """Every case's chains (registry order), the per-variant summaries, and last the result
+    line of the ``table`` variant (the ``sqrt`` one just above it)."""
+    from megatron_cona.ttp import BASELINES, result_line
+
+    clock, pred, curves = report["clock"], report["predictor"], report["curves"]
     print(f"NOTE: {report['note']}")
-    print(f"clock: {clock['rule']}; fixed layout-switch cost {clock['fixed_layout_switch_s']:.3f}"
-          f" s and batch switch {clock['batch_switch_s']:.4f} s (measured here), link "
-          f"{clock['link_bytes_per_s'] / 1e9:.0f} GB/s; lookups {clock['exact_lookups']} "
-          f"measured, {clock['line_lookups']} from a measured layout's line")
-    print(f"CONA's predictor: trained on {pred['train_rows']} vTrain rows without group "
-          f"{pred['held_out_group']}; its MAPE on the charged rows {pred['held_out_mape_pct']:.2f}%"
-          f"; {len(report['candidates'])} candidates")
+    print(f"clock: layout-switch fixed cost {clock['fixed_layout_switch_s']:.3f} s, batch switch "
+          f"{clock['batch_switch_s']:.4f} s (measured here), link "
+          f"{clock['link_bytes_per_s'] / 1e9:.0f} GB/s")
+    print(f"CONA's predictor: {pred['train_rows']} vTrain rows without group "
+          f"{pred['held_out_group']}; MAPE on the charged rows {pred['held_out_mape_pct']:.2f}%")
+    print(f"curves: {curves['loaded']} loaded from {curves['cache']}, {curves['trained']} "
+          f"trained; code {curves['code']}; bit-exact re-train: {curves['bit_exact_check']}")
+    for fam, info in report["families"].items():
+        table = ", ".join(f"{b}: {lr:.2e}" for b, lr in sorted(info["lr_table"].items(),
+                                                               key=lambda kv: int(kv[0])))
+        print(f"{fam}: base LR {info['base_lr']:.2e}; LR table {{{table}}}")
     for case in report["cases"]:
-        print(f"{case['family']} seed {case['seed']}: target ppl {case['target_ppl']:.3f} "
-              f"(planner {case['planner_strategy']}, lr {case['lr']:g})")
-        for name, run in case["runs"].items():
+        print(f"{case['tag']}: target ppl {case['target_ppl']:.3f} (planner "
+              f"{case['planner_strategy']}, LR rule {case['lr_rule']})")
+        for name in [n for n in BASELINES if n in case["runs"]]:
+            run = case["runs"][name]
             chain = " -> ".join(dict.fromkeys(p["strategy"] for p in run["points"]))
-            print(f"  {name:8s} TTP {run['ttp_s']:9.1f} s  switches {len(run['switches']):2d}  "
-                  f"{chain[:120]}")
-    for name, m in report["summary"].items():
-        print(f"{name}: median {m['median']:.3f} (min {m['min']:.3f}, max {m['max']:.3f}) over "
-              f"{len(m['values'])} cases")
+            print(f"  {name:8s} TTP {run['ttp_s']:9.2f} s  switches {len(run['switches']):2d}  "
+                  f"{chain[:110]}")
+    for variant, metrics in report["summary"].items():
+        for name, m in metrics.items():
+            print(f"[{variant}] {name}: median {m['median']:.3f} (min {m['min']:.3f}, max "
+                  f"{m['max']:.3f}) over {len(m['values'])} cases")
     print(f"wall {report['wall_s']:.0f} s")
-    print(ttp_result_line(report))
+    ordered = sorted(report["summary"], key=lambda v: v == "table")
+    for variant in ordered[:-1]:
+        print(f"[{variant}] {result_line(report['summary'], variant)}")
+    print(result_line(report["summary"], ordered[-1]))
 
 
 def _ttp(rest: list[str]) -> None:
@@ -150,16 +163,10 @@ def _ttp(rest: list[str]) -> None:
 
     opts = ttp_options(rest)  # parses first, so --help works everywhere
     if not torch.cuda.is_available():
-        raise CliError(CPU_HINT.format(cmd="ttp --nproc 2 " + " ".join(rest)))
-    import torch.distributed as dist
-
-    from megatron_cona.pretrain_gpt import init_distributed
+        raise CliError(CPU_HINT.format(cmd="ttp " + " ".join(rest)))
     from megatron_cona.ttp import run_ttp
 
-    init_distributed(None)
-    report = run_ttp(opts)
-    if dist.get_rank() == 0:
-        print_ttp(report)
+    print_ttp(run_ttp(opts, print))
 
 
 # ------------------------------------------------------------------------------------- main
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 for case in report["cases"]:
                     print(plot_ttp(case, report["note"],
-                                   args.out / f"ttp_{case['family']}_s{case['seed']}.png"))
+                                   args.out / f"ttp_{case['tag'].replace('/', '_')}.png"))
         return 0
     except (CliError, ValueError, OSError, KeyError) as err:
         print(f"cona: error: {type(err).__name__}: {err}", file=sys.stderr)

@@ -37,18 +37,23 @@ def unbiased_estimates(
 
 
 class BiasCorrectedEMA:
-    """Exponential moving average whose zero start is divided out (Adam-style)."""
+    """Exponential moving average whose zero start is divided out (Adam-style); it also keeps
+    the EMA of squares, so the spread of the averaged observations is known."""
 
     def __init__(self, decay: float) -> None:
         if not 0.0 <= decay < 1.0:
             raise GradientStatsError(f"decay={decay} must be in [0, 1)")
         self.decay = decay
         self._biased = 0.0
+        self._biased_sq = 0.0
         self._weight = 0.0
+        self._weight_sq = 0.0  # sum of squared normalized weights: the effective sample count
 
     def update(self, value: float, decay: float | None = None) -> None:
         d = self.decay if decay is None else decay
         self._biased = d * self._biased + (1.0 - d) * value
+        self._biased_sq = d * self._biased_sq + (1.0 - d) * value * value
+        self._weight_sq = d * d * self._weight_sq + (1.0 - d) ** 2
         self._weight = d * self._weight + (1.0 - d)
 
     @property
@@ -57,11 +62,25 @@ class BiasCorrectedEMA:
             return math.nan
         return self._biased / self._weight
 
+    @property
+    def standard_error(self) -> float:
+        """Standard error of :attr:`value` as a weighted mean of the observations (inf with
+        fewer than two effective observations)."""
+        if self._weight == 0.0:
+            return math.inf
+        mean = self.value
+        var = max(self._biased_sq / self._weight - mean * mean, 0.0)
+        share = self._weight_sq / self._weight**2  # 1 / effective number of observations
+        return math.sqrt(var * share) if share < 1.0 else math.inf
+
     def state_dict(self) -> dict[str, float]:
-        return {"decay": self.decay, "biased": self._biased, "weight": self._weight}
+        return {"decay": self.decay, "biased": self._biased, "weight": self._weight,
+                "biased_sq": self._biased_sq, "weight_sq": self._weight_sq}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.decay, self._biased, self._weight = state["decay"], state["biased"], state["weight"]
+        self._biased_sq = state.get("biased_sq", 0.0)
+        self._weight_sq = state.get("weight_sq", 0.0)
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,18 @@ class GradientNoiseScale:
         tr = max(self.trace_cov.value, 0.0)
         return tr / max(g2, 1e-12 * max(tr, 1e-30))
 
+    def noise_scale_range(self, z: float = 1.0) -> tuple[float, float]:
+        """``phi`` at ``z`` standard errors of the two smoothed estimates either way (the
+        measured uncertainty of the noise scale); (nan, nan) before any observation."""
+        if not self.ready:
+            return math.nan, math.nan
+        g2, tr = self.grad_sq.value, max(self.trace_cov.value, 0.0)
+        dg, dt = z * self.grad_sq.standard_error, z * self.trace_cov.standard_error
+        floor = 1e-12 * max(tr, 1e-30)
+        low = max(tr - dt, 0.0) / max(g2 + dg, floor)
+        high = math.inf if g2 - dg <= floor else (tr + dt) / (g2 - dg)
+        return low, high
+
     def efficiency(self, batch: float, base_batch: float) -> float:
         return statistical_efficiency(self.noise_scale, batch, base_batch)
 
@@ -156,12 +187,22 @@ class GradientNoiseScale:
         self.samples = state["samples"]
 
 
-def statistical_efficiency(noise_scale: float, batch: float, base_batch: float) -> float:
-    """Progress per sample at ``batch`` relative to ``base_batch`` (Pollux):
-    ``(phi + base) / (phi + batch)``; with no estimate yet, batch-size-neutral (1.0)."""
+def statistical_efficiency(noise_scale: float, batch: float, base_batch: float,
+                           lr_scale: float | None = None) -> float:
+    """Progress per sample at ``batch`` relative to ``base_batch``.
+
+    Pollux's ``(phi + base) / (phi + batch)`` assumes the learning rate follows the AdaScale
+    gain ``r``; a step is worth ``r`` base steps. Under another LR rule (``lr_scale``: the
+    multiplier the rule applies at ``batch``) a step is worth at most the LR multiplier, so the
+    step's worth is ``min(lr_scale, r)`` base steps and the efficiency that worth over
+    ``batch / base``. With no estimate yet, batch-size-neutral (1.0)."""
     if math.isnan(noise_scale):
         return 1.0
-    return (noise_scale + base_batch) / (noise_scale + batch)
+    pollux = (noise_scale + base_batch) / (noise_scale + batch)
+    if lr_scale is None:
+        return pollux
+    gain = batch / base_batch * pollux
+    return min(lr_scale, gain) / (batch / base_batch)
 
 
 def adascale_gain(noise_scale: float, batch: float, base_batch: float) -> float:

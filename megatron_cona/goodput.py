@@ -5,7 +5,7 @@ measured)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,10 +122,13 @@ def estimate(
     base_batch: int,
     time_source: str = "measured",
     uncertainty: float = 0.0,
+    lr_scale: float | None = None,
 ) -> GoodputEstimate:
+    """``lr_scale``: the multiplier the LR rule applies at this batch (None: AdaScale's gain,
+    Pollux's assumption); the efficiency term follows the rule actually applied."""
     batch = strategy.global_batch_size
     throughput = batch / iteration_time
-    eff = statistical_efficiency(noise_scale, batch, base_batch)
+    eff = statistical_efficiency(noise_scale, batch, base_batch, lr_scale)
     return GoodputEstimate(strategy, iteration_time, throughput, eff, throughput * eff,
                            time_source, uncertainty)
 
@@ -135,11 +138,12 @@ def rank(
     times: CalibratedThroughput,
     noise_scale: float,
     base_batch: int,
+    lr_scale: Callable[[ParallelStrategy], float | None] = lambda s: None,
 ) -> list[GoodputEstimate]:
     """Candidates by goodput, best first (ties broken by name for determinism across ranks)."""
     estimates = [
         estimate(s, times.iteration_time(s), noise_scale, base_batch, times.source(s),
-                 times.uncertainty(s))
+                 times.uncertainty(s), lr_scale(s))
         for s in candidates
     ]
     return sorted(estimates, key=lambda e: (-e.goodput, e.strategy.name))

@@ -5,8 +5,7 @@ happen from outside it. The hook does what fits into that loop:
 
 * measures the gradient noise scale (squared norms of each data-parallel replica's gradient
   before the reduction and of the reduced one, by wrapping ``config.finalize_model_grads_func``;
-  norms follow Megatron's own grad-norm convention: shared and tensor-parallel duplicate
-  parameters counted once),
+  norms by :mod:`megatron_cona.grad_probe`, the same probe and convention as the runtime),
 * ranks candidates every ``--cona-interval`` iterations and logs every decision (``--cona-log``),
 * acts through the same :class:`~megatron_cona.session.ConaSession` as ``pretrain_gpt``, with
   :class:`MegatronLMExecutor`: a new global batch with the same layout and micro-batch is applied
@@ -33,12 +32,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_cona.arguments import static_strategy, validate_cona_args
+from megatron_cona.executor import ExecutorBase
 from megatron_cona.gns import GradStats
-from megatron_cona.lr_scaling import apply_lr_scale
+from megatron_cona.grad_probe import ProbeGroups, grad_sq_norm
 from megatron_cona.policy import Decision
 from megatron_cona.session import ConaSession, SwitchOutcome, SwitchUnsupported, session_from_args
 from predictors.spec import ParallelStrategy, TransformerSpec
@@ -46,19 +44,15 @@ from predictors.spec import ParallelStrategy, TransformerSpec
 log = logging.getLogger("megatron_cona.hook")
 
 
-def _grad_sq_norm(model_chunks) -> float:
-    """Squared norm of the current ``main_grad`` over the whole model (model-parallel sum)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                total += g.double().pow(2).sum().cpu()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    total = total.to(device)
-    dist.all_reduce(total, group=ps.get_model_parallel_group())
-    return float(total)
+def _probe_groups() -> ProbeGroups:
+    tied = ps.get_pipeline_model_parallel_world_size() > 1
+    return ProbeGroups(ps.get_tensor_model_parallel_rank(), ps.get_model_parallel_group(),
+                       ps.get_embedding_group() if tied else None,
+                       ps.is_pipeline_first_stage(ignore_virtual=True))
+
+
+def _named_grads(model_chunks):
+    return [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters()]
 
 
 LAYOUT_UNSUPPORTED = (
@@ -67,22 +61,17 @@ LAYOUT_UNSUPPORTED = (
     "flags or train with megatron_cona.pretrain_gpt, which reshards in memory")
 
 
-class MegatronLMExecutor:
+class MegatronLMExecutor(ExecutorBase):
     """Acts inside Megatron-LM's loop: global-batch changes in place, nothing else."""
 
     def __init__(self, strategy: ParallelStrategy, scheduler) -> None:
-        self._strategy = strategy
         self.scheduler = scheduler
-        self.base_lr, self.base_min_lr = scheduler.max_lr, scheduler.min_lr
+        self._strategy = strategy
+        self.capture_lr()
 
     @property
     def strategy(self) -> ParallelStrategy:
         return self._strategy
-
-    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
-        box = [strategy.name]
-        dist.broadcast_object_list(box, src=0)
-        return ParallelStrategy.parse(box[0])
 
     def switch(self, target: ParallelStrategy) -> SwitchOutcome:
         old = self._strategy
@@ -95,9 +84,6 @@ class MegatronLMExecutor:
         log.info("global batch %d -> %d in place", old.global_batch_size,
                  target.global_batch_size)
         return SwitchOutcome(True, 0.0)
-
-    def set_lr_scale(self, scale: float) -> None:
-        apply_lr_scale(self.scheduler, self.base_lr, self.base_min_lr, scale)
 
 
 class ConaHook:
@@ -120,9 +106,11 @@ class ConaHook:
         inner = config.finalize_model_grads_func
 
         def finalize(chunks, *a, **k):
-            local = _grad_sq_norm(chunks) / self.loss_scale() ** 2
+            groups = _probe_groups()
+            local = grad_sq_norm(_named_grads(chunks), groups, loss_scale=self.loss_scale())
             out = inner(chunks, *a, **k)
-            global_sq = _grad_sq_norm(chunks) / self.loss_scale() ** 2
+            global_sq = grad_sq_norm(_named_grads(chunks), groups, loss_scale=self.loss_scale(),
+                                     reduced=True)
             mine = torch.tensor([local], dtype=torch.float64, device=(
                 "cuda" if torch.cuda.is_available() else "cpu"))
             gathered = [torch.zeros_like(mine) for _ in range(ps.get_data_parallel_world_size())]

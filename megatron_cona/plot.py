@@ -13,9 +13,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"planner": "tab:gray", "static": "tab:brown", "rampup": "tab:orange",
-          "pollux": "tab:purple", "cona": "tab:blue", "oracle": "tab:green"}
-
 
 def _segments(xs: list[float], labels: list[str]) -> list[tuple[float, float, str]]:
     """Consecutive runs of equal label as (start, end, label)."""
@@ -38,28 +35,35 @@ def _timeline(ax, segments, row: float, palette: dict[str, tuple]) -> None:
 
 
 def plot_ttp(case: dict, note: str, path: Path) -> Path:
-    """One TTP case: validation loss vs simulated time of every chain, and their strategies."""
+    """One TTP case: validation loss vs simulated time of every chain (colors from the
+    baseline registry), and the strategy timelines of CONA and of the DP bound."""
+    from megatron_cona.ttp.baselines import BASELINES
+
     runs = case["runs"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
     for name, run in runs.items():
         pts = run["points"]
-        top.plot([p["sim_time"] for p in pts], [p["val_loss"] for p in pts], marker=".",
-                 color=COLORS.get(name), label=f"{name} (TTP {run['ttp_s']:.0f}s)")
-    top.axhline(case["target_val_loss"], color="k", ls="--", lw=0.8,
+        color = BASELINES[name].color if name in BASELINES else None
+        top.plot([p["sim_time"] for p in pts], [p["val_loss"] for p in pts],
+                 marker="." if name != "bound" else None, color=color,
+                 ls="--" if name == "bound" else "-",
+                 label=f"{name} (TTP {run['ttp_s']:.1f}s, {len(run['switches'])} switches)")
+    top.axhline(case["target_val_loss"], color="k", ls=":", lw=0.8,
                 label=f"target ppl {case['target_ppl']:.2f}")
     top.set_ylabel("validation loss (real)")
     t = case["ttp_s"]
-    top.set_title(f"{case['family']} seed {case['seed']}: CONA speedup vs planner "
-                  f"{t['planner'] / t['cona']:.2f}x; oracle TTP {t.get('oracle', math.nan):.0f}s",
-                  fontsize=10)
-    top.legend(fontsize=8)
+    top.set_title(f"{case['tag']}: CONA vs planner {t['planner'] / t['cona']:.2f}x; bound "
+                  f"{t.get('bound', math.nan):.1f}s (CONA gap "
+                  f"{100 * (t['cona'] / t.get('bound', math.nan) - 1):.1f}%)", fontsize=10)
+    top.legend(fontsize=7)
     palette: dict[str, tuple] = {}
-    for row, run in enumerate(runs.values()):
-        pts = run["points"]
-        _timeline(bottom, _segments([p["sim_time"] for p in pts], [p["strategy"] for p in pts]),
-                  row, palette)
-    bottom.set_yticks(range(len(runs)), list(runs))
+    shown = [n for n in ("cona", "bound") if n in runs]
+    for row, name in enumerate(shown):
+        pts = runs[name]["points"]
+        _timeline(bottom, _segments([p["sim_time"] for p in pts],
+                                    [p["strategy"] for p in pts]), row, palette)
+    bottom.set_yticks(range(len(shown)), shown)
     bottom.set_xlabel("SIMULATED time (s)")
     fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
     fig.tight_layout(rect=(0, 0.04, 1, 1))

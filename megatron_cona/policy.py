@@ -115,11 +115,16 @@ class SwitchPolicy:
         ranking: list[GoodputEstimate],
         interval_s: float,
         noise_scale: float = math.nan,
+        gain_low: float = math.nan,
     ) -> Decision:
-        """``ranking`` best first; ``interval_s`` the running strategy's time per interval."""
+        """``ranking`` best first; ``interval_s`` the running strategy's time per interval;
+        ``gain_low`` the best candidate's gain at the pessimistic end of the noise scale's
+        measured uncertainty (nan: none measured): the switch must win there too."""
         cfg = self.config
         best = ranking[0] if ranking and ranking[0].goodput > current.goodput else current
         gain = best.goodput / current.goodput - 1.0
+        if best is not current and not math.isnan(gain_low):
+            gain = min(gain, gain_low)
         cost = self.costs.estimate(current.strategy, best.strategy) if best is not current else 0.0
         payback = payback_time(current.goodput, best.goodput, cost)
         horizon = cfg.horizon_intervals * interval_s
@@ -131,8 +136,8 @@ class SwitchPolicy:
         if best is current:
             reason = "current strategy is the best candidate"
         elif gain < required:
-            reason = (f"gain {gain:.3f} < min_gain {cfg.min_gain} + prediction uncertainty "
-                      f"{best.uncertainty:.3f}")
+            reason = (f"gain {gain:.3f} (worst within the noise scale's uncertainty) < "
+                      f"min_gain {cfg.min_gain} + prediction uncertainty {best.uncertainty:.3f}")
         elif payback > horizon:
             reason = f"switch cost {cost:.3f}s repaid after {payback:.1f}s > horizon {horizon:.1f}s"
         elif self._since_switch <= cfg.cooldown:

@@ -21,6 +21,7 @@ and the learning rate follows the global batch through the one LR rule
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,7 +40,7 @@ from megatron_cona.goodput import (
     estimate,
     rank,
 )
-from megatron_cona.lr_scaling import lr_scale
+from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
 from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
@@ -83,6 +84,14 @@ class SessionConfig:
     base_batch: int = 8  # the global batch the base learning rate was tuned for
     lr_rule: str = "sqrt"
     warmup_iterations: int = 0  # no ranking before this many iterations (noisy start)
+    lr_table: dict[int, float] | None = None  # per-batch LR (rule 'table'), else lr_rule
+    noise_z: float = 1.0  # standard errors of the noise scale a switch must survive
+
+    def batch_lr(self) -> BatchLR:
+        """The LR rule as multipliers of the base batch's LR."""
+        if self.lr_table:
+            return BatchLR.from_table(self.lr_table, self.base_batch)
+        return BatchLR(1.0, self.base_batch, self.lr_rule)
 
 
 @dataclass
@@ -124,6 +133,7 @@ class ConaSession:
         self.switches: list[SwitchRecord] = []
         self.unsupported: list[Unsupported] = []
         self._interval_time = 0.0
+        self._lr = config.batch_lr()
 
     # ----------------------------------------------------------------------------- observe
     def observe(self, seconds: float, stats: GradStats | None = None) -> None:
@@ -138,21 +148,45 @@ class ConaSession:
         return iteration >= self.config.warmup_iterations and iteration % self.config.interval == 0
 
     # ------------------------------------------------------------------------ rank, decide
-    def current_estimate(self, strategy: ParallelStrategy) -> GoodputEstimate:
-        return estimate(strategy, self.times.iteration_time(strategy), self.gns.noise_scale,
-                        self.config.base_batch, self.times.source(strategy))
+    def current_estimate(self, strategy: ParallelStrategy, phi: float | None = None,
+                         uncertainty: float = 0.0) -> GoodputEstimate:
+        phi = self.gns.noise_scale if phi is None else phi
+        return estimate(strategy, self.times.iteration_time(strategy), phi,
+                        self.config.base_batch, self.times.source(strategy), uncertainty,
+                        self._efficiency_lr_scale(strategy, phi))
+
+    def _efficiency_lr_scale(self, strategy: ParallelStrategy, phi: float) -> float | None:
+        # adascale IS the gain Pollux's efficiency assumes; every other rule caps the gain
+        if self.config.lr_rule == "adascale" and not self.config.lr_table:
+            return None
+        return self._lr.scale(strategy.global_batch_size, phi)
+
+    def robust_gain(self, current: ParallelStrategy, best: ParallelStrategy) -> float:
+        """The best candidate's smallest gain over the running one with the noise scale
+        anywhere within ``noise_z`` standard errors of its estimate (measured uncertainty)."""
+        gains = []
+        phis = (self.gns.noise_scale, *self.gns.noise_scale_range(self.config.noise_z))
+        for phi in phis:
+            if math.isnan(phi):
+                continue
+            phi = min(phi, 1e12)
+            gains.append(self.current_estimate(best, phi).goodput
+                         / self.current_estimate(current, phi).goodput - 1.0)
+        return min(gains) if gains else math.nan
 
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
         strategy = self.executor.strategy
         phi = self.gns.noise_scale
-        ranking = rank(self.candidates, self.times, phi, self.config.base_batch)
+        ranking = rank(self.candidates, self.times, phi, self.config.base_batch,
+                       lambda s: self._efficiency_lr_scale(s, phi))
         current = next((e for e in ranking if e.strategy == strategy), None) or (
             self.current_estimate(strategy))
         # training time since the last ranking: the policy's horizon is counted in these
         interval_s = self._interval_time or (self.times.iteration_time(strategy)
                                              * self.config.interval)
-        decision = self.policy.decide(iteration, current, ranking, interval_s, phi)
+        low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
+        decision = self.policy.decide(iteration, current, ranking, interval_s, phi, low)
         self._interval_time = 0.0
         self.decisions.append(decision)
         self.log.write(decision, **log_extra)
@@ -194,8 +228,7 @@ class ConaSession:
         return decision
 
     def lr_scale(self, strategy: ParallelStrategy) -> float:
-        return lr_scale(self.config.lr_rule, strategy.global_batch_size, self.config.base_batch,
-                        self.gns.noise_scale)
+        return self._lr.scale(strategy.global_batch_size, self.gns.noise_scale)
 
 
 def base_throughput(model: TransformerSpec, precision: str, device: str) -> ThroughputModel:

@@ -7,7 +7,7 @@ ranks are started by ``megatron_cpu.launch``). The plugin (``megatron_cona``) ne
 itself; this launcher, outside the plugin, does.
 
     python scripts/cona_cpu.py pretrain --nproc 4 -- --num-layers 2 --hidden-size 64 ... --cona
-    python scripts/cona_cpu.py ttp --nproc 2 --out out
+    python scripts/cona_cpu.py ttp --out out --families gpt --seeds 1234   # curves: 1-rank runs
     python scripts/cona_cpu.py demo --out out
 
 On GPUs use ``torchrun --nproc-per-node N -m megatron_cona.pretrain_gpt ...`` and ``cona ttp``.
@@ -49,21 +49,6 @@ def _pretrain_worker(rank: int, world: int, argv: list[str]) -> dict:
     return summary.__dict__
 
 
-def _ttp_worker(rank: int, world: int, opts) -> dict:
-    import logging
-
-    from megatron_cona.ttp import run_ttp
-
-    logging.basicConfig(level=logging.WARNING, force=True)
-    progress = None
-    if rank == 0:
-        def progress(name, point):
-            print(f"[{name:18s}] samples {point.samples:6d}  sim {point.sim_time:8.1f}s  "
-                  f"val loss {point.val_loss:.4f}  {point.strategy}  phi={point.noise_scale:.1f}",
-                  flush=True)
-    return run_ttp(opts, progress)
-
-
 def spawn(fn, nproc: int, *args, timeout: float = 1800.0):
     from megatron_cpu.launch import run_distributed
 
@@ -98,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("args", nargs=argparse.REMAINDER)
     t = sub.add_parser("ttp", help="time-to-perplexity comparison (see `cona ttp --help`)")
-    t.add_argument("--nproc", type=int, default=2)
     t.add_argument("args", nargs=argparse.REMAINDER)
     d = sub.add_parser("demo", help="CONA switching strategies on 4 gloo ranks")
     d.add_argument("--out", type=Path, default=Path("out"))
@@ -107,14 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         rest = args.args[1:] if args.args[:1] == ["--"] else args.args
         pretrain(args.nproc, rest)
     elif args.command == "ttp":
-        from megatron_cona.cli import ttp_options
+        from megatron_cona.cli import print_ttp, ttp_options
+        from megatron_cona.ttp import run_ttp
 
         rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-        opts = ttp_options(rest)
-        report = spawn(_ttp_worker, args.nproc, opts)[0]
-        from megatron_cona.cli import print_ttp
-
-        print_ttp(report)
+        print_ttp(run_ttp(ttp_options(rest), print))  # spawns its own CPU ranks
     else:
         demo(args.out)
     return 0

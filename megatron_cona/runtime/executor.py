@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_cona.lr_scaling import apply_lr_scale
+from megatron_cona.executor import ExecutorBase
 from megatron_cona.runtime.state import TrainState
 from megatron_cona.runtime.switch import DEFAULT_BUCKET_BYTES, switch_strategy
 from megatron_cona.session import SwitchOutcome
@@ -22,29 +22,25 @@ def max_over_world(seconds: float) -> float:
     return float(t)
 
 
-class RuntimeExecutor:
-    """Owns the running :class:`TrainState`; ``state`` changes when a switch commits."""
+class RuntimeExecutor(ExecutorBase):
+    """Owns the running :class:`TrainState`; ``state`` changes when a switch commits (the
+    scheduler survives a switch, so the base LR captured at start stays valid)."""
 
     def __init__(self, state: TrainState, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.state = state
-        self.base_lr = state.scheduler.max_lr
-        self.base_min_lr = state.scheduler.min_lr
         self.bucket_bytes = bucket_bytes
+        self.capture_lr()
+
+    @property
+    def scheduler(self):
+        return self.state.scheduler
 
     @property
     def strategy(self) -> ParallelStrategy:
         return self.state.strategy
-
-    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
-        box = [strategy.name]
-        dist.broadcast_object_list(box, src=0)
-        return ParallelStrategy.parse(box[0])
 
     def switch(self, target: ParallelStrategy) -> SwitchOutcome:
         result = switch_strategy(self.state, target, bucket_bytes=self.bucket_bytes)
         self.state = result.state
         return SwitchOutcome(result.switched, max_over_world(result.seconds),
                              result.moved_tensors, result.error)
-
-    def set_lr_scale(self, scale: float) -> None:
-        apply_lr_scale(self.state.scheduler, self.base_lr, self.base_min_lr, scale)

@@ -23,9 +23,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_cona.gns import GradStats
+from megatron_cona.grad_probe import device as _device
 from megatron_cona.parallel import megatron_globals
 from megatron_cona.runtime.config import TokenDataset
-from megatron_cona.runtime.gradients import device as _device
 from megatron_cona.runtime.gradients import replica_grad_sq_norm
 from megatron_cona.runtime.state import TrainState
 

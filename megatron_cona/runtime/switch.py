@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megatron_cona.grad_probe import device as _device
 from megatron_cona.parallel import build_groups
 from megatron_cona.reshard.transfer import DEFAULT_BUCKET_BYTES, transfer_state
 from megatron_cona.runtime.state import TrainState, activate, build_state, configure_microbatches
@@ -60,11 +61,6 @@ class SwitchResult:
     peak_buffer_bytes: int = 0  # this rank's largest bucket (send + receive buffers)
     error: str | None = None  # why the switch was rolled back
     phase_seconds: dict[str, float] = field(default_factory=dict)  # build / plan / transfer / ...
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
 
 
 def _vote(error: BaseException | None) -> None:

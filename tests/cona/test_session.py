@@ -1,6 +1,6 @@
 """One CONA loop: the same ConaSession driven through the runtime's executor, the Megatron-LM
-hook's executor and the TTP simulated cluster's executor makes the same decisions on a scripted
-case; the runtime really switches (batch and layout), the hook says why it cannot switch a
+hook's executor and the TTP replay executor (stitched curves, simulated clock) makes the same
+decisions on a scripted case; the runtime really switches (batch and layout), the hook says why it cannot switch a
 layout."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megatron_cpu.launch import run_distributed
 from predictors.spec import ParallelStrategy
 
 P = ParallelStrategy.parse
-BATCH_ONLY = {"dp2tp1pp1mb2gb4": 0.10, "dp2tp1pp1mb2gb8": 0.15, "dp2tp1pp1mb2gb16": 0.25}
+BATCH_ONLY = {"dp2tp1pp1mb2gb4": 0.10, "dp2tp1pp1mb2gb8": 0.15, "dp2tp1pp1mb2gb16": 0.16}
 WITH_LAYOUT = {**BATCH_ONLY, "dp1tp2pp1mb2gb16": 0.12}
 START = "dp2tp1pp1mb2gb8"
 
@@ -61,10 +61,12 @@ def _drive(session, table, iterations=14, on_step=None):
 
 def _world(rank, world):
     from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
+    from megatron_cona.lr_scaling import BatchLR
     from megatron_cona.runtime import TrainConfig, build_state, train_step
     from megatron_cona.runtime.executor import RuntimeExecutor
-    from megatron_cona.ttp.chains import SimulatedExecutor, Trainer, TrainerConfig
+    from megatron_cona.ttp.chains import ReplayExecutor
     from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+    from megatron_cona.ttp.stitch import CurveSet
     from predictors.spec import TransformerSpec
 
     spec = TransformerSpec("gpt", 2, 32, 4, 16, VOCAB_SIZE)
@@ -87,15 +89,15 @@ def _world(rank, world):
     out["hook"] = _drive(_session(hook, BATCH_ONLY), BATCH_ONLY)
     out["hook_strategy"] = hook.strategy.name
 
-    # the TTP simulated cluster: real training of the batch, clock-charged switches
+    # the TTP replay: stitched curves, clock-charged switches, the session's LR rule checked
     clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.5, 0.01, 300e9)
-    trainer = Trainer(TrainerConfig(spec, 1234, 0, 10_000, 0.1, 32), corpus)
-    trainer.start(1e-3, 8, 1.0)
-    sim = SimulatedExecutor(clock, trainer, P(START))
-    out["simulated"] = _drive(_session(sim, BATCH_ONLY), BATCH_ONLY, on_step=trainer.step)
-    out["simulated_exec"] = trainer.state.strategy.global_batch_size
+    xs = [0, 64, 128, 192]
+    curves = CurveSet.from_points({4: (xs, [5.0, 4.0, 3.5, 3.2]), 8: (xs, [5.0, 4.2, 3.6, 3.3]),
+                                   16: (xs, [5.0, 4.4, 3.7, 3.4])}, 64)
+    sim = ReplayExecutor(clock, curves, BatchLR(1e-3, 8), P(START))
+    out["simulated"] = _drive(_session(sim, BATCH_ONLY), BATCH_ONLY)
+    out["simulated_exec"] = sim.strategy.global_batch_size
     out["simulated_charged"] = [c for *_, c in sim.pending]
-    trainer.close()
 
     # a layout candidate wins: the runtime reshards, the hook says why it cannot
     sess = _session(runtime, WITH_LAYOUT)

@@ -1,6 +1,6 @@
-"""TTP evaluation: the simulated clock (measured vTrain times, reshard-plan switch costs), the
-held-out predictor, same data order and clock for every chain, and a small real run of all six
-chains on 2 CPU ranks."""
+"""TTP evaluation: the simulated clock (measured vTrain times, reshard-plan switch costs), real
+curves (same data order, Megatron's ramp-up, bit-exact re-training) and a small end-to-end run
+of every registered chain on cached curves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from megatron_cona.ttp import TTPOptions, exec_strategy
+from megatron_cona.ttp import exec_strategy
 from megatron_cona.ttp.clock import GPT_1_3B, ClockError, SimulatedClock, VTrainTimes
 from megatron_cpu.launch import run_distributed
 from predictors.spec import ParallelStrategy
@@ -56,6 +56,9 @@ def test_switch_cost_is_plan_bytes_over_nvlink_plus_fixed_cost():
 def test_exec_strategy():
     assert exec_strategy(64, 2) == ParallelStrategy(2, 1, 1, 16, 64)
     assert exec_strategy(4, 2) == ParallelStrategy(2, 1, 1, 2, 4)
+    # one rank: at least two micro-batches (the first one is the small-batch gradient)
+    assert exec_strategy(4, 1) == ParallelStrategy(1, 1, 1, 2, 4)
+    assert exec_strategy(128, 1) == ParallelStrategy(1, 1, 1, 16, 128)
 
 
 class _Recording:
@@ -67,84 +70,82 @@ class _Recording:
         return self.inner.samples(start, count)
 
 
-def _data_order(out):
-    """Two chains with different batch schedules read exactly the same samples."""
-    import torch.distributed as dist
-
+def _curves(rank, world, cache_dir):
+    """A static and a Megatron ramp-up curve read the same samples in the same order, and a
+    second training of the same provenance is bit-exact."""
     from megatron_cona.data import CorpusConfig, build_corpus
-    from megatron_cona.ttp import model_spec
-    from megatron_cona.ttp.chains import Budget, Driver, RampupDriver, Trainer, TrainerConfig
-    from megatron_cona.ttp.chains import run_chain as chain
+    from megatron_cona.lr_scaling import BatchLR
+    from megatron_cona.ttp.curves import Trainer, TrainerConfig, provenance, train_curve
+    from megatron_cona.ttp.evaluate import TTPOptions, model_spec
 
     opts = TTPOptions()
+    spec = model_spec(opts, "llama")
     corpus = build_corpus(CorpusConfig(seq_length=opts.seq_length, max_train_bytes=1 << 20))
     rec = _Recording(corpus.train)
     corpus.train = rec
-    trainer = Trainer(TrainerConfig(model_spec(opts, "llama"), 7, 0, 1000, 0.1, 32), corpus)
-    clock = _clock()
-    reads, runs = [], []
-    for start, driver in ((P("dp8tp1pp1mb1gb16"), Driver()),
-                          (P("dp8tp1pp1mb1gb16"), RampupDriver((8, 1, 1), 1, 16, 16, 96, 64))):
+    trainer = Trainer(TrainerConfig(spec, 7, 0, 1000, 0.1, 32), corpus)
+    out = {"reads": [], "curves": []}
+    rule = BatchLR(1e-3, 64)
+    for ramp in (None, {"start": 16, "increment": 16, "samples": 96}):
         rec.read = []
-        runs.append(chain("x", {}, trainer, clock, start, 1e-3, 1.0, driver,
-                          Budget(64, max_samples=256), lambda *a: None))
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, rec.read)
-        reads.append(sorted(i for r in everyone for i in r))
-    out["reads"] = reads
-    out["static_points"] = [(p.samples, p.sim_time) for p in runs[0].points]
-    out["ramp_strategies"] = [p.strategy for p in runs[1].points]
-
-
-def _ttp(rank, world, out_dir):
-    from megatron_cona.ttp import run_ttp
-
-    out = {}
-    _data_order(out)
-    opts = TTPOptions(out=out_dir, families=("gpt",), seeds=(1234,), budget_samples=1024,
-                      interval_samples=128, global_batch_range=(8, 64), lr_sweep=(2e-3,),
-                      lr_multipliers=(), rampup_starts=(16,), rampup_finals=(64,),
-                      rampup_fractions=(0.25,), val_samples=64, warmup_samples=0,
-                      switch_repeats=1)
-    out["report"] = run_ttp(opts)
+        prov = provenance(code="t", engines={}, model=spec, seed=7, schedule={}, batch=64,
+                          lr=1e-3, ramp=ramp, ranks=1)
+        out["curves"].append(train_curve(trainer, prov, rule, 64, 256))
+        out["reads"].append(list(rec.read))
+    again = train_curve(trainer, out["curves"][1].provenance, rule, 64, 256)
+    out["exact"] = again.same_numbers(out["curves"][1])
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.megatron
-def test_ttp_six_chains_on_real_training(tmp_path):
-    res = run_distributed(_ttp, 2, tmp_path, timeout=900)[0]
-    # same data order: both chains read samples 0, 1, 2, ... exactly once, whatever the batches
+def test_curves_same_data_order_megatron_ramp_and_bit_exact(tmp_path):
+    res = run_distributed(_curves, 1, tmp_path, timeout=900)[0]
     static, ramp = res["reads"]
     assert static == list(range(256)) and ramp == list(range(len(ramp)))
-    # same clock: the static chain is charged the measured time of every iteration
-    assert res["static_points"] == [(s, pytest.approx(s / 16 * 0.215029881))
-                                    for s in (0, 64, 128, 192, 256)]
-    ramp = res["ramp_strategies"]  # megatron's ramp: 16, 32, 48, 64
-    assert ramp[0] == "dp8tp1pp1mb1gb16" and ramp[1] == "dp8tp1pp1mb1gb32"
-    assert ramp[-1] == "dp8tp1pp1mb1gb64"
+    batches = [[e[3] for e in it] for it in res["curves"][1].stats]
+    # megatron's calculator: 16, 32, 48 over the first 96 samples, then 64
+    assert [b for it in batches for b in it][:4] == [16, 32, 48, 64]
+    assert all(b == 64 for b in batches[-1])
+    assert res["exact"]
+    for curve in res["curves"]:
+        assert curve.val_loss[-1] < curve.val_loss[0]
+        assert all(e[1] < e[3] for it in curve.stats for e in it)  # small < big batch
 
-    report = res["report"]
+
+def _ttp_opts(tmp_path):
+    from megatron_cona.ttp import TTPOptions
+
+    return TTPOptions(out=tmp_path / "out", cache=tmp_path / "cache", families=("gpt",),
+                      seeds=(1234,), budget_samples=256, batches=(16, 64),
+                      lr_grid=(2e-3,), lr_multipliers=(1.0,), rampup_starts=(16,),
+                      rampup_fractions=(0.25,), interval_samples=64, val_samples=32,
+                      warmup_samples=0, switch_repeats=1, max_samples_factor=1.5)
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_ttp_cases_on_cached_curves(tmp_path):
+    from megatron_cona.ttp import run_ttp
+
+    report = run_ttp(_ttp_opts(tmp_path))
+    assert report["curves"]["bit_exact_check"]["bit_exact"]
     assert "SIMULATED" in report["note"] and "REAL" in report["note"]
     pred = report["predictor"]
     assert pred["held_out_group"] == "h2048-l24" and pred["train_rows"] == 1440 - 180
-    assert 0 < pred["held_out_mape_pct"] < 10
-    assert report["clock"]["fixed_layout_switch_s"] > 0
-    (case,) = report["cases"]
-    ttp = case["ttp_s"]
-    assert set(ttp) == {"planner", "static", "rampup", "pollux", "cona", "oracle"}
-    assert math.isfinite(ttp["cona"]), "CONA did not reach the target loss"
-    # (tolerance: initial validation losses differ in the 8th digit with the micro-batching)
-    assert all(ttp["oracle"] <= t * (1 + 1e-6) for t in ttp.values()), json.dumps(
-        {k: (r["ttp_s"], [(p["samples"], p["sim_time"], p["val_loss"], p["strategy"])
-                          for p in r["points"]]) for k, r in case["runs"].items()})
-    for name, run in case["runs"].items():
-        losses = [p["val_loss"] for p in run["points"]]
-        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], name
-    assert case["runs"]["planner"]["switches"] == []
-    assert {p["strategy"] for p in case["runs"]["pollux"]["points"]} <= {
-        s for s in report["candidates"] if s.startswith("dp8tp1pp1")}
-    saved = json.loads((tmp_path / "ttp.json").read_text())
-    assert saved["summary"]["speedup_vs_planner"]["values"] == [ttp["planner"] / ttp["cona"]]
-    assert (tmp_path / "ttp_gpt_s1234.png").stat().st_size > 10_000
-    assert (tmp_path / "ttp_gpt_s1234_cona_decisions.jsonl").read_text().count("\n") >= 1
+    cases = report["cases"]
+    assert {c["variant"] for c in cases} == {"sqrt", "table"}
+    for case in cases:
+        ttp = case["ttp_s"]
+        assert {"planner", "static", "cona", "bound"} <= set(ttp)
+        assert math.isfinite(ttp["bound"]) and not case["bound_violations"]
+        for name in ("planner", "static", "cona"):
+            assert ttp["bound"] <= ttp[name] * (1 + 1e-9), (name, ttp)
+        assert case["runs"]["planner"]["switches"] == []
+    saved = json.loads((tmp_path / "out" / "ttp.json").read_text())
+    assert set(saved["summary"]) == {"sqrt", "table"}
+    assert (tmp_path / "out" / "ttp_gpt_s1234_table.png").stat().st_size > 10_000
+    # a second run loads every curve from the cache
+    again = run_ttp(_ttp_opts(tmp_path))
+    assert again["curves"]["trained"] == 0 and again["curves"]["loaded"] > 0
+    assert again["cases"][0]["ttp_s"] == cases[0]["ttp_s"]

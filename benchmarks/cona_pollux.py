@@ -1,0 +1,126 @@
+"""Pollux as its users run it, through adaptdl's OWN goodput code (PyPI ``adaptdl``,
+``adaptdl.goodput.GoodputFunction`` and ``fit_perf_params``), as a TTP chain.
+
+Benchmark support only: the product never imports adaptdl. :func:`register_pollux` adds the
+``pollux`` baseline to :data:`megatron_cona.ttp.BASELINES` when adaptdl imports (it lives in
+``.venv-bench``, built by ``make bench-env``).
+
+Every interval, like adaptdl's trainer, the chain
+* fits adaptdl's performance model (``fit_perf_params``) to the iteration times it has seen on
+  its data-parallel layout (the simulated clock's times of the strategies it ran; the clock has
+  one time per iteration, so the per-micro-batch share stands for adaptdl's separately timed
+  compute and accumulation steps),
+* gives ``GoodputFunction`` the gradient statistics (``GradParams(sqr=|G|^2,
+  var=tr(S)/init_batch)``, adaptdl's convention: the variance at the initial batch) estimated
+  from the same per-iteration norms CONA sees,
+* asks ``optimize(num_nodes=1, num_replicas=DP, max_batch_size, atomic_bsz_range,
+  accumulation=True)`` for the best (atomic batch, accumulation steps) and runs the candidate
+  of that global batch (nearest on a log scale) with that micro-batch when it exists.
+The learning rate follows the case's one LR rule, like every chain. ``accumulation=True``: with
+``False`` adaptdl 0.2.11 calls ``np.int``, removed from NumPy >= 1.24.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_cona.gns import GradientNoiseScale
+from megatron_cona.ttp.baselines import Baseline, CaseInputs, register
+from megatron_cona.ttp.chains import ChainResult, Driver, Point, replay_chain
+from predictors.spec import ParallelStrategy
+
+
+def grad_params(gns: GradientNoiseScale, init_batch: int) -> tuple[float, float]:
+    """(sqr, var) as adaptdl's GradParams: |G|^2 and the gradient variance at ``init_batch``
+    (tr(S) / init_batch)."""
+    return gns.grad_sq.value, max(gns.trace_cov.value, 0.0) / init_batch
+
+
+def perf_observations(seen: dict[ParallelStrategy, float]) -> dict:
+    """fit_perf_params' inputs from the iteration times of the strategies run (one node)."""
+    import numpy as np
+
+    strategies = sorted(seen, key=lambda s: s.name)
+    accum = [s.num_microbatches - 1 for s in strategies]
+    per_micro = [seen[s] / s.num_microbatches for s in strategies]
+    return {"nodes": np.ones(len(strategies), dtype=int),
+            "replicas": np.array([s.dp for s in strategies]),
+            "local_bsz": np.array([s.micro_batch for s in strategies]),
+            "accumulation_steps": np.array(accum),
+            "step_time": np.array(per_micro), "step_time_compute": np.array(per_micro),
+            "accumulation_time": np.array(per_micro)}
+
+
+def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int
+           ) -> tuple[ParallelStrategy, dict]:
+    """adaptdl's ``optimize`` -> the candidate of that global batch and micro-batch."""
+    max_batch = max(s.global_batch_size for s in candidates)
+    max_micro = max(s.micro_batch for s in candidates)
+    goodput, atomic, accum = goodput_fn.optimize(1, replicas, max_batch_size=max_batch,
+                                                 atomic_bsz_range=(1, max_micro),
+                                                 accumulation=True)
+    want = replicas * int(atomic) * (int(accum) + 1)
+    batches = sorted({s.global_batch_size for s in candidates})
+    gb = min(batches, key=lambda b: (abs(math.log(b / want)), b))
+    pool = [s for s in candidates if s.global_batch_size == gb]
+    exact = [s for s in pool if s.micro_batch == int(atomic)]
+    pick = (exact or sorted(pool, key=lambda s: abs(s.micro_batch - int(atomic))))[0]
+    return pick, {"goodput": float(goodput), "atomic_bsz": int(atomic),
+                  "accum_steps": int(accum), "adaptdl_batch": want}
+
+
+class PolluxDriver(Driver):
+    def __init__(self, case: CaseInputs, candidates: list[ParallelStrategy],
+                 init_batch: int) -> None:
+        self.case, self.candidates, self.init_batch = case, candidates, init_batch
+        self.gns = GradientNoiseScale(0.5, per_samples=case.interval)
+        self.seen: dict[ParallelStrategy, float] = {}
+        self.choices: list[dict] = []
+
+    def after_step(self, seconds, stats) -> None:
+        self.seen[self.executor.strategy] = seconds
+        sample = stats.sample() if stats is not None else None
+        if sample is not None:
+            self.gns.observe(sample)
+
+    def at_interval(self, point: Point) -> None:
+        from adaptdl.goodput import GoodputFunction, fit_perf_params
+
+        if not self.gns.ready:
+            return
+        perf = fit_perf_params(**perf_observations(self.seen))
+        fn = GoodputFunction(perf, grad_params(self.gns, self.init_batch), self.init_batch)
+        target, info = choose(fn, self.candidates, self.candidates[0].dp)
+        self.choices.append({"samples": point.samples, "to": target.name, **info})
+        if target != self.executor.strategy:
+            self.executor.switch(target)
+
+
+def run_pollux(case: CaseInputs) -> ChainResult:
+    """Pollux on the data-parallel layout (all GPUs as replicas), from its smallest batch: in
+    adaptdl the initial batch is the floor ``optimize`` never goes below."""
+    dp = max(s.dp for s in case.candidates)
+    pool = [s for s in case.candidates if s.layout == (dp, 1, 1)
+            and s.global_batch_size in case.curves.tracks]
+    init = min(s.global_batch_size for s in pool)
+    start = case.fastest(init, pool)
+    driver = PolluxDriver(case, pool, init)
+    result = replay_chain("pollux", {"start": start.name, "lr": case.lr.name,
+                                     "init_batch_size": init}, case.curves, case.clock,
+                          case.lr, start, driver, case.target, case.max_time)
+    result.settings["adaptdl_choices"] = driver.choices
+    return result
+
+
+def register_pollux() -> str:
+    """Register the ``pollux`` baseline when adaptdl imports; say what happened."""
+    try:
+        from importlib.metadata import version
+
+        import adaptdl.goodput  # noqa: F401
+    except ImportError as err:
+        return (f"NOT RUN: adaptdl is not importable here ({err}); run this benchmark with "
+                ".venv-bench/bin/python after `make bench-env` (speedup_vs_pollux is nan)")
+    register(Baseline("pollux", run_pollux, "tab:purple",
+                      doc="Pollux: adaptdl's GoodputFunction + fit_perf_params on the DP layout"))
+    return f"adaptdl {version('adaptdl')} (GoodputFunction, fit_perf_params)"

@@ -1,0 +1,67 @@
+"""The one gradient probe: the squared norm of a model's current gradient, with the norm
+convention every CONA loop shares (the runtime's pre-reduction hook and the Megatron-LM hook).
+
+Convention (Megatron's own grad-norm convention): ``main_grad`` of every parameter, unscaled by
+the fp16 loss scale; tensor-parallel duplicates (parameters not split across TP) counted once
+(on TP rank 0); the pipeline's tied word embedding / output weight counted once -- before the
+data-parallel reduction its two copies hold partial gradients and are summed first, after the
+reduction (``finalize_model_grads`` all-reduces them) they are equal and the first stage's is
+counted. Collective over the model-parallel group (and the embedding group when tied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TIED_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class ProbeGroups:
+    """Where this rank sits: what the convention needs to know."""
+
+    tp_rank: int
+    mp_group: object  # tensor x pipeline model-parallel group
+    embd_group: object | None  # first + last pipeline stage (tied embedding), None when untied
+    is_first_stage: bool
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _is_tied(name: str, param: torch.Tensor, tied: bool) -> bool:
+    return tied and (getattr(param, "shared_embedding", False) or name.endswith(TIED_NAMES))
+
+
+def grad_sq_norm(named_params: Iterable[tuple[str, torch.Tensor]], groups: ProbeGroups, *,
+                 loss_scale: float = 1.0, reduced: bool = False) -> float:
+    """Squared norm of the current gradient over the whole model (see module doc).
+    ``reduced``: the data-parallel reduction already ran (tied copies already summed)."""
+    tied = groups.embd_group is not None
+    total = torch.zeros((), dtype=torch.float64)
+    tied_grad = None
+    for name, p in named_params:
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            continue
+        if _is_tied(name, p, tied):
+            tied_grad = g
+            continue
+        if groups.tp_rank != 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        total += g.double().pow(2).sum().cpu()
+    if tied:
+        summed = tied_grad.clone() if tied_grad is not None else None
+        if summed is not None and not reduced:
+            dist.all_reduce(summed, group=groups.embd_group)
+        if summed is not None and groups.is_first_stage:
+            total += summed.double().pow(2).sum().cpu()
+    total = total.to(device())
+    dist.all_reduce(total, group=groups.mp_group)
+    return float(total) / float(loss_scale) ** 2
