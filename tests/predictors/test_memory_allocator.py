@@ -103,3 +103,173 @@ def test_replay_shards_like_the_analytical_walk(precision):
         assert analytical * 0.98 <= replayed <= analytical * 1.3, zero
         assert last is None or replayed < last
         last = replayed
+
+
+def _growing_cat(a: CachingAllocatorSim, step: int, n: int) -> list[int]:
+    """DenseNet-style: each block's torch.cat output is one feature map larger than the last;
+    it is allocated while the previous one is alive, then the previous one is freed.
+    Returns reserved after each step."""
+    prev, reserved = None, []
+    for k in range(1, n + 1):
+        out = a.malloc(k * step)
+        if prev is not None:
+            a.free(prev)
+        prev = out
+        reserved.append(a.stats.reserved)
+    return reserved
+
+
+def test_growing_cat_outputs_hand_traced():
+    """4 MiB steps, traced by hand through get_free_block / should_split / get_allocation_size:
+    4 MiB -> new 20 MiB segment A, split (16 MiB rest); 8 -> A's 16 MiB rest, split (8 rest);
+    free 4 -> A = [4 free][8][8 free]; 12 -> no free block fits -> new 12 MiB segment B
+    (>= 10 MiB: rounded to 2 MiB); free 8 -> A merges into one free 20 MiB block; 16 -> A,
+    split (4 rest); free 12 -> B free; 20 -> neither 4 nor 12 fits -> new 20 MiB segment C."""
+    a = CachingAllocatorSim()
+    assert _growing_cat(a, 4 * MiB, 5) == [20 * MiB, 20 * MiB, 32 * MiB, 32 * MiB, 52 * MiB]
+    assert a.stats.peak_allocated == (16 + 20) * MiB
+    # expandable segments: one large-pool range mapped in 20 MiB pages. 4 -> map a page,
+    # split (16 rest); 8 -> the 16 rest, split (8 free tail); 12 -> free 4 and 8 do not fit:
+    # the free 8 MiB tail grows by one page to 28, split (16 rest); free 8 merges with 4;
+    # 16 -> the 16 rest exactly (the free 12 is too small); free 12 merges: 24 free; 20 ->
+    # the 24 free block, split. No third segment: 40 MiB instead of 52.
+    e = CachingAllocatorSim(expandable_segments=True)
+    assert _growing_cat(e, 4 * MiB, 5) == [20 * MiB, 20 * MiB, 40 * MiB, 40 * MiB, 40 * MiB]
+
+
+def test_remainder_split_again_only_above_one_mib():
+    a = CachingAllocatorSim()
+    x = a.malloc(18 * MiB + 512)  # 20 MiB segment? no: >= 10 MiB -> 20 MiB rounded segment
+    assert a.stats.reserved == 20 * MiB
+    # the 1.5 MiB rest is > 1 MiB: it was split off and can serve a 1.2 MiB request
+    y = a.malloc(MiB + 200 * 1024)
+    assert a.stats.reserved == 20 * MiB
+    # its 0.3 MiB rest is not > 1 MiB: not split, so the next large request needs a segment
+    z = a.malloc(MiB + 512)
+    assert a.stats.reserved == 40 * MiB
+    for h in (x, y, z):
+        a.free(h)
+
+
+def test_max_split_size_oversize_rules():
+    a = CachingAllocatorSim(max_split_size=32 * MiB)
+    big = a.malloc(40 * MiB)
+    a.free(big)
+    small = a.malloc(8 * MiB)  # an oversize cached block is never used for a smaller request
+    assert a.stats.reserved == 40 * MiB + 20 * MiB
+    again = a.malloc(36 * MiB)  # oversize request: the 40 MiB block is < 36 + 20 MiB: reused
+    assert a.stats.reserved == 60 * MiB
+    a.free(again)
+    a.malloc(60 * MiB + 512)  # 40 MiB block too small: a new 62 MiB segment
+    assert a.stats.reserved == 122 * MiB
+    a.free(small)
+    with pytest.raises(ValueError, match="max_split_size"):
+        CachingAllocatorSim(max_split_size=20 * MiB)
+
+
+def test_release_available_cached_blocks_before_release_all():
+    """With max_split_size a cudaMalloc failure first frees one covering cached oversize
+    block (not every cached segment), then retries."""
+    a = CachingAllocatorSim(capacity=100 * MiB, max_split_size=32 * MiB)
+    h1, h2 = a.malloc(34 * MiB), a.malloc(40 * MiB)
+    keep = a.malloc(2 * MiB)  # 20 MiB segment, split: stays cached after free (partly live)
+    a.free(h1), a.free(h2)
+    assert a.stats.reserved == 94 * MiB
+    a.malloc(38 * MiB)  # 34 cannot serve it (too small), 40 can: reused, no release
+    assert a.stats.num_releases == 0
+    a.malloc(36 * MiB)  # 34 too small; cudaMalloc of 36 fails (94 + 36 > 100): free 34, retry
+    assert a.stats.num_releases == 1 and a.stats.reserved == 96 * MiB
+    a.free(keep)
+
+
+def test_empty_cache_with_expandable_segments_unmaps_the_free_tail():
+    e = CachingAllocatorSim(expandable_segments=True)
+    x, y = e.malloc(30 * MiB), e.malloc(30 * MiB)
+    assert e.stats.reserved == 60 * MiB  # 3 pages of 20 MiB, one range
+    e.free(y)
+    e.empty_cache()
+    # the free tail [30, 60) MiB: the page [40, 60) is unmapped, [30, 40) shares a page
+    # with x and stays mapped
+    assert e.stats.reserved == 40 * MiB
+    y = e.malloc(10 * MiB)  # fits the still-mapped rest of x's page: nothing new mapped
+    assert e.stats.reserved == 40 * MiB
+    e.free(x), e.free(y)
+
+
+# --- DenseNet-, U-Net- and ResNet-style nets through the module path ---------------------------
+class Dense(torch.nn.Module):
+    """DenseNet-style: every layer concatenates its output to a growing feature map."""
+
+    def __init__(self, c0: int = 32, g: int = 32, n: int = 6) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, c0, 3, padding=1)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm2d(c0 + i * g), nn.ReLU(),
+                          nn.Conv2d(c0 + i * g, g, 3, padding=1)) for i in range(n))  # fmt: skip
+        self.head = nn.Linear(c0 + n * g, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return self.head(x.mean((2, 3)))
+
+
+class UNet(torch.nn.Module):
+    """U-Net-style: two downsampling stages, two upsampling stages with skip concatenation."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.d1 = nn.Conv2d(3, c, 3, padding=1)
+        self.d2 = nn.Conv2d(c, 2 * c, 3, padding=1, stride=2)
+        self.d3 = nn.Conv2d(2 * c, 4 * c, 3, padding=1, stride=2)
+        self.u2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
+        self.c2 = nn.Conv2d(4 * c, 2 * c, 3, padding=1)
+        self.u1 = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.c1 = nn.Conv2d(2 * c, c, 3, padding=1)
+        self.out = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x):
+        a = torch.relu(self.d1(x))
+        b = torch.relu(self.d2(a))
+        c = torch.relu(self.d3(b))
+        b2 = torch.relu(self.c2(torch.cat([self.u2(c), b], 1)))
+        a2 = torch.relu(self.c1(torch.cat([self.u1(b2), a], 1)))
+        return self.out(a2)
+
+
+class Res(torch.nn.Module):
+    """ResNet-style: residual blocks of two convolutions."""
+
+    def __init__(self, c: int = 32, n: int = 4) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+                          nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c))
+            for _ in range(n))  # fmt: skip
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.relu(x + block(x))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("net,target", [
+    (Dense, lambda: torch.randint(0, 10, (8,))),
+    (UNet, lambda: torch.randn(8, 3, 64, 64)),
+    (Res, lambda: torch.randint(0, 10, (8,))),
+])  # fmt: skip
+def test_cnn_reserved_over_allocated_stays_bounded(net, target):
+    """The issue's example read reserved 3.6x allocated on a DenseNet-style net; with the
+    allocator's rules followed (growing cat outputs reuse merged free blocks) the ratio of
+    these nets stays below 2 (a regression bound: no GPU measured here)."""
+    from predictors.memory.module import predict_module_memory
+
+    p = predict_module_memory(net, torch.randn(8, 3, 64, 64), target())
+    assert p.max_memory_allocated <= p.max_memory_reserved <= 2 * p.max_memory_allocated
