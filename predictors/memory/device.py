@@ -18,6 +18,7 @@ from .allocator import MiB
 from .optimizers import OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
 from .towers import ShardingError
+from .zero import zero3_params
 
 FRAMEWORKS = ("ddp", "deepspeed", "megatron")
 
@@ -63,7 +64,7 @@ class DistributedSpec:
     DeepSpeed defaults from https://www.deepspeed.ai/docs/config-json/ (ZeRO optimizations) and
     ``deepspeed/runtime/zero/config.py`` (``DeepSpeedZeroConfig``): ``reduce_bucket_size`` 5e8
     and ``allgather_bucket_size`` 5e8 elements, ``stage3_prefetch_bucket_size`` 5e7,
-    ``stage3_max_live_parameters`` 1e9, ``stage3_param_persistence_threshold`` 1e5,
+    ``stage3_param_persistence_threshold`` 1e5 (ZeRO-3's parameters: :mod:`zero`),
     ``overlap_comm`` on at stage 3 only, ``contiguous_gradients`` on."""
 
     dp: int = 1
@@ -72,7 +73,6 @@ class DistributedSpec:
     reduce_bucket: float = 5e8
     allgather_bucket: float = 5e8
     prefetch_bucket: float = 5e7
-    max_live_parameters: float = 1e9
     overlap_comm: bool | None = None  # DeepSpeed: on by default at stage 3 only
     nccl_channels: int = 16  # NCCL rings per communicator (NVLink A100/H100 nodes: 16-32)
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
@@ -108,11 +108,14 @@ class DistributedSpec:
         return int(self.nccl_channels * per_channel)
 
     def sharding_adjustment(self, live: dict[str, int], opt: OptimizerSpec, precision: str,
-                            peak_phase: str = "") -> tuple[dict, list[str]]:
+                            peak_phase: str = "",
+                            module_tensors: list[list[int]] | None = None
+                            ) -> tuple[dict, list[str]]:  # fmt: skip
         """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
         peak breakdown ``live`` (labels of :mod:`tracker`). Returns ``({"delta": bytes,
         "buffers": {name: bytes}}, notes)``; sharding is applied to the traced breakdown, it
-        is not itself traced."""
+        is not itself traced. ``module_tensors``: per module, its parameter tensors' bytes
+        (ZeRO-3 gathers one module at a time; :mod:`zero`)."""
         if self.dp == 1:
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
@@ -147,10 +150,10 @@ class DistributedSpec:
             if self.framework != "deepspeed":
                 raise ShardingError(f"zero=3 needs framework='deepspeed' (got "
                                     f"{self.framework!r})")
-            delta -= int(params * (1 - keep))
-            live_params = min(self.max_live_parameters * elem, params)
-            buffers["ds_stage3_live_params"] = int(live_params)
-            buffers["ds_prefetch_bucket"] = int(min(self.prefetch_bucket * elem, params))
+            z3 = zero3_params(module_tensors or [[params]], d, elem, self.prefetch_bucket)
+            delta -= params - z3.shard - z3.persistent
+            buffers["ds_stage3_gathered_module"] = z3.gathered
+            buffers["ds_prefetch_bucket"] = z3.prefetch
         delta += sum(buffers.values())
         notes = [f"{self.framework} ZeRO-{self.zero} over dp={d} applied to the traced "
                  "single-GPU breakdown (bucket sizes from the framework's documented "

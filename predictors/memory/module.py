@@ -211,8 +211,9 @@ def predict_module_memory(
                           capacity=limit, steps=len(sizes))
 
     meas = run(None)
-    extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision,
-                                              meas.peak_phase)
+    extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision, meas.peak_phase,
+                                            _module_tensors(build, precision)
+                                            if dist.zero == 3 else None)  # fmt: skip
     pred = DeviceMemoryPrediction(
         prof.name, precision, opt, dist,
         max_memory_allocated=meas.peak_allocated + extra["delta"],
@@ -237,6 +238,18 @@ def predict_module_memory(
                       f"segments freed and retried ({meas.peak_reserved / MiB:.0f} MiB "
                       "unbounded)")
     return pred
+
+
+def _module_tensors(build: Callable[[], nn.Module], precision: str) -> list[list[int]]:
+    """Per module with parameters of its own, their bytes at the precision's weight dtype
+    (what ZeRO-3 gathers one module at a time)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    elem = get_precision(precision).param_dtype.itemsize
+    with FakeTensorMode():
+        model = build()
+        return [[q.numel() * elem for q in m.parameters(recurse=False)]
+                for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
 def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from .factorize import F32, Factorization, factorize
 from .overheads import CudaOverheads
 from .towers import ModelSpec, ShardingError, TrainConfig
+from .zero import zero3_params
 
 ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parameter (one block)
 
@@ -47,8 +48,8 @@ def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
         raise ShardingError(f"zero={cfg.zero}: dp={cfg.dp} exceeds the {trainable} trainable "
                             "parameters to shard")
     params = sum(x.param_bytes for x in fz.layers) // shard_param
-    if cfg.zero >= 3:  # one layer gathered for its forward/backward
-        params += max(x.param_bytes for x in fz.layers)
+    if cfg.zero >= 3:  # the one ZeRO-3 model (zero.py): shard + gathered layer + prefetch
+        params = zero3_params([[x.param_bytes] for x in fz.layers], dp, w).total
     state_bytes = F32 if p.master_weights_fp32 else w
     states = (trainable * 2 * state_bytes + (trainable * F32 if p.master_weights_fp32 else 0))
     states = states // shard_opt + fz.num_trainable_tensors * ADAM_STEP_BLOCK

@@ -107,7 +107,7 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
     assert z2.optimizer.impl == "fused"  # DeepSpeed runs its own fused Adam
     # the contiguous-gradient buffer has reduce_bucket_size (5e8) fp32 elements, model or not
     assert z2.inside_allocator["ds_reduce_bucket"] == 5e8 * 4
-    assert {"ds_stage3_live_params", "ds_prefetch_bucket"} <= set(z3.inside_allocator)
+    assert {"ds_stage3_gathered_module", "ds_prefetch_bucket"} <= set(z3.inside_allocator)
     small = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed",
                                                  reduce_bucket=1e6))
     # states and gradients sharded 8 ways, a 4 MB bucket instead of 2 GB
