@@ -186,9 +186,11 @@ def _memory_reason(
 class PredictorMemory:
     """Peak memory of one rank from the multimodal memory predictor of ``predictors.memory``.
 
-    That predictor describes one GPU without model parallelism, so a rank's shard is
-    approximated: the ``num_layers / pp`` layers of its pipeline stage (SwiGLU width chosen to
-    keep the MLP's parameter count), micro-batch as the batch, and everything divided by ``tp``.
+    Per rank, in Megatron-Core's layout (``predict_peak_memory(tp=, pp=)``): the first
+    pipeline stage's ``num_layers / pp`` layers (SwiGLU width chosen to keep the MLP's
+    parameter count), weights/gradients/states split ``tp`` ways, activations per Megatron's
+    TP split and held for ``min(pp, micro-batches)`` micro-batches in flight (1F1B), the
+    micro-batch as the batch; the CUDA context is per process, not divided by ``tp``.
     """
 
     def __init__(self, capacity_gib: float | str = 80) -> None:
@@ -196,19 +198,17 @@ class PredictorMemory:
 
     def peak_bytes(self, model: TransformerSpec, strategy: ParallelStrategy,
                    precision: Precision) -> float:
-        import torch
-
         from predictors.memory.api import predict_peak_memory
         from predictors.memory.towers import ModelSpec, TextTowerSpec
 
         mlp = model.ffn if model.swiglu else 2 * model.ffn // 3
-        text = TextTowerSpec("llama", model.num_layers // strategy.pp, model.hidden_size,
+        text = TextTowerSpec("llama", model.num_layers, model.hidden_size,
                              model.num_attention_heads, mlp, model.vocab_size,
                              num_kv_heads=model.num_query_groups,
                              tie_embeddings=model.tied_embeddings)
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(precision.compute_dtype, "fp32")
         pred = predict_peak_memory(ModelSpec(f"{model.family}-stage", "llm", text=text),
                                    batch=strategy.micro_batch, seq=model.seq_length,
-                                   precision=name, dp=strategy.dp,
-                                   capacity_gib=self.capacity_gib)
-        return pred.device_total / strategy.tp
+                                   precision=precision.name, dp=strategy.dp,
+                                   capacity_gib=self.capacity_gib, tp=strategy.tp,
+                                   pp=strategy.pp, num_microbatches=strategy.num_microbatches)
+        return pred.device_total

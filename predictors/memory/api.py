@@ -1,4 +1,15 @@
-"""Python API: ``predict_peak_memory`` (used by CONA to drop candidates that do not fit)."""
+"""Python API: ``predict_peak_memory`` (used by CONA to drop candidates that do not fit).
+
+Tensor and pipeline parallelism follow Megatron-Core's layouts, per rank, as Megatron-Bridge's
+memory estimator does: the rank on the FIRST pipeline stage (the one holding the most
+activations) runs ``num_layers / pp`` text layers; weights, gradients and optimizer states of
+its layers and of the vocabulary-parallel embedding/head are split ``tp`` ways; per layer the
+activations are ``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` bytes at 2 B per element (Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Table 2; with
+sequence parallelism all of it is split: ``(34 + 5*a*s/h)/tp``); under 1F1B the first stage
+holds the activations of ``min(pp, micro-batches)`` micro-batches in flight. The CUDA
+context is per process and is never divided by ``tp``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +20,7 @@ from .allocator import GiB
 from .model import MemoryModel
 from .overheads import CARDS, HOPPER, PRE_HOPPER
 from .presets import get_preset
-from .towers import ModelSpec, TrainConfig
+from .towers import ModelSpec, ShardingError, TrainConfig
 
 
 @dataclass
@@ -24,6 +35,9 @@ class MemoryPrediction:
     capacity: int
     margin: float  # relative safety margin (predicted uncertainty unless fixed)
     trained_on: str  # what the residual model was trained against
+    tp: int = 1
+    pp: int = 1
+    inflight_microbatches: int = 1  # activations held at once on the first pipeline stage
 
     @property
     def device_used(self) -> int:
@@ -42,7 +56,9 @@ class MemoryPrediction:
         g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
         lines = [f"model {self.model}: {self.config.precision}, batch {self.config.batch}, "
                  f"seq {self.config.seq}, zero {self.config.zero} (dp {self.config.dp}), "
-                 f"checkpointing {self.config.checkpointing}, attention {self.config.attention}",
+                 f"checkpointing {self.config.checkpointing}, attention {self.config.attention}, "
+                 f"tp {self.tp} pp {self.pp} (first stage, {self.inflight_microbatches} "
+                 "micro-batch(es) in flight)",
                  f"analytical breakdown at the {self.peak_phase} peak:"]
         for k, v in self.components.items():
             lines.append(f"  {k:17s}{g(v)}")
@@ -69,11 +85,26 @@ def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 20
                         precision: str = "bf16", zero: int = 0, dp: int = 1,
                         checkpointing: str = "none", attention: str = "flash",
                         frozen: tuple[str, ...] | None = None, capacity_gib: float | str = 80,
-                        margin: float | None = None) -> MemoryPrediction:
+                        margin: float | None = None, tp: int = 1, pp: int = 1,
+                        num_microbatches: int | None = None,
+                        sequence_parallel: bool = False) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits ``capacity_gib``
     (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
-    fixes the relative safety margin; by default it is the model's predicted uncertainty."""
+    fixes the relative safety margin; by default it is the model's predicted uncertainty.
+    ``tp``/``pp``: Megatron-Core tensor/pipeline parallel sizes (the prediction is the first
+    pipeline stage's rank); ``num_microbatches`` per iteration (default: ``pp``, a full
+    pipeline); ``batch`` is the micro-batch."""
     spec = get_preset(model) if isinstance(model, str) else model
+    if tp < 1 or pp < 1:
+        raise ShardingError(f"tp={tp}, pp={pp} must be >= 1")
+    if pp > 1:
+        if spec.text is None or spec.text.num_layers % pp:
+            layers = spec.text.num_layers if spec.text else 0
+            raise ShardingError(f"pp={pp} must divide the text tower's num_layers={layers}")
+        spec = spec.with_layers(None, spec.text.num_layers // pp)
+    if spec.text is not None and tp > 1 and (spec.text.num_heads % tp or spec.text.kv_heads % tp):
+        raise ShardingError(f"tp={tp} must divide num_heads={spec.text.num_heads} and "
+                            f"num_kv_heads={spec.text.kv_heads}")
     cfg = TrainConfig(batch=batch, seq=seq, image_res=image_res,
                       images_per_sample=images_per_sample, precision=precision, zero=zero,
                       dp=dp, checkpointing=checkpointing, attention=attention, frozen=frozen)
@@ -85,6 +116,44 @@ def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 20
         overheads = HOPPER if capacity > 48 * GiB else PRE_HOPPER
     reserved, est, predicted_margin = _shipped_model().predict(spec, cfg, overheads)
     margin = predicted_margin if margin is None else margin
-    return MemoryPrediction(spec.name, cfg, reserved, est.peak_allocated, est.peak_phase,
-                            est.components, overheads.context_bytes, capacity, margin,
-                            _shipped_model().trained_on)
+    inflight = min(pp, num_microbatches or pp)
+    comps = dict(est.components)
+    if tp > 1 or inflight > 1:
+        comps = per_rank_components(comps, tp, inflight, _activation_tp_share(
+            spec, cfg, tp, sequence_parallel))  # fmt: skip
+        # the allocator's overhead over live bytes is kept in proportion
+        reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
+    return MemoryPrediction(spec.name, cfg, reserved, sum(comps.values()), est.peak_phase,
+                            comps, overheads.context_bytes, capacity, margin,
+                            _shipped_model().trained_on, tp, pp, inflight)
+
+
+SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient")
+
+
+def per_rank_components(components: dict[str, int], tp: int, inflight: int,
+                        activation_share: float) -> dict[str, int]:
+    """One rank's live bytes from the single-GPU breakdown of its stage: weights, gradients,
+    states and per-layer transients split ``tp`` ways, activations by ``activation_share``
+    and held for ``inflight`` micro-batches; inputs and cuBLAS workspaces per rank as is."""
+    out = {}
+    for k, v in components.items():
+        if k in SHARDED_BY_TP:
+            v = v // tp
+        elif k == "activations":
+            v = int(v * activation_share * inflight)
+        out[k] = v
+    return out
+
+
+def _activation_tp_share(spec: ModelSpec, cfg: TrainConfig, tp: int, sp: bool) -> float:
+    """Fraction of a layer's activations one TP rank keeps (Korthikanti et al. 2022)."""
+    if tp == 1:
+        return 1.0
+    t = spec.text
+    if t is None:
+        return 1.0 / tp
+    # flash attention keeps no s x s scores: the 5as/h term is absent
+    scores = 0.0 if cfg.attention == "flash" else 5 * t.num_heads * cfg.seq / t.hidden_size
+    full = 34 + scores
+    return 1 / tp if sp else (10 + 24 / tp + scores / tp) / full

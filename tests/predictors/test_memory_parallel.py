@@ -1,0 +1,61 @@
+"""TP and PP in the memory API (Megatron-Core layouts, per rank) and CONA's admission using it."""
+
+import pytest
+
+from predictors.memory.api import per_rank_components, predict_peak_memory
+from predictors.memory.towers import ShardingError
+
+MODEL = "llama-7b-like"  # 32 layers, hidden 4096, 32 heads
+
+
+def test_tp_splits_states_not_the_context():
+    one = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed")
+    tp4 = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed", tp=4)
+    for k in ("parameters", "optimizer_states"):
+        assert tp4.components[k] == one.components[k] // 4
+    # activations: (10 + 24/4) / 34 of a layer's (flash attention: no s x s scores)
+    assert tp4.components["activations"] == int(one.components["activations"] * 16 / 34)
+    assert tp4.context_bytes == one.context_bytes  # per process, never divided
+    # what TP divides is inside the allocator; the device total keeps one whole context
+    assert tp4.device_total - tp4.context_bytes < (one.device_total - one.context_bytes) / 2
+
+
+def test_pp_first_stage_holds_inflight_microbatches():
+    pp4 = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed", pp=4,
+                              num_microbatches=8)  # fmt: skip
+    stage = predict_peak_memory(MODEL, batch=1, seq=2048,
+                                precision="bf16-mixed", pp=4, num_microbatches=1)  # fmt: skip
+    assert pp4.inflight_microbatches == 4 and stage.inflight_microbatches == 1
+    assert pp4.components["activations"] == 4 * stage.components["activations"]
+    assert pp4.components["parameters"] == stage.components["parameters"]
+    with pytest.raises(ShardingError, match="pp=5"):
+        predict_peak_memory(MODEL, pp=5)
+    with pytest.raises(ShardingError, match="tp=3"):
+        predict_peak_memory(MODEL, tp=3)
+
+
+def test_per_rank_components_by_hand():
+    comps = {"parameters": 800, "gradients": 400, "optimizer_states": 1600, "activations": 340,
+             "transient": 80, "inputs": 10, "workspace": 32}  # fmt: skip
+    out = per_rank_components(comps, tp=2, inflight=3, activation_share=22 / 34)
+    assert out == {"parameters": 400, "gradients": 200, "optimizer_states": 800,
+                   "activations": 660, "transient": 40, "inputs": 10, "workspace": 32}
+
+
+def test_cona_admission_counts_per_rank_parts():
+    from megatron_cona.candidates import PredictorMemory
+    from predictors.precision import get_precision
+    from predictors.spec import ParallelStrategy, TransformerSpec
+
+    gpt = TransformerSpec("gpt", 24, 2048, 16, 1024, 51200)
+    mem = PredictorMemory(80)
+    bf16 = get_precision("bf16-mixed")
+    tp1 = mem.peak_bytes(gpt, ParallelStrategy(1, 1, 1, 1, 8), bf16)
+    tp8 = mem.peak_bytes(gpt, ParallelStrategy(1, 8, 1, 1, 8), bf16)
+    context = predict_peak_memory(MODEL, capacity_gib=80).context_bytes
+    # the context is not divided: 8-way TP is more than an eighth of one GPU's total
+    assert tp8 > tp1 / 8 + 0.8 * context
+    # a deeper pipeline with more micro-batches in flight needs more on its first stage
+    pp_few = mem.peak_bytes(gpt, ParallelStrategy(1, 1, 4, 1, 1), bf16)
+    pp_full = mem.peak_bytes(gpt, ParallelStrategy(1, 1, 4, 1, 8), bf16)
+    assert pp_full > pp_few
