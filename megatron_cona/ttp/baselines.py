@@ -127,9 +127,10 @@ def rampup_layout(case: CaseInputs, batches: list[int]) -> tuple[tuple, int] | N
     for s in case.candidates:
         if s.global_batch_size != final:
             continue
-        steps = [ParallelStrategy(*s.layout, s.micro_batch, b) for b in batches]
-        if all(b % (s.dp * s.micro_batch) == 0 and case.clock.has_time(x)
-               for b, x in zip(batches, steps, strict=True)):
+        if any(b % (s.dp * s.micro_batch) for b in batches):
+            continue
+        if all(case.clock.has_time(ParallelStrategy(*s.layout, s.micro_batch, b))
+               for b in batches):
             options.append(s)
     if not options:
         return None

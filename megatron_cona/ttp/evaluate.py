@@ -322,12 +322,11 @@ def build_family(opts: TTPOptions, family: str, builder: CurveBuilder) -> Family
 
     def batch_job(b: int, lr: float, seed: int) -> CurveJob:
         return CurveJob(family, seed, b, BatchLR(lr, b), cap, targets[seed])
-    for b in o.batches:
-        if b == user:
-            continue
-        centre = sqrt_rule.lr(b)
-        grid = [centre * m for m in o.lr_multipliers]
-        builder.ensure([batch_job(b, lr, seed0) for lr in grid])
+    others = [b for b in o.batches if b != user]
+    grids = {b: [sqrt_rule.lr(b) * m for m in o.lr_multipliers] for b in others}
+    builder.ensure([batch_job(b, lr, seed0) for b in others for lr in grids[b]])  # one spawn
+    for b in others:
+        grid = grids[b]
 
         def score(lr: float, b=b) -> float:
             curve = builder.ensure([batch_job(b, lr, seed0)])[batch_job(b, lr, seed0)]
@@ -338,6 +337,7 @@ def build_family(opts: TTPOptions, family: str, builder: CurveBuilder) -> Family
     # 4. every batch and ramp of every seed under each LR variant
     curves: dict = {v: {} for v in o.variants}
     ramps: dict = {v: {} for v in o.variants}
+    plan = {}
     for v in o.variants:
         rule = rules[v]
         for s in o.seeds:
@@ -351,9 +351,12 @@ def build_family(opts: TTPOptions, family: str, builder: CurveBuilder) -> Family
                     flag = f"--rampup-batch-size {start} {start} {samples}"
                     ramp_jobs[flag] = CurveJob(family, s, user, rule, cap, targets[s],
                                                (start, start, samples))
-            got = builder.ensure([*jobs.values(), *ramp_jobs.values()])
-            curves[v][s] = {b: got[j] for b, j in jobs.items()}
-            ramps[v][s] = {f: got[j] for f, j in ramp_jobs.items()}
+            plan[v, s] = (jobs, ramp_jobs)
+    got = builder.ensure([j for jobs, ramp_jobs in plan.values()  # one spawn for all
+                          for j in (*jobs.values(), *ramp_jobs.values())])
+    for (v, s), (jobs, ramp_jobs) in plan.items():
+        curves[v][s] = {b: got[j] for b, j in jobs.items()}
+        ramps[v][s] = {f: got[j] for f, j in ramp_jobs.items()}
     return FamilyCurves(base_lr, {b: {str(k): x for k, x in v.items()} for b, v in
                                   sweeps.items()}, table, targets, curves, ramps)
 

@@ -17,7 +17,7 @@ from megatron_cpu.launch import run_distributed
 from predictors.spec import ParallelStrategy
 
 P = ParallelStrategy.parse
-BATCH_ONLY = {"dp2tp1pp1mb2gb4": 0.10, "dp2tp1pp1mb2gb8": 0.15, "dp2tp1pp1mb2gb16": 0.16}
+BATCH_ONLY = {"dp2tp1pp1mb2gb4": 0.08, "dp2tp1pp1mb2gb8": 0.15, "dp2tp1pp1mb2gb16": 0.16}
 WITH_LAYOUT = {**BATCH_ONLY, "dp1tp2pp1mb2gb16": 0.12}
 START = "dp2tp1pp1mb2gb8"
 
