@@ -67,7 +67,7 @@ class TrainState:
 
     @property
     def mixed_precision(self) -> bool:
-        return self.config.precision != "fp32"
+        return get_precision(self.config.precision).is_mixed
 
     def destroy(self) -> None:
         """Release the process groups of this state (the tensors go with the object)."""
