@@ -6,10 +6,10 @@ Benchmark support only: the product never imports adaptdl. :func:`register_pollu
 ``.venv-bench``, built by ``make bench-env``).
 
 Every interval, like adaptdl's trainer, the chain
-* fits adaptdl's performance model (``fit_perf_params``) to the iteration times it has seen on
-  its data-parallel layout (the simulated clock's times of the strategies it ran; the clock has
-  one time per iteration, so the per-micro-batch share stands for adaptdl's separately timed
-  compute and accumulation steps),
+* fits adaptdl's performance model (``fit_perf_params``) to the step times it has seen on its
+  data-parallel layout: adaptdl times accumulation steps and the synchronizing optimizer step
+  apart; the clock has one time per iteration, split by the slope of its measured line over the
+  number of micro-batches (:func:`split_time`),
 * gives ``GoodputFunction`` the gradient statistics (``GradParams(sqr=|G|^2,
   var=tr(S)/init_batch)``, adaptdl's convention: the variance at the initial batch) estimated
   from the same per-iteration norms CONA sees,
@@ -36,19 +36,28 @@ def grad_params(gns: GradientNoiseScale, init_batch: int) -> tuple[float, float]
     return gns.grad_sq.value, max(gns.trace_cov.value, 0.0) / init_batch
 
 
-def perf_observations(seen: dict[ParallelStrategy, float]) -> dict:
-    """fit_perf_params' inputs from the iteration times of the strategies run (one node)."""
+def split_time(clock, strategy: ParallelStrategy, seconds: float) -> tuple[float, float]:
+    """(accumulation step, optimizer step) seconds of one iteration, as adaptdl times them:
+    the per-micro-batch slope of the clock's measured line for this layout + micro-batch is the
+    accumulation step, the rest the last (synchronizing) step; without a line, an equal share."""
+    n = strategy.num_microbatches
+    line = clock.measured.line(strategy) if n > 1 else None
+    if line is not None and 0 < line[1] and seconds - (n - 1) * line[1] > 0:
+        return line[1], seconds - (n - 1) * line[1]
+    return seconds / n, seconds / n
+
+
+def perf_observations(seen: dict[ParallelStrategy, tuple[float, float]]) -> dict:
+    """fit_perf_params' arguments from the (accumulation, optimizer) step times of the
+    strategies run, on one node."""
     import numpy as np
 
     strategies = sorted(seen, key=lambda s: s.name)
-    accum = [s.num_microbatches - 1 for s in strategies]
-    per_micro = [seen[s] / s.num_microbatches for s in strategies]
-    return {"nodes": np.ones(len(strategies), dtype=int),
-            "replicas": np.array([s.dp for s in strategies]),
-            "local_bsz": np.array([s.micro_batch for s in strategies]),
-            "accumulation_steps": np.array(accum),
-            "step_time": np.array(per_micro), "step_time_compute": np.array(per_micro),
-            "accumulation_time": np.array(per_micro)}
+    return {"num_nodes": np.ones(len(strategies), dtype=int),
+            "num_replicas": np.array([s.dp for s in strategies]),
+            "atomic_bsz": np.array([s.micro_batch for s in strategies]),
+            "accum_step_time": np.array([seen[s][0] for s in strategies]),
+            "optim_step_time": np.array([seen[s][1] for s in strategies])}
 
 
 def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int
@@ -74,11 +83,12 @@ class PolluxDriver(Driver):
                  init_batch: int) -> None:
         self.case, self.candidates, self.init_batch = case, candidates, init_batch
         self.gns = GradientNoiseScale(0.5, per_samples=case.interval)
-        self.seen: dict[ParallelStrategy, float] = {}
+        self.seen: dict[ParallelStrategy, tuple[float, float]] = {}
         self.choices: list[dict] = []
 
     def after_step(self, seconds, stats) -> None:
-        self.seen[self.executor.strategy] = seconds
+        s = self.executor.strategy
+        self.seen[s] = split_time(self.case.clock, s, seconds)
         sample = stats.sample() if stats is not None else None
         if sample is not None:
             self.gns.observe(sample)

@@ -15,7 +15,7 @@ np = pytest.importorskip("numpy")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from cona_pollux import choose, grad_params, perf_observations  # noqa: E402
+from cona_pollux import choose, grad_params, perf_observations, split_time  # noqa: E402
 
 from megatron_cona.gns import GradientNoiseScale, GradStats, statistical_efficiency  # noqa: E402
 from predictors.spec import ParallelStrategy  # noqa: E402
@@ -59,18 +59,29 @@ def test_choice_is_adaptdl_optimize(perf):
 
 
 def test_fit_perf_params_recovers_adaptdl_example_times():
-    """Iteration times made by adaptdl's own model from an example PerfParams, fed through our
-    observations, are fitted back by fit_perf_params within a few percent."""
+    """Step times made by adaptdl's own model from an example PerfParams, fed through our
+    observations, are fitted back by fit_perf_params: the fitted throughputs agree."""
     perf = PERF[2]
+    g = adaptdl_goodput
     seen = {}
     for s in CANDIDATES:
-        t, _, _ = adaptdl_goodput._predict(perf, np.array([1]), np.array([8]),
-                                           np.array([s.micro_batch]),
-                                           np.array([s.num_microbatches - 1]))
-        seen[s] = float(t[0])
-    fitted = adaptdl_goodput.fit_perf_params(**perf_observations(seen))
-    obs = perf_observations(seen)
-    pred, _, _ = adaptdl_goodput._predict(fitted, obs["nodes"], obs["replicas"],
-                                          obs["local_bsz"], obs["accumulation_steps"])
-    real = np.array([seen[s] for s in sorted(seen, key=lambda s: s.name)])
-    assert np.allclose(pred, real, rtol=0.25)
+        accum = g._predict_accum_time(perf, s.micro_batch)
+        network = g._predict_network_time(perf, np.array(1), np.array(s.dp))
+        seen[s] = (float(accum), float(np.exp(g._predict_log_optim_time(perf, accum, network))))
+    fitted = g.fit_perf_params(**perf_observations(seen))
+    true_fn = g.GoodputFunction(perf, GRAD[0], 8)
+    fit_fn = g.GoodputFunction(fitted, GRAD[0], 8)
+    for s in CANDIDATES:
+        args = (1, s.dp, s.micro_batch, s.num_microbatches - 1)
+        assert fit_fn.throughput(*args) == pytest.approx(true_fn.throughput(*args), rel=0.25)
+
+
+def test_split_time_uses_the_clock_line():
+    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+
+    clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.1, 0.01, 300e9)
+    s = ParallelStrategy(8, 1, 1, 1, 64)
+    t = clock.iteration_time(s)
+    accum, optim = split_time(clock, s, t)
+    assert accum > 0 and optim > 0
+    assert 7 * accum + optim == pytest.approx(t)
