@@ -104,8 +104,9 @@ def test_curves_same_data_order_megatron_ramp_and_bit_exact(tmp_path):
     static, ramp = res["reads"]
     assert static == list(range(256)) and ramp == list(range(len(ramp)))
     batches = [[e[3] for e in it] for it in res["curves"][1].stats]
-    # megatron's calculator: 16, 32, 48 over the first 96 samples, then 64
-    assert [b for it in batches for b in it][:4] == [16, 32, 48, 64]
+    # megatron's calculator, 32 samples per increment over the first 96: 16 (at 0 and 16
+    # consumed), 32 (32), 48 (64), then 64 past the ramp (112)
+    assert [b for it in batches for b in it][:5] == [16, 16, 32, 48, 64]
     assert all(b == 64 for b in batches[-1])
     assert res["exact"]
     for curve in res["curves"]:
