@@ -77,14 +77,32 @@ def op_time(record: OpRecord, device: Device) -> float:
     return busy + device.launch_overhead
 
 
+def record_times(trace: Trace, device: Device) -> list[float]:
+    """:func:`op_time` of every record; a layer repeated ``n`` times repeats the same record
+    objects, so each distinct record is priced once."""
+    seen: dict[int, float] = {}
+    out = []
+    for r in trace.records:
+        t = seen.get(id(r))
+        if t is None:
+            t = seen[id(r)] = op_time(r, device)
+        out.append(t)
+    return out
+
+
+def _sum_where(trace: Trace, device: Device, keep) -> float:
+    return sum(t for r, t in zip(trace.records, record_times(trace, device), strict=True)
+               if keep(r))  # fmt: skip
+
+
 def trace_time(trace: Trace, device: Device) -> float:
-    return sum(op_time(r, device) for r in trace.records)
+    return sum(record_times(trace, device))
 
 
 def class_times(trace: Trace, device: Device) -> dict[str, float]:
     out: dict[str, float] = {}
-    for r in trace.records:
-        out[r.op_class] = out.get(r.op_class, 0.0) + op_time(r, device)
+    for r, t in zip(trace.records, record_times(trace, device), strict=True):
+        out[r.op_class] = out.get(r.op_class, 0.0) + t
     return out
 
 
@@ -137,7 +155,7 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     compute = trace_time(work.fwd_bwd, device)
     recompute = 0.0
     if options.activation_checkpointing:
-        recompute = sum(op_time(r, device) for r in work.fwd_bwd.records if r.phase == "forward")
+        recompute = _sum_where(work.fwd_bwd, device, lambda r: r.phase == "forward")
         compute += recompute
     tp = NO_COMM
     if s.tp > 1 and work.tp_collectives:
@@ -145,7 +163,7 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         tp = each.times(work.tp_collectives)
     tp_exposed = tp.seconds
     if options.tp_comm_overlap:
-        gemm = sum(op_time(r, device) for r in work.fwd_bwd.records if r.op_class == "matmul")
+        gemm = _sum_where(work.fwd_bwd, device, lambda r: r.op_class == "matmul")
         tp_exposed = max(0.0, tp.seconds - gemm)
     vp = options.virtual_pipeline
     # interleaving: every model chunk boundary is a send; the bubble shrinks by vp
@@ -167,12 +185,12 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         dp = bucket = NO_COMM
     dp_exposed = dp.seconds
     if options.overlap_grad_reduce:
-        backward = sum(op_time(r, device) for r in work.fwd_bwd.records if r.phase == "backward")
+        backward = _sum_where(work.fwd_bwd, device, lambda r: r.phase == "backward")
         dp_exposed = exposed_bucketed([bucket.seconds] * buckets, backward)
     gather = dp if share < 1.0 else NO_COMM
     gather_exposed = gather.seconds
     if options.overlap_param_gather:
-        forward = sum(op_time(r, device) for r in work.fwd_bwd.records if r.phase != "backward")
+        forward = _sum_where(work.fwd_bwd, device, lambda r: r.phase != "backward")
         gather_exposed = exposed_bucketed([bucket.seconds] * buckets, forward)
     dp, dp_exposed = dp + gather, dp_exposed + gather_exposed
     sharded = options.distributed_optimizer or options.fsdp
