@@ -233,7 +233,8 @@ def train_curve(trainer: Trainer, prov: dict, lr_rule: BatchLR, interval: int,
                 max_samples: int, stop_loss: float | None = None,
                 progress: Callable[[int, float], None] = lambda s, v: None) -> Curve:
     """Train from the initial weights at ``prov['batch']`` (or its ramp), validating every
-    ``interval`` samples, until ``stop_loss`` is reached or ``max_samples`` (collective)."""
+    ``interval`` samples, until one interval after ``stop_loss`` is reached, or
+    ``max_samples`` (collective)."""
     ramp = prov.get("ramp")
     schedule = (megatron_rampup(ramp["start"], ramp["increment"], ramp["samples"], prov["batch"])
                 if ramp else (lambda consumed: prov["batch"]))
@@ -269,7 +270,9 @@ def train_curve(trainer: Trainer, prov: dict, lr_rule: BatchLR, interval: int,
             curve.stats.append(stats)
             losses, stats = [], []
             progress(samples, curve.val_loss[-1])
-            if stop_loss is not None and curve.val_loss[-1] <= stop_loss:
+            # one interval past the first point at the target: a chain that enters this curve
+            # anywhere above the target can still train a whole interval on it
+            if stop_loss is not None and sum(v <= stop_loss for v in curve.val_loss) >= 2:
                 break
     finally:
         trainer.close()

@@ -81,7 +81,7 @@ class TTPOptions:
     cooldown: int = 0
     noise_z: float = 1.0
     switch_repeats: int = 3
-    bound_snap: float = 1e-4
+    bound_snap: float = 1e-3  # optimistic rounding of the entry loss (keeps it a bound)
     workers: int = 2
     fresh: bool = False
     check_exact: bool = True
