@@ -149,4 +149,6 @@ def test_ttp_cases_on_cached_curves(tmp_path):
     # a second run loads every curve from the cache
     again = run_ttp(_ttp_opts(tmp_path))
     assert again["curves"]["trained"] == 0 and again["curves"]["loaded"] > 0
-    assert again["cases"][0]["ttp_s"] == cases[0]["ttp_s"]
+    # switch costs are measured anew each run; chains without switches are identical
+    for name in ("planner", "static"):
+        assert again["cases"][0]["ttp_s"][name] == cases[0]["ttp_s"][name]
