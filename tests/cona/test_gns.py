@@ -86,3 +86,32 @@ def test_bad_statistics_are_named():
         unbiased_estimates(1.0, 1.0, 4, 4)
     with pytest.raises(GradientStatsError, match="small_sq is empty"):
         GradientNoiseScale().observe(GradientSample((), 4, 1.0, 8))
+
+
+def test_efficiency_follows_the_lr_rule_applied():
+    """Pollux's (phi+M0)/(phi+M) assumes AdaScale's LR; under sqrt scaling a step is worth at
+    most the LR multiplier, so small batches gain less when the noise scale is small."""
+    assert statistical_efficiency(0.0, 16, 64) == pytest.approx(4.0)  # Pollux: M0/M
+    assert statistical_efficiency(0.0, 16, 64, lr_scale=0.5) == pytest.approx(2.0)  # sqrt
+    # large noise scale: the AdaScale gain is below the sqrt multiplier, Pollux's term holds
+    assert statistical_efficiency(1e6, 16, 64, lr_scale=0.5) == pytest.approx(
+        statistical_efficiency(1e6, 16, 64))
+    # larger batch under sqrt: capped by sqrt(M/M0) once the gain exceeds it
+    assert statistical_efficiency(1e6, 256, 64, lr_scale=2.0) == pytest.approx(0.5)
+
+
+def test_noise_scale_range_from_measured_spread():
+    from megatron_cona.gns import GradientSample
+
+    steady = GradientNoiseScale(0.9)
+    for _ in range(20):  # noise-free: |G|^2 = 1, tr(S) = 8
+        steady.observe(GradientSample((1 + 8 / 4,), 4, 1 + 8 / 16, 16))
+    lo, hi = steady.noise_scale_range()
+    assert lo == pytest.approx(8.0) and hi == pytest.approx(8.0)
+    noisy = GradientNoiseScale(0.9)
+    for k in range(20):
+        jitter = 0.5 if k % 2 else -0.5
+        noisy.observe(GradientSample((1 + 8 / 4 + jitter,), 4, 1 + 8 / 16, 16))
+    lo, hi = noisy.noise_scale_range()
+    assert lo < noisy.noise_scale < hi
+    assert all(math.isnan(x) for x in GradientNoiseScale(0.9).noise_scale_range())
