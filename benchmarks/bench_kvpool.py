@@ -1,35 +1,45 @@
-"""Fetch a long prefix's KV into paged KV tensors: the unified pool vs real LMCache 0.5.6.
+"""Fetch a long prefix's KV into paged KV tensors: the unified pool vs real LMCache 0.5.6, beside
+a bound measured in the same process.
 
-Every measurement runs in a fresh child process (same interpreter): build the KV, store it in the
-system under test, sync, drop the page cache (root), zero the KV, time the fetch, check the KV is
-byte-identical (xxh64 per layer). Repetitions are interleaved across systems; medians + spread.
+Pool measurements run in one child process per (scenario, placement): it builds the KV and stores
+it in the pool ONCE, then per repetition (order alternating) drops the page cache, zeroes the KV
+and times, on the same engine and the same stored chunks:
+  pool         the fetch as users run it (host chunks verified at save, SSD reads verified)
+  pool-verify  the same with ``verify_checksums: true`` (host chunks hashed on every fetch too)
+  alone:<dev>  each device's share of the prefix alone (exactly its chunks, same queue depth,
+               same copy threads, same verification): the in-run bound is max over devices,
+               ``frac_of_bound`` = bound / pool time, which cannot exceed 1 (if it does, the
+               bound is wrong and the run says so)
+  serial       a truly serial fetch in the same engine: the host share, then the SSD share(s)
+Every fetch that fills the whole prefix is checked byte-identical (xxh64 per layer). CPU cost is
+user+sys seconds of the process (all threads) during the fetch, per GB.
 
-Systems
-  lmcache-*   real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
-              ``use_odirect`` on/off), driven through a thin CPU adapter (its vLLM connector does
-              not run on CPU) whose copy is a plain slice copy (``slice``) or LMCache's own
-              ``lmcache.device_ops.multi_layer_kv_transfer`` (``kernel``); OMP_NUM_THREADS=1.
-              Needs ``make bench-env`` (.venv-bench); skipped with the reason otherwise.
-  pool-serial the pool's engine with ``placement: single_tier_serial`` (host first, then SSD):
-              isolates the placement gain from the I/O-path gain.
-  pool-bw     the pool with ``bandwidth`` placement; ``pool-rr`` round robin (S3).
+Rival: real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
+``use_odirect`` on/off), in a fresh child per repetition (store, drop caches, retrieve), through
+a thin CPU adapter (its vLLM connector does not run on CPU) whose copy is a plain slice copy;
+``--lmcache-kernel`` adds LMCache's own CPU copy kernel (slow on CPU; its users run the CUDA
+one). LMCache verifies nothing on retrieve: ``ratio_vs_lmcache`` is against the pool with host
+chunks unverified (the SSD share is always verified), ``ratio_vs_lmcache_verified`` against
+``pool-verify``. Needs ``make bench-env`` (.venv-bench); skipped with the reason otherwise.
+
 Scenarios (KV = Llama-3.1-8B geometry by default: 32 layers, 8 KV heads, head 128, bf16; 32K
-tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfer layout, which
-both LMCache's kernel and the pool take as is)
+tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfer layout)
   S1 matched split: host holds 7/8 of the chunks, the rest on one SSD file; LMCache's CPU tier
-     is sized for the whole prefix (its disk reads are staged there) and the chunks past the
-     host share are removed from it after the store, so both hold the same chunks in memory.
+     is sized for the whole prefix and the chunks past the host share are removed from it after
+     the store, so both hold the same chunks in memory.
   S2 host smaller than the prefix (1/2): LMCache as its docs configure it (CPU tier = the host
      capacity, disk behind it); reported as its time or "did not complete in T s".
-  S3 several devices: 2 host pools + an SSD file + a second SSD (a loop device with O_DIRECT over
-     /dev/shm, read-throttled by the blkio cgroup so bandwidths really differ); LMCache on its one
-     local_disk (the faster device), matched split at the same host share.
+  S3 several devices: 2 host pools + an SSD file + a second "SSD" (a loop device with O_DIRECT
+     over /dev/shm, read-throttled by the blkio cgroup so bandwidths differ; its kernel copies
+     burn the same two cores, which the in-run bound includes because it is measured here);
+     bandwidth placement vs round robin; LMCache on its one local_disk.
 
     .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
-Last line: ratio_vs_lmcache=X ratio_vs_lmcache_multi=Y multi_frac_of_bound=W
-           ratio_vs_serial_same_engine=V frac_of_optimum=Z
+Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
+Last line: ratio_vs_lmcache=X frac_of_bound=F ratio_vs_serial=V ratio_vs_lmcache_multi=Y
+           multi_frac_of_bound=W cpu_s_per_gb=C
 """
 
 from __future__ import annotations
@@ -52,8 +62,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LMCACHE_CHUNK = 256
-GPU_MODEL = ("H100-SXM bf16 989 TFLOP/s dense at 40% MFU; Llama-3.1-8B prefill FLOPs = "
-             "2*8.0e9*S + 4*32*4096*S*(P+S/2); fetch time as measured here")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -153,24 +161,32 @@ class Result:
     scenario: str
     seconds: float | None  # None: did not complete
     nbytes: int
-    sys_cpu_s: float
+    cpu_s: float  # user + sys CPU seconds of the process (all its threads) during the fetch
     identical: bool
     device_bytes: dict[str, int] = field(default_factory=dict)
     device_gbps: dict[str, float] = field(default_factory=dict)
     note: str = ""
     cold: bool = True
+    rep: int = 0
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def _sys_cpu() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
-def run_pool(g: Geometry, spec: dict[str, Any]) -> Result:
-    """The pool through its public engine API (``vllm_kvpool.local.LocalPool``)."""
+def pool_parts(names: list[str]) -> list[str]:
+    """What a pool child measures per repetition (see the module docstring)."""
+    return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "serial"]
+
+
+def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
+    """The pool through its public engine API (``vllm_kvpool.local.LocalPool``): stored once,
+    then ``spec["reps"]`` repetitions of every part of ``pool_parts``."""
     from vllm_kvpool.local import LocalPool
 
     for d in spec["config"]["devices"]:
@@ -181,25 +197,62 @@ def run_pool(g: Geometry, spec: dict[str, Any]) -> Result:
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     hashes = block_hashes(g, spec["salt"])
     ids = list(range(g.num_blocks))
+    out: list[Result] = []
     with LocalPool(spec["config"], names, g.num_blocks, g.block_size,
                    bandwidths=spec.get("gbps"),
                    layout_id=f"{spec['salt']}-{spec['system']}") as pool:  # fmt: skip
         saved = pool.save(hashes, ids)
         if saved != g.num_chunks:
             raise RuntimeError(f"{spec['system']}: stored {saved} of {g.num_chunks} chunks")
-        before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
-        cold = drop_page_cache()
-        for t in kv:
-            t.zero_()
-        sys0 = _sys_cpu()
-        fetched = pool.fetch(hashes, ids)
-        sys_s = _sys_cpu() - sys0
-        identical = fetched.ok and fetched.blocks == g.num_blocks and kv_digest(kv) == digest
-        devices = pool.status().transfers.devices
-        dev_bytes = {k: v.bytes_read - before.get(k, 0) for k, v in devices.items()}
-    return Result(spec["system"], spec["scenario"], fetched.seconds, g.prefix_bytes, sys_s,
-                  identical, {k: b for k, b in dev_bytes.items() if b},
-                  {k: b / fetched.seconds / 1e9 for k, b in dev_bytes.items() if b}, cold=cold)  # fmt: skip
+        devs = [d.name for d in pool.config.devices]
+        # host share first, then the SSDs: the order a serial fetch takes
+        order = sorted(range(len(devs)), key=lambda i: pool.config.devices[i].kind != "host")
+        share = {i: sum(e.location.nbytes for e in pool.pool.index.entries.values()
+                        if e.location.device == i) for i in range(len(devs))}  # fmt: skip
+
+        def fetch(part: str) -> tuple[float, int, bool]:
+            """(seconds, blocks, all verified) of one part."""
+            if part == "serial":
+                runs = [pool.fetch(hashes, ids, devices={i}) for i in order if share[i]]
+                return (sum(r.seconds for r in runs), sum(r.blocks for r in runs),
+                        all(r.ok for r in runs))  # fmt: skip
+            if part.startswith("alone:"):
+                r = pool.fetch(hashes, ids, devices={devs.index(part[6:])})
+            else:
+                pool.engine.verify = part == "pool-verify"
+                try:
+                    r = pool.fetch(hashes, ids)
+                finally:
+                    pool.engine.verify = pool.config.verify_checksums
+            return r.seconds, r.blocks, r.ok
+
+        parts = [p for p in spec.get("parts") or pool_parts(devs)
+                 if not p.startswith("alone:") or share[devs.index(p[6:])]]  # fmt: skip
+        for rep in range(spec["reps"]):
+            for part in parts if rep % 2 == 0 else parts[::-1]:
+                before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
+                for t in kv:
+                    t.zero_()
+                cold = drop_page_cache()
+                cpu0 = _cpu()
+                seconds, blocks, ok = fetch(part)
+                cpu_s = _cpu() - cpu0
+                moved = {k: v.bytes_read - before.get(k, 0)
+                         for k, v in pool.status().transfers.devices.items()}  # fmt: skip
+                moved = {k: b for k, b in moved.items() if b}
+                if part.startswith("alone:"):
+                    want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens // g.block_size
+                    identical = ok and blocks == want
+                else:
+                    identical = ok and blocks == g.num_blocks and kv_digest(kv) == digest
+                name = spec["system"] if part == "pool" else part
+                r = Result(name, spec["scenario"], seconds, sum(moved.values()), cpu_s, identical,
+                           moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
+                           rep=rep)  # fmt: skip
+                out.append(r)
+                if emit is not None:
+                    emit(r)
+    return out
 
 
 def _lmcache_adapter(kv: list[Any], g: Geometry, copy: str) -> Any:
@@ -312,7 +365,7 @@ def run_lmcache(g: Geometry, spec: dict[str, Any]) -> Result:
         cold = drop_page_cache()
         for t in kv:
             t.zero_()
-        sys0, start = _sys_cpu(), time.perf_counter()
+        cpu0, start = _cpu(), time.perf_counter()
         done: list[Any] = []
         worker = threading.Thread(target=lambda: done.append(
             engine.retrieve(tokens, slot_mapping=slots)), daemon=True)  # fmt: skip
@@ -324,9 +377,9 @@ def run_lmcache(g: Geometry, spec: dict[str, Any]) -> Result:
                     f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU tier)")
             print("RESULT " + json.dumps(asdict(Result(
                 spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
-                note=note))), flush=True)  # fmt: skip
+                note=note, rep=spec.get("rep", 0)))), flush=True)  # fmt: skip
             os._exit(0)
-        sys_s = _sys_cpu() - sys0
+        cpu_s = _cpu() - cpu0
         got = int(done[0].sum())
         identical = got == g.tokens and kv_digest(kv) == digest
     finally:
@@ -337,8 +390,11 @@ def run_lmcache(g: Geometry, spec: dict[str, Any]) -> Result:
     note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} tokens (the "
                                        "rest would be recomputed)")  # fmt: skip
     return Result(spec["system"], spec["scenario"], seconds, got * g.chunk_bytes // g.chunk_tokens,
-                  sys_s, identical, {k: b for k, b in dev.items() if b},
-                  {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold)  # fmt: skip
+                  cpu_s, identical, {k: b for k, b in dev.items() if b},
+                  {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold,
+                  spec.get("rep", 0))  # fmt: skip
+
+
 
 
 def child_main(payload: str) -> int:
@@ -347,8 +403,14 @@ def child_main(payload: str) -> int:
     spec = job["spec"]
     if spec.get("cgroup"):  # the throttled loop device's limit applies to this process
         Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
-    result = run_lmcache(g, spec) if spec["system"].startswith("lmcache") else run_pool(g, spec)
-    print("RESULT " + json.dumps(asdict(result)), flush=True)
+
+    def emit(r: Result) -> None:
+        print("RESULT " + json.dumps(asdict(r)), flush=True)
+
+    if spec["system"].startswith("lmcache"):
+        emit(run_lmcache(g, spec))
+    else:
+        run_pool(g, spec, emit)
     return 0
 
 
@@ -419,30 +481,46 @@ class Devices:
             self._backing.unlink(missing_ok=True)
 
 
+
 # ----------------------------------------------------------------------------- orchestration
-def run_child(g: Geometry, spec: dict[str, Any], timeout: float) -> Result:
+def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[Result]:
+    """Run one child; each result goes to ``sink`` as soon as the child prints it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     payload = json.dumps({"geometry": asdict(g), "spec": spec})
-    proc = subprocess.Popen([sys.executable, __file__, "--child", payload], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, 9)  # exactly the child this run started
-        out, err = proc.communicate()
-        stuck = [ln for ln in err.splitlines() if "No eviction candidates" in ln or "Waiting" in ln]
-        line = stuck[-1].strip() if stuck else (err.strip().splitlines() or ["(no log)"])[-1]
-        return Result(spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
-                      note=f"did not complete in {timeout:.0f} s; its log: {line[-240:]}")  # fmt: skip
-    for ln in out.splitlines():
-        if ln.startswith("RESULT "):
-            r = Result(**json.loads(ln[7:]))
-            stuck = [x for x in err.splitlines() if "No eviction candidates" in x]
-            if r.seconds is None and stuck:
-                r.note += f"; its log, {len(stuck)} times: {stuck[-1].strip()[-200:]}"
-            return r
-    raise RuntimeError(f"{spec['system']} ({spec['scenario']}) failed:\n{err[-3000:]}")
+    err_path = Path(spec.get("workdir", "/tmp")) / "child.err"
+    with open(err_path, "w+") as err:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", payload], env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+        timer = threading.Timer(timeout, proc.kill)  # exactly the child this run started
+        timer.start()
+        results = []
+        try:
+            assert proc.stdout is not None
+            for ln in proc.stdout:
+                if ln.startswith("RESULT "):
+                    r = Result(**json.loads(ln[7:]))
+                    results.append(r)
+                    sink(r)
+            proc.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        log = err.read()
+    stuck = [x for x in log.splitlines() if "No eviction candidates" in x or "Waiting" in x]
+    if proc.returncode != 0 and not results:
+        if proc.returncode == -9:
+            line = stuck[-1].strip() if stuck else (log.strip().splitlines() or ["(no log)"])[-1]
+            r = Result(spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
+                       note=f"did not complete in {timeout:.0f} s; its log: {line[-240:]}",
+                       rep=spec.get("rep", 0))  # fmt: skip
+            sink(r)
+            return [r]
+        raise RuntimeError(f"{spec['system']} ({spec['scenario']}) failed:\n{log[-3000:]}")
+    for r in results:
+        if r.seconds is None and stuck:
+            r.note += f"; its log, {len(stuck)} times: {stuck[-1].strip()[-200:]}"
+    return results
 
 
 def lmcache_available() -> str | None:
@@ -475,7 +553,7 @@ def probe(g: Geometry, config: dict[str, Any]) -> list[float]:
 
 def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
               lmc_reason: str | None) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Per scenario: the pool's devices, their capacities in chunks, the systems."""
+    """Per scenario: the pool's devices, the pool children (placement, parts), LMCache's runs."""
     n, s = g.num_chunks, slot(g)
     wd = args.workdir
     ssd0 = {"ssd": {"path": str(wd / "ssd0.kvpool"), "backend": "uring", "capacity": (n + 1) * s}}
@@ -489,20 +567,19 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
                 "resident": host1},
                {**base, "system": "lmcache-slice-buffered", "copy": "slice", "odirect": False,
                 "resident": host1}]  # fmt: skip
-        if not args.skip_lmcache_kernel:
+        if args.lmcache_kernel:
             lmc.append({**base, "system": "lmcache-kernel-odirect", "copy": "kernel",
                         "odirect": True, "resident": host1, "reps": 1})  # fmt: skip
-    pools = [("pool-bw", "bandwidth"), ("pool-serial", "single_tier_serial")]
+    full = [("pool", "bandwidth", None)]
     out: dict[str, dict[str, Any]] = {
-        "S1": {"devices": [{"host": {"capacity": host1 * s}}, ssd0], "caps": [host1, n + 1],
-               "systems": pools, "lmcache": lmc}}  # fmt: skip
+        "S1": {"devices": [{"host": {"capacity": host1 * s}}, ssd0], "pools": full, "lmcache": lmc}}
     s2_lmc = []
     if lmc_reason is None:  # as LMCache's docs configure it: CPU tier = the host memory
         s2_lmc = [{**base, "system": "lmcache-docs-odirect", "copy": "slice", "odirect": True,
                    "cpu_gib": host2 * g.chunk_bytes / 2**30, "resident": None, "reps": 1,
                    "retrieve_timeout": args.lmcache_timeout}]  # fmt: skip
-    out["S2"] = {"devices": [{"host": {"capacity": host2 * s}}, ssd0], "caps": [host2, n + 1],
-                 "systems": pools[:1], "lmcache": s2_lmc}  # fmt: skip
+    out["S2"] = {"devices": [{"host": {"capacity": host2 * s}}, ssd0], "pools": full,
+                 "lmcache": s2_lmc}  # fmt: skip
     if dev is not None and dev.second is not None:
         h = max(1, host2 // 2)
         second = {"ssd": {"path": dev.second, "backend": dev.second_backend,
@@ -510,9 +587,8 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
         devs3 = [{"host": {"capacity": h * s, "numa_node": 0}},
                  {"host": {"capacity": (host2 - h) * s, "numa_node": 0}}, ssd0, second]
         s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
-        out["S3"] = {"devices": devs3, "caps": [h, host2 - h, n + 1, n + 1],
-                     "systems": [pools[0], ("pool-rr", "round_robin")],
-                     "lmcache": s3_lmc, "lmcache_device": 2}  # fmt: skip
+        out["S3"] = {"devices": devs3, "lmcache": s3_lmc,
+                     "pools": [*full, ("pool-rr", "round_robin", ["pool"])]}  # fmt: skip
     return out
 
 
@@ -525,8 +601,6 @@ def spread(xs: list[float]) -> str:
 
 
 def run(args: argparse.Namespace, log=print) -> str:
-    from vllm_kvpool.placement import optimal_fetch
-
     g = args.geometry
     args.workdir.mkdir(parents=True, exist_ok=True)
     lmc_reason = "disabled (--no-lmcache)" if args.no_lmcache else lmcache_available()
@@ -540,7 +614,21 @@ def run(args: argparse.Namespace, log=print) -> str:
     if not args.no_multi and (args.scenarios is None or "S3" in args.scenarios):
         dev = Devices.setup((g.num_chunks + 2) * slot(g) + (80 << 20), args.throttle_mbps, log)
     results: dict[str, list[Result]] = {}
-    bounds: dict[str, dict[str, Any]] = {}
+    jsonl = args.workdir / "results.jsonl"
+
+    def sink(r: Result) -> None:
+        results.setdefault(f"{r.scenario}/{r.system}", []).append(r)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(asdict(r)) + "\n")
+        shown = f"{r.seconds:.3f} s {r.gbps:5.2f} GB/s" if r.seconds else r.note
+        log(f"[{r.scenario} rep {r.rep}] {r.system:24s} {shown}  cpu {r.cpu_s:.2f} s  "
+            f"identical={r.identical} cold={r.cold} GiB "
+            f"{ {k: round(v / 2**30, 2) for k, v in r.device_bytes.items()} }")
+        if r.note.startswith("partial"):
+            log(f"[{r.scenario} rep {r.rep}] {r.system}: {r.note}")
+        elif r.seconds is not None and not r.identical:
+            raise RuntimeError(f"{r.system} ({r.scenario}): fetched KV differs from the stored KV")
+
     try:
         for name, sc in scenarios(g, args, dev, lmc_reason).items():
             if args.scenarios and name not in args.scenarios:
@@ -549,70 +637,56 @@ def run(args: argparse.Namespace, log=print) -> str:
             if cgroup:  # probe (and run) under the second SSD's throttle
                 Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
             gbps = probe(g, pool_config(g, sc["devices"], "bandwidth"))
-            opt_s, opt_counts = optimal_fetch(g.num_chunks, g.chunk_bytes, gbps, sc["caps"])
-            kinds = [next(iter(d)) for d in sc["devices"]]
-            names = [f"{k}{kinds[:i].count(k)}" for i, k in enumerate(kinds)]  # config defaults
-            bounds[name] = {"gbps": gbps, "opt_s": opt_s, "names": names}
-            log(f"[{name}] devices: " + ", ".join(
-                f"{nm} ({d[k].get('path', 'memory')}, {c} chunks, {b:.2f} GB/s)"
-                for nm, k, d, c, b in zip(names, kinds, sc["devices"], sc["caps"], gbps,
-                                          strict=True)))  # fmt: skip
-            log(f"[{name}] capacity-constrained optimum {opt_s:.3f} s (chunks per device "
-                f"{opt_counts}); bytes / summed bandwidths {g.prefix_bytes / sum(gbps) / 1e9:.3f} s")
-            if "lmcache_device" in sc:  # the same memory + LMCache's one (faster) disk
-                i = sc["lmcache_device"]
-                bounds[name]["lmcache_opt_s"] = optimal_fetch(
-                    g.num_chunks, g.chunk_bytes, [sum(gbps[:2]), gbps[i]],
-                    [sc["caps"][0] + sc["caps"][1], g.num_chunks])[0]  # fmt: skip
+            log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
+                f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
+                for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
+            pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
+                      "config": pool_config(g, sc["devices"], placement), "gbps": gbps,
+                      "cgroup": cgroup, "reps": args.reps, "parts": parts,
+                      "workdir": str(args.workdir)}
+                     for system, placement, parts in sc["pools"]]  # fmt: skip
             for rep in range(args.reps):
-                jobs = [{"system": system, "scenario": name, "salt": f"{name}-{rep}",
-                         "config": pool_config(g, sc["devices"], placement), "gbps": gbps,
-                         "cgroup": cgroup} for system, placement in sc["systems"]]  # fmt: skip
-                jobs += [{**j, "scenario": name, "salt": f"{name}-{rep}", "cgroup": cgroup}
-                         for j in sc["lmcache"] if rep < j.get("reps", args.reps)]  # fmt: skip
-                for spec in jobs if rep % 2 == 0 else jobs[::-1]:  # interleaved, alternating
-                    r = run_child(g, spec, args.timeout)
-                    results.setdefault(f"{name}/{r.system}", []).append(r)
-                    shown = f"{r.seconds:.3f} s {r.gbps:5.2f} GB/s" if r.seconds else r.note
-                    log(f"[{name} rep {rep}] {r.system:24s} {shown}  sys {r.sys_cpu_s:.2f} s  "
-                        f"identical={r.identical} cold={r.cold} GiB "
-                        f"{ {k: round(v / 2**30, 2) for k, v in r.device_bytes.items()} }")
-                    if r.note.startswith("partial"):
-                        log(f"[{name} rep {rep}] {r.system}: {r.note}")
-                    elif r.seconds is not None and not r.identical:
-                        raise RuntimeError(f"{r.system} ({name}): fetched KV differs from the "
-                                           "stored KV")  # fmt: skip
+                if rep == args.reps // 2:  # the pool's repetitions sit among LMCache's
+                    for spec in pools:
+                        run_child(g, spec, args.timeout, sink)
+                for j in sc["lmcache"]:
+                    if rep < j.get("reps", args.reps):
+                        run_child(g, {**j, "scenario": name, "salt": f"{name}-{rep}", "rep": rep,
+                                      "cgroup": cgroup, "workdir": str(args.workdir)},
+                                  args.timeout, sink)  # fmt: skip
     finally:
         if dev is not None:
             dev.close()
         (args.workdir / "ssd0.kvpool").unlink(missing_ok=True)
-    return summarize(g, results, bounds, args, log)
+    return summarize(g, results, args, log)
 
 
-def summarize(g: Geometry, results: dict[str, list[Result]], bounds: dict[str, dict[str, Any]],
-              args: argparse.Namespace, log) -> str:  # fmt: skip
-    log(f"\n{'scenario/system':32s} {'seconds med [min-max]':>24s} {'GB/s':>6s} {'sys_cpu_s':>9s} "
-        f"{'frac_opt':>8s} {'frac_sum':>8s} identical")
+def bound_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
+    """Per repetition: max over devices of the share alone / the pool's fetch (<= 1)."""
+    pool = {r.rep: r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds}
+    alone: dict[int, float] = {}
+    for key, rs in results.items():
+        if key.startswith(f"{scenario}/alone:"):
+            for r in rs:
+                if r.seconds:
+                    alone[r.rep] = max(alone.get(r.rep, 0.0), r.seconds)
+    return [alone[rep] / pool[rep] for rep in sorted(pool) if rep in alone]
+
+
+def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Namespace,
+              log) -> str:  # fmt: skip
+    log(f"\n{'scenario/system':32s} {'seconds med [min-max]':>24s} {'GB/s':>6s} "
+        f"{'cpu_s/GB':>8s} identical")
     times = {k: [r.seconds for r in v if r.seconds and r.identical] for k, v in results.items()}
-    fracs: list[float] = []
     for key, rs in results.items():
         ts = times[key]
         if not ts:
             log(f"{key:32s} {rs[0].note}")
             continue
-        b = bounds[key.split("/")[0]]
-        fs = g.prefix_bytes / sum(b["gbps"]) / 1e9 / med(ts)
-        if key.endswith("/pool-bw"):
-            fracs += [b["opt_s"] / t for t in ts]
-        log(f"{key:32s} {spread(ts):>24s} {g.prefix_bytes / med(ts) / 1e9:6.2f} "
-            f"{med([r.sys_cpu_s for r in rs]):9.2f} {b['opt_s'] / med(ts):8.2f} {fs:8.2f} "
+        nbytes = med([r.nbytes for r in rs if r.seconds])
+        log(f"{key:32s} {spread(ts):>24s} {nbytes / med(ts) / 1e9:6.2f} "
+            f"{med([r.cpu_s / (r.nbytes / 1e9) for r in rs if r.seconds]):8.2f} "
             f"{all(r.identical for r in rs)}")
-    for key, rs in results.items():
-        if times[key]:
-            devs = {d: round(med([r.device_gbps.get(d, 0.0) for r in rs]), 2)
-                    for d in rs[0].device_bytes}  # fmt: skip
-            log(f"  {key}: GiB per device "
-                f"{ {d: round(b / 2**30, 2) for d, b in rs[0].device_bytes.items()} }, GB/s {devs}")
 
     def ratio(num: str, den: str) -> float:
         a, b = times.get(num, []), times.get(den, [])
@@ -621,67 +695,65 @@ def summarize(g: Geometry, results: dict[str, list[Result]], bounds: dict[str, d
     s1_lmc = [k for k in ("S1/lmcache-slice-odirect", "S1/lmcache-slice-buffered",
                           "S1/lmcache-kernel-odirect") if times.get(k)]  # fmt: skip
     best_lmc = min(s1_lmc, key=lambda k: med(times[k])) if s1_lmc else None
-    x = ratio(best_lmc, "S1/pool-bw") if best_lmc else float("nan")
-    y = ratio("S3/lmcache-slice-odirect", "S3/pool-bw")
-    b3 = bounds.get("S3", {})
-    bound = b3["lmcache_opt_s"] / b3["opt_s"] if "lmcache_opt_s" in b3 else float("nan")
-    w = y / bound
-    v = ratio("S1/pool-serial", "S1/pool-bw")
-    z = med(fracs) if fracs else float("nan")
+    x = ratio(best_lmc, "S1/pool") if best_lmc else float("nan")
+    xv = ratio(best_lmc, "S1/pool-verify") if best_lmc else float("nan")
+    fracs = {s: bound_fracs(results, s) for s in ("S1", "S2", "S3")}
+    f = med(fracs["S1"]) if fracs["S1"] else float("nan")
+    w = med(fracs["S3"]) if fracs["S3"] else float("nan")
+    v = ratio("S1/serial", "S1/pool")
+    y = ratio("S3/lmcache-slice-odirect", "S3/pool")
+    pool_cpu = [r.cpu_s / (r.nbytes / 1e9) for r in results.get("S1/pool", []) if r.seconds]
+    c = med(pool_cpu) if pool_cpu else float("nan")
     if best_lmc:
-        log(f"X uses LMCache's faster configuration in S1: {best_lmc.split('/')[1]}")
-    if "lmcache_opt_s" in b3:
-        log(f"S3 bound on ratio_vs_lmcache_multi: optimum over LMCache's devices (same memory + "
-            f"its one disk) / optimum over all = {bound:.2f}")
-    for key in ("S1/pool-bw", "S2/pool-bw", "S3/pool-bw", "S3/pool-rr", "S3/pool-serial"):
-        if times.get(key):
-            pred = med([predicted(r, bounds[key.split("/")[0]]) for r in results[key] if r.seconds])
-            log(f"{key}: max_d bytes_d/bw_d predicts {pred:.3f} s, measured {med(times[key]):.3f} s")
-    if times.get("S1/pool-bw"):
-        suffix = 512
-        flops = 2 * 8.0e9 * suffix + 4 * 32 * 4096 * suffix * (g.tokens + suffix / 2)
-        log(f"modelled GPU TTFT ({suffix}-token suffix; {GPU_MODEL}): pool "
-            f"{med(times['S1/pool-bw']) + flops / (989e12 * 0.4):.2f} s")
+        log(f"X uses LMCache's faster configuration in S1: {best_lmc.split('/')[1]}; against "
+            f"pool-verify (host chunks hashed on every fetch too): {xv:.2f}")
+    for s, fr in fracs.items():
+        if fr:
+            log(f"{s}: in-run bound (max over devices of each share alone) / pool, per rep: "
+                + ", ".join(f"{x_:.2f}" for x_ in fr))
+            if max(fr) > 1.0:
+                log(f"{s}: WARNING the pool beat its in-run bound in some repetition (> 1): the "
+                    "bound's parts were measured slower than the whole; treat F as noise-limited")
+    if times.get("S3/pool-rr") and times.get("S3/pool"):
+        log(f"S3 placement gain: round robin / bandwidth = {ratio('S3/pool-rr', 'S3/pool'):.2f}")
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
-    return (f"ratio_vs_lmcache={x:.2f} ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} "
-            f"ratio_vs_serial_same_engine={v:.2f} frac_of_optimum={z:.2f}")
-
-
-def predicted(r: Result, bound: dict[str, Any]) -> float:
-    """max_d bytes_d / bw_d for the bytes this run really took from each device (probed bw)."""
-    from vllm_kvpool.placement import fetch_seconds
-
-    return fetch_seconds([r.device_bytes.get(n, 0) for n in bound["names"]], bound["gbps"])
+    return (f"ratio_vs_lmcache={x:.2f} frac_of_bound={f:.2f} ratio_vs_serial={v:.2f} "
+            f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f}")
 
 
 def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
+    """Per scenario: every system's fetch time (median, min-max) beside the in-run bound."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k, v in results.items() if any(r.seconds for r in v)]
-    if not keys:
+    by_scenario: dict[str, list[str]] = {}
+    for key, rs in results.items():
+        if any(r.seconds for r in rs) and not key.split("/")[1].startswith("alone:"):
+            by_scenario.setdefault(key.split("/")[0], []).append(key)
+    if not by_scenario:
         return
-    devices = sorted({d for k in keys for d in results[k][0].device_bytes})
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(keys) + 2.5), sharey=True)
-    left = [0.0] * len(keys)
-    for d in devices:
-        gib = [results[k][0].device_bytes.get(d, 0) / 2**30 for k in keys]
-        a1.barh(keys, gib, left=left, label=d)
-        left = [a + b for a, b in zip(left, gib, strict=True)]
-    width = 0.8 / max(len(devices), 1)
-    for i, d in enumerate(devices):
-        gbps = [med([r.device_gbps.get(d, 0.0) for r in results[k] if r.seconds]) for k in keys]
-        a2.barh([j - 0.4 + (i + 0.5) * width for j in range(len(keys))], gbps, height=width,
-                label=d)  # fmt: skip
-    a1.set_xlabel("GiB fetched from each device")
-    a2.set_xlabel("GB/s per device during the fetch (median)")
-    a1.legend(fontsize=7)
-    a2.legend(fontsize=7)
-    fig.suptitle(f"{g.tokens}-token prefix ({g.prefix_bytes / 2**30:.1f} GiB), cold: per-device "
-                 "bytes and bandwidth")  # fmt: skip
+    fig, axes = plt.subplots(1, len(by_scenario), figsize=(5.5 * len(by_scenario), 4),
+                             squeeze=False)  # fmt: skip
+    for ax, (scenario, keys) in zip(axes[0], sorted(by_scenario.items()), strict=True):
+        ts = [[r.seconds for r in results[k] if r.seconds] for k in keys]
+        mids = [med(t) for t in ts]
+        err = [[m - min(t) for m, t in zip(mids, ts, strict=True)],
+               [max(t) - m for m, t in zip(mids, ts, strict=True)]]  # fmt: skip
+        labels = [k.split("/")[1] for k in keys]
+        ax.barh(labels, mids, xerr=err, color=["C0" if lb.startswith("pool") else "C1"
+                                               if lb.startswith("lmcache") else "C2"
+                                               for lb in labels])  # fmt: skip
+        fr = bound_fracs(results, scenario)
+        pool = [r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds]
+        if fr and pool:
+            ax.axvline(med(fr) * med(pool), color="k", ls="--", label="in-run bound (median)")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{scenario}")
+        ax.set_xlabel("fetch seconds (median, min-max)")
+    fig.suptitle(f"{g.tokens}-token prefix ({g.prefix_bytes / 2**30:.1f} GiB), cold")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -705,10 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--throttle-mbps", type=int, default=1500,
                    help="read limit of the second SSD (cgroup io.max / blkio)")  # fmt: skip
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if importable")
-    p.add_argument("--skip-lmcache-kernel", action="store_true",
-                   help="skip LMCache with its own (slow) CPU copy kernel")  # fmt: skip
+    p.add_argument("--lmcache-kernel", action="store_true",
+                   help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
-    p.add_argument("--timeout", type=float, default=600, help="per measurement, seconds")
+    p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")
     p.add_argument("--lmcache-timeout", type=float, default=60,
                    help="S2: how long LMCache-as-documented may take before 'did not complete'")
     p.add_argument("--workdir", type=Path, default=REPO / "out" / "bench_kvpool",

@@ -87,7 +87,10 @@ class PoolConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     load_mode: Literal["async", "sync"] = "async"
     load_failure: Literal["recompute", "fail"] = "recompute"
-    verify_checksums: bool = True
+    # Bytes read from an SSD are always verified; a host-memory chunk is verified when saved
+    # and, with this on, again on every fetch (costs a hash pass over the host share).
+    verify_checksums: bool = False
+    copy_threads: int = 0  # memcpy threads of a fetch's host copy; 0: one per usable CPU, <= 8
     save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
@@ -99,6 +102,11 @@ class PoolConfig:
     @property
     def ssds(self) -> tuple[DeviceConfig, ...]:
         return tuple(d for d in self.devices if d.kind == "ssd")
+
+    def copy_thread_count(self) -> int:
+        """``copy_threads``, or one per CPU this process may run on (memory bandwidth is
+        usually saturated by 8)."""
+        return self.copy_threads or min(8, len(os.sched_getaffinity(0)))
 
     def check_block_size(self, block_size: int) -> int:
         """Validate chunk_tokens against vLLM's block size; returns blocks per chunk."""
@@ -134,6 +142,7 @@ class PoolConfig:
             "load_mode": self.load_mode,
             "load_failure": self.load_failure,
             "verify_checksums": self.verify_checksums,
+            "copy_threads": self.copy_threads,
             "save_decode": self.save_decode,
             "staging": self.staging,
             "device_retry_seconds": self.device_retry_seconds,
@@ -250,7 +259,8 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
-             "verify_checksums", "save_decode", "staging", "device_retry_seconds"}  # fmt: skip
+             "verify_checksums", "copy_threads", "save_decode", "staging",
+             "device_retry_seconds"}  # fmt: skip
 _PROBE_KEYS = {"enabled", "seconds", "size", "drift_threshold"}
 
 
@@ -276,7 +286,8 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         probe=probe,
         load_mode=_choice(raw, "load_mode", "async", LOAD_MODES, ""),
         load_failure=_choice(raw, "load_failure", "recompute", LOAD_FAILURE_POLICIES, ""),
-        verify_checksums=_bool(raw, "verify_checksums", True, ""),
+        verify_checksums=_bool(raw, "verify_checksums", False, ""),
+        copy_threads=_int(raw, "copy_threads", 0, "", minimum=0),
         save_decode=_bool(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=_float(raw, "device_retry_seconds", 10.0, ""),

@@ -118,11 +118,13 @@ class TransferEngine:
     """
 
     def __init__(self, tiers: list[MediumHandler], layout: KVLayout | ChunkKV, rank: int = 0,
-                 verify_checksums: bool = True, retry_seconds: float = 10.0) -> None:  # fmt: skip
+                 verify_checksums: bool = False, retry_seconds: float = 10.0,
+                 copy_threads: int = COPY_THREADS) -> None:  # fmt: skip
         self.tiers = tiers
         self.layout = layout if isinstance(layout, ChunkKV) else ChunkKV.single(layout)
         self.rank = rank
-        self.verify = verify_checksums
+        self.verify = verify_checksums  # also re-verify host-resident chunks on every fetch
+        self.copy_threads = max(1, copy_threads)
         self.retry_seconds = retry_seconds
         self.io = kvio()
         self._saver = _Worker("kvpool-save")
@@ -352,10 +354,23 @@ class TransferEngine:
         if layer_major:  # verify now, scatter layer by layer once everything is here
             for p in resident:
                 self._read_resident(p, scatter=False)
-        host_queue = deque() if layer_major else deque(resident)
-        # Resident chunks are verified and copied by this thread AND the copier, one chunk each
-        # at a time (hashing, not memory, limits one thread); this thread also keeps SSDs busy.
-        copier = self._copier.submit(self._drain_resident, host_queue) if len(host_queue) > 1 else None
+        host_queue: deque[_PendingRead] = deque()
+        bulk: list[tuple[_PendingRead, np.ndarray]] = []
+        for p in [] if layer_major else resident:
+            ops = self._unverified_ops(p)
+            if ops is None:
+                host_queue.append(p)
+            else:
+                bulk.append((p, ops))
+        # Unverified resident chunks (verified when saved, not on every fetch): one GIL-free copy
+        # over all of them on ``copy_threads`` threads, on the copier, while this thread keeps the
+        # SSDs busy. Verified ones are hashed and copied by this thread AND the copier, one chunk
+        # each at a time (hashing, not memory, limits one thread).
+        copier = None
+        if bulk:
+            copier = self._copier.submit(self._copy_resident, bulk)
+        elif len(host_queue) > 1:
+            copier = self._copier.submit(self._drain_resident, host_queue)
         inflight: dict[int, deque[_Wave]] = defaultdict(deque)
         last_done: dict[int, float] = {}
         while host_queue or any(queues.values()) or any(inflight.values()):
@@ -366,7 +381,7 @@ class TransferEngine:
                     self._finish_wave(d, inflight[d].popleft(), last_done, layer_major)
                     progressed = True
             if (p := _pop(host_queue)) is not None:
-                self._read_resident(p, scatter=True, threads=1 if copier else COPY_THREADS)
+                self._read_resident(p, scatter=True, threads=1 if copier else self.copy_threads)
             elif not progressed:
                 busy = [d for d in inflight if inflight[d]]
                 if len(busy) == 1:  # one device left: sleep in the kernel until it is done
@@ -391,8 +406,33 @@ class TransferEngine:
                     self._invalid_blocks.update(p.read.block_ids)
 
     def _expected(self, r: ChunkRead) -> int | None:
-        """The checksum a read must match (None: unverified)."""
-        return r.checksums.get(self.rank) if self.verify or r.verify else None
+        """The checksum a read must match (None: unverified). Bytes read from a device are
+        always verified; a host-resident chunk was verified when it was saved, so only with
+        ``verify_checksums`` (or a restored chunk's first read)."""
+        if not self.tiers[r.device].resident or self.verify or r.verify:
+            return r.checksums.get(self.rank)
+        return None
+
+    def _unverified_ops(self, p: _PendingRead) -> np.ndarray | None:
+        """Copy rows of a resident chunk that needs no verification and goes to the KV whole."""
+        r = p.read
+        if self._expected(r) is not None or not self.layout.whole_read(r):
+            return None
+        p.buf = self.tiers[r.device].load_buffer(r.slot, p.nbytes)
+        assert p.buf is not None  # resident media never run out of buffers
+        return self.layout.read_ops(r, p.buf.address)
+
+    def _copy_resident(self, chunks: list[tuple[_PendingRead, np.ndarray]]) -> None:
+        start = time.perf_counter()
+        self.io.copy_many(np.concatenate([ops for _, ops in chunks]), threads=self.copy_threads)
+        elapsed = time.perf_counter() - start
+        total = sum(p.nbytes for p, _ in chunks)
+        with self._lock:
+            for p, _ in chunks:
+                c = self._report.counters.device(self.tiers[p.read.device].name)
+                c.bytes_read += p.nbytes
+                c.chunks_read += 1
+                c.read_seconds += elapsed * p.nbytes / total
 
     def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
         """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
@@ -479,10 +519,10 @@ class TransferEngine:
         if not layer_major:
             for p in wave.reads:
                 if p.ok and p.buf is not None:
-                    self._scatter(p)
+                    self._scatter(p, self.copy_threads)
             self._release(wave.reads)
 
-    def _scatter(self, p: _PendingRead, threads: int = COPY_THREADS) -> None:
+    def _scatter(self, p: _PendingRead, threads: int) -> None:
         """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
         assert p.buf is not None
         r = p.read
@@ -497,7 +537,7 @@ class TransferEngine:
         while (p := _pop(chunks)) is not None:
             self._read_resident(p, scatter=True, threads=1)
 
-    def _read_resident(self, p: _PendingRead, scatter: bool, threads: int = COPY_THREADS) -> None:
+    def _read_resident(self, p: _PendingRead, scatter: bool, threads: int = 1) -> None:
         """Verify a resident chunk; with ``scatter``, copy it into the KV blocks in the same pass
         (a corrupt chunk's blocks are reported invalid and recomputed, so its bytes do no harm)."""
         handler = self.tiers[p.read.device]

@@ -17,7 +17,7 @@ it. Chunks are ``chunk_tokens // block_size`` blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,8 @@ class LocalPool:
             self.pool.restore(device, chunks)  # a previous run's SSD chunks (same layout_id)
         self.engine = TransferEngine(open_handlers(self.config, self.geometry), self.layout,
                                      verify_checksums=self.config.verify_checksums,
-                                     retry_seconds=self.config.device_retry_seconds)  # fmt: skip
+                                     retry_seconds=self.config.device_retry_seconds,
+                                     copy_threads=self.config.copy_thread_count())  # fmt: skip
         self._requests = 0
 
     @property
@@ -92,9 +93,13 @@ class LocalPool:
                    if (e := self.pool.index.get(key)) is not None and e.committed)  # fmt: skip
 
     def fetch(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
-              timeout: float = 600.0) -> FetchResult:  # fmt: skip
-        """Copy the longest stored prefix of ``block_hashes`` into ``block_ids``."""
+              timeout: float = 600.0, devices: Collection[int] | None = None) -> FetchResult:  # fmt: skip
+        """Copy the longest stored prefix of ``block_hashes`` into ``block_ids``; with
+        ``devices``, only that prefix's chunks held on those devices (one share of the fetch
+        alone: the blocks of the other chunks are left as they are)."""
         hits = self.pool.match(block_hashes)
+        if devices is not None:
+            hits = [h for h in hits if h.entry.location.device in devices]
         reads = tuple(ChunkRead(h.entry.key, h.entry.location.device, h.entry.location.slot,
                                 h.entry.location.num_blocks, dict(h.entry.checksums), 0,
                                 tuple(block_ids[h.first_block : h.first_block + h.num_blocks]),

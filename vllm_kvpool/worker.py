@@ -39,7 +39,8 @@ class PoolWorker:
         suffix = f".rank{self.rank}" if self.world_size > 1 else ""
         handlers = open_handlers(self.pool_config, self.geometry, suffix)
         self.engine = TransferEngine(handlers, layout, self.rank, self.pool_config.verify_checksums,
-                                     self.pool_config.device_retry_seconds)  # fmt: skip
+                                     self.pool_config.device_retry_seconds,
+                                     self.pool_config.copy_thread_count())  # fmt: skip
 
     def drain(self) -> None:
         if self.engine is not None:

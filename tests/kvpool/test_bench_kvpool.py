@@ -29,18 +29,29 @@ def tiny(bench):
 
 
 @pytest.mark.parametrize("placement", ["bandwidth", "single_tier_serial", "round_robin"])
-def test_pool_paths_fetch_identical_kv(bench, tmp_path, placement):
+def test_pool_parts_fetch_identical_kv(bench, tmp_path, placement):
+    """Every part a pool child measures really runs on the stored chunks: the fetch, the same
+    with host verification, each device's share alone (only its bytes) and the serial fetch."""
     g = tiny(bench)
     s = bench.slot(g)
     devices = [{"host": {"capacity": 2 * s}},
                {"ssd": {"path": str(tmp_path / "ssd0.kvpool"), "backend": "uring",
                         "capacity": 5 * s}}]  # fmt: skip
-    spec = {"system": "pool", "scenario": "smoke", "salt": "smoke",
+    spec = {"system": "pool", "scenario": "smoke", "salt": "smoke", "reps": 2,
             "config": bench.pool_config(g, devices, placement), "gbps": [8.0, 2.0]}  # fmt: skip
-    r = bench.run_pool(g, spec)
-    assert r.identical and r.seconds > 0
-    assert sum(r.device_bytes.values()) == g.prefix_bytes
-    assert r.device_bytes["host0"] == 2 * g.chunk_bytes  # host full, the rest from the SSD
+    results = bench.run_pool(g, spec)
+    by = {}
+    for r in results:
+        by.setdefault(r.system, []).append(r)
+    assert sorted(by) == ["alone:host0", "alone:ssd0", "pool", "pool-verify", "serial"]
+    assert all(len(rs) == 2 and all(r.identical and r.seconds > 0 for r in rs)
+               for rs in by.values())  # fmt: skip
+    whole = {"host0": 2 * g.chunk_bytes, "ssd0": (g.num_chunks - 2) * g.chunk_bytes}
+    for name in ("pool", "pool-verify", "serial"):
+        assert by[name][0].device_bytes == whole  # host full, the rest from the SSD
+    assert by["alone:host0"][0].device_bytes == {"host0": whole["host0"]}
+    assert by["alone:ssd0"][0].device_bytes == {"ssd0": whole["ssd0"]}
+    assert [r.system for r in results[:5]] == [r.system for r in results[5:]][::-1]  # alternating
 
 
 def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
@@ -58,13 +69,21 @@ def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
                               "lmcache-disk": (g.num_chunks - 2) * g.chunk_bytes}  # fmt: skip
 
 
-def test_summary_line_and_optimum(bench, tmp_path):
+def test_summary_line_from_in_run_parts(bench):
+    """frac_of_bound pairs each repetition's pool fetch with the slowest share alone of the same
+    repetition; ratio_vs_serial is the serial fetch over the pool's."""
     g = tiny(bench)
-    r = bench.Result("pool-bw", "S1", 0.5, g.prefix_bytes, 0.0, True, {"host0": 1, "ssd0": 1})
-    s = bench.Result("pool-serial", "S1", 1.0, g.prefix_bytes, 0.0, True, {"host0": 1, "ssd0": 1})
+
+    def r(system, seconds, rep):
+        return bench.Result(system, "S1", seconds, g.prefix_bytes, 0.1, True, rep=rep)
+
+    results = {"S1/pool": [r("pool", 1.0, 0), r("pool", 2.0, 1)],
+               "S1/alone:host0": [r("alone:host0", 0.9, 0), r("alone:host0", 1.0, 1)],
+               "S1/alone:ssd0": [r("alone:ssd0", 0.5, 0), r("alone:ssd0", 1.6, 1)],
+               "S1/serial": [r("serial", 1.4, 0), r("serial", 2.6, 1)]}  # fmt: skip
+    assert bench.bound_fracs(results, "S1") == pytest.approx([0.9, 0.8])
     args = type("A", (), {"out": None})()
-    line = bench.summarize(g, {"S1/pool-bw": [r], "S1/pool-serial": [s]},
-                           {"S1": {"gbps": [4.0, 1.0], "opt_s": 0.25, "names": ["host0", "ssd0"]}},
-                           args, lambda *_: None)  # fmt: skip
-    assert line.startswith("ratio_vs_lmcache=nan ratio_vs_lmcache_multi=nan")
-    assert "ratio_vs_serial_same_engine=2.00 frac_of_optimum=0.50" in line
+    line = bench.summarize(g, results, args, lambda *_: None)
+    assert line.startswith("ratio_vs_lmcache=nan frac_of_bound=0.85 ratio_vs_serial=1.33 ")
+    cpu = 0.1 / (g.prefix_bytes / 1e9)
+    assert line.endswith(f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f}")

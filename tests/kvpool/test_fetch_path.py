@@ -1,0 +1,121 @@
+"""The fetch path: verify once (host chunks at save, SSD chunks on every read), the host share
+copied in one multi-threaded pass, one share of a fetch alone, bytes identical in every mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm_kvpool._kvio")
+
+from vllm_kvpool.local import LocalPool  # noqa: E402
+
+BLOCKS, BLOCK = 64, 16  # 16 chunks of 4 blocks
+
+
+def make_kv(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"l{i}": torch.randn(BLOCKS, 2, BLOCK, 32, generator=g) for i in range(3)}
+
+
+def config(tmp: Path, **top) -> dict:
+    return {"chunk_tokens": 64, **top, "devices": [
+        {"host": {"capacity": "256KiB", "bandwidth_gbps": 1.0}},  # 5 chunks of 48 KiB
+        {"ssd": {"path": str(tmp / "s0.kvpool"), "capacity": "1MiB", "bandwidth_gbps": 1.0}}]}
+
+
+HASHES = [f"fetch-{i}".encode().ljust(32, b".") for i in range(BLOCKS)]
+IDS = list(range(BLOCKS))
+
+
+def fetch_all(pool: LocalPool, kv: dict[str, torch.Tensor], **kw):
+    for t in kv.values():
+        t.zero_()
+    return pool.fetch(HASHES, IDS, **kw)
+
+
+def on(pool: LocalPool, kind: str) -> list:
+    devs = {i for i, d in enumerate(pool.config.devices) if d.kind == kind}
+    return [e for e in pool.pool.index.entries.values() if e.location.device in devs]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bytes_identical_in_every_mode(tmp_path, verify, threads):
+    kv = make_kv(0)
+    want = {k: t.clone() for k, t in kv.items()}
+    with LocalPool(config(tmp_path, verify_checksums=verify, copy_threads=threads), kv, BLOCKS,
+                   BLOCK) as pool:  # fmt: skip
+        assert pool.engine.copy_threads == threads
+        assert pool.save(HASHES, IDS) == 16
+        assert on(pool, "host") and on(pool, "ssd")  # both shares present
+        r = fetch_all(pool, kv)
+        assert r.ok and r.blocks == BLOCKS
+        devices = pool.status().transfers.devices
+        assert devices["host0"].chunks_read == len(on(pool, "host"))
+        assert devices["ssd0"].chunks_read == len(on(pool, "ssd"))
+    for k in kv:
+        assert torch.equal(kv[k], want[k]), k
+
+
+def corrupt_host_chunk(pool: LocalPool) -> int:
+    e = min(on(pool, "host"), key=lambda e: HASHES.index(e.key))
+    pool.handlers[e.location.device].view(e.location.slot, e.location.nbytes)[100] ^= 0xFF
+    return HASHES.index(e.key)
+
+
+def test_host_chunk_verified_at_save_not_on_every_fetch(tmp_path):
+    """Default: a host chunk's bytes are trusted after the save (no hash pass on the fetch, as
+    LMCache); ``verify_checksums: true`` re-verifies on every fetch and turns a changed chunk
+    into a miss (recomputed, never served)."""
+    kv = make_kv(1)
+    with LocalPool(config(tmp_path), kv, BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        corrupt_host_chunk(pool)
+        r = fetch_all(pool, kv)
+        assert r.ok and pool.status().transfers.devices["host0"].corrupt == 0
+    with LocalPool(config(tmp_path, verify_checksums=True), make_kv(1), BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        first = corrupt_host_chunk(pool)
+        r = fetch_all(pool, kv)
+        assert not r.ok and pool.status().transfers.devices["host0"].corrupt == 1
+        assert HASHES[first] not in pool.pool.index  # dropped: the next lookup misses it
+
+
+def test_ssd_chunk_verified_on_every_read(tmp_path):
+    """With ``verify_checksums`` off, an SSD chunk is still checked on every read, not only the
+    first: a chunk altered on the device after it was read once is caught the second time."""
+    kv = make_kv(2)
+    with LocalPool(config(tmp_path), kv, BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        assert fetch_all(pool, kv).ok
+        e = min(on(pool, "ssd"), key=lambda e: HASHES.index(e.key))
+        with open(tmp_path / "s0.kvpool", "r+b") as f:
+            f.seek(e.location.slot * pool.geometry.slot_bytes + 8)
+            f.write(b"\x00" * 8)
+        r = fetch_all(pool, kv)
+        assert not r.ok and pool.status().transfers.devices["ssd0"].corrupt == 1
+        assert e.key not in pool.pool.index
+
+
+def test_one_share_of_a_fetch_alone(tmp_path):
+    """``fetch(devices=...)`` reads exactly the prefix's chunks on those devices and leaves the
+    other blocks alone: the parts a benchmark's in-run bound is made of."""
+    kv = make_kv(3)
+    want = {k: t.clone() for k, t in kv.items()}
+    with LocalPool(config(tmp_path), kv, BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        ssd = {HASHES.index(e.key) for e in on(pool, "ssd")}
+        r = fetch_all(pool, kv, devices={1})
+        assert r.ok and r.blocks == 4 * len(ssd)
+        for k in kv:
+            for c in range(16):
+                got = kv[k][4 * c : 4 * c + 4]
+                if 4 * c in ssd:
+                    assert torch.equal(got, want[k][4 * c : 4 * c + 4])
+                else:
+                    assert not got.any()  # the host share was not touched
+        devices = pool.status().transfers.devices
+        assert devices["host0"].chunks_read == 0 and devices["ssd0"].chunks_read == len(ssd)
