@@ -148,7 +148,7 @@ def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
     half = shape.num_blocks // 2
     chunks = [list(range(b, b + chunk_blocks)) for b in range(0, shape.num_blocks, chunk_blocks)]
     host = [(i, ids) for i, ids in enumerate(chunks) if ids[0] < half]
-    disk = [(i, ids) for i, ids in enumerate(chunks) if ids[0] >= half]
+    disk = list(enumerate(ids for ids in chunks if ids[0] >= half))  # the file's slots from 0
     leg_bytes = {0: len(host) * eng.chunk_bytes, 1: len(disk) * eng.chunk_bytes}
     where = "gpu" if device == "cuda" else "cpu_kv"
     legs = {}
