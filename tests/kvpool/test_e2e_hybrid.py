@@ -54,6 +54,9 @@ def engine(model_dir, tmp_path_factory):
     core = llm.llm_engine.engine_core.engine_core
     yield llm, core, get_kv_transfer_group()
     del llm
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()  # the worker connector is a process global: the next engine builds its own
 
 
 def _generate_saved(llm, worker, prompt):
@@ -75,12 +78,10 @@ def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
     assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # 7 chunks + the prompt's stored partial
 
-    # negative control: the same pooled KV, altered (verification off so it is consumed)
-    worker.engine.verify = False
-    _scale_all_pool_data(worker, 64.0)
+    # negative control: the same pooled KV, altered (with its checksums, so it is consumed)
+    _scale_all_pool_data(worker, 64.0, sched.pool)
     hits = sched.pool.lookups.hit_tokens
     assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # it really was the pool's KV
-    _scale_all_pool_data(worker, 1 / 64)
-    worker.engine.verify = True
+    _scale_all_pool_data(worker, 1 / 64, sched.pool)
     assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]

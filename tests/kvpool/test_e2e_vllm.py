@@ -54,6 +54,9 @@ def engine(model_dir, tmp_path_factory):
     scheduler_side = llm.llm_engine.engine_core.engine_core.scheduler.connector
     yield llm, scheduler_side, get_kv_transfer_group()
     del llm
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()  # the worker connector is a process global: the next engine builds its own
 
 
 def _generate_saved(llm, worker, prompt):
@@ -62,9 +65,13 @@ def _generate_saved(llm, worker, prompt):
     return out
 
 
-def _scale_all_pool_data(worker, factor: float):
+def _scale_all_pool_data(worker, factor: float, pool=None):
     """Multiply every float of the pool (host memory and the SSD file) by a power of two:
-    exactly reversible, and wrong KV (sharper attention, larger values)."""
+    exactly reversible, and wrong KV (sharper attention, larger values). SSD reads are always
+    verified, so for a negative control the SSD chunks' checksums in the scheduler's index
+    (``pool``) are re-taken over the altered bytes: the wrong KV is then consumed."""
+    from vllm_kvpool.native import kvio
+
     for tier in worker.engine.tiers:
         if tier.resident:
             tier.view(0, tier.pool.capacity).view(torch.float32).mul_(factor)
@@ -77,6 +84,14 @@ def _scale_all_pool_data(worker, factor: float):
             f.write((data * np.float32(factor)).tobytes())
             f.flush()
             os.fsync(f.fileno())
+        if pool is None:
+            continue
+        d = worker.engine.tiers.index(tier)
+        with open(tier.cfg.path, "rb") as f:
+            for e in pool.index.entries.values():
+                if e.location.device == d and e.committed:
+                    f.seek(tier.offset(e.location.slot))
+                    e.checksums = {0: kvio().checksum(f.read(tier.io_length(e.location.nbytes)))}
 
 
 def test_second_prompt_served_from_pool_matches_no_connector_run(engine, reference):
@@ -95,13 +110,11 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
     llm, sched, worker = engine
     prompt = e2e_engine.PROMPTS["B"]
     assert any(e.committed for e in sched.pool.index.entries.values())  # B's prefix is pooled
-    worker.engine.verify = False  # negative control: no checksums, wrong KV is consumed
-    _scale_all_pool_data(worker, 64.0)
+    _scale_all_pool_data(worker, 64.0, sched.pool)  # negative control: wrong KV, consumed
     hits = sched.pool.lookups.hit_tokens
     assert _generate_saved(llm, worker, prompt) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits >= 960  # it really was the pool's KV
-    _scale_all_pool_data(worker, 1 / 64)  # exact bytes back
-    worker.engine.verify = True
+    _scale_all_pool_data(worker, 1 / 64, sched.pool)  # exact bytes (and checksums) back
     assert _generate_saved(llm, worker, prompt) == reference["B"]
     # one flipped byte in one SSD chunk: detected, dropped, recomputed; the output stays right
     entry = next(e for e in sched.pool.index.entries.values()
