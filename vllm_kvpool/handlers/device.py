@@ -183,6 +183,9 @@ class DeviceHandler(MediumHandler):
 
     # -- transfers -------------------------------------------------------------------------
     def submit_save(self, ops: Sequence[SaveOp]) -> int:
+        if bad := [op.slot for op in ops if not 0 <= op.slot < self.num_slots]:
+            raise ValueError(f"device {self.name}: slot {bad[0]} is outside its {self.num_slots} "
+                             "slots")  # fmt: skip
         self.retire([op.slot for op in ops])  # old records gone (durably) before new data lands
         ticket = self.device.submit_write([(self.offset(op.slot), op.address,
                                             self.io_length(op.nbytes)) for op in ops])  # fmt: skip
