@@ -4,11 +4,14 @@ Each model's KV geometry comes from ``vllm_kvpool.geometry.MODELS`` (checked aga
 config.json): per-group KV tensors at the real page sizes (bf16, 16-token blocks), the prefix
 saved once into a pool of one host-memory pool and one SSD file (O_DIRECT, io_uring), then the
 same fetch the connector issues on a hit (every full-attention block, the sliding window only at
-the hit position) timed ``--repeats`` times. GPT-OSS-20B also runs with the hybrid manager off
+the hit position) timed ``--repeats`` times, each beside its in-run bound: the same fetch of each
+device's share alone (exactly its chunks), bound = the slowest share alone, ``frac_of_bound`` =
+bound / fetch (<= 1; above 1 the bound is wrong). GPT-OSS-20B also runs with the hybrid manager off
 (every layer full attention), interleaved with the HMA run. Prints per run the bytes put back
 into the KV, the bytes read from the devices and the seconds (median, min, max); the LAST line
-per model is ``model=M bytes_ratio=B ratio_vs_hma_off=R`` for a hybrid model (HMA-off bytes and
-seconds over HMA-on ones), ``model=M bytes_per_token=N seconds=S`` for the others.
+per model is ``model=M bytes_ratio=B ratio_vs_hma_off=R frac_of_bound=F`` for a hybrid model
+(HMA-off bytes and seconds over HMA-on ones), ``model=M bytes_per_token=N seconds=S
+frac_of_bound=F`` for the others (F: median over repetitions, HMA on).
 
     python benchmarks/bench_kvpool.py --model gpt-oss-20b [--tokens 32768] [--dir /mnt/nvme]
     python benchmarks/kvpool_models.py --model llama-3.1-8b --model qwen3-30b-a3b   # the same
@@ -86,12 +89,15 @@ class ModelPool:
         self.pool.apply_report(self.engine.take_report())
         assert all(e.committed for e in self.pool.index.entries.values()), "prefix not stored"
 
-    def fetch(self) -> Run:
+    def fetch(self, device: int | None = None) -> Run:
+        """The connector's fetch of the whole hit; with ``device``, only that device's share."""
         hits = self.pool.match(self.hashes)
         end = self.layout.usable_hit_blocks(
             [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
         reads = [r for h in hits if (r := section_read(self.layout, h.entry, h.first_block,
                                                         self.ids, 0, end)) is not None]  # fmt: skip
+        if device is not None:
+            reads = [r for r in reads if r.device == device]
         self.engine.take_report()  # counters are per report: start from zero
         start = time.perf_counter()
         self.engine.start_loads([LoadRequest("fetch", tuple(reads), is_async=True)])
@@ -100,7 +106,12 @@ class ModelPool:
         seconds = time.perf_counter() - start
         assert not self.engine.take_invalid_blocks(), "a chunk failed its checksum"
         read = sum(c.bytes_read for c in self.engine.take_report().counters.devices.values())
-        return Run(seconds, self.layout.fetch_bytes(end), read)
+        kv = self.layout.fetch_bytes(end) if device is None else read
+        return Run(seconds, kv, read)
+
+    @property
+    def devices(self) -> list[int]:
+        return sorted({e.location.device for e in self.pool.index.entries.values()})
 
     def close(self) -> None:
         self.engine.close()
@@ -128,22 +139,30 @@ def main(argv: list[str] | None = None) -> int:
             pools = {v: ModelPool(geo.chunk_layout(BLOCK, CHUNK, hma=v == "on"), args.tokens,
                                   Path(tmp), f"{name}-{v}") for v in variants}  # fmt: skip
             runs: dict[str, list[Run]] = {v: [] for v in variants}
+            fracs: dict[str, list[float]] = {v: [] for v in variants}
             try:
                 for p in pools.values():
                     p.save()
                     p.fetch()  # warm-up
-                for _ in range(args.repeats):  # interleaved: contention hits both alike
+                for rep in range(args.repeats):  # interleaved: contention hits all alike
                     for v, p in pools.items():
-                        runs[v].append(p.fetch())
+                        parts = [None, *p.devices]
+                        timed = {d: p.fetch(d) for d in (parts if rep % 2 == 0 else parts[::-1])}
+                        runs[v].append(timed[None])
+                        bound = max(timed[d].seconds for d in p.devices)
+                        fracs[v].append(bound / timed[None].seconds)
                 for v in variants:
-                    print(_line(name, v, runs[v]), flush=True)
+                    print(_line(name, v, runs[v]) + " frac_of_bound=" + ",".join(
+                        f"{f:.2f}" for f in fracs[v]), flush=True)  # fmt: skip
+                frac = statistics.median(fracs["on"])
                 med = {v: statistics.median(r.seconds for r in runs[v]) for v in variants}
                 if "off" in variants:
                     print(f"model={name} bytes_ratio={runs['off'][0].kv_bytes / runs['on'][0].kv_bytes:.2f}"
-                          f" ratio_vs_hma_off={med['off'] / med['on']:.2f}", flush=True)
+                          f" ratio_vs_hma_off={med['off'] / med['on']:.2f} frac_of_bound={frac:.2f}",
+                          flush=True)  # fmt: skip
                 else:  # every layer full attention: HMA changes nothing to compare against
                     print(f"model={name} bytes_per_token={runs['on'][0].kv_bytes // args.tokens}"
-                          f" seconds={med['on']:.3f}", flush=True)
+                          f" seconds={med['on']:.3f} frac_of_bound={frac:.2f}", flush=True)
             finally:
                 for p in pools.values():
                     p.close()
