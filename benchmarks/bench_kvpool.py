@@ -33,7 +33,8 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
   S3 several devices: 2 host pools + an SSD file + a second "SSD" (a loop device with O_DIRECT
      over /dev/shm, read-throttled by the blkio cgroup so bandwidths differ; its kernel copies
      burn the same two cores, which the in-run bound includes because it is measured here);
-     bandwidth placement vs round robin; LMCache on its one local_disk.
+     bandwidth placement vs round robin (a uniform split) and a tiered fill (host pools, then
+     SSDs); LMCache on its one local_disk.
 
     .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
@@ -598,7 +599,8 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
                  {"host": {"capacity": (host2 - h) * s, "numa_node": 0}}, ssd0, second]
         s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
         out["S3"] = {"devices": devs3, "lmcache": s3_lmc,
-                     "pools": [*full, ("pool-rr", "round_robin", ["pool"])]}  # fmt: skip
+                     "pools": [*full, ("pool-rr", "round_robin", ["pool"]),
+                               ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
     return out
 
 
@@ -741,8 +743,10 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             if max(fr) > 1.0:
                 log(f"{s}: WARNING the pool beat its in-run bound in some repetition (> 1): the "
                     "bound's parts were measured slower than the whole; treat F as noise-limited")
-    if times.get("S3/pool-rr") and times.get("S3/pool"):
-        log(f"S3 placement gain: round robin / bandwidth = {ratio('S3/pool-rr', 'S3/pool'):.2f}")
+    for other, what in (("pool-rr", "round robin (a uniform split: equal chunks per device)"),
+                        ("pool-tiered", "tiered (fill host pools, then SSDs, in config order)")):
+        if times.get(f"S3/{other}") and times.get("S3/pool"):
+            log(f"S3 placement gain: {what} / bandwidth = {ratio(f'S3/{other}', 'S3/pool'):.2f}")
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
     return (f"ratio_vs_lmcache={x:.2f} frac_of_bound={f:.2f} ratio_vs_serial={v:.2f} "
