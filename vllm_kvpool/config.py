@@ -90,7 +90,7 @@ class PoolConfig:
     # Bytes read from an SSD are always verified; a host-memory chunk is verified when saved
     # and, with this on, again on every fetch (costs a hash pass over the host share).
     verify_checksums: bool = False
-    copy_threads: int = 0  # memcpy threads of a fetch's host copy; 0: one per usable CPU, <= 8
+    copy_threads: int = 0  # memcpy threads of a fetch's host copy; 0: from the probe
     save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
@@ -102,11 +102,6 @@ class PoolConfig:
     @property
     def ssds(self) -> tuple[DeviceConfig, ...]:
         return tuple(d for d in self.devices if d.kind == "ssd")
-
-    def copy_thread_count(self) -> int:
-        """``copy_threads``, or one per CPU this process may run on (memory bandwidth is
-        usually saturated by 8)."""
-        return self.copy_threads or min(8, len(os.sched_getaffinity(0)))
 
     def check_block_size(self, block_size: int) -> int:
         """Validate chunk_tokens against vLLM's block size; returns blocks per chunk."""

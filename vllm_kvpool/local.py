@@ -30,7 +30,7 @@ from vllm_kvpool.kv_layout import KVLayout
 from vllm_kvpool.metrics import PoolStatus
 from vllm_kvpool.placement import DeviceWeights
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
-from vllm_kvpool.probe import probe_bandwidths
+from vllm_kvpool.probe import probe_bandwidths, probe_copy_threads
 from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest, WorkerReport
 
 
@@ -62,7 +62,7 @@ class LocalPool:
         self.engine = TransferEngine(open_handlers(self.config, self.geometry), self.layout,
                                      verify_checksums=self.config.verify_checksums,
                                      retry_seconds=self.config.device_retry_seconds,
-                                     copy_threads=self.config.copy_thread_count())  # fmt: skip
+                                     copy_threads=probe_copy_threads(self.config))  # fmt: skip
         self._requests = 0
 
     @property

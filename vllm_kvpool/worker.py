@@ -15,6 +15,7 @@ from vllm_kvpool.engine import TransferEngine
 from vllm_kvpool.geometry import ChunkLayout
 from vllm_kvpool.handlers import open_handlers
 from vllm_kvpool.pool import PoolGeometry
+from vllm_kvpool.probe import probe_copy_threads
 
 
 class PoolWorker:
@@ -40,7 +41,7 @@ class PoolWorker:
         handlers = open_handlers(self.pool_config, self.geometry, suffix)
         self.engine = TransferEngine(handlers, layout, self.rank, self.pool_config.verify_checksums,
                                      self.pool_config.device_retry_seconds,
-                                     self.pool_config.copy_thread_count())  # fmt: skip
+                                     probe_copy_threads(self.pool_config))  # fmt: skip
 
     def drain(self) -> None:
         if self.engine is not None:
