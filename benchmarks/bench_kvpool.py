@@ -112,23 +112,31 @@ class Geometry:
             raise ValueError(f"dtype: {self.dtype!r} is not bfloat16, float16 or float32")
 
 
+SEED_BYTES = 16 * 2**20 + 4099  # odd: no two 4 KiB-multiple-apart pages repeat each other
+
+
 def make_kv(g: Geometry) -> list[Any]:
     """Per-layer KV [blocks, 2, block_size, heads, head_dim] (vLLM FlashInfer layout), page
-    aligned (torch under THP_MEM_ALLOC_ENABLE=1), seeded random values."""
+    aligned (torch under THP_MEM_ALLOC_ENABLE=1): a seeded random block of ``SEED_BYTES`` tiled
+    over all layers. The period is odd, so pages (multiples of 4 KiB apart) never hold the same
+    bytes: a chunk put back in the wrong place changes the digest. Filling GiBs with
+    ``torch.randint`` took ~40 s per child; tiling is a memcpy."""
     import torch
 
     dtype = getattr(torch, g.dtype)
     layer_bytes = g.num_blocks * g.page_bytes
-    raw = torch.empty(g.layers * layer_bytes + 4096, dtype=torch.uint8)
+    total = g.layers * layer_bytes
+    raw = torch.empty(total + 4096, dtype=torch.uint8)
     base = (-raw.data_ptr()) % 4096
+    flat = raw[base : base + total]
     gen = torch.Generator().manual_seed(0)
-    kv = []
-    for i in range(g.layers):
-        t = raw[base + i * layer_bytes : base + (i + 1) * layer_bytes]
-        t.view(torch.int16).copy_(torch.randint(-(2**14), 2**14, (layer_bytes // 2,),
-                                                dtype=torch.int16, generator=gen))  # fmt: skip
-        kv.append(t.view(dtype).view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim))
-    return kv
+    seed = torch.randint(0, 256, (SEED_BYTES,), dtype=torch.uint8, generator=gen)
+    for off in range(0, total, SEED_BYTES):
+        n = min(SEED_BYTES, total - off)
+        flat[off : off + n].copy_(seed[:n])
+    return [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype)
+            .view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim)
+            for i in range(g.layers)]  # fmt: skip
 
 
 def kv_digest(kv: list[Any]) -> list[int]:
@@ -812,7 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
     p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")
-    p.add_argument("--lmcache-timeout", type=float, default=60,
+    p.add_argument("--lmcache-timeout", type=float, default=30,
                    help="S2: how long LMCache-as-documented may take before 'did not complete'")
     p.add_argument("--workdir", type=Path, default=REPO / "out" / "bench_kvpool",
                    help="directory on the SSD for the device file and LMCache's disk tier")
