@@ -21,8 +21,10 @@
    caching-allocator simulator it shares code with (``predictors/data/memory_ground_truth.csv``,
    held out by family and size).
 
-Rows are a deterministic sample (every ``--every``-th; 1 = all 3,000, ~2-5 s each on this VM);
-predictions are cached in ``--cache`` so a long run can be resumed. Last line:
+Rows are a deterministic sample (every ``--every``-th; 1 = all 3,000, ~0.5-2 s each on one
+core); predictions are cached in ``--cache`` so a long run can be resumed. The default cache
+name carries a hash of the code that makes a prediction, so a cache written by older code is
+never reused. Last line:
 ``mape_dynamic=M false_fits_sweep=F mape_device=E`` (goals M <= 5, F = 0); the agreement with
 the simulator is printed above it, apart.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import math
 import statistics
 import sys
@@ -53,8 +56,20 @@ from predictors.memory.module import predict_module_memory
 from predictors.step import default_loss
 
 BUDGET_STEP_GIB = 0.5
+ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated_mib",
           "context_mib", "margin_mib", "fused_reserved_mib"]
+
+
+def prediction_code_version() -> str:
+    """Hash of the code a GPUMemNet prediction runs through (the memory package, the traced
+    step, the autocast emulation, the precision table and this benchmark's row handling)."""
+    h = hashlib.sha256()
+    files = sorted((ROOT / "predictors" / "memory").glob("*.py"))
+    files += [ROOT / "predictors" / n for n in ("step.py", "autocast.py", "precision.py")]
+    for path in files + [Path(__file__).resolve()]:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
@@ -196,15 +211,18 @@ def main() -> None:
     ap.add_argument("--ablation-every", type=int, default=100,
                     help="fused-AdamW ablation on every N-th row")
     ap.add_argument("--cache", type=Path, default=None,
-                    help="prediction cache (default out/bench_memory_gpumemnet[_twostep].csv)")
+                    help="prediction cache (default out/bench_memory_gpumemnet[_twostep]_"
+                         "<code hash>.csv: a cache of older code is not reused)")
     ap.add_argument("--minutes", type=float, default=60.0, help="stop predicting after this")
     ap.add_argument("--two-step", action="store_true",
                     help="ablation: trace two full steps only, not the generator's loader "
                          "(4096 samples: a smaller last batch every epoch)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    cache = args.cache or Path(
-        f"out/bench_memory_gpumemnet{'_twostep' if args.two_step else ''}.csv")
+    cache = args.cache or ROOT / "out" / (
+        f"bench_memory_gpumemnet{'_twostep' if args.two_step else ''}_"
+        f"{prediction_code_version()}.csv")
+    print(f"prediction cache: {cache}")
     recs = run_gpumemnet(args.every, args.ablation_every, cache, args.minutes,
                          not args.two_step)
     mape_dyn, mape, false_fits = report(recs)
