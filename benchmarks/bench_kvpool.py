@@ -784,7 +784,9 @@ def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
         mids = [med(t) for t in ts]
         err = [[m - min(t) for m, t in zip(mids, ts, strict=True)],
                [max(t) - m for m, t in zip(mids, ts, strict=True)]]  # fmt: skip
-        labels = [k.split("/")[1] for k in keys]
+        labels = [k.split("/")[1] + ("\n(partial hit)" if any(r.note.startswith("partial")
+                                                              for r in results[k]) else "")
+                  for k in keys]  # fmt: skip
         ax.barh(labels, mids, xerr=err, color=["C0" if lb.startswith("pool") else "C1"
                                                if lb.startswith("lmcache") else "C2"
                                                for lb in labels])  # fmt: skip
