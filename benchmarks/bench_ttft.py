@@ -23,6 +23,7 @@ fp32 weights written locally (no downloads).
     python benchmarks/bench_ttft.py                       # 8K-token prefix, 3 repetitions
     python benchmarks/bench_ttft.py --prefix-tokens 16384 # 16K (recompute ~150 s a repetition)
     python benchmarks/bench_ttft.py --prefix-tokens 2048 --reps 1   # a quick look
+Each repetition is appended to ``<workdir>/results.jsonl`` as it comes.
 Last line: ttft_speedup_vs_recompute=A ttft_s=B ttft_overhead=C (medians)
 """
 
@@ -347,6 +348,11 @@ def run(args: argparse.Namespace) -> str:
             reference = first_token(server, prompt[:served]
                                     + [rng.randrange(3, VOCAB) for _ in range(computed)])  # fmt: skip
             reps.append(Rep(recompute, reference, hit, fetch_s, computed))
+            with open(workdir / "results.jsonl", "a") as f:  # a killed run keeps its reps
+                f.write(json.dumps({"rep": rep, "prefix": prefix, "served": served,
+                                    "computed": computed, "recompute_s": recompute.ttft,
+                                    "pool_s": hit.ttft, "fetch_s": fetch_s,
+                                    "reference_s": reference.ttft}) + "\n")  # fmt: skip
             print(f"rep {rep}: recompute {recompute.ttft:.2f} s, pool {hit.ttft:.3f} s (fetch "
                   f"{fetch_s:.3f} s, {served} tokens from the pool, {computed} computed, page "
                   f"cache {'dropped' if cold else 'NOT dropped (not root)'}), reference "

@@ -20,6 +20,7 @@ frac_of_bound=F`` for the others (F: median over repetitions, HMA on).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -131,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where the SSD file goes")
+    parser.add_argument("--results", type=Path, default=Path("out/kvpool_models.jsonl"),
+                        help="each repetition is appended here as it comes")  # fmt: skip
     args = parser.parse_args(argv)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name in args.model:
             geo = MODELS[name]
@@ -151,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                         runs[v].append(timed[None])
                         bound = max(timed[d].seconds for d in p.devices)
                         fracs[v].append(bound / timed[None].seconds)
+                        if args.results is not None:  # a killed run keeps what it measured
+                            with open(args.results, "a") as f:
+                                f.write(json.dumps({"model": name, "hma": v, "rep": rep,
+                                                    "seconds": timed[None].seconds,
+                                                    "kv_bytes": timed[None].kv_bytes,
+                                                    "alone_s": {d: timed[d].seconds
+                                                                for d in p.devices}}) + "\n")  # fmt: skip
                 for v in variants:
                     print(_line(name, v, runs[v]) + " frac_of_bound=" + ",".join(
                         f"{f:.2f}" for f in fracs[v]), flush=True)  # fmt: skip
