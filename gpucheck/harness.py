@@ -42,7 +42,7 @@ class PartSpec:
 
 PARTS = (
     PartSpec("device", "device.csv", 25, 60, "NVML detection into predictors' Device vs table"),
-    PartSpec("kvio", "kvio.csv", 110, 60, "_kvio build + transfer engine GPU path vs memcpy"),
+    PartSpec("kvio", "kvio.csv", 135, 60, "_kvio build + transfer engine GPU path vs memcpy"),
     PartSpec("memory", "memory.csv", 105, 150, "memory ground truth vs the memory predictor"),
     PartSpec("time", "time.csv", 105, 120, "time ground truth vs the time predictor"),
     PartSpec("megatron", "megatron.csv", 80, 150, "GPTModel through CONA's runtime"),

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_kvpool.geometry import ChunkLayout, GroupLayout
+from vllm_kvpool.geometry import ChunkLayout, GroupLayout, Section
 from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.kv_layout import MAX_SEGMENTS, KVLayout, LayerPages, _merge_adjacent
 from vllm_kvpool.protocol import ChunkRead, ChunkSave
@@ -106,6 +106,18 @@ class ChunkKV:
             section = self.layout.sections(stored)[gi]
             self.groups[gi].scatter(local, ids, chunk[section.offset :], section.num_blocks,
                                     skip[gi])  # fmt: skip
+
+    def where(self, li: int) -> tuple[int, int]:
+        """(group, layer index in the group's ``KVLayout``) of layer ``li``."""
+        return self._where[li]
+
+    def read_groups(self, read: ChunkRead) -> list[tuple[int, Section, int, Sequence[int]]]:
+        """(group, its section of the stored chunk, skip, destination block ids) of each group a
+        read puts blocks back into."""
+        ids, skips = self.read_ids(read)
+        return [(gi, section, skips[gi], ids[gi])
+                for gi, section in enumerate(self.layout.sections(read.stored_blocks))
+                if ids[gi]]  # fmt: skip
 
     def chunk_ops(self, block_ids: SectionIds, chunk_addr: int, to_kv: bool, stored: int,
                   skip: Sequence[int] | None = None) -> np.ndarray | None:  # fmt: skip

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_kvpool.chunk_kv import ChunkKV
+from vllm_kvpool.device_copy import Copier, copier_for
 from vllm_kvpool.handlers import Buffer, LoadOp, MediumHandler, SaveOp
 from vllm_kvpool.kv_layout import COPY_THREADS, KVLayout
 from vllm_kvpool.native import kvio
@@ -119,9 +120,15 @@ class TransferEngine:
 
     def __init__(self, tiers: list[MediumHandler], layout: KVLayout | ChunkKV, rank: int = 0,
                  verify_checksums: bool = False, retry_seconds: float = 10.0,
-                 copy_threads: int = COPY_THREADS) -> None:  # fmt: skip
+                 copy_threads: int = COPY_THREADS, copier: Copier | None = None) -> None:  # fmt: skip
         self.tiers = tiers
         self.layout = layout if isinstance(layout, ChunkKV) else ChunkKV.single(layout)
+        layers = self.layout.layers
+        kv_device = layers[0].tensor.device if layers else torch.device("cpu")
+        self.copier = copier if copier is not None else copier_for(kv_device)
+        for handler in tiers:  # the host memory loads copy from (pinned for a GPU's DMA)
+            for address, nbytes in handler.host_regions():
+                self.copier.register_host(address, nbytes)
         self.rank = rank
         self.verify = verify_checksums  # also re-verify host-resident chunks on every fetch
         self.copy_threads = max(1, copy_threads)
@@ -138,6 +145,7 @@ class TransferEngine:
         self._awaiting_free: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._layer_events: list[threading.Event] = []
+        self._layer_marks: list[Any] = []  # the copier's per-layer marks of the sync load
         self._step_buffers: Future | None = None
         self._step_layers: set[int] = set()
         self._failed_at: dict[int, float] = {}  # failed device -> last recovery attempt
@@ -299,24 +307,31 @@ class TransferEngine:
             return
         sync = any(not r.is_async for r in loads)
         events = [threading.Event() for _ in self.layout.layers]
+        marks: list[Any] = [None] * len(events)
         if sync:
-            self._layer_events = events
-        self._loader.submit(self._run_loads, list(loads), events)
+            self._layer_events, self._layer_marks = events, marks
+        self._loader.submit(self._run_loads, list(loads), events, marks, self.copier.fence())
 
     def wait_layer(self, layer_name: str) -> None:
+        """Until layer ``layer_name`` of the sync load is issued; then the forward's stream
+        waits for that layer's copies only (the copier's mark)."""
         li = self.layout.index.get(layer_name)
         if li is not None and self._layer_events:
             self._layer_events[li].wait()
+            self.copier.wait(self._layer_marks[li])
 
     def wait_sync_loads(self) -> None:
-        for event in self._layer_events:
+        for event, mark in zip(self._layer_events, self._layer_marks, strict=True):
             event.wait()
-        self._layer_events = []
+            self.copier.wait(mark)
+        self._layer_events, self._layer_marks = [], []
 
-    def _run_loads(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
+    def _run_loads(self, loads: list[LoadRequest], events: list[threading.Event],
+                   marks: list[Any], fence: Any) -> None:  # fmt: skip
         start = time.perf_counter()
         try:
-            self._load_batch(loads, events)
+            self.copier.follow(fence)
+            self._load_batch(loads, events, marks)
         except Exception:  # never leave the forward waiting: every chunk of the batch fails
             logger.exception("kvpool: load batch failed")
             with self._lock:
@@ -333,7 +348,8 @@ class TransferEngine:
                 if req.is_async:
                     self._finished_loads.add(req.req_id)
 
-    def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event]) -> None:
+    def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event],
+                    marks: list[Any]) -> None:  # fmt: skip
         """Keep every SSD busy (two waves in flight each) while resident chunks are copied."""
         pending = [_PendingRead(req, r, self.layout.nbytes(r.stored_blocks))
                    for req in loads for r in req.reads]  # fmt: skip
@@ -391,15 +407,14 @@ class TransferEngine:
         if copier is not None:
             copier.result()
         if layer_major:
-            good = [p for p in pending if p.ok and p.buf is not None]
+            plan = self.copier.prepare(self.layout, [(p.read, p.buf.view) for p in pending
+                                                     if p.ok and p.buf is not None])  # fmt: skip
             for li, event in enumerate(events):
-                for p in good:
-                    self.layout.scatter_read(li, p.read, p.buf.view)
-                if self.layout.layers[li].tensor.device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()
+                marks[li] = self.copier.load_layer(self.layout, li, plan)
                 event.set()
+            self.copier.synchronize()  # before the staging buffers are reused
             self._release(pending)
-        _sync_device(self.layout)
+        self.copier.synchronize()
         with self._lock:
             for p in pending:
                 if not p.ok:
@@ -420,7 +435,12 @@ class TransferEngine:
             return None
         p.buf = self.tiers[r.device].load_buffer(r.slot, p.nbytes)
         assert p.buf is not None  # resident media never run out of buffers
-        return self.layout.read_ops(r, p.buf.address)
+        return self._read_ops(r, p.buf.address)
+
+    def _read_ops(self, r: ChunkRead, address: int) -> np.ndarray | None:
+        """The C++ copy rows of a read from ``address``; None unless the KV is host memory the
+        core can address (else the copier moves it, layer by layer)."""
+        return self.layout.read_ops(r, address) if self.copier.kv_addressable else None
 
     def _copy_resident(self, chunks: list[tuple[_PendingRead, np.ndarray]]) -> None:
         start = time.perf_counter()
@@ -437,7 +457,8 @@ class TransferEngine:
     def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
         """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
         r = p.read
-        if not self.layout.whole_read(r) or handler.io_length(p.nbytes) != p.nbytes:
+        if (not self.copier.kv_addressable or not self.layout.whole_read(r)
+                or handler.io_length(p.nbytes) != p.nbytes):  # fmt: skip
             return None
         return self.layout.read_segments(r, handler.mem_alignment, handler.alignment)
 
@@ -520,18 +541,20 @@ class TransferEngine:
             for p in wave.reads:
                 if p.ok and p.buf is not None:
                     self._scatter(p, self.copy_threads)
+            self.copier.synchronize()  # before the staging buffers are reused
             self._release(wave.reads)
 
     def _scatter(self, p: _PendingRead, threads: int) -> None:
         """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
         assert p.buf is not None
         r = p.read
-        ops = self.layout.read_ops(r, p.buf.address)
+        ops = self._read_ops(r, p.buf.address)
         if ops is not None:
             self.io.copy_many(ops, threads=threads)
             return
+        plan = self.copier.prepare(self.layout, [(r, p.buf.view)])
         for li in range(len(self.layout.layers)):
-            self.layout.scatter_read(li, r, p.buf.view)
+            self.copier.load_layer(self.layout, li, plan)
 
     def _drain_resident(self, chunks: deque[_PendingRead]) -> None:
         while (p := _pop(chunks)) is not None:
@@ -549,7 +572,7 @@ class TransferEngine:
         ops = None
         if scatter and expected is not None and self.layout.whole_read(r):
             # The whole chunk goes to the KV in byte order: hash it while it is copied.
-            ops = self.layout.read_ops(r, p.buf.address)
+            ops = self._read_ops(r, p.buf.address)
         if ops is not None:
             p.ok = self.io.copy_many_checksum(ops) == expected
         else:
@@ -612,5 +635,6 @@ class TransferEngine:
         finally:
             for worker in (self._saver, self._loader, self._reaper, self._copier):
                 worker.shutdown()
+            self.copier.close()  # unregisters the host memory before the handlers free it
             for handler in self.tiers:
                 handler.close()

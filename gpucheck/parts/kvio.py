@@ -2,7 +2,11 @@
 transfer engine's GPU path: CUDA KV tensors -> host pool and -> a file on the machine's disk
 (through the SSD handler's staging buffers, O_DIRECT), back into zeroed KV tensors, checked
 byte for byte; GB/s of each leg next to a plain ``cudaMemcpyAsync`` (``Tensor.copy_(...,
-non_blocking=True)``) of the same bytes to/from pinned and pageable host memory.
+non_blocking=True)``) of the same bytes to/from pinned and pageable host memory. And the load
+path a GPU user runs: a 32K-token prefix fetched from a host pool into the CUDA KV cache with
+the connector worker's calls (a sync load, ``wait_layer`` layer after layer as vLLM's forward
+calls ``wait_for_layer_load``, then ``wait_sync_loads``), with a contiguous and a shuffled block table, GB/s against one pinned
+``cudaMemcpyAsync`` of the same bytes (``ratio``, goal >= 0.8).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class Shape:
 # half to the host pool, half to the file.
 GPU_SHAPE = Shape(32, 8, 128, 16, 1024, 256, "256MiB")
 DRY_SHAPE = Shape(2, 2, 16, 16, 64, 64, "4MiB")
+# The fetch: Llama-3.1-8B's geometry, a 32768-token prefix (2048 blocks, 128 chunks) = 4 GiB.
+FETCH_SHAPE = Shape(32, 8, 128, 16, 2048, 256, "-")
+DRY_FETCH_SHAPE = Shape(2, 2, 16, 16, 64, 64, "-")
+FETCH_GOAL = 0.8  # fetch GB/s over pinned cudaMemcpyAsync GB/s of the same bytes
 
 
 def build_kvio(prefix: str | None, build_dir: Path, out_dir: Path, configure_only: bool = False,
@@ -183,6 +191,120 @@ def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
             "gbps": {k: round(b / s / 1e9, 3) for k, (b, s) in legs.items()}}
 
 
+def _pinned_h2d_seconds(nbytes: int, repeats: int) -> list[float]:
+    """One cudaMemcpyAsync of ``nbytes`` from pinned host memory, timed with CUDA events."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        gpu.copy_(host, non_blocking=True)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del host, gpu
+    return times
+
+
+def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> dict:
+    """Save a prefix into a host pool, then fetch it back into zeroed KV tensors with the calls
+    ``PoolWorker`` makes (built as ``register_kv_caches`` builds it; the worker module itself
+    imports vLLM, which the GPU machine lacks): a sync load, ``wait_layer`` per layer,
+    ``wait_sync_loads``. Into the same
+    blocks (contiguous runs: one copy per run) and into a shuffled block table (short runs: one
+    staged copy per chunk and one gather per layer); byte-exact checks and GB/s per table."""
+    import torch
+
+    from vllm_kvpool.chunk_kv import ChunkKV
+    from vllm_kvpool.config import parse_pool_config
+    from vllm_kvpool.engine import TransferEngine
+    from vllm_kvpool.geometry import ChunkLayout, GroupLayout
+    from vllm_kvpool.handlers import open_handlers
+    from vllm_kvpool.pool import PoolGeometry, layout_fingerprint
+    from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest
+
+    kv = _make_kv(shape, device)
+    ref = {k: v.clone() for k, v in kv.items()}
+    bpc = shape.chunk_tokens // shape.block_tokens
+    block_bytes = shape.layers * shape.page_bytes
+    geometry = PoolGeometry(block_bytes, bpc, layout_fingerprint(["gpucheck-fetch"]))
+    chunks = shape.num_blocks // bpc
+    config = parse_pool_config({"chunk_tokens": shape.chunk_tokens, "devices": [
+        {"host": {"capacity": (chunks + 1) * geometry.slot_bytes}}]})  # fmt: skip
+    layout = ChunkLayout((GroupLayout(0, tuple(kv), shape.page_bytes, shape.block_tokens),), bpc)
+    eng = TransferEngine(open_handlers(config, geometry),
+                         ChunkKV.from_kv_caches(kv, layout, shape.num_blocks))  # fmt: skip
+    nbytes = shape.num_blocks * block_bytes
+    out: dict = {}
+    try:
+        saves = [ChunkSave("save", f"c{c}".encode(), 0, c, tuple(range(c * bpc, (c + 1) * bpc)))
+                 for c in range(chunks)]  # fmt: skip
+        t0 = time.perf_counter()
+        eng.finish_step_saves(saves)
+        eng.wait_all()
+        cuda_sync(device)
+        save_s = time.perf_counter() - t0
+        report = eng.take_report()
+        if report.failed_saves or len(report.committed) != chunks:
+            raise RuntimeError(f"saves failed: {report.failed_saves[:3]}")
+        checksums = {key: {rank: c} for key, rank, c in report.committed}
+        pinned = eng.copier.pinned_bytes
+        baseline = None
+        if device == "cuda":
+            baseline = statistics.median(_pinned_h2d_seconds(nbytes, repeats))
+        gen = torch.Generator().manual_seed(0)
+        tables = {"contiguous": torch.arange(shape.num_blocks),
+                  "shuffled": torch.randperm(shape.num_blocks, generator=gen)}  # fmt: skip
+        for table, ids in tables.items():
+            reads = tuple(ChunkRead(f"c{c}".encode(), 0, c, bpc, checksums[f"c{c}".encode()], 0,
+                                    tuple(ids[c * bpc : (c + 1) * bpc].tolist()))
+                          for c in range(chunks))  # fmt: skip
+            times, exact = [], True
+            for i in range(repeats):
+                for t in kv.values():
+                    t.zero_()
+                cuda_sync(device)
+                t0 = time.perf_counter()
+                eng.start_loads([LoadRequest(f"{table}-{i}", reads, is_async=False)])
+                for name in kv:  # as vLLM's forward: each layer waits for its own copies
+                    eng.wait_layer(name)
+                eng.wait_sync_loads()
+                cuda_sync(device)
+                times.append(time.perf_counter() - t0)
+                eng.wait_all()
+                if eng.take_invalid_blocks():
+                    raise RuntimeError(f"{table}: blocks reported invalid")
+                dev_ids = ids.to(device)
+                exact = exact and all(torch.equal(kv[k].index_select(0, dev_ids).view(torch.int16),
+                                                  ref[k].view(torch.int16)) for k in kv)  # fmt: skip
+            med = statistics.median(times)
+            ratio = baseline / med if baseline else None
+            out[table] = {"gbps": round(nbytes / med / 1e9, 3), "byte_exact": exact,
+                          "ratio": None if ratio is None else round(ratio, 3)}  # fmt: skip
+            note = "" if exact else "the KV fetched differs from the KV saved"
+            if exact and ratio is None:
+                note = f"{NO_GPU}: the CPU path, no cudaMemcpyAsync reference"
+            w.write(test="fetch", path=f"host_pool->{'gpu' if device == 'cuda' else 'cpu_kv'} "
+                    f"({table})", bytes=nbytes, seconds=med, gbps=nbytes / med / 1e9,
+                    byte_exact=exact, repeats=repeats, status="ok" if exact else "error",
+                    note=note, detail={"tokens": shape.num_blocks * shape.block_tokens,
+                                       "layers": shape.layers, "chunks": chunks,
+                                       "best_s": min(times), "save_s": round(save_s, 3),
+                                       "memcpy_pinned_h2d_s": baseline, "ratio": ratio,
+                                       "goal": FETCH_GOAL, "pinned_bytes": pinned,
+                                       "copier": type(eng.copier).__name__})  # fmt: skip
+    finally:
+        eng.close()
+        del kv, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def memcpy_baseline(nbytes: int, w: RowWriter, repeats: int = 5) -> dict:
     """cudaMemcpyAsync of ``nbytes`` between the GPU and pinned / pageable host memory."""
     import torch
@@ -235,6 +357,17 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
             w.write(test="build", path="cmake", seconds=time.perf_counter() - t0,
                     status="error", note=error_text(exc))
             return {"_status": "error", "build_error": error_text(exc)}
+    budget.check("the worker-path fetch")
+    try:
+        summary["fetch"] = worker_fetch(DRY_FETCH_SHAPE if ctx.dry_run else FETCH_SHAPE,
+                                        ctx.device, w)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - recorded; the round trip still runs
+        w.write(test="fetch", path="host_pool->kv (worker)", seconds=0, status="error",
+                note=error_text(exc))
+        summary["fetch_error"] = error_text(exc)
+    fetch = summary.get("fetch")
+    if not fetch or not all(f["byte_exact"] for f in fetch.values()):
+        summary["_status"] = "error"
     budget.check("the engine round trip")
     shape = DRY_SHAPE if ctx.dry_run else GPU_SHAPE
     for backend in ("uring", "posix"):  # posix only if the sandbox refuses io_uring

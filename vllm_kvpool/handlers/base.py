@@ -187,6 +187,11 @@ class MediumHandler(ABC):
         self._done[ticket] = outcomes
         return ticket
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the host memory loads are copied to the KV from (a device
+        copier pins it once, ``device_copy``)."""
+        return []
+
     def retire(self, slots: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """Forget ``slots`` durably (persistent media erase their index records)."""
 

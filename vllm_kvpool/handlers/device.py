@@ -168,6 +168,9 @@ class DeviceHandler(MediumHandler):
         return Buffer(self._staging_bytes[start : start + nbytes], self.staging.address(slot),
                       lambda: self.staging.give([slot]))  # fmt: skip
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        return [(self.staging.pool.address, self.staging.pool.capacity)]
+
     def save_buffer(self, slot: int, nbytes: int) -> Buffer:
         if taken := self.staging.take(1, block=False):
             return self._staged(taken[0], nbytes)

@@ -39,6 +39,9 @@ class HostMemoryHandler(MediumHandler):
         start = slot * self.slot_bytes
         return self._bytes[start : start + nbytes]
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        return [(self.pool.address, self.pool.capacity)]
+
     def save_buffer(self, slot: int, nbytes: int) -> Buffer:
         return Buffer(self.view(slot, nbytes), self.address(slot))
 
