@@ -279,10 +279,15 @@ class CudaCopier(DeviceCopier):
         return event
 
     def _register(self, address: int, nbytes: int) -> bool:
-        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:  # e.g. RLIMIT_MEMLOCK: the copies still work, from pageable memory
-            logger.warning("kvpool: cudaHostRegister of %d bytes failed (error %s); copies from "
-                           "this host memory stay pageable", nbytes, int(err))  # fmt: skip
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        except (AttributeError, RuntimeError) as exc:  # a torch build without the binding
+            err, why = -1, str(exc)
+        else:
+            why = f"error {err}"
+        if err != 0:  # e.g. RLIMIT_MEMLOCK: the copies still work, from pageable memory
+            logger.warning("kvpool: cudaHostRegister of %d bytes failed (%s); copies from this "
+                           "host memory stay pageable", nbytes, why)  # fmt: skip
             return False
         return True
 

@@ -288,6 +288,8 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
             note = "" if exact else "the KV fetched differs from the KV saved"
             if exact and ratio is None:
                 note = f"{NO_GPU}: the CPU path, no cudaMemcpyAsync reference"
+            elif exact and ratio < FETCH_GOAL:
+                note = f"ratio {ratio:.2f} below the goal {FETCH_GOAL}"
             w.write(test="fetch", path=f"host_pool->{'gpu' if device == 'cuda' else 'cpu_kv'} "
                     f"({table})", bytes=nbytes, seconds=med, gbps=nbytes / med / 1e9,
                     byte_exact=exact, repeats=repeats, status="ok" if exact else "error",

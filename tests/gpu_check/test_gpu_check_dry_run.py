@@ -58,6 +58,13 @@ def test_kvio_round_trip_is_byte_exact_and_cuda_copies_are_skipped(dry_run):
     assert all(r["byte_exact"] == "true" and float(r["gbps"]) > 0 for r in engine)
     memcpy = [r for r in rows if r["test"] == "memcpy"]
     assert memcpy and all(r["status"] == "skipped" and r["note"] == NO_GPU for r in memcpy)
+    # The worker-path fetch ran on the CPU path (no GPU: no pinned-memcpy ratio).
+    fetch = {r["path"]: r for r in rows if r["test"] == "fetch"}
+    assert set(fetch) == {"host_pool->cpu_kv (contiguous)", "host_pool->cpu_kv (shuffled)"}
+    for r in fetch.values():
+        detail = json.loads(r["detail"])
+        assert r["status"] == "ok" and r["byte_exact"] == "true" and int(r["repeats"]) == 3
+        assert detail["ratio"] is None and detail["copier"] == "Copier" and detail["chunks"] > 1
 
 
 @pytest.mark.slow

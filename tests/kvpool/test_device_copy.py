@@ -211,3 +211,39 @@ def test_engine_loads_through_the_device_copier(tmp_path, fake, verify, mode):
     for k in kv:
         assert torch.equal(kv[k][skip:], want[k][skip:]), k
         assert not kv[k][:skip].any()  # the skipped blocks were not written
+
+
+# -- CudaCopier's registration glue (torch's cudart stubbed: no GPU here) -----------------------
+class _Cudart:
+    def __init__(self, err: int) -> None:
+        self.err, self.calls = err, []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr, size, flags))
+        return self.err
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+@pytest.mark.parametrize("err", [0, 712])  # 712: cudaErrorHostMemoryAlreadyRegistered
+def test_cuda_registration_through_torch_cudart(monkeypatch, caplog, err):
+    from vllm_kvpool.device_copy import CudaCopier, DeviceCopier
+
+    cudart = _Cudart(err)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    copier = CudaCopier.__new__(CudaCopier)  # no stream: nothing here is copied
+    DeviceCopier.__init__(copier)
+    copier.register_host(4096, 1 << 20)
+    copier.register_host(4096, 1 << 20)  # the same region again: asked of CUDA once at most
+    if err:
+        assert copier.pinned_bytes == 0 and "stay pageable" in caplog.text
+        assert cudart.calls == [("register", 4096, 1 << 20, 0)] * 2  # retried, never recorded
+    else:
+        assert copier.pinned_bytes == 1 << 20
+        assert cudart.calls == [("register", 4096, 1 << 20, 0)]
+    monkeypatch.setattr(copier, "_sync", lambda: None)
+    copier.close()
+    assert copier.pinned_bytes == 0
+    assert (("unregister", 4096) in cudart.calls) == (err == 0)  # only what was registered
