@@ -20,6 +20,12 @@ import torch
 CPU_THREADS = 1  # `predict collect` measures single-threaded steps; CPU predictions match that
 SMALL_GEMM_N, LARGE_GEMM_N = 96, 384  # calibration GEMM sizes (n x n x n)
 SMALL_GEMM_FLOPS, LARGE_GEMM_FLOPS = 2.0 * SMALL_GEMM_N**3, 2.0 * LARGE_GEMM_N**3
+# Without AMX a CPU core's 16-bit GEMM cannot beat twice its fp32 rate: AVX512_BF16's
+# VDPBF16PS and AVX512_FP16's VFMADDPH do two products per 32-bit lane per instruction (Intel
+# Intrinsics Guide: _mm512_dpbf16_ps, _mm512_fmadd_ph), on the same FMA ports as VFMADDPS;
+# emulated paths convert to fp32 first and are slower still. A calibration above that ceiling
+# is a measurement artefact (the shipped profile's bf16 384^3 GEMM read 4.3x its fp32 one).
+CPU_HALF_VS_FP32_CEILING = 2.0
 
 
 class UnknownDeviceError(ValueError):
@@ -61,6 +67,10 @@ class Device:
         if rate <= 0:
             return self.peak_flops["fp32"]
         small = self.small_gemm.get(dtype_key)
+        if self._half_without_amx(dtype_key):
+            rate = min(rate, CPU_HALF_VS_FP32_CEILING * self.peak_flops["fp32"])
+            if small:
+                small = min(small, CPU_HALF_VS_FP32_CEILING * self.small_gemm.get("fp32", small))
         if not small or flops is None:
             return rate
         # A larger GEMM is never slower per FLOP on real hardware; a measured large-GEMM rate
@@ -73,6 +83,10 @@ class Device:
             return small
         w = math.log(flops / SMALL_GEMM_FLOPS) / math.log(LARGE_GEMM_FLOPS / SMALL_GEMM_FLOPS)
         return math.exp((1 - w) * math.log(small) + w * math.log(rate))
+
+    def _half_without_amx(self, dtype_key: str) -> bool:
+        return self.kind == "cpu" and dtype_key in ("bf16", "fp16") and (
+            f"amx_{dtype_key}" not in self.flags)
 
     def vector_bw(self, dtype_key: str) -> float:
         return self.vec_bw.get(dtype_key, self.mem_bw)

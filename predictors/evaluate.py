@@ -28,37 +28,6 @@ class HeldOutResult:
     constants: dict[str, dict[str, float]] = field(default_factory=dict)  # per fold, in us
 
 
-def leave_group_out(name: str, rows: Sequence[dict], seconds: Sequence[float],
-                    groups: Sequence[str], family: str,
-                    precisions: Sequence[str] | None = None) -> HeldOutResult:  # fmt: skip
-    """Train on all groups but one, predict that one; every group in turn. ``precisions`` (one
-    per row) drop the precision features when there is only one
-    (:func:`predictors.train.feature_names`)."""
-    y = np.asarray(seconds, dtype=float)
-    pred = np.zeros(len(rows))
-    per_group = {}
-    names = feature_names(rows, precisions) if precisions else None
-    for g in sorted(set(groups)):
-        train = [i for i, x in enumerate(groups) if x != g]
-        test = [i for i, x in enumerate(groups) if x == g]
-        model = train_time_model([rows[i] for i in train], y[train], family, names)
-        pred[test] = model.predict([rows[i] for i in test])
-        per_group[g] = mape(pred[test], y[test])
-    return HeldOutResult(name, mape(pred, y), per_group, pred, y)
-
-
-def split_train_test(name: str, rows: Sequence[dict], seconds: Sequence[float],
-                     is_test: Sequence[bool], family: str,
-                     precisions: Sequence[str] | None = None) -> HeldOutResult:  # fmt: skip
-    y = np.asarray(seconds, dtype=float)
-    train = [i for i, t in enumerate(is_test) if not t]
-    test = [i for i, t in enumerate(is_test) if t]
-    model = train_time_model([rows[i] for i in train], y[train], family,
-                             feature_names(rows, precisions) if precisions else None)  # fmt: skip
-    pred = model.predict([rows[i] for i in test])
-    return HeldOutResult(name, mape(pred, y[test]), {}, pred, y[test])
-
-
 # ---------------------------------------------------------------------------------------------
 # vTrain (A100, Megatron, fp16 mixed)
 
@@ -169,9 +138,10 @@ def feature_code_version() -> str:
 
     root = Path(predictors.__file__).parent
     h = hashlib.sha256()
-    # devices.py is not hashed: the CPU profile the rows use is part of the cache tag
+    # devices.py is hashed for its rate rules (the CPU ceiling); the profile's numbers and the
+    # fitted per-kernel cost are part of the cache tag and row key
     for name in ("trace.py", "features.py", "analytical.py", "network.py", "autocast.py",
-                 "step.py", "zoo.py", "precision.py", "spec.py"):  # fmt: skip
+                 "step.py", "zoo.py", "precision.py", "spec.py", "devices.py"):  # fmt: skip
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -197,6 +167,7 @@ def measurement_features(df, precision_aware: bool, device, cache: str | Path | 
     out, dirty = [], False
     for _, r in df.iterrows():
         key = "|".join(str(r[k]) for k in KEY_COLUMNS) + f"|aware={precision_aware}"
+        key += f"|overhead={device.launch_overhead:.6g}"
         if key not in stored:
             spec, strategy = row_spec_strategy(r)
             stored[key] = features(spec, strategy, r["precision"], device,
@@ -214,41 +185,89 @@ def size_tier(model: str) -> str:
     return model.rsplit("-", 1)[-1]
 
 
+class _CpuFolds:
+    """Train/test folds on measured CPU rows with the per-kernel cost fitted on each fold's
+    training rows (:func:`predictors.calibrate.fit_cpu_constants`)."""
+
+    def __init__(self, df, device, precision_aware: bool, cache: str | Path | None) -> None:
+        self.df, self.device, self.aware, self.cache = df, device, precision_aware, cache
+        self.y = df["seconds"].to_numpy()
+        self._feats: dict[tuple, list[dict]] = {}
+        self.names: list[str] | None = None
+
+    def features(self, constants: dict[str, float]) -> list[dict]:
+        from predictors.calibrate import with_constants
+
+        key = tuple(sorted(constants.items()))
+        if key not in self._feats:
+            dev = with_constants(self.device, constants)
+            self._feats[key] = measurement_features(self.df, self.aware, dev, self.cache)
+            if self.names is None:  # precision features only where rows span > 1 precision
+                precisions = list(self.df["precision"]) if self.aware else ["fp32"]
+                self.names = feature_names(self._feats[key], precisions)
+        return self._feats[key]
+
+    def fold(self, train: list[int], test: list[int], family: str
+             ) -> tuple[np.ndarray, dict[str, float]]:  # fmt: skip
+        from predictors.calibrate import fit_cpu_constants
+
+        constants = fit_cpu_constants(self.df.iloc[train], self.device, self.aware)
+        feats = self.features(constants)
+        model = train_time_model([feats[i] for i in train], self.y[train], family, self.names)
+        return model.predict([feats[i] for i in test]), constants
+
+    def leave_group_out(self, name: str, groups: Sequence[str], family: str) -> HeldOutResult:
+        """Train on all groups but one, predict that one; every group in turn (predictions
+        aligned with the rows)."""
+        pred = np.zeros(len(self.y))
+        per_group, fitted = {}, {}
+        for g in sorted(set(groups)):
+            train = [i for i, x in enumerate(groups) if x != g]
+            test = [i for i, x in enumerate(groups) if x == g]
+            pred[test], constants = self.fold(train, test, family)
+            per_group[g] = mape(pred[test], self.y[test])
+            fitted[g] = {k: v * 1e6 for k, v in constants.items()}
+        return HeldOutResult(name, mape(pred, self.y), per_group, pred, self.y, fitted)
+
+    def unseen_seq(self, seqs: list[int], family: str) -> HeldOutResult:
+        """Hold out each sequence length of the sequence models in turn (rows without one,
+        seq 0, always train), pooled."""
+        preds, trues, per, fitted = [], [], {}, {}
+        for s in sorted({v for v in seqs if v > 0}):
+            train = [i for i, v in enumerate(seqs) if v != s]
+            test = [i for i, v in enumerate(seqs) if v == s]
+            pred, constants = self.fold(train, test, family)
+            per[f"seq{s}"] = mape(pred, self.y[test])
+            fitted[f"seq{s}"] = {k: v * 1e6 for k, v in constants.items()}
+            preds.append(pred)
+            trues.append(self.y[test])
+        pred, true = np.concatenate(preds), np.concatenate(trues)
+        return HeldOutResult("by_seq", mape(pred, true), per, pred, true, fitted)
+
+
 def evaluate_measurements(df, device, family: str = "cpu",
                           cache: str | Path | None = None) -> dict[str, HeldOutResult]:  # fmt: skip
     """Leave-one-family-out and leave-one-size-tier-out, precision-aware vs precision-unaware;
     precision-aware also leave-one-precision-out (``by_precision``: a precision the correction
-    never saw) and unseen sequence length (``by_seq``).
+    never saw) and unseen sequence length (``by_seq``). The per-kernel cost is fitted inside
+    every fold.
 
     A size tier (``xs``, ``s``, ``m``) is held out across ALL families at once: ``gpt-s``,
     ``bert-s`` and ``llama-s`` share a shape, so holding out one model leaves its twins in."""
-    y = df["seconds"].to_numpy()
+    df = df.reset_index(drop=True)
     tiers = [size_tier(m) for m in df["model"]]
     results = {}
     for aware in (True, False):
-        feats = measurement_features(df, aware, device, cache)
+        folds = _CpuFolds(df, device, aware, cache)
         tag = "" if aware else "_unaware"
-        results["by_family" + tag] = leave_group_out("by_family" + tag, feats, y,
-                                                     list(df["family"]), family)  # fmt: skip
-        results["by_size" + tag] = leave_group_out("by_size" + tag, feats, y, tiers, family)
+        results["by_family" + tag] = folds.leave_group_out("by_family" + tag,
+                                                           list(df["family"]), family)  # fmt: skip
+        results["by_size" + tag] = folds.leave_group_out("by_size" + tag, tiers, family)
         if aware:
-            results["by_precision"] = leave_group_out("by_precision", feats, y,
-                                                      list(df["precision"]), family)  # fmt: skip
-            results["by_seq"] = _unseen_seq(feats, y, [int(v) for v in df["seq"]], family)
+            results["by_precision"] = folds.leave_group_out("by_precision",
+                                                            list(df["precision"]), family)  # fmt: skip
+            results["by_seq"] = folds.unseen_seq([int(v) for v in df["seq"]], family)
     return results
-
-
-def _unseen_seq(feats: list[dict], y: np.ndarray, seqs: list[int], family: str) -> HeldOutResult:
-    """Hold out each sequence length of the sequence models in turn (rows without one, seq 0,
-    always train), pooled."""
-    preds, trues, per = [], [], {}
-    for s in sorted({v for v in seqs if v > 0}):
-        res = split_train_test(f"seq{s}", feats, y, [v == s for v in seqs], family)
-        per[f"seq{s}"] = res.mape
-        preds.append(res.predicted)
-        trues.append(res.measured)
-    pred, true = np.concatenate(preds), np.concatenate(trues)
-    return HeldOutResult("by_seq", mape(pred, true), per, pred, true)
 
 
 def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_dir: str | Path,

@@ -57,7 +57,7 @@ def _split(trace: Trace) -> tuple[Trace, Trace]:
     return step, opt
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)  # a CPU data set has ~600 distinct parts
 def _part_trace(part: str, spec: TransformerSpec, tp: int, batch: int, precision: str,
                 target: str) -> tuple[Trace, Trace]:  # fmt: skip
     """(forward+backward, optimizer) trace of one layer shard or the embedding/head shard."""
@@ -148,7 +148,7 @@ def _opt_param_shapes(opt: Trace) -> list[tuple[int, ...]]:
     return []
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _module_trace(spec: ModelSpec, micro: int, precision: str, target: str) -> tuple[Trace, Trace]:
     trace = trace_step(lambda: build(spec), lambda: make_batch(spec, micro), precision,
                        target=target)  # fmt: skip

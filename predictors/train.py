@@ -64,7 +64,9 @@ def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
 def train_measurement_model(data: str | Path, precision_aware: bool = True,
                             exclude: Callable | None = None) -> TimeModel:  # fmt: skip
     """The CPU correction trained on a ``predict collect`` CSV (rows where ``exclude(row)``,
-    a pandas row, is true are left out)."""
+    a pandas row, is true are left out). The per-kernel cost is fitted on the same rows and
+    kept in ``meta["device_constants"]``."""
+    from predictors.calibrate import fit_cpu_constants, with_constants
     from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
     from predictors.evaluate import measurement_features
@@ -73,10 +75,13 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     df = load_measurements(data)
     if exclude is not None:
         df = df[~df.apply(exclude, axis=1)]
-    device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
-    feats = measurement_features(df, precision_aware, device, features_cache_path(data))
+    profile = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    constants = fit_cpu_constants(df, profile, precision_aware)
+    feats = measurement_features(df, precision_aware, with_constants(profile, constants),
+                                 features_cache_path(data))  # fmt: skip
     meta = {"training_data": f"{data.name} ({len(df)} CPU measurements, predict collect)",
-            "device_profile": device.to_dict(), "precision_aware": precision_aware}  # fmt: skip
+            "device_profile": profile.to_dict(), "precision_aware": precision_aware,
+            "device_constants": constants}  # fmt: skip
     names = feature_names(feats, list(df["precision"]) if precision_aware else ["fp32"])
     return train_time_model(feats, df["seconds"].to_numpy(), "cpu", names, meta)
 

@@ -25,6 +25,33 @@ def test_fit_recovers_the_constants_rows_were_made_with():
     assert fit_gpu_constants(made, "fp16-mixed", base) == truth
 
 
+def test_cpu_fit_recovers_the_per_kernel_cost_despite_per_precision_offsets():
+    """CPU rows 'measured' as the roofline at a known per-kernel cost, each precision with its
+    own constant offset (which the correction learns from the precision features), give that
+    cost back: the spread is taken around each precision's own median."""
+    import json
+
+    from predictors.calibrate import fit_cpu_constants
+    from predictors.collect import device_profile_path, load_measurements, row_spec_strategy
+    from predictors.devices import Device
+    from predictors.vtrain import data_path
+
+    data = data_path("cpu_measurements.csv")
+    profile = Device.from_dict(json.loads(device_profile_path(data).read_text()))
+    df = load_measurements(data)
+    df = df[(df["model"].isin(["gpt-xs", "convnet-xs"])) & (df["dp"] == 1)
+            & df["precision"].isin(["fp32", "bf16"])].copy()  # fmt: skip
+    truth = replace(profile, launch_overhead=20e-6)
+    offset = {"fp32": 1.0, "bf16": 1.7}
+    made = []
+    for _, r in df.iterrows():
+        spec, st = row_spec_strategy(r)
+        w = step_work(spec, st, get_precision(r["precision"]), truth)
+        made.append(offset[r["precision"]] * iteration_time(w, st, truth).total)
+    df["seconds"] = made
+    assert fit_cpu_constants(df, profile) == {"launch_overhead": 20e-6}
+
+
 def test_with_constants_names_a_bad_field():
     dev = get_device("a100-80gb")
     assert with_constants(dev, None) is dev

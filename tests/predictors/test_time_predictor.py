@@ -124,6 +124,23 @@ def test_emulated_dtype_rate_never_falls_with_gemm_size():
     assert rates == sorted(rates) and rates[0] == 50e9 and rates[-1] == pytest.approx(100e9)
 
 
+def test_cpu_half_precision_gemm_is_capped_at_twice_fp32_without_amx():
+    """Without AMX, a bf16/fp16 GEMM on a CPU core runs at most 2x its fp32 rate (two products
+    per 32-bit lane per instruction); a calibration above that is an artefact. With AMX the
+    measured rate stands."""
+    from predictors.devices import LARGE_GEMM_FLOPS, SMALL_GEMM_FLOPS, Device
+
+    peaks, small = {"fp32": 100e9, "bf16": 430e9}, {"fp32": 90e9, "bf16": 300e9}
+    avx = Device("cpu:avx", "cpu", "cpu", peaks, 80e9, 10e9, 1e9, 2**34, small_gemm=small,
+                 flags=("avx512_bf16",))  # fmt: skip
+    assert avx.matmul_rate("bf16", LARGE_GEMM_FLOPS) == 200e9
+    assert avx.matmul_rate("bf16", SMALL_GEMM_FLOPS) == 180e9
+    assert avx.matmul_rate("fp32", LARGE_GEMM_FLOPS) == 100e9
+    amx = Device("cpu:amx", "cpu", "cpu", peaks, 80e9, 10e9, 1e9, 2**34, small_gemm=small,
+                 flags=("amx_bf16", "avx512_bf16"))  # fmt: skip
+    assert amx.matmul_rate("bf16", LARGE_GEMM_FLOPS) == 430e9
+
+
 @pytest.mark.slow
 def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
