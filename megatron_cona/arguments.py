@@ -76,6 +76,22 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
     return values
 
 
+def precision_from_args(args: argparse.Namespace) -> str:
+    """The Precision table's entry Megatron's precision flags select (``--bf16``: bf16-mixed,
+    ``--fp16``: fp16-mixed, neither: the entry whose ``megatron_flag`` is empty, fp32); the
+    table's ``megatron_flag`` owns the mapping, so a new entry with a flag is picked up here."""
+    from predictors.precision import PRECISIONS
+
+    chosen = [n for n, p in PRECISIONS.items()
+              if p.megatron_flag and getattr(args, p.megatron_flag.lstrip("-").replace("-", "_"), False)]  # fmt: skip
+    if len(chosen) > 1:
+        flags = " and ".join(PRECISIONS[n].megatron_flag for n in chosen)
+        raise ConaArgumentError(PRECISIONS[chosen[0]].megatron_flag, f"{flags} cannot be combined")
+    if chosen:
+        return chosen[0]
+    return next(n for n, p in PRECISIONS.items() if p.megatron_flag == "")
+
+
 def static_strategy(args: argparse.Namespace, world_size: int) -> ParallelStrategy:
     """The strategy given by Megatron-LM's own parallelism and batch flags."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

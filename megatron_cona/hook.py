@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
 
-from megatron_cona.arguments import static_strategy, validate_cona_args
+from megatron_cona.arguments import precision_from_args, static_strategy, validate_cona_args
 from megatron_cona.executor import ExecutorBase
 from megatron_cona.gns import GradStats
 from megatron_cona.grad_probe import ProbeGroups, grad_sq_norm
@@ -97,8 +97,7 @@ class ConaHook:
         self.args = args
         self.executor = MegatronLMExecutor(static_strategy(args, world), opt_param_scheduler)
         self.session = session or session_from_args(
-            args, settings, model, world, "bf16-mixed" if args.bf16 else
-            "fp16-mixed" if args.fp16 else "fp32", self.executor,
+            args, settings, model, world, precision_from_args(args), self.executor,
             write_log=dist.get_rank() == 0)
         self.loss_scale = loss_scale
         self._stats: GradStats | None = None

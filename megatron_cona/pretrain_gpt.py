@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_cona.arguments import ConaArgumentError, add_cona_args, static_strategy
+from megatron_cona.arguments import (
+    ConaArgumentError,
+    add_cona_args,
+    precision_from_args,
+    static_strategy,
+)
 from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
 from predictors.spec import TransformerSpec
 
@@ -125,10 +130,6 @@ def model_spec(args: argparse.Namespace) -> TransformerSpec:
                            tied_embeddings=not args.untie_embeddings_and_output_weights)
 
 
-def precision_name(args: argparse.Namespace) -> str:
-    return "bf16-mixed" if args.bf16 else "fp16-mixed" if args.fp16 else "fp32"
-
-
 def init_distributed(backend: str | None) -> None:
     """The torchrun world (RANK/WORLD_SIZE/MASTER_*), NCCL with GPUs and gloo without."""
     if dist.is_initialized():
@@ -173,7 +174,7 @@ def train(args: argparse.Namespace) -> RunSummary:
                                        val_fraction=args.split_val_fraction, seed=args.seed))
     gb = start.global_batch_size
     cfg = runtime.TrainConfig(
-        model=spec, precision=precision_name(args),
+        model=spec, precision=precision_from_args(args),
         distributed_optimizer=args.use_distributed_optimizer, lr=args.lr, min_lr=args.min_lr,
         lr_warmup_samples=args.lr_warmup_iters * gb,
         lr_decay_samples=(args.lr_decay_iters or args.train_iters) * gb,

@@ -23,7 +23,6 @@ from predictors.devices import get_device
 from predictors.precision import PRECISIONS
 
 FILE = "time.csv"
-DRY_PRECISIONS = ("fp16", "fp8")  # autocast + GradScaler; torch._scaled_mm (CPU kernel)
 # (name, family, layers, hidden, heads, seq, micro-batch)
 GPU_CONFIGS = (
     ("gpt-1b-l4", "gpt", 4, 2048, 16, 2048, 4),
@@ -134,12 +133,20 @@ def _merge(row: dict, pred: dict) -> dict:
     return row
 
 
+def dry_precisions() -> tuple[str, ...]:
+    """The dry run's precisions, read from the Precision table: the first entry with autocast
+    and a GradScaler, and the first with an fp8 recipe (torch._scaled_mm has a CPU kernel):
+    the two paths a CPU exercises that plain fp32 does not."""
+    picks = (lambda p: p.autocast and p.grad_scaler, lambda p: p.fp8)
+    return tuple(next(n for n, p in PRECISIONS.items() if pick(p)) for pick in picks)
+
+
 def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     tiny = ctx.dry_run
     configs = DRY_CONFIGS if tiny else GPU_CONFIGS
     # every entry of the one Precision table the device can run
     rates = get_device(adapters.time_device(ctx.device)).peak_flops
-    precisions = DRY_PRECISIONS if tiny else tuple(
+    precisions = dry_precisions() if tiny else tuple(
         n for n, p in PRECISIONS.items() if p.requires_rate is None or rates.get(p.requires_rate))
     points = [(c, p) for c in configs for p in precisions]
     random.Random(0).shuffle(points)

@@ -100,3 +100,25 @@ def test_cli_run_without_gpu_points_to_cpu_launcher(capsys):
         pytest.skip("GPU present: `cona run` trains directly")
     assert main(["run", "--num-layers", "2"]) == 2
     assert "scripts/cona_cpu.py pretrain" in capsys.readouterr().err
+
+
+def test_precision_follows_the_precision_tables_megatron_flags():
+    """Megatron's --bf16/--fp16 map to the table's entries; a new entry with a flag is picked up
+    with no other edit; two flags at once are refused by name."""
+    import torch
+
+    from megatron_cona.arguments import precision_from_args
+    from predictors.precision import Precision, register_precision, unregister_precision
+
+    ns = argparse.Namespace
+    assert precision_from_args(ns(bf16=True, fp16=False)) == "bf16-mixed"
+    assert precision_from_args(ns(bf16=False, fp16=True)) == "fp16-mixed"
+    assert precision_from_args(ns(bf16=False, fp16=False)) == "fp32"
+    with pytest.raises(ConaArgumentError, match="--bf16 and --fp16 cannot be combined"):
+        precision_from_args(ns(bf16=True, fp16=True))
+    register_precision(Precision("toy-half", torch.float16, torch.float16, False, True, True,
+                                 megatron_flag="--toy-half"))  # fmt: skip
+    try:
+        assert precision_from_args(ns(bf16=False, fp16=False, toy_half=True)) == "toy-half"
+    finally:
+        unregister_precision("toy-half")
