@@ -22,12 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_kvpool.config import PoolConfig, pool_config_from_extra
+from vllm_kvpool.config import PoolConfig, PoolConfigError, pool_config_from_extra
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata
 from vllm_kvpool.geometry import chunk_layout
 from vllm_kvpool.identity import engine_identity
@@ -95,6 +96,11 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.geometry = replace(geometry, layout_version=layout_fingerprint(
             [geometry.layout_version, geometry.blocks_per_chunk, *engine_identity(vllm_config)]))
         self.geometry.check_capacity(self.pool_config)
+        if self.geometry.layout is not None and self.pool_config.load_mode == "sync":
+            raise PoolConfigError("load_mode", "'sync' cannot report a chunk that fails to load "
+                                  f"for a model with {len(self.geometry.layout.groups)} KV cache "
+                                  "groups (vLLM recomputes only failed async loads there); use "
+                                  "'async'")  # fmt: skip
         rank, world_size = _world(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvpool.scheduler import PoolScheduler
@@ -204,8 +210,9 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.worker.flush_saves()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(self._meta())
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.transfer_results(self._meta())
+        return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.invalid_blocks()

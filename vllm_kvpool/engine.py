@@ -144,6 +144,7 @@ class TransferEngine:
         self._finished_loads: set[str] = set()
         self._awaiting_free: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()  # async loads with a chunk that did not load
         self._layer_events: list[threading.Event] = []
         self._layer_marks: list[Any] = []  # the copier's per-layer marks of the sync load
         self._step_buffers: Future | None = None
@@ -336,6 +337,7 @@ class TransferEngine:
             logger.exception("kvpool: load batch failed")
             with self._lock:
                 for req in loads:
+                    self._load_failed(req)
                     for r in req.reads:
                         self._invalid_blocks.update(r.block_ids)
         finally:
@@ -418,7 +420,12 @@ class TransferEngine:
         with self._lock:
             for p in pending:
                 if not p.ok:
+                    self._load_failed(p.req)
                     self._invalid_blocks.update(p.read.block_ids)
+
+    def _load_failed(self, req: LoadRequest) -> None:
+        if req.is_async:  # reported with its finish (``take_failed_loads``); sync ones by blocks
+            self._failed_loads.add(req.req_id)
 
     def _expected(self, r: ChunkRead) -> int | None:
         """The checksum a read must match (None: unverified). Bytes read from a device are
@@ -617,6 +624,14 @@ class TransferEngine:
     def pending_saves(self, req_id: str) -> int:
         with self._lock:
             return self._pending_saves.get(req_id, 0)
+
+    def take_failed_loads(self, recving: set[str]) -> set[str]:
+        """Which of these finished async loads had a chunk that did not load (its blocks are
+        in ``take_invalid_blocks`` too). A load's failure is recorded before it finishes."""
+        with self._lock:
+            failed = recving & self._failed_loads
+            self._failed_loads -= failed
+        return failed
 
     def take_invalid_blocks(self) -> set[int]:
         with self._lock:

@@ -28,6 +28,9 @@ class PoolWorker:
         self.rank = rank
         self.world_size = world_size
         self.engine: TransferEngine | None = None
+        # vLLM maps block-level load errors back to requests only with one KV cache group;
+        # with several, a failed load is reported per request (and recomputed whole).
+        self.per_request_failures = geometry.layout is not None and len(geometry.layout.groups) > 1
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], chunks: ChunkLayout,
                            num_blocks: int) -> None:  # fmt: skip
@@ -69,14 +72,19 @@ class PoolWorker:
         if self.engine is not None:  # preempted blocks get reused: finish copying out of them
             self.engine.flush_saves()
 
-    def get_finished(self, meta: PoolStepMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+    def transfer_results(self, meta: PoolStepMetadata | None) -> tuple[set[str], set[str], set[str]]:
+        """(finished saves, finished async loads, those of them that failed)."""
         if self.engine is None:
-            return None, None
+            return set(), set(), set()
         sending, recving = self.engine.take_finished(meta.deferred_free if meta else [])
-        return sending or None, recving or None
+        failed = self.engine.take_failed_loads(recving)  # always taken: nothing piles up
+        return sending, recving, failed if self.per_request_failures else set()
 
     def invalid_blocks(self) -> set[int]:
-        return self.engine.take_invalid_blocks() if self.engine is not None else set()
+        if self.engine is None:
+            return set()
+        blocks = self.engine.take_invalid_blocks()
+        return set() if self.per_request_failures else blocks  # reported per request instead
 
     def worker_meta(self) -> PoolWorkerMetadata | None:
         if self.engine is None:

@@ -184,3 +184,53 @@ def test_freed_window_blocks_are_copied_before_vllm_reuses_them(model_dir, tmp_p
     h = build(model_dir, tmp_path / "pos", caplog)
     save_prompt(h, PROMPT + [900])
     assert stale_blocks(h, PROMPT) == []
+
+
+def test_corrupt_ssd_chunk_is_recomputed_not_a_crash(model_dir, tmp_path, caplog):
+    """vLLM 0.32 cannot map block-level load errors back to requests when there are several KV
+    cache groups (it raises); the connector reports the request as a failed receive instead,
+    and vLLM recomputes it: the KV ends up right and the chunk leaves the index."""
+    h = build(model_dir, tmp_path, caplog)
+    save_prompt(h, PROMPT + [900, 901, 902])
+    pool = h.connector.pool
+    victim = next(e for e in pool.index.entries.values()
+                  if e.committed and e.location.device == 1)  # fmt: skip
+    tier = h.worker.engine.tiers[1]
+    with open(tier.cfg.path, "r+b") as f:  # flip one byte of the chunk on "disk"
+        f.seek(tier.offset(victim.location.slot) + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for t in h.kv.values():
+        t.zero_()
+    b_tokens = PROMPT[:600] + [(i * 3 + 1) % 500 + 3 for i in range(100)]
+    h.add("B", b_tokens, max_tokens=2)
+    snapshot = None
+    for _ in range(80):
+        h.step()
+        running = "B" in [r.request_id for r in h.scheduler.running]
+        if snapshot is None and running and h.requests["B"].num_computed_tokens >= 16 * BLOCK_SIZE:
+            swa, full = h.group_block_ids("B")
+            snapshot = (full[:16], {name: t.clone() for name, t in h.kv.items()})
+        if "B" in h.finished:
+            break
+    assert snapshot is not None and "B" in h.finished
+    assert pool.transfers.devices["ssd0"].corrupt >= 1
+    assert victim.dead and pool.index.get(victim.key) is not victim
+    full, kv = snapshot
+    for name in h.groups[1].layer_names:  # full attention: every block recomputed or loaded
+        for b in range(16):
+            assert torch.equal(kv[name][full[b]], h.expected_layer_block(name, b_tokens, b)), (
+                name, b)  # fmt: skip
+
+
+def test_sync_loads_are_refused_with_several_kv_cache_groups(model_dir, tmp_path):
+    from vllm_kvpool.config import PoolConfigError
+
+    pool = {"chunk_tokens": CHUNK_BLOCKS * BLOCK_SIZE, "load_mode": "sync",
+            "devices": [{"host": {"capacity": "1MiB", "bandwidth_gbps": 6.0}}]}  # fmt: skip
+    cfg = make_vllm_config(model_dir, pool, max_batched_tokens=128,
+                           extra={"status_file": str(tmp_path / "status.json")})  # fmt: skip
+    with pytest.raises(PoolConfigError, match="load_mode") as err:
+        HybridHarness.build_hybrid(cfg, num_blocks=128)
+    assert err.value.field == "load_mode"

@@ -220,8 +220,10 @@ class Harness:
         if not out.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
-        sending, recving = w.get_finished(out.finished_req_ids)
-        kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+        done = w.get_transfer_results(out.finished_req_ids)  # as vLLM's model runner asks
+        kv_out = KVConnectorOutput(finished_sending=done.finished_sending,
+                                   finished_recving=done.finished_recving,
+                                   failed_recving=done.failed_recving,
                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=w.build_connector_worker_meta())  # fmt: skip
         w.clear_connector_metadata()
