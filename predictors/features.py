@@ -91,11 +91,15 @@ def _part_trace(part: str, spec: TransformerSpec, tp: int, batch: int, precision
 
 def _at_batch(part: str, spec: TransformerSpec, tp: int, micro: int, precision: str,
               target: str) -> tuple[Trace, Trace]:  # fmt: skip
-    one = _part_trace(part, spec, tp, 1, precision, target)
-    if micro == 1:
+    # the unfused attention merges (batch, heads) into one GEMM batch: at batch 1 autograd can
+    # view where it copies at any larger batch, so its traces are taken at 2 and 3 (affine in
+    # the batch either way; batch 1 is then priced with the copies of the larger batches)
+    base = 2 if spec.attention == "unfused" else 1
+    one = _part_trace(part, spec, tp, base, precision, target)
+    if micro == base:
         return one
-    two = _part_trace(part, spec, tp, 2, precision, target)
-    return one[0].scaled(two[0], micro - 1), one[1]
+    two = _part_trace(part, spec, tp, base + 1, precision, target)
+    return one[0].scaled(two[0], micro - base), one[1]
 
 
 def _canonical(spec: TransformerSpec) -> TransformerSpec:

@@ -12,6 +12,9 @@ class StrategyError(ValueError):
     """A strategy that does not fit the world size, the model or the batch sizes."""
 
 
+ATTENTION_IMPLS = ("flash", "unfused")
+
+
 @dataclass(frozen=True)
 class TransformerSpec:
     """A decoder (GPT/Llama-like) or encoder (BERT-like) transformer stack."""
@@ -26,6 +29,14 @@ class TransformerSpec:
     num_query_groups: int | None = None  # GQA; None = multi-head
     swiglu: bool = False
     tied_embeddings: bool = True
+    # "flash": one fused attention kernel (SDPA / flash-attn); "unfused": Megatron's classic
+    # core attention (no --use-flash-attn): a [b*heads, s, s] scores GEMM, one fused
+    # scale-mask-softmax kernel, dropout on the probabilities and a second batched GEMM
+    attention: str = "flash"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_IMPLS}")
 
     @property
     def ffn(self) -> int:

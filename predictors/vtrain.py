@@ -51,6 +51,10 @@ def load_vtrain(path: str | Path | None = None) -> list[VTrainRow]:
                 num_attention_heads=int(r["attention heads"]),
                 seq_length=int(r["sequence length"]),
                 vocab_size=GPT2_VOCAB,
+                # vTrain's rows come from Megatron-DeepSpeed without --use-flash-attn: its own
+                # model of the profiled layer (VIA-Research/vTrain, src/model/gpt_modeling.py)
+                # is the classic core attention (baddbmm, fused softmax, dropout, bmm)
+                attention="unfused",
             )
             strategy = ParallelStrategy(
                 dp=int(r["data parallelism"]),

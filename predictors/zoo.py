@@ -44,6 +44,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, spec: TransformerSpec, tp: int = 1, dropout: float | None = None) -> None:
         super().__init__()
         self.family = spec.family
+        self.attention = spec.attention
         h = spec.hidden_size
         self.head_dim = h // spec.num_attention_heads
         self.heads = spec.num_attention_heads // tp
@@ -82,9 +83,26 @@ class TransformerLayer(nn.Module):
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.family != "bert")
+        if self.attention == "unfused":
+            o = self._unfused_attention(q, k, v)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.family != "bert")
         o = self.proj(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
         return F.dropout(o, self.dropout, self.training)
+
+    def _unfused_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Megatron's classic core attention, as vTrain's own GPT model runs it (VIA-Research/
+        vTrain, src/model/gpt_modeling.py, ShardedGptSelfAttention): baddbmm scores over the
+        whole [s, s] (no causal tile skipping), FusedScaleMaskSoftmax (scale and causal mask
+        in the softmax kernel's one pass), dropout on the probabilities, bmm with v."""
+        b, n, s, d = q.shape
+        # one copy per operand at every batch size (Megatron's [s, b, ...] layout needs none;
+        # these are b*s*h-sized, small beside the [s, s] traffic)
+        q3, k3, v3 = (t.clone(memory_format=torch.contiguous_format).view(b * n, s, d) for t in (q, k, v))
+        scores = torch.baddbmm(torch.empty(b * n, s, s, dtype=q.dtype), q3, k3.transpose(1, 2),
+                               beta=0.0, alpha=d**-0.5)  # fmt: skip
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        return torch.bmm(probs, v3).view(b, n, s, d)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)

@@ -37,3 +37,33 @@ def test_heldout_splits_fit_constants_inside_each_fold():
     # the learned correction must beat the bare roofline, also on a hidden size it never saw
     assert by_depth.mape < res["analytical_only"].mape / 3
     assert unseen.mape < res["analytical_only"].mape
+
+
+def test_vtrain_rows_run_megatrons_unfused_attention():
+    """vTrain's layers are Megatron-DeepSpeed's classic core attention (its own model of them,
+    VIA-Research/vTrain src/model/gpt_modeling.py): a [b*heads, s, s] scores GEMM, softmax and
+    dropout over it, a second batched GEMM; no fused attention kernel. The traced layer carries
+    that s^2 traffic, and its batch extrapolation (traces at 2 and 3) matches a direct trace."""
+    from dataclasses import replace
+
+    from predictors.features import _at_batch, _canonical, _part_trace
+    from predictors.spec import TransformerSpec
+
+    spec = load_vtrain()[0].spec
+    assert {r.spec.attention for r in load_vtrain()} == {"unfused"}
+    small = _canonical(replace(spec, hidden_size=128, num_attention_heads=4, seq_length=256))
+    b, n, s = 3, 4, 256
+    fwd = [r for r in _part_trace("layer", small, 1, b, "fp16-mixed", "cuda")[0].records
+           if r.phase == "forward"]  # fmt: skip
+    names = [r.name for r in fwd]
+    assert "baddbmm" in names and not any("attention" in x for x in names)
+    scores = next(r for r in fwd if r.name == "baddbmm")
+    assert scores.out_shapes[0] == (b * n, s, s) and not scores.causal
+    softmax = next(r for r in fwd if r.op_class == "softmax")
+    assert softmax.bytes >= 2 * b * n * s * s * 2  # fp16 in and out
+    direct = _part_trace("layer", small, 1, 5, "fp16-mixed", "cuda")[0]
+    est = _at_batch("layer", small, 1, 5, "fp16-mixed", "cuda")[0]
+    assert est.total("flops") == pytest.approx(direct.total("flops"))
+    assert est.total("bytes") == pytest.approx(direct.total("bytes"))
+    with pytest.raises(ValueError, match="attention='bogus'"):
+        TransformerSpec("gpt", 2, 64, 4, 32, 512, attention="bogus")
