@@ -681,16 +681,21 @@ def run(args: argparse.Namespace, log=print) -> str:
     return summarize(g, results, args, log)
 
 
-def bound_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
-    """Per repetition: max over devices of the share alone / the pool's fetch (<= 1)."""
+def _per_rep(results: dict[str, list[Result]], scenario: str, combine) -> list[float]:
+    """Per repetition: ``combine`` folded over the alone parts' results / the pool's fetch."""
     pool = {r.rep: r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds}
-    alone: dict[int, float] = {}
+    acc: dict[int, float] = {}
     for key, rs in results.items():
         if key.startswith(f"{scenario}/alone:"):
             for r in rs:
                 if r.seconds:
-                    alone[r.rep] = max(alone.get(r.rep, 0.0), r.seconds)
-    return [alone[rep] / pool[rep] for rep in sorted(pool) if rep in alone]
+                    acc[r.rep] = combine(acc.get(r.rep, 0.0), r)
+    return [acc[rep] / pool[rep] for rep in sorted(pool) if rep in acc]
+
+
+def bound_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
+    """Per repetition: max over devices of the share alone / the pool's fetch (<= 1)."""
+    return _per_rep(results, scenario, lambda acc, r: max(acc, r.seconds))
 
 
 def cpu_floors(results: dict[str, list[Result]], scenario: str) -> list[float]:
@@ -699,14 +704,7 @@ def cpu_floors(results: dict[str, list[Result]], scenario: str) -> list[float]:
     than its CPU work spread over every core, so on few cores this floor can sit above the
     max-over-devices bound (which assumes each share keeps the cores it had alone)."""
     cores = len(os.sched_getaffinity(0))
-    pool = {r.rep: r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds}
-    work: dict[int, float] = {}
-    for key, rs in results.items():
-        if key.startswith(f"{scenario}/alone:"):
-            for r in rs:
-                if r.seconds:
-                    work[r.rep] = work.get(r.rep, 0.0) + r.cpu_s
-    return [work[rep] / cores / pool[rep] for rep in sorted(pool) if rep in work]
+    return _per_rep(results, scenario, lambda acc, r: acc + r.cpu_s / cores)
 
 
 def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Namespace,

@@ -191,21 +191,29 @@ def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
             "gbps": {k: round(b / s / 1e9, 3) for k, (b, s) in legs.items()}}
 
 
+def _copy_seconds(dst, src, repeats: int) -> list[float]:
+    """``repeats`` cudaMemcpyAsync of ``src`` into ``dst``, each timed with CUDA events."""
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
+
+
 def _pinned_h2d_seconds(nbytes: int, repeats: int) -> list[float]:
     """One cudaMemcpyAsync of ``nbytes`` from pinned host memory, timed with CUDA events."""
     import torch
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(repeats):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        gpu.copy_(host, non_blocking=True)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    times = _copy_seconds(gpu, host, repeats)
     del host, gpu
     return times
 
@@ -316,15 +324,7 @@ def memcpy_baseline(nbytes: int, w: RowWriter, repeats: int = 5) -> dict:
     for pinned in (True, False):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         for name, dst, src in (("d2h", host, gpu), ("h2d", gpu, host)):
-            times = []
-            for _ in range(repeats):
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst.copy_(src, non_blocking=True)
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
+            times = _copy_seconds(dst, src, repeats)
             path = f"{name}_{'pinned' if pinned else 'pageable'}"
             best, med = min(times), statistics.median(times)
             out[path] = round(nbytes / med / 1e9, 3)

@@ -15,7 +15,13 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
-from tests.kvpool.vllm_harness import BLOCK_SIZE, Harness, make_vllm_config, write_tiny_llama  # noqa: E402
+from tests.kvpool.vllm_harness import (  # noqa: E402
+    BLOCK_SIZE,
+    Harness,
+    corrupt_on_disk,
+    make_vllm_config,
+    write_tiny_llama,
+)
 
 PROMPT = list(range(3, 3 + 640))  # 20 blocks = 10 chunks
 
@@ -160,13 +166,7 @@ def test_corrupt_chunk_is_a_miss_and_recomputed(model_dir, tmp_path, page_aligne
     save_first_request(h)
     pool = h.connector.pool
     victim = next(e for e in pool.index.entries.values() if e.location.device == 1)
-    tier = h.worker.engine.tiers[1]
-    with open(tier.cfg.path, "r+b") as f:  # flip one byte of the chunk on "disk"
-        f.seek(tier.offset(victim.location.slot) + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
+    corrupt_on_disk(h.worker.engine.tiers[1], victim.location.slot)
     _, final = run_and_capture(h, "B", PROMPT + [5, 6], 20)
     assert victim.dead and pool.index.get(victim.key) is not victim  # dropped from the index
     assert pool.transfers.devices["ssd0"].corrupt >= 1

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
 from tests.kvpool.hybrid_support import HybridHarness, write_tiny_hybrid  # noqa: E402
-from tests.kvpool.vllm_harness import BLOCK_SIZE, make_vllm_config  # noqa: E402
+from tests.kvpool.vllm_harness import BLOCK_SIZE, corrupt_on_disk, make_vllm_config  # noqa: E402
 from vllm_kvpool.geometry import chunk_layout  # noqa: E402
 from vllm_kvpool.handlers import LoadOp  # noqa: E402
 
@@ -110,6 +110,29 @@ def save_prompt(h: HybridHarness, tokens: list[int]) -> None:
     h.drain()
 
 
+# B shares 18 blocks with PROMPT; the hit ends at the last chunk boundary the window is stored for
+B_TOKENS = PROMPT[:600] + [(i * 3 + 1) % 500 + 3 for i in range(100)]
+
+
+def run_past_hit(h: HybridHarness, req_id: str, tokens: list[int], hit_blocks: int = 16):
+    """Run a request to the end; (its first ``hit_blocks`` sliding and full block ids, a copy of
+    the KV) right after it computed past the hit."""
+    h.add(req_id, tokens, max_tokens=2)
+    snapshot = None
+    for _ in range(80):
+        h.step()
+        running = req_id in [r.request_id for r in h.scheduler.running]
+        if (snapshot is None and running
+                and h.requests[req_id].num_computed_tokens >= hit_blocks * BLOCK_SIZE):  # fmt: skip
+            swa, full = h.group_block_ids(req_id)
+            snapshot = (swa[:hit_blocks], full[:hit_blocks],
+                        {name: t.clone() for name, t in h.kv.items()})  # fmt: skip
+        if req_id in h.finished:
+            break
+    assert snapshot is not None and req_id in h.finished
+    return snapshot
+
+
 def test_groups_stored_per_window_and_loaded_byte_identical(model_dir, tmp_path, caplog):
     h = build(model_dir, tmp_path, caplog)
     save_prompt(h, PROMPT + [900, 901, 902])
@@ -127,32 +150,18 @@ def test_groups_stored_per_window_and_loaded_byte_identical(model_dir, tmp_path,
     hma_off = 4 * 4 * PAGE / 128  # vLLM's HMA-off grouping: every layer full attention
     assert per_token < hma_off
 
-    # B shares 18 blocks; the hit ends at the last chunk boundary the window is stored for
-    b_tokens = PROMPT[:600] + [(i * 3 + 1) % 500 + 3 for i in range(100)]
-    probe = h.make_request("probe", b_tokens)
+    probe = h.make_request("probe", B_TOKENS)
     matched, is_async = h.connector.get_num_new_matched_tokens(probe, 0)
     assert (matched, is_async) == (16 * BLOCK_SIZE, True)
     for t in h.kv.values():
         t.zero_()  # whatever B finds in its blocks came from the pool
     read_before = sum(d.bytes_read for d in pool.transfers.devices.values())
-    h.add("B", b_tokens, max_tokens=2)
-    snapshot = None
-    for _ in range(50):
-        h.step()
-        running = "B" in [r.request_id for r in h.scheduler.running]
-        if snapshot is None and running and h.requests["B"].num_computed_tokens >= 16 * BLOCK_SIZE:
-            swa, full = h.group_block_ids("B")
-            snapshot = (swa[:16], full[:16],
-                        {name: t.clone() for name, t in h.kv.items()})  # fmt: skip
-        if "B" in h.finished:
-            break
-    assert snapshot is not None and "B" in h.finished
-    swa, full, kv = snapshot
+    swa, full, kv = run_past_hit(h, "B", B_TOKENS)
     assert all(b == 0 for b in swa[:14]) and all(swa[14:])  # vLLM holds only the window
     for group, ids, blocks in ((h.groups[1], full, range(16)), (h.groups[0], swa, (14, 15))):
         for name in group.layer_names:
             for b in blocks:
-                assert torch.equal(kv[name][ids[b]], h.expected_layer_block(name, b_tokens, b)), (
+                assert torch.equal(kv[name][ids[b]], h.expected_layer_block(name, B_TOKENS, b)), (
                     name, b)  # fmt: skip
     read = sum(d.bytes_read for d in pool.transfers.devices.values()) - read_before
     assert read == 4 * layout.chunk_bytes  # whole chunks read; only the window put back
@@ -195,32 +204,15 @@ def test_corrupt_ssd_chunk_is_recomputed_not_a_crash(model_dir, tmp_path, caplog
     pool = h.connector.pool
     victim = next(e for e in pool.index.entries.values()
                   if e.committed and e.location.device == 1)  # fmt: skip
-    tier = h.worker.engine.tiers[1]
-    with open(tier.cfg.path, "r+b") as f:  # flip one byte of the chunk on "disk"
-        f.seek(tier.offset(victim.location.slot) + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    corrupt_on_disk(h.worker.engine.tiers[1], victim.location.slot)
     for t in h.kv.values():
         t.zero_()
-    b_tokens = PROMPT[:600] + [(i * 3 + 1) % 500 + 3 for i in range(100)]
-    h.add("B", b_tokens, max_tokens=2)
-    snapshot = None
-    for _ in range(80):
-        h.step()
-        running = "B" in [r.request_id for r in h.scheduler.running]
-        if snapshot is None and running and h.requests["B"].num_computed_tokens >= 16 * BLOCK_SIZE:
-            swa, full = h.group_block_ids("B")
-            snapshot = (full[:16], {name: t.clone() for name, t in h.kv.items()})
-        if "B" in h.finished:
-            break
-    assert snapshot is not None and "B" in h.finished
+    _, full, kv = run_past_hit(h, "B", B_TOKENS)
     assert pool.transfers.devices["ssd0"].corrupt >= 1
     assert victim.dead and pool.index.get(victim.key) is not victim
-    full, kv = snapshot
     for name in h.groups[1].layer_names:  # full attention: every block recomputed or loaded
         for b in range(16):
-            assert torch.equal(kv[name][full[b]], h.expected_layer_block(name, b_tokens, b)), (
+            assert torch.equal(kv[name][full[b]], h.expected_layer_block(name, B_TOKENS, b)), (
                 name, b)  # fmt: skip
 
 

@@ -290,3 +290,12 @@ class Harness:
                 t[:, off, :] = kv_value(li, pos, tokens[pos])
             out[name] = t
         return out
+
+
+def corrupt_on_disk(handler: Any, slot: int, offset: int = 100) -> None:
+    """Flip one byte of the chunk in ``slot`` of a file-backed SSD handler, behind its back."""
+    with open(handler.cfg.path, "r+b") as f:
+        f.seek(handler.offset(slot) + offset)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
