@@ -29,9 +29,10 @@ from megatron_cona.reshard.plan import SegmentMeta, build_plan
 from predictors.spec import ParallelStrategy, TransformerSpec
 from predictors.vtrain import GPT2_VOCAB, VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
 
-# GPT-3 1.3B as vTrain measured it (its rows use the GPT-2 vocabulary)
+# GPT-3 1.3B as vTrain measured it (its rows use the GPT-2 vocabulary and Megatron-DeepSpeed's
+# unfused core attention, as predictors.vtrain traces them)
 GPT_1_3B = TransformerSpec("gpt", num_layers=24, hidden_size=2048, num_attention_heads=16,
-                           seq_length=1024, vocab_size=GPT2_VOCAB)
+                           seq_length=1024, vocab_size=GPT2_VOCAB, attention="unfused")
 Layout = tuple[int, int, int]
 
 
