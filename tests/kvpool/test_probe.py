@@ -18,29 +18,19 @@ def test_thread_counts_tried(cpus, counts):
     assert probe.copy_thread_counts(cpus) == counts
 
 
-class FakeIO:
-    def __init__(self, gbps):
-        self.gbps = gbps
-        self.calls = []
-
-    def probe_memcpy(self, seconds, nbytes, threads):
-        self.calls.append(threads)
-        return {"gbps": self.gbps[threads]}
-
-
 @pytest.mark.parametrize(("gbps", "want"), [({1: 5.0, 2: 9.5, 4: 10.0}, 2),  # 2 reach 90%
                                             ({1: 5.0, 2: 8.0, 4: 10.0}, 4),
                                             ({1: 9.9, 2: 9.0, 4: 10.0}, 1)])  # fmt: skip
 def test_fewest_threads_near_the_best_bandwidth(monkeypatch, gbps, want):
-    fake = FakeIO(gbps)
-    monkeypatch.setattr(probe, "kvio", lambda: fake)
+    tried = []
+    monkeypatch.setattr(probe, "copy_gbps", lambda t, *_: tried.append(t) or gbps[t])
     monkeypatch.setattr(probe.os, "sched_getaffinity", lambda _: set(range(4)))
     assert probe.probe_copy_threads(config()) == want
-    assert fake.calls == [1, 2, 4]
+    assert tried == [1, 2, 4]
 
 
 def test_configured_or_unprobed_counts_skip_the_probe(monkeypatch):
-    monkeypatch.setattr(probe, "kvio", lambda: pytest.fail("probed"))
+    monkeypatch.setattr(probe, "copy_gbps", lambda *_: pytest.fail("probed"))
     monkeypatch.setattr(probe.os, "sched_getaffinity", lambda _: set(range(16)))
     assert probe.probe_copy_threads(config(copy_threads=3)) == 3
     assert probe.probe_copy_threads(config(probe={"enabled": False})) == 8
