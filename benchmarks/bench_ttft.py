@@ -149,6 +149,28 @@ class Server:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        reap_orphans()
+
+
+def become_subreaper() -> None:
+    """Adopt the server's orphaned processes (vLLM's engine core), so that once reaped their
+    CPU time counts as this run's (RUSAGE_CHILDREN, which quiet-run reads), not as others'."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux >= 3.4)
+
+
+def reap_orphans(timeout: float = 60) -> None:
+    """Wait for every adopted descendant to exit (they leave with their parent server)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left
+        if pid == 0:
+            time.sleep(0.1)
 
 
 def start_server(name: str, model: Path, workdir: Path, max_len: int, kv_bytes: int,
@@ -270,6 +292,7 @@ def median_spread(xs: list[float]) -> str:
 
 
 def run(args: argparse.Namespace) -> str:
+    become_subreaper()
     shape = ModelShape(layers=args.layers)
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
