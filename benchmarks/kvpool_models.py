@@ -36,7 +36,7 @@ from vllm_kvpool.geometry import MODELS, ChunkLayout
 from vllm_kvpool.handlers import open_handlers
 from vllm_kvpool.placement import DeviceWeights
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
-from vllm_kvpool.probe import probe_bandwidths
+from vllm_kvpool.probe import probe_bandwidths, probe_copy_threads
 from vllm_kvpool.protocol import ChunkSave, LoadRequest
 
 BLOCK, CHUNK = 16, 256  # tokens: vLLM's CUDA default block; the pool's default chunk
@@ -74,7 +74,8 @@ class ModelPool:
         self.gbps = probe_bandwidths(config, self.geometry)
         self.pool = UnifiedPool(config, self.geometry, DeviceWeights(self.gbps))
         self.engine = TransferEngine(open_handlers(config, self.geometry),
-                                     ChunkKV.from_kv_caches(kv, layout, self.blocks))  # fmt: skip
+                                     ChunkKV.from_kv_caches(kv, layout, self.blocks),
+                                     copy_threads=probe_copy_threads(config))  # as the worker  # fmt: skip
         self.hashes = [i.to_bytes(8, "little") + name.encode() for i in range(self.blocks)]
         self.ids = [list(range(self.blocks)) for _ in range(max(g.group_id for g in layout.groups) + 1)]
 
