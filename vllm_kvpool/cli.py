@@ -79,13 +79,14 @@ def _status(args: argparse.Namespace) -> int:
         table = Table(title=f"kvpool ({status.placement}, chunk {status.chunk_tokens} tokens, "
                             f"hit rate {status.lookups.hit_rate:.1%}, "
                             f"evictions {status.lookups.evictions})")  # fmt: skip
-        for col in ("device", "used / total chunks", "GiB used", "weight GB/s", "GiB read",
-                    "read GB/s", "GiB written", "corrupt", "state"):
+        for col in ("device", "used / total chunks", "GiB used / capacity", "weight GB/s",
+                    "GiB read", "read GB/s", "GiB written", "corrupt", "state"):
             table.add_column(col)
         for u in status.usage:
             c = status.transfers.devices.get(u.name)
             table.add_row(u.name, f"{u.used_slots} / {u.total_slots}",
-                          f"{u.used_bytes / 2**30:.2f}", f"{u.weight_gbps:.2f}",
+                          f"{u.used_bytes / 2**30:.2f} / {u.total_slots * u.slot_bytes / 2**30:.2f}",
+                          f"{u.weight_gbps:.2f}",
                           f"{(c.bytes_read if c else 0) / 2**30:.2f}",
                           f"{c.read_gbps if c else 0:.2f}",
                           f"{(c.bytes_written if c else 0) / 2**30:.2f}",

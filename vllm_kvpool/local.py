@@ -49,6 +49,7 @@ class LocalPool:
                  layout_id: object = "local") -> None:  # fmt: skip
         self.config = load_pool_config(config)
         self.layout = KVLayout.from_kv_caches(kv_caches, list(kv_caches), num_blocks)
+        self.block_size = block_size
         bpc = self.config.check_block_size(block_size)
         self.geometry = PoolGeometry(self.layout.block_bytes, bpc,
                                      layout_fingerprint([layout_id, self.layout.block_bytes, bpc]))
@@ -107,6 +108,11 @@ class LocalPool:
                       for h in hits)  # fmt: skip
         self._requests += 1
         req_id = f"local-{self._requests}"
+        if devices is None:  # a share fetched alone is a measurement, not a lookup
+            self.pool.record_lookup(len(block_hashes) * self.block_size,
+                                    sum(h.num_blocks for h in hits) * self.block_size)  # fmt: skip
+            if reads:
+                self.pool.record_load([h.entry for h in hits])
         self.pool.pin([h.entry for h in hits])
         try:
             start = time.perf_counter()

@@ -130,6 +130,16 @@ class UnifiedPool:
                 return hits[:n]
         return hits
 
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """A request asked about ``query_tokens``; ``hit_tokens`` of them will come from here."""
+        self.lookups.query_tokens += query_tokens
+        self.lookups.hit_tokens += hit_tokens
+
+    def record_load(self, entries: Sequence[ChunkEntry]) -> None:
+        """One request's load of these chunks was issued."""
+        self.lookups.loads += 1
+        self.lookups.restored_hits += sum(e.restored for e in entries)
+
     def pin(self, entries: Sequence[ChunkEntry]) -> None:
         for e in entries:
             e.readers += 1

@@ -102,8 +102,7 @@ class PoolScheduler:
         computed, hits = self._lookups.pop(req_id, (0, []))
         if not state.counted:
             state.counted = True
-            self.pool.lookups.query_tokens += request.num_tokens
-            self.pool.lookups.hit_tokens += num_external_tokens
+            self.pool.record_lookup(request.num_tokens, num_external_tokens)
         if num_external_tokens <= 0:
             return
         group_ids = blocks.get_block_ids()
@@ -132,8 +131,7 @@ class PoolScheduler:
         is_async = self.pool_config.load_mode == "async"
         if not is_async:
             self._sync_loads.append(req_id)
-        self.pool.lookups.loads += 1
-        self.pool.lookups.restored_hits += sum(e.restored for e in pinned)
+        self.pool.record_load(pinned)
         # A chunk restored after a restart is verified on its first read, whatever the config.
         reads = [r if e.validated else replace(r, verify=True) for r, e in zip(reads, pinned,
                                                                                strict=True)]

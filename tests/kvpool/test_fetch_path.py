@@ -119,3 +119,20 @@ def test_one_share_of_a_fetch_alone(tmp_path):
                     assert not got.any()  # the host share was not touched
         devices = pool.status().transfers.devices
         assert devices["host0"].chunks_read == 0 and devices["ssd0"].chunks_read == len(ssd)
+
+
+def test_fetches_are_counted_as_lookups(tmp_path):
+    """The local pool's fetches show in its hit rate (the demo plot said 0% over a 1 GiB fetch);
+    a share fetched alone is a measurement and counts nothing."""
+    kv = make_kv(0)
+    with LocalPool(config(tmp_path), kv, BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        fetch_all(pool, kv)
+        lookups = pool.status().lookups
+        assert (lookups.query_tokens, lookups.hit_tokens, lookups.loads) == (BLOCKS * BLOCK,
+                                                                             BLOCKS * BLOCK, 1)  # fmt: skip
+        pool.fetch([b"unseen".ljust(32, b".")] * 4, IDS[:4])  # nothing stored: a miss
+        fetch_all(pool, kv, devices={0})
+        lookups = pool.status().lookups
+        assert lookups.hit_rate == pytest.approx(BLOCKS / (BLOCKS + 4))
+        assert lookups.loads == 1  # the miss loaded nothing; the share alone is not counted
