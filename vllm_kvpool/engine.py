@@ -282,10 +282,8 @@ class TransferEngine:
                 self._report.failed_saves.append(b.job.key)
             else:
                 self._report.committed.append((b.job.key, self.rank, checksum))
-                c = self._report.counters.device(name)
-                c.bytes_written += self.layout.save_bytes(b.job)
-                c.write_seconds += elapsed
-                c.chunks_written += 1
+                self._report.counters.device(name).count_write(self.layout.save_bytes(b.job),
+                                                               elapsed)  # fmt: skip
             self._pending_saves[b.job.req_id] -= 1
             if self._pending_saves[b.job.req_id] <= 0:
                 del self._pending_saves[b.job.req_id]
@@ -455,11 +453,9 @@ class TransferEngine:
         elapsed = time.perf_counter() - start
         total = sum(p.nbytes for p, _ in chunks)
         with self._lock:
-            for p, _ in chunks:
-                c = self._report.counters.device(self.tiers[p.read.device].name)
-                c.bytes_read += p.nbytes
-                c.chunks_read += 1
-                c.read_seconds += elapsed * p.nbytes / total
+            for p, _ in chunks:  # one pass for all: each chunk's share of its time
+                self._report.counters.device(self.tiers[p.read.device].name).count_read(
+                    p.nbytes, elapsed * p.nbytes / total)
 
     def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
         """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
@@ -538,9 +534,7 @@ class TransferEngine:
                 handler.retire(corrupt_slots)
             except OSError as exc:
                 self._device_failed(device, str(exc))
-        c.bytes_read += good_bytes
-        c.read_seconds += elapsed
-        c.chunks_read += sum(p.ok for p in wave.reads)
+        c.count_read(good_bytes, elapsed, sum(p.ok for p in wave.reads))
         counters.observations.append((device, good_bytes, elapsed))
         with self._lock:
             self._report.merge(counters)
@@ -592,9 +586,7 @@ class TransferEngine:
         with self._lock:
             c = self._report.counters.device(handler.name)
             if p.ok:
-                c.bytes_read += p.nbytes
-                c.chunks_read += 1
-                c.read_seconds += time.perf_counter() - start
+                c.count_read(p.nbytes, time.perf_counter() - start)
             else:
                 c.corrupt += 1
                 self._report.corrupt.append(p.read.key)

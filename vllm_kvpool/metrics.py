@@ -31,6 +31,16 @@ class DeviceCounters:
         for name, value in vars(other).items():
             setattr(self, name, getattr(self, name) + value)
 
+    def count_read(self, nbytes: int, seconds: float, chunks: int = 1) -> None:
+        self.bytes_read += nbytes
+        self.read_seconds += seconds
+        self.chunks_read += chunks
+
+    def count_write(self, nbytes: int, seconds: float) -> None:
+        self.bytes_written += nbytes
+        self.write_seconds += seconds
+        self.chunks_written += 1
+
     @property
     def read_gbps(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
