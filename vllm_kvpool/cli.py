@@ -85,7 +85,7 @@ def _status(args: argparse.Namespace) -> int:
         for u in status.usage:
             c = status.transfers.devices.get(u.name)
             table.add_row(u.name, f"{u.used_slots} / {u.total_slots}",
-                          f"{u.used_bytes / 2**30:.2f} / {u.total_slots * u.slot_bytes / 2**30:.2f}",
+                          f"{u.used_bytes / 2**30:.2f} / {u.capacity_bytes / 2**30:.2f}",
                           f"{u.weight_gbps:.2f}",
                           f"{(c.bytes_read if c else 0) / 2**30:.2f}",
                           f"{c.read_gbps if c else 0:.2f}",

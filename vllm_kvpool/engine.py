@@ -422,7 +422,7 @@ class TransferEngine:
                     self._invalid_blocks.update(p.read.block_ids)
 
     def _load_failed(self, req: LoadRequest) -> None:
-        if req.is_async:  # reported with its finish (``take_failed_loads``); sync ones by blocks
+        if req.is_async:  # reported with its finish (``take_finished``); sync ones by blocks
             self._failed_loads.add(req.req_id)
 
     def _expected(self, r: ChunkRead) -> int | None:
@@ -600,30 +600,26 @@ class TransferEngine:
             p.buf = None
 
     # -- reporting -------------------------------------------------------------------------
-    def take_finished(self, deferred_free: Sequence[str]) -> tuple[set[str], set[str]]:
-        """(requests whose deferred block free may happen now, finished async loads).
+    def take_finished(self, deferred_free: Sequence[str]) -> tuple[set[str], set[str], set[str]]:
+        """(requests whose deferred block free may happen now, finished async loads, those of
+        them with a chunk that did not load: its blocks are in ``take_invalid_blocks`` too).
 
         ``deferred_free``: requests the scheduler newly kept alive for their saves; they are
-        remembered until their last save is done.
+        remembered until their last save is done. A load's failure is recorded before it
+        finishes, so it is handed out with its finish and nothing piles up.
         """
         with self._lock:
             self._awaiting_free.update(deferred_free)
             sending = {r for r in self._awaiting_free if self._pending_saves.get(r, 0) == 0}
             self._awaiting_free -= sending
             recving, self._finished_loads = self._finished_loads, set()
-        return sending, recving
+            failed = recving & self._failed_loads
+            self._failed_loads -= failed
+        return sending, recving, failed
 
     def pending_saves(self, req_id: str) -> int:
         with self._lock:
             return self._pending_saves.get(req_id, 0)
-
-    def take_failed_loads(self, recving: set[str]) -> set[str]:
-        """Which of these finished async loads had a chunk that did not load (its blocks are
-        in ``take_invalid_blocks`` too). A load's failure is recorded before it finishes."""
-        with self._lock:
-            failed = recving & self._failed_loads
-            self._failed_loads -= failed
-        return failed
 
     def take_invalid_blocks(self) -> set[int]:
         with self._lock:

@@ -109,6 +109,10 @@ class DeviceUsage:
     def used_bytes(self) -> int:
         return self.used_slots * self.slot_bytes
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self.total_slots * self.slot_bytes
+
 
 @dataclass
 class PoolStatus:
@@ -170,7 +174,7 @@ def plot_usage(status: PoolStatus, path: str | os.PathLike, title: str = "") -> 
 
     names = [u.name for u in status.usage]
     used = [u.used_bytes / 2**30 for u in status.usage]
-    cap = [u.total_slots * u.slot_bytes / 2**30 for u in status.usage]
+    cap = [u.capacity_bytes / 2**30 for u in status.usage]
     read = [status.transfers.devices.get(n, DeviceCounters()).bytes_read / 2**30 for n in names]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     xs = range(len(names))

@@ -30,7 +30,7 @@ class PoolWorker:
         self.engine: TransferEngine | None = None
         # vLLM maps block-level load errors back to requests only with one KV cache group;
         # with several, a failed load is reported per request (and recomputed whole).
-        self.per_request_failures = geometry.layout is not None and len(geometry.layout.groups) > 1
+        self.per_request_failures = geometry.layout is not None  # set for several groups only
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], chunks: ChunkLayout,
                            num_blocks: int) -> None:  # fmt: skip
@@ -76,8 +76,7 @@ class PoolWorker:
         """(finished saves, finished async loads, those of them that failed)."""
         if self.engine is None:
             return set(), set(), set()
-        sending, recving = self.engine.take_finished(meta.deferred_free if meta else [])
-        failed = self.engine.take_failed_loads(recving)  # always taken: nothing piles up
+        sending, recving, failed = self.engine.take_finished(meta.deferred_free if meta else [])
         return sending, recving, failed if self.per_request_failures else set()
 
     def invalid_blocks(self) -> set[int]:
