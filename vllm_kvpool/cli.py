@@ -40,6 +40,7 @@ def _probe(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from vllm_kvpool.media import medium_of
     from vllm_kvpool.pool import PoolGeometry
     from vllm_kvpool.probe import probe_bandwidths
 
@@ -53,13 +54,13 @@ def _probe(args: argparse.Namespace) -> int:
     geometry = PoolGeometry(block_bytes=2 << 20, blocks_per_chunk=1, layout_version=0)
     gbps = probe_bandwidths(config, geometry)
     table = Table(title="kvpool device probe")
-    for col in ("device", "kind", "path / numa", "capacity GiB", "read GB/s", "share"):
+    for col in ("device", "kind", "where", "capacity GiB", "read GB/s", "share"):
         table.add_column(col)
     total = sum(gbps)
     for d, g in zip(config.devices, gbps, strict=True):
-        where = d.path if d.kind == "ssd" else f"numa {d.numa_node}"
-        table.add_row(d.name, d.kind if d.kind == "host" else f"ssd/{d.backend}", str(where),
-                      f"{d.capacity / 2**30:.1f}", f"{g:.2f}", f"{g / total:.0%}")  # fmt: skip
+        kind, where = medium_of(d).describe(d)
+        table.add_row(d.name, kind, where, f"{d.capacity / 2**30:.1f}", f"{g:.2f}",
+                      f"{g / total:.0%}")  # fmt: skip
     Console().print(table)
     print(f"sum_gbps={total:.2f}")
     return 0

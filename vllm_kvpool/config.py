@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_kvpool.media import MediumSettings, media
+
 PlacementPolicy = Literal["bandwidth", "round_robin", "single_tier_serial"]
-Backend = Literal["uring", "spdk", "posix"]
 PLACEMENT_POLICIES: tuple[str, ...] = ("bandwidth", "round_robin", "single_tier_serial")
-BACKENDS: tuple[str, ...] = ("uring", "spdk", "posix")
 LOAD_MODES: tuple[str, ...] = ("async", "sync")
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 
@@ -57,18 +59,15 @@ def parse_size(value: Any, field_path: str) -> int:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """One member of the pool: a host-memory pool on a NUMA node, or an SSD (file / block dev)."""
+    """One member of the pool, on a registered medium (``media``): a host-memory pool on a NUMA
+    node, an SSD (file / block device / SPDK namespace), ..."""
 
-    kind: Literal["host", "ssd"]
+    kind: str  # the medium's name, the entry's key: {host: {...}}
     name: str
     capacity: int  # bytes the pool may use on this device
     numa_node: int = 0  # host: where the pool lives; ssd: where its staging buffers live
-    path: str | None = None
-    backend: Backend = "uring"
-    spdk_trid: str | None = None
-    spdk_core_mask: str | None = None  # CPUs of the SPDK poller (None: KVPOOL_SPDK_CORE_MASK)
-    queue_depth: int = 32
     bandwidth_gbps: float | None = None  # fixed placement weight; skips the probe
+    settings: MediumSettings = field(default_factory=MediumSettings)  # the medium's own fields
 
 
 @dataclass(frozen=True)
@@ -95,14 +94,6 @@ class PoolConfig:
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
 
-    @property
-    def hosts(self) -> tuple[DeviceConfig, ...]:
-        return tuple(d for d in self.devices if d.kind == "host")
-
-    @property
-    def ssds(self) -> tuple[DeviceConfig, ...]:
-        return tuple(d for d in self.devices if d.kind == "ssd")
-
     def check_block_size(self, block_size: int) -> int:
         """Validate chunk_tokens against vLLM's block size; returns blocks per chunk."""
         if self.chunk_tokens % block_size:
@@ -116,16 +107,8 @@ class PoolConfig:
         """Canonical plain-dict form (round-trips through ``load_pool_config``)."""
         devices = []
         for d in self.devices:
-            body: dict[str, Any] = {"name": d.name, "capacity": d.capacity}
-            if d.kind == "host":
-                body["numa_node"] = d.numa_node
-            else:
-                body.update(path=d.path, backend=d.backend, numa_node=d.numa_node,
-                            queue_depth=d.queue_depth)  # fmt: skip
-                if d.spdk_trid:
-                    body["spdk_trid"] = d.spdk_trid
-                if d.spdk_core_mask:
-                    body["spdk_core_mask"] = d.spdk_core_mask
+            body: dict[str, Any] = {"name": d.name, "capacity": d.capacity,
+                                    "numa_node": d.numa_node, **d.settings.to_dict()}
             if d.bandwidth_gbps is not None:
                 body["bandwidth_gbps"] = d.bandwidth_gbps
             devices.append({d.kind: body})
@@ -156,7 +139,9 @@ def _check_keys(obj: Any, allowed: set[str], field_path: str) -> dict[str, Any]:
     return obj
 
 
-def _int(obj: dict, key: str, default: int, field_path: str, minimum: int = 0) -> int:
+# Readers of one field of a config mapping; an error names the field (media's settings use them).
+def int_field(obj: Mapping[str, Any], key: str, default: int, field_path: str,
+              minimum: int = 0) -> int:  # fmt: skip
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected an integer >= {minimum}, "
@@ -164,14 +149,15 @@ def _int(obj: dict, key: str, default: int, field_path: str, minimum: int = 0) -
     return value
 
 
-def _bool(obj: dict, key: str, default: bool, field_path: str) -> bool:
+def bool_field(obj: Mapping[str, Any], key: str, default: bool, field_path: str) -> bool:
     value = obj.get(key, default)
     if not isinstance(value, bool):
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected true/false, got {value!r}")
     return value
 
 
-def _float(obj: dict, key: str, default: float | None, field_path: str) -> float | None:
+def float_field(obj: Mapping[str, Any], key: str, default: float | None,
+                field_path: str) -> float | None:  # fmt: skip
     value = obj.get(key, default)
     if value is None:
         return None
@@ -181,7 +167,8 @@ def _float(obj: dict, key: str, default: float | None, field_path: str) -> float
     return float(value)
 
 
-def _choice(obj: dict, key: str, default: str, choices: tuple[str, ...], field_path: str) -> str:
+def choice_field(obj: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...],
+                 field_path: str) -> str:  # fmt: skip
     value = obj.get(key, default)
     if value not in choices:
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
@@ -189,67 +176,54 @@ def _choice(obj: dict, key: str, default: str, choices: tuple[str, ...], field_p
     return value
 
 
-_HOST_KEYS = {"name", "numa_node", "capacity", "bandwidth_gbps"}
-_SSD_KEYS = {"name", "path", "capacity", "backend", "spdk_trid", "spdk_core_mask", "numa_node",
-             "queue_depth", "bandwidth_gbps"}  # fmt: skip
-_CORE_MASK = re.compile(r"0[xX][0-9a-fA-F]+|\[?\d+(-\d+)?(,\d+(-\d+)?)*\]?")
+_COMMON_KEYS = frozenset({"name", "capacity", "numa_node", "bandwidth_gbps"})
+
+
+def _media_list() -> str:
+    return ", ".join(media())
 
 
 def _parse_device(entry: Any, index: int) -> DeviceConfig:
     where = f"devices[{index}]"
-    if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("host", "ssd"):
-        raise PoolConfigError(where, "each device is a one-key mapping: {host: {...}} or {ssd: {...}}")
+    if not isinstance(entry, dict) or len(entry) != 1:
+        raise PoolConfigError(where, f"each device is a one-key mapping {{<medium>: {{...}}}} "
+                                     f"(media: {_media_list()})")  # fmt: skip
     kind, body = next(iter(entry.items()))
+    medium = media().get(kind)
+    if medium is None:
+        raise PoolConfigError(where, f"unknown medium {kind!r} (media: {_media_list()})")
     where = f"{where}.{kind}"
-    body = _check_keys(body, _HOST_KEYS if kind == "host" else _SSD_KEYS, where)
+    body = _check_keys(body, _COMMON_KEYS | medium.settings.keys(), where)
     if "capacity" not in body:
         raise PoolConfigError(f"{where}.capacity", "missing")
-    capacity = parse_size(body["capacity"], f"{where}.capacity")
-    numa_node = _int(body, "numa_node", 0, where)
-    bandwidth = _float(body, "bandwidth_gbps", None, where)
     name = body.get("name", "")
     if not isinstance(name, str):
         raise PoolConfigError(f"{where}.name", f"expected a string, got {name!r}")
-    if kind == "host":
-        return DeviceConfig("host", name, capacity, numa_node=numa_node, bandwidth_gbps=bandwidth)
-    path = body.get("path")
-    if not isinstance(path, str) or not path:
-        raise PoolConfigError(f"{where}.path", "missing (a block device or a file to preallocate)")
-    backend = _choice(body, "backend", "uring", BACKENDS, where)
-    trid = body.get("spdk_trid")
-    if backend == "spdk" and not trid:
-        raise PoolConfigError(f"{where}.spdk_trid", "required when backend is spdk")
-    if trid is not None and not isinstance(trid, str):
-        raise PoolConfigError(f"{where}.spdk_trid", f"expected a transport id string, got {trid!r}")
-    mask = body.get("spdk_core_mask")
-    if mask is not None and (backend != "spdk" or not isinstance(mask, str)
-                             or not _CORE_MASK.fullmatch(mask.replace(" ", ""))):  # fmt: skip
-        raise PoolConfigError(f"{where}.spdk_core_mask",
-                              f"expected a CPU mask ('0x4') or list ('2', '2-3') for backend spdk, "
-                              f"got {mask!r}")  # fmt: skip
-    if backend != "spdk" and not Path(path).exists() and not Path(path).parent.is_dir():
-        raise PoolConfigError(f"{where}.path", f"neither {path} nor its directory exists")
     return DeviceConfig(
-        "ssd", name, capacity, numa_node=numa_node, path=path, backend=backend, spdk_trid=trid,
-        spdk_core_mask=mask,
-        queue_depth=_int(body, "queue_depth", 32, where, minimum=1), bandwidth_gbps=bandwidth,
+        kind, name, parse_size(body["capacity"], f"{where}.capacity"),
+        numa_node=int_field(body, "numa_node", 0, where),
+        bandwidth_gbps=float_field(body, "bandwidth_gbps", None, where),
+        settings=medium.settings.parse({k: v for k, v in body.items() if k not in _COMMON_KEYS},
+                                       where),
     )  # fmt: skip
 
 
 def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
-    counts = {"host": 0, "ssd": 0}
-    named, seen = [], set()
+    """Default names (medium name + count: host0, ssd1), checked unique, as are the fields a
+    medium marks unique (an SSD's file)."""
+    counts: Counter[str] = Counter()
+    named, seen, claimed = [], set(), set()
     for i, d in enumerate(devices):
         name = d.name or f"{d.kind}{counts[d.kind]}"
         counts[d.kind] += 1
         if name in seen:
             raise PoolConfigError(f"devices[{i}].{d.kind}.name", f"duplicate device name {name!r}")
         seen.add(name)
-        named.append(DeviceConfig(**{**vars(d), "name": name}))
-    paths = [d.path for d in named if d.kind == "ssd" and d.backend != "spdk"]
-    for i, d in enumerate(named):
-        if d.kind == "ssd" and d.backend != "spdk" and paths.count(d.path) > 1:
-            raise PoolConfigError(f"devices[{i}].ssd.path", f"{d.path} is listed twice")
+        for key, value in d.settings.unique_fields().items():
+            if (d.kind, key, value) in claimed:
+                raise PoolConfigError(f"devices[{i}].{d.kind}.{key}", f"{value} is listed twice")
+            claimed.add((d.kind, key, value))
+        named.append(replace(d, name=name))
     return tuple(named)
 
 
@@ -264,28 +238,29 @@ def parse_pool_config(raw: Any) -> PoolConfig:
     raw = _check_keys(raw, _TOP_KEYS, "")
     devices_raw = raw.get("devices")
     if not isinstance(devices_raw, list) or not devices_raw:
-        raise PoolConfigError("devices", "expected a non-empty list of {host: ...} / {ssd: ...}")
+        raise PoolConfigError("devices", f"expected a non-empty list of {{<medium>: {{...}}}} "
+                                         f"(media: {_media_list()})")  # fmt: skip
     devices = _name_devices([_parse_device(d, i) for i, d in enumerate(devices_raw)])
     probe_raw = _check_keys(raw.get("probe", {}), _PROBE_KEYS, "probe")
-    drift = _float(probe_raw, "drift_threshold", 0.3, "probe")
+    drift = float_field(probe_raw, "drift_threshold", 0.3, "probe")
     probe = ProbeConfig(
-        enabled=_bool(probe_raw, "enabled", True, "probe"),
-        seconds=_float(probe_raw, "seconds", 0.5, "probe"),
+        enabled=bool_field(probe_raw, "enabled", True, "probe"),
+        seconds=float_field(probe_raw, "seconds", 0.5, "probe"),
         size=parse_size(probe_raw.get("size", 64 * 2**20), "probe.size"),
         drift_threshold=drift,
     )
     return PoolConfig(
         devices=devices,
-        chunk_tokens=_int(raw, "chunk_tokens", 256, "", minimum=1),
-        placement=_choice(raw, "placement", "bandwidth", PLACEMENT_POLICIES, ""),
+        chunk_tokens=int_field(raw, "chunk_tokens", 256, "", minimum=1),
+        placement=choice_field(raw, "placement", "bandwidth", PLACEMENT_POLICIES, ""),
         probe=probe,
-        load_mode=_choice(raw, "load_mode", "async", LOAD_MODES, ""),
-        load_failure=_choice(raw, "load_failure", "recompute", LOAD_FAILURE_POLICIES, ""),
-        verify_checksums=_bool(raw, "verify_checksums", False, ""),
-        copy_threads=_int(raw, "copy_threads", 0, "", minimum=0),
-        save_decode=_bool(raw, "save_decode", True, ""),
+        load_mode=choice_field(raw, "load_mode", "async", LOAD_MODES, ""),
+        load_failure=choice_field(raw, "load_failure", "recompute", LOAD_FAILURE_POLICIES, ""),
+        verify_checksums=bool_field(raw, "verify_checksums", False, ""),
+        copy_threads=int_field(raw, "copy_threads", 0, "", minimum=0),
+        save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
-        device_retry_seconds=_float(raw, "device_retry_seconds", 10.0, ""),
+        device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),
     )
 
 

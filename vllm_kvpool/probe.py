@@ -1,7 +1,8 @@
 """Placement weights: each device's read bandwidth, fixed in the config or probed.
 
-Host pools are probed with a memcpy of ``probe.size``; SSDs with the engine's read/write probe
-in the scratch region after the data, so no live chunk is touched. The copy threads of a fetch's
+Each medium probes its own devices (``Medium.probe``): host pools with a memcpy of
+``probe.size``, SSDs with the engine's read/write probe in the scratch region after the data, so
+no live chunk is touched. The copy threads of a fetch's
 host share come from a fetch-like copy probe: the fewest threads that reach its best bandwidth.
 """
 
@@ -13,12 +14,10 @@ import time
 import numpy as np
 
 from vllm_kvpool.config import PoolConfig
-from vllm_kvpool.handlers import handler_class
-from vllm_kvpool.handlers.device import DeviceHandler
+from vllm_kvpool.media import medium_of
 from vllm_kvpool.native import kvio
 from vllm_kvpool.pool import PoolGeometry
 
-PROBE_CHUNK = 2 * 2**20
 MAX_COPY_THREADS = 8  # memory bandwidth is saturated well before this on current servers
 THREADS_WITHIN = 0.9  # fewest threads reaching this fraction of the best probed copy
 PROBE_PAGE = 64 * 2**10  # a KV page: 16 tokens x 8 KV heads x 128 x bf16 x (K, V)
@@ -66,32 +65,13 @@ def probe_copy_threads(config: PoolConfig) -> int:
 
 
 def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
-    """Read bandwidth (GB/s) per device: fixed ``bandwidth_gbps`` or a short probe."""
+    """Read bandwidth (GB/s) per device: fixed ``bandwidth_gbps`` or its medium's short probe."""
     gbps: list[float] = []
     for cfg in config.devices:
         if cfg.bandwidth_gbps is not None:
             gbps.append(cfg.bandwidth_gbps)
-            continue
-        if not config.probe.enabled:
+        elif not config.probe.enabled:
             gbps.append(1.0)  # no probe and no figure: equal weights
-            continue
-        io = kvio()
-        if cfg.kind == "host":
-            result = io.probe_memcpy(seconds=config.probe.seconds, nbytes=config.probe.size)
-            gbps.append(float(result["gbps"]))
-            continue
-        cls = handler_class(cfg)
-        assert issubclass(cls, DeviceHandler)
-        dev, _, _ = cls.open_raw(cfg, geometry)
-        try:
-            pool = None
-            if cfg.backend == "spdk":  # registered (hugetlb) buffers: over PCIe nothing else DMAs
-                pool = io.HostPool(PROBE_CHUNK * max(2, dev.queue_depth), numa_node=cfg.numa_node,
-                                   name=f"{cfg.name}-probe")  # fmt: skip
-                dev.register_host_pools([pool])
-            result = io.probe_device(dev, seconds=config.probe.seconds, chunk_bytes=PROBE_CHUNK,
-                                     pool=pool)  # fmt: skip
-        finally:
-            dev.close()
-        gbps.append(max(float(result["read_gbps"]), 1e-3))
+        else:
+            gbps.append(medium_of(cfg).probe(cfg, config, geometry))
     return gbps

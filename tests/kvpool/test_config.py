@@ -24,7 +24,10 @@ def test_yaml_file_and_inline_json_agree(tmp_path):
     path.write_text(YAML.replace("{tmp}", str(tmp_path)))
     cfg = load_pool_config(str(path))
     assert [d.name for d in cfg.devices] == ["host0", "ssd0", "slow"]
-    assert cfg.hosts[0].capacity == 2 * 2**30 and cfg.ssds[0].backend == "uring"
+    assert [d.kind for d in cfg.devices] == ["host", "ssd", "ssd"]
+    assert cfg.devices[0].capacity == 2 * 2**30
+    assert [d.settings.backend for d in cfg.devices[1:]] == ["uring", "posix"]
+    assert cfg.devices[2].settings.path == f"{tmp_path}/ssd1.bin"
     assert cfg.probe.size == 16 * 2**20 and cfg.placement == "bandwidth"
     again = load_pool_config(json.dumps(cfg.to_dict()))
     assert again == cfg
@@ -55,6 +58,8 @@ def test_sizes():
          "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "nvme", "backend": "spdk"}}]},
          "devices[0].ssd.spdk_trid"),
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x"}},
+                      {"ssd": {"capacity": "1GiB", "path": "/tmp/x"}}]}, "devices[1].ssd.path"),
         ({"devices": [{"host": {"capacity": "1GiB", "name": "a"}},
                       {"host": {"capacity": "1GiB", "name": "a"}}]}, "devices[1].host.name"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "placement": "random"}, "placement"),

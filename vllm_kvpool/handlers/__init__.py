@@ -1,8 +1,8 @@
 """One handler per pool medium behind one save / load / poll interface (``base.MediumHandler``).
 
 ``open_handlers`` builds them for a pool config, in device order (the pool's device index is
-the position in this list). A new medium is a new ``MediumHandler`` subclass registered in
-``handler_class``.
+the position in this list), each by its device's registered medium (``vllm_kvpool.media``).
+Importing this package registers the built-in media, ``host`` and ``ssd``.
 """
 
 from __future__ import annotations
@@ -19,28 +19,20 @@ from vllm_kvpool.handlers.base import (
 from vllm_kvpool.handlers.device import DeviceHandler
 from vllm_kvpool.handlers.host import HostMemoryHandler
 from vllm_kvpool.handlers.spdk import SpdkHandler
+from vllm_kvpool.handlers.ssd import SsdSettings
+from vllm_kvpool.media import medium_of
 from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.pool import PoolGeometry
 
 __all__ = ["Buffer", "DeviceHandler", "HostMemoryHandler", "LoadOp", "MediumHandler", "Outcome",
-           "SaveOp", "SpdkHandler", "StagingSlots", "handler_class", "open_handler",
+           "SaveOp", "SpdkHandler", "SsdSettings", "StagingSlots", "open_handler",
            "open_handlers", "restorable_chunks"]  # fmt: skip
-
-
-def handler_class(cfg: DeviceConfig) -> type[MediumHandler]:
-    if cfg.kind == "host":
-        return HostMemoryHandler
-    return SpdkHandler if cfg.backend == "spdk" else DeviceHandler
 
 
 def open_handler(cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
                  rank_suffix: str = "") -> MediumHandler:  # fmt: skip
-    """Allocate a host pool or open an SSD of the config (worker side)."""
-    cls = handler_class(cfg)
-    if issubclass(cls, HostMemoryHandler):
-        return cls(cfg, geometry.slot_bytes, geometry.num_slots(cfg))
-    assert issubclass(cls, DeviceHandler)
-    return cls(cfg, geometry, config.staging, rank_suffix)
+    """Open one device of the config on its medium (worker side)."""
+    return medium_of(cfg).open(cfg, config, geometry, rank_suffix)
 
 
 def open_handlers(config: PoolConfig, geometry: PoolGeometry,
@@ -59,11 +51,10 @@ def open_handlers(config: PoolConfig, geometry: PoolGeometry,
 
 def restorable_chunks(config: PoolConfig, geometry: PoolGeometry,
                       world_size: int = 1) -> dict[int, list[RestoredChunk]]:  # fmt: skip
-    """Per device index, the chunks a previous run left that this pool may serve (read from
-    the media's index regions; host memory keeps nothing across a restart)."""
+    """Per device index, the chunks a previous run left that this pool may serve (media that
+    keep nothing across a restart, like host memory, have no entry)."""
     out = {}
     for d, cfg in enumerate(config.devices):
-        cls = handler_class(cfg)
-        if issubclass(cls, DeviceHandler):
-            out[d] = cls.restorable(cfg, geometry, world_size)
+        if chunks := medium_of(cfg).restore(cfg, geometry, world_size):
+            out[d] = chunks
     return out

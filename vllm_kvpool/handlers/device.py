@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -36,17 +36,26 @@ from vllm_kvpool.persist import (
 )
 from vllm_kvpool.pool import PoolGeometry
 
+if TYPE_CHECKING:
+    from vllm_kvpool.handlers.ssd import SsdSettings
+
 logger = logging.getLogger("vllm_kvpool")
 PROBE_RESERVE = 64 * 2**20  # bytes after the index region, scratch space for probe_device
+PROBE_CHUNK = 2 * 2**20  # bytes per read/write of the bandwidth probe
 RECORD_POOL = 2 * 2**20  # host buffer for index records being written
+
+
+def ssd_settings(cfg: DeviceConfig) -> SsdSettings:
+    """The ``ssd`` entry's own fields (the ``ssd`` medium opens these handlers only)."""
+    return cast("SsdSettings", cfg.settings)
 
 
 def device_path(cfg: DeviceConfig, rank_suffix: str) -> str:
     """Each worker rank keeps its own shard of every chunk in its own file."""
-    assert cfg.path is not None
-    if not rank_suffix or cfg.path.startswith("/dev/"):
-        return cfg.path
-    return f"{cfg.path}{rank_suffix}"
+    path = ssd_settings(cfg).path
+    if not rank_suffix or path.startswith("/dev/"):
+        return path
+    return f"{path}{rank_suffix}"
 
 
 class DeviceHandler(MediumHandler):
@@ -108,10 +117,12 @@ class DeviceHandler(MediumHandler):
                  create: bool = True) -> tuple[Any, int, int]:  # fmt: skip
         """Open (creating/preallocating a file), reserve data and index: (device, data, index)."""
         data, index, capacity = cls.regions(cfg, geometry)
+        settings = ssd_settings(cfg)
         dev = kvio().Device(cls.target_of(cfg, rank_suffix), capacity=capacity,
-                            backend=cfg.backend, queue_depth=cfg.queue_depth, name=cfg.name,
-                            create=create,
-                            **({"spdk_core_mask": cfg.spdk_core_mask} if cfg.spdk_core_mask else {}))  # fmt: skip
+                            backend=settings.backend, queue_depth=settings.queue_depth,
+                            name=cfg.name, create=create,
+                            **({"spdk_core_mask": settings.spdk_core_mask}
+                               if settings.spdk_core_mask else {}))  # fmt: skip
         try:
             data_base, index_base = dev.alloc(data), dev.alloc(index)
             if (data_base, index_base) != (0, data):  # the scheduler finds records there
@@ -120,6 +131,23 @@ class DeviceHandler(MediumHandler):
             dev.close()
             raise
         return dev, data_base, index_base
+
+    @classmethod
+    def probe_gbps(cls, cfg: DeviceConfig, geometry: PoolGeometry, seconds: float) -> float:
+        """Read GB/s of the engine's write/read probe in the scratch region after the index, so
+        no live chunk is touched."""
+        dev, _, _ = cls.open_raw(cfg, geometry)
+        try:
+            result = kvio().probe_device(dev, seconds=seconds, chunk_bytes=PROBE_CHUNK,
+                                         pool=cls.probe_pool(cfg, dev))  # fmt: skip
+        finally:
+            dev.close()
+        return max(float(result["read_gbps"]), 1e-3)
+
+    @classmethod
+    def probe_pool(cls, cfg: DeviceConfig, dev: Any) -> Any | None:
+        """Registered host buffers the probe must use (None: the probe's own)."""
+        return None
 
     def open_device(self, create: bool = True) -> tuple[Any, int, int]:
         return self.open_raw(self.cfg, self.geometry, self.rank_suffix, create)

@@ -3,6 +3,8 @@
 Saves gather straight into the chunk's slot and are done once checksummed; loads need no I/O
 (``resident``): the engine verifies and copies a chunk into the KV in one pass
 (``copy_many_checksum``). Chunks here do not survive a restart.
+
+The ``host`` medium: no entry fields beyond the common ones (``numa_node`` places the pool).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_kvpool.config import DeviceConfig
+from vllm_kvpool.config import DeviceConfig, PoolConfig
 from vllm_kvpool.handlers.base import Buffer, LoadOp, MediumHandler, Outcome, SaveOp
+from vllm_kvpool.media import Medium, register_medium
 from vllm_kvpool.native import kvio
+from vllm_kvpool.pool import PoolGeometry
 
 logger = logging.getLogger("vllm_kvpool")
 
@@ -77,3 +81,19 @@ class HostMemoryHandler(MediumHandler):
     def close(self) -> None:
         self._bytes = None
         self.pool = None
+
+
+class HostMedium(Medium):
+    name = "host"
+
+    def open(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
+             rank_suffix: str) -> HostMemoryHandler:  # fmt: skip
+        return HostMemoryHandler(cfg, geometry.slot_bytes, geometry.num_slots(cfg))
+
+    def probe(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry) -> float:
+        """A memcpy of ``probe.size``."""
+        result = kvio().probe_memcpy(seconds=config.probe.seconds, nbytes=config.probe.size)
+        return float(result["gbps"])
+
+
+register_medium(HostMedium())

@@ -15,9 +15,11 @@ then checks a verified round trip before the pool uses the device again.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from vllm_kvpool.config import DeviceConfig
-from vllm_kvpool.handlers.device import DeviceHandler
+from vllm_kvpool.handlers.device import PROBE_CHUNK, DeviceHandler, ssd_settings
+from vllm_kvpool.native import kvio
 from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.pool import PoolGeometry
 
@@ -31,8 +33,17 @@ class SpdkHandler(DeviceHandler):
 
     @classmethod
     def target_of(cls, cfg: DeviceConfig, rank_suffix: str = "") -> str:
-        assert cfg.spdk_trid is not None  # the config parser requires it for spdk
-        return cfg.spdk_trid
+        trid = ssd_settings(cfg).spdk_trid
+        assert trid is not None  # the config parser requires it for spdk
+        return trid
+
+    @classmethod
+    def probe_pool(cls, cfg: DeviceConfig, dev: Any) -> Any:
+        """Registered (hugetlb) buffers: over PCIe the controller DMAs into nothing else."""
+        pool = kvio().HostPool(PROBE_CHUNK * max(2, dev.queue_depth), numa_node=cfg.numa_node,
+                               name=f"{cfg.name}-probe")  # fmt: skip
+        dev.register_host_pools([pool])
+        return pool
 
     def open_sync_fd(self) -> int | None:
         return None
