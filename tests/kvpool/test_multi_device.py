@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.kvpool.placement_oracle import fetch_seconds, optimal_fetch
 from vllm_kvpool.config import parse_pool_config
-from vllm_kvpool.placement import DeviceWeights, fetch_seconds, optimal_fetch
+from vllm_kvpool.placement import DeviceWeights
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool
 
 

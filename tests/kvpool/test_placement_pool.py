@@ -8,14 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kvpool.placement_oracle import fetch_seconds
 from vllm_kvpool.config import parse_pool_config
-from vllm_kvpool.placement import (
-    DeviceWeights,
-    Placement,
-    fetch_seconds,
-    interleave,
-    largest_remainder,
-)
+from vllm_kvpool.placement import DeviceWeights, Placement, interleave, largest_remainder
 from vllm_kvpool.pool import PoolGeometry, UnifiedPool
 
 
