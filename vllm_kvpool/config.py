@@ -10,12 +10,12 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from vllm_kvpool.media import MediumSettings, media
+from vllm_kvpool.media import COMMON_FIELDS, MediumSettings, media
 
 PlacementPolicy = Literal["bandwidth", "round_robin", "single_tier_serial"]
 PLACEMENT_POLICIES: tuple[str, ...] = ("bandwidth", "round_robin", "single_tier_serial")
@@ -127,7 +127,7 @@ class PoolConfig:
         }
 
 
-def _check_keys(obj: Any, allowed: set[str], field_path: str) -> dict[str, Any]:
+def _check_keys(obj: Any, allowed: Collection[str], field_path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise PoolConfigError(field_path, f"expected a mapping, got {type(obj).__name__}")
     for key in obj:
@@ -176,9 +176,6 @@ def choice_field(obj: Mapping[str, Any], key: str, default: str, choices: tuple[
     return value
 
 
-_COMMON_KEYS = frozenset({"name", "capacity", "numa_node", "bandwidth_gbps"})
-
-
 def _media_list() -> str:
     return ", ".join(media())
 
@@ -193,7 +190,7 @@ def _parse_device(entry: Any, index: int) -> DeviceConfig:
     if medium is None:
         raise PoolConfigError(where, f"unknown medium {kind!r} (media: {_media_list()})")
     where = f"{where}.{kind}"
-    body = _check_keys(body, _COMMON_KEYS | medium.settings.keys(), where)
+    body = _check_keys(body, COMMON_FIELDS | medium.settings.keys(), where)
     if "capacity" not in body:
         raise PoolConfigError(f"{where}.capacity", "missing")
     name = body.get("name", "")
@@ -203,7 +200,7 @@ def _parse_device(entry: Any, index: int) -> DeviceConfig:
         kind, name, parse_size(body["capacity"], f"{where}.capacity"),
         numa_node=int_field(body, "numa_node", 0, where),
         bandwidth_gbps=float_field(body, "bandwidth_gbps", None, where),
-        settings=medium.settings.parse({k: v for k, v in body.items() if k not in _COMMON_KEYS},
+        settings=medium.settings.parse({k: v for k, v in body.items() if k not in COMMON_FIELDS},
                                        where),
     )  # fmt: skip
 

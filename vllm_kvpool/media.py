@@ -76,6 +76,7 @@ class Medium(ABC):
         return cfg.kind, f"numa {cfg.numa_node}"
 
 
+COMMON_FIELDS = frozenset({"name", "capacity", "numa_node", "bandwidth_gbps"})  # every medium's
 _MEDIA: dict[str, Medium] = {}
 _BUILTINS = "vllm_kvpool.handlers"  # its import registers host and ssd
 
@@ -84,6 +85,9 @@ def register_medium(medium: Medium) -> None:
     """Make ``medium`` the meaning of its name in device entries."""
     if medium.name in media():
         raise ValueError(f"kvpool: medium {medium.name!r} is already registered")
+    if clash := COMMON_FIELDS & medium.settings.keys():
+        raise ValueError(f"kvpool: medium {medium.name!r} redefines the common fields "
+                         f"{', '.join(sorted(clash))}")  # fmt: skip
     _MEDIA[medium.name] = medium
 
 

@@ -74,6 +74,20 @@ def test_config_parses_and_round_trips_a_registered_medium(scratch, tmp_path):
         register_medium(ScratchMedium())
 
 
+def test_a_medium_cannot_redefine_the_common_fields():
+    @dataclass(frozen=True)
+    class Sized(MediumSettings):
+        capacity: int = 0
+
+    class Odd(ScratchMedium):
+        name = "odd"
+        settings = Sized
+
+    with pytest.raises(ValueError, match="redefines the common fields capacity"):
+        register_medium(Odd())
+    assert "odd" not in media()
+
+
 def test_unknown_medium_names_the_field_and_the_media():
     assert "scratch" not in media()  # the fixture above unregistered it
     with pytest.raises(PoolConfigError) as err:
