@@ -2,8 +2,8 @@
 
 Each medium probes its own devices (``Medium.probe``): host pools with a memcpy of
 ``probe.size``, SSDs with the engine's read/write probe in the scratch region after the data, so
-no live chunk is touched. The copy threads of a fetch's
-host share come from a fetch-like copy probe: the fewest threads that reach its best bandwidth.
+no live chunk is touched. The copy threads of a fetch's host share come from a fetch-like copy
+probe: the fewest threads that reach its best bandwidth.
 """
 
 from __future__ import annotations

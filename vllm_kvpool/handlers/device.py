@@ -137,9 +137,10 @@ class DeviceHandler(MediumHandler):
         """Read GB/s of the engine's write/read probe in the scratch region after the index, so
         no live chunk is touched."""
         dev, _, _ = cls.open_raw(cfg, geometry)
+        pool = None  # a local, so it outlives the device it is registered with
         try:
-            result = kvio().probe_device(dev, seconds=seconds, chunk_bytes=PROBE_CHUNK,
-                                         pool=cls.probe_pool(cfg, dev))  # fmt: skip
+            pool = cls.probe_pool(cfg, dev)
+            result = kvio().probe_device(dev, seconds=seconds, chunk_bytes=PROBE_CHUNK, pool=pool)
         finally:
             dev.close()
         return max(float(result["read_gbps"]), 1e-3)
