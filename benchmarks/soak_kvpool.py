@@ -27,10 +27,7 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -41,35 +38,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from support.model import write_tiny_llama  # noqa: E402
+from support.serving import Server  # noqa: E402
+
 VOCAB_LOW, VOCAB_HIGH = 3, 500
-BLOCK = 32
 MAX_MODEL_LEN = 2048
 MAX_TOKENS = 8
 
 
 # ----------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kvpool_command() -> list[str]:
-    script = Path(sys.executable).with_name("kvpool")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_kvpool.cli"]
-
-
-def descendants(pid: int) -> list[int]:
-    """Child processes of ``pid``, recursively (vLLM's engine core and its helpers)."""
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                for child in f.read().split():
-                    out += [int(child), *descendants(int(child))]
-    except OSError:
-        pass
-    return out
+SERVE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+               "--no-enable-prefix-caching", "--served-model-name", "m",
+               "--kv-cache-memory-bytes", str(256 << 20)]  # fmt: skip
+QUIET = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -85,84 +66,12 @@ def rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-@dataclass
-class Server:
-    name: str
-    model: Path
-    log: Path
-    pool: dict[str, Any] | None = None  # None: no connector (the reference)
-    status_file: Path | None = None
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        cmd = [*kvpool_command(), "serve", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK),
-               "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-               "--max-num-seqs", "8", "--no-enable-prefix-caching", "--served-model-name", "m",
-               "--kv-cache-memory-bytes", str(256 << 20)]  # fmt: skip
-        if self.pool is not None:
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "UnifiedKVPoolConnector", "kv_role": "kv_both",
-                "kv_connector_module_path": "vllm_kvpool.connector",
-                "kv_connector_extra_config": {"pool": self.pool,
-                                              "status_file": str(self.status_file)}})]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO)  # fmt: skip
-
-    def wait_ready(self, timeout: float) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): "
-                                   f"{self.log.read_text()[-3000:]}")  # fmt: skip
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s")
-            time.sleep(1)
-
-    def pids(self) -> list[int]:
-        return [] if self.proc is None else [self.proc.pid, *descendants(self.proc.pid)]
-
-    def stop(self) -> None:
-        """SIGTERM the server by its pid; what is left after 60 s (itself, its engine core)
-        is killed by pid."""
-        if self.proc is None:
-            return
-        pids = self.pids()
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        self.proc = None
-
-    def status(self, fresh: bool = False) -> dict[str, Any]:
-        """The pool's status file; ``fresh``: after one more engine step (the scheduler
-        rewrites the file at most once a second, from a step)."""
-        if fresh:
-            time.sleep(1.1)
-            complete(self.port, [5, 6, 7, 8], stream=False)
-        try:
-            return json.loads(self.status_file.read_text()) if self.status_file else {}
-        except (OSError, ValueError):
-            return {}
+def fresh_status(server: Server) -> dict[str, Any]:
+    """The pool's status file after one more engine step (the scheduler rewrites the file at
+    most once a second, from a step)."""
+    time.sleep(1.1)
+    complete(server.port, [5, 6, 7, 8], stream=False)
+    return server.status()
 
 
 # ----------------------------------------------------------------------------- requests
@@ -294,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     seconds = args.seconds or (24.0 if args.short else 330.0)
     clients = args.clients or (2 if args.short else 4)
-    from tests.kvpool.vllm_harness import write_tiny_llama
-
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -308,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"ssd": {"path": str(work / "ssd1.kvpool"), "capacity": "48MiB",
                          "bandwidth_gbps": 2.0}},
                 {"host": {"capacity": "16MiB", "bandwidth_gbps": 1.0}}]}  # fmt: skip
-    pooled = Server("pool server", model, work / "pool.log", pool, work / "status.json")
-    reference = Server("reference server", model, work / "reference.log")
+    pooled = Server("pool server", model, work / "pool.log", SERVE_FLAGS, pool=pool,
+                    status_file=work / "status.json", env=QUIET)  # fmt: skip
+    reference = Server("reference server", model, work / "reference.log", SERVE_FLAGS, env=QUIET)
     log = print
     rss: list[tuple[float, float, int]] = []  # (t, MiB, server lifetime)
     statuses: list[dict] = []
@@ -359,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 phase = "restart"
             elif phase == "restart" and now >= restart_at:
                 drain(run)
-                statuses.append(pooled.status(fresh=True))
+                statuses.append(fresh_status(pooled))
                 pooled.stop()
                 events.append(f"{time.monotonic() - start:.0f}s pool server stopped (drained)")
                 pooled.start()
@@ -371,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.open_gate.set()
                 phase = "done"
             time.sleep(1.0)
-        statuses.append(pooled.status(fresh=True))
+        statuses.append(fresh_status(pooled))
         pooled.stop()
         for e in events:
             log("  " + e)

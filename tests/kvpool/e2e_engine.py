@@ -12,10 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from support.model import VOCAB
+from support.serving import BLOCK_SIZE, transfer_config
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: inspectable
 
-VOCAB = 512
 PREFIX = [(i * 7 + 11) % (VOCAB - 12) + 3 for i in range(1000)]  # a long shared prefix
 PROMPTS = {"A": PREFIX + [300, 301, 302], "B": PREFIX + [400, 401]}
 MAX_TOKENS = 12
@@ -26,15 +28,11 @@ def make_llm(model_dir: Path, pool: dict[str, Any] | None = None) -> Any:
 
     kwargs: dict[str, Any] = {}
     if pool is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "UnifiedKVPoolConnector",
-            "kv_connector_module_path": "vllm_kvpool.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"pool": pool},
-        }  # fmt: skip
-    llm = LLM(model=str(model_dir), load_format="safetensors", dtype="float32", block_size=32,
-              enforce_eager=True, max_model_len=2048, seed=0, enable_prefix_caching=False,
-              max_num_batched_tokens=2048, gpu_memory_utilization=0.3,
-              kv_cache_memory_bytes=256 << 20, **kwargs)  # fmt: skip
+        kwargs["kv_transfer_config"] = transfer_config(pool)
+    llm = LLM(model=str(model_dir), load_format="safetensors", dtype="float32",
+              block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048, seed=0,
+              enable_prefix_caching=False, max_num_batched_tokens=2048,
+              gpu_memory_utilization=0.3, kv_cache_memory_bytes=256 << 20, **kwargs)  # fmt: skip
     return llm
 
 

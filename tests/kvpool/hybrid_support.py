@@ -2,7 +2,7 @@
 
 * ``write_tiny_hybrid``: a local Llama config whose ``layer_types`` alternate
   ``sliding_attention`` / ``full_attention`` (vLLM's Llama reads ``layer_types`` and gives those
-  layers a per-layer sliding window), with the seeded random O(1) weights of ``vllm_harness``.
+  layers a per-layer sliding window), with the seeded random O(1) weights of ``support.model``.
 * ``HybridHarness``: vLLM's real Scheduler / KVCacheManager with the hybrid manager ON, the KV
   cache config grouped by vLLM's own ``get_kv_cache_groups`` and allocated by its worker's
   ``allocate_kv_cache`` (groups alias one backing buffer, as on a real worker); the fake forward
@@ -17,14 +17,8 @@ from typing import Any
 
 import torch
 
-from tests.kvpool.vllm_harness import (
-    BLOCK_SIZE,
-    HEAD_SIZE,
-    NUM_KV_HEADS,
-    Harness,
-    kv_value,
-    write_tiny_llama,
-)
+from support.model import write_tiny_llama
+from support.vllm_harness import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, Harness, kv_value
 
 HYBRID_LAYERS = 4
 SLIDING_WINDOW = 64  # tokens: with 32-token blocks the window needs 2 blocks at a hit position

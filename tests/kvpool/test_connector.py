@@ -15,13 +15,8 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
-from tests.kvpool.vllm_harness import (  # noqa: E402
-    BLOCK_SIZE,
-    Harness,
-    corrupt_on_disk,
-    make_vllm_config,
-    write_tiny_llama,
-)
+from support.model import write_tiny_llama  # noqa: E402
+from support.vllm_harness import BLOCK_SIZE, Harness, corrupt_on_disk, make_vllm_config  # noqa: E402
 
 PROMPT = list(range(3, 3 + 640))  # 20 blocks = 10 chunks
 

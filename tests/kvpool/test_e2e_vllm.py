@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
+from support.model import write_tiny_llama  # noqa: E402
 from tests.kvpool import e2e_engine  # noqa: E402
-from tests.kvpool.vllm_harness import write_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
+from support.vllm_harness import BLOCK_SIZE, corrupt_on_disk, make_vllm_config  # noqa: E402
 from tests.kvpool.hybrid_support import HybridHarness, write_tiny_hybrid  # noqa: E402
-from tests.kvpool.vllm_harness import BLOCK_SIZE, corrupt_on_disk, make_vllm_config  # noqa: E402
 from vllm_kvpool.geometry import chunk_layout  # noqa: E402
 from vllm_kvpool.handlers import LoadOp  # noqa: E402
 

@@ -174,8 +174,9 @@ def test_restart_through_the_connector(tmp_path):
     same files: the SSD chunks of the prefix are hit and land byte-identical; an engine of
     another model over the same files gets no hit."""
     pytest.importorskip("vllm")
+    from support.model import write_tiny_llama
+    from support.vllm_harness import Harness, make_vllm_config
     from tests.kvpool.test_connector import expected, run_and_capture
-    from tests.kvpool.vllm_harness import Harness, make_vllm_config, write_tiny_llama
 
     prompt = list(range(3, 3 + 640))  # 20 blocks of 32 tokens = 10 chunks
     # SSDs weigh more than the host pool: the prefix starts on them (smooth weighted round

@@ -8,7 +8,6 @@ scheduled, then calls the connector hooks in the order vLLM's model runner does.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,74 +16,12 @@ from typing import Any
 
 import torch
 
+from support.model import TINY
+from support.serving import BLOCK_SIZE, transfer_config
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 2, 2, 32, 32
-
-
-def write_tiny_llama(directory: Path, num_layers: int = NUM_LAYERS) -> Path:
-    """A local Llama config.json (seeded random weights written locally; nothing is downloaded)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": NUM_KV_HEADS,
-        "num_hidden_layers": num_layers, "vocab_size": 512, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-        "tie_word_embeddings": False, "head_dim": HEAD_SIZE,
-    }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(config))
-    write_byte_tokenizer(directory)
-    write_random_weights(directory, num_layers)
-    return directory
-
-
-def write_random_weights(directory: Path, num_layers: int = NUM_LAYERS, seed: int = 1234) -> None:
-    """Seeded random O(1) weights as a local safetensors file.
-
-    vLLM's ``load_format="dummy"`` draws weights in +-1e-3: attention is then uniform over a
-    long prefix and the output does not depend on its KV at all, so a test could not tell
-    right KV from wrong KV. Sharp attention (large q/k) makes the output depend on the prefix.
-    """
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter, vocab, heads = 128, 256, 512, 4
-
-    def rand(*shape: int, scale: float = 1.5) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * (scale / shape[-1] ** 0.5)
-
-    tensors = {"model.embed_tokens.weight": rand(vocab, hidden, scale=hidden**0.5),
-               "model.norm.weight": torch.ones(hidden), "lm_head.weight": rand(vocab, hidden)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": rand(heads * HEAD_SIZE, hidden, scale=4.0),
-            p + "self_attn.k_proj.weight": rand(NUM_KV_HEADS * HEAD_SIZE, hidden, scale=4.0),
-            p + "self_attn.v_proj.weight": rand(NUM_KV_HEADS * HEAD_SIZE, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * HEAD_SIZE),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })  # fmt: skip
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
-
-
-def write_byte_tokenizer(directory: Path) -> None:
-    """A real (byte-level) tokenizer built locally with ``tokenizers``: no hub access needed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({ch: i + 3 for i, ch in enumerate(sorted(alphabet))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 4096}))  # fmt: skip
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = TINY.layers, TINY.kv_heads, TINY.head_dim
 
 
 def make_vllm_config(model_dir: Path, pool: dict[str, Any], max_batched_tokens: int = 2048,
@@ -104,10 +41,7 @@ def make_vllm_config(model_dir: Path, pool: dict[str, Any], max_batched_tokens: 
                             max_model_len=4096, is_encoder_decoder=False,
                             enable_chunked_prefill=True)  # fmt: skip
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
-    transfer = KVTransferConfig(
-        kv_connector="UnifiedKVPoolConnector", kv_connector_module_path="vllm_kvpool.connector",
-        kv_role="kv_both", kv_connector_extra_config={"pool": pool, **(extra or {})},
-    )  # fmt: skip
+    transfer = KVTransferConfig(**transfer_config(pool, **(extra or {})))
     return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))  # fmt: skip
 
