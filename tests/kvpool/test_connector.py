@@ -122,10 +122,14 @@ def test_sleep_mode_unregister_drains_background_copies(model_dir, tmp_path):
     engine._saver.submit(held.wait)  # hold the save thread so the step's copies stay queued
     h.add("A", PROMPT + [900])
     h.step()
-    assert engine.pending_saves("A") == 10  # the prompt's chunks, not yet gathered
+    # A finished with its saves queued: the engine keeps its blocks until they are written
+    sending, _, _ = engine.take_finished(["A"])
+    assert "A" not in sending and not engine.take_report().committed
     threading.Timer(0.2, held.set).start()
     h.worker.unregister_kv_caches()  # vLLM >= 0.33 calls this before unmapping the KV
-    assert engine.pending_saves("A") == 0
+    sending, _, _ = engine.take_finished([])
+    assert sending == {"A"}  # every save written by the time it returns
+    assert len(engine.take_report().committed) == 10  # the prompt's chunks
 
 
 @pytest.mark.parametrize("save_decode", [True, False])
