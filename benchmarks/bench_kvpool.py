@@ -566,11 +566,11 @@ def slot(g: Geometry) -> int:
 def probe(g: Geometry, config: dict[str, Any]) -> list[float]:
     """The product's own probe (host memcpy, SSD O_DIRECT reads), as placement weights."""
     from vllm_kvpool.config import load_pool_config
-    from vllm_kvpool.pool import PoolGeometry
+    from vllm_kvpool.layout import ChunkLayout
     from vllm_kvpool.probe import probe_bandwidths
 
     bpc = g.chunk_tokens // g.block_size
-    return probe_bandwidths(load_pool_config(config), PoolGeometry(g.chunk_bytes // bpc, bpc, 0))
+    return probe_bandwidths(load_pool_config(config), ChunkLayout.uniform(g.chunk_bytes // bpc, bpc))
 
 
 def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,

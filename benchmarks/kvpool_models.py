@@ -1,6 +1,6 @@
 """The pool fetching a long prefix of the paper's models (``bench_kvpool.py --model NAME``).
 
-Each model's KV geometry comes from ``vllm_kvpool.geometry.MODELS`` (checked against its
+Each model's KV geometry comes from ``MODELS`` below (checked against its
 config.json): per-group KV tensors at the real page sizes (bf16, 16-token blocks), the prefix
 saved once into a pool of one host-memory pool and one SSD file (O_DIRECT, io_uring), then the
 same fetch the connector issues on a hit (every full-attention block, the sliding window only at
@@ -23,23 +23,34 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_kvpool.chunk_kv import ChunkKV, section_read, section_save_ids
 from vllm_kvpool.config import load_pool_config
-from vllm_kvpool.engine import TransferEngine
-from vllm_kvpool.geometry import MODELS, ChunkLayout
-from vllm_kvpool.handlers import open_handlers
-from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
-from vllm_kvpool.probe import probe_bandwidths, probe_copy_threads
-from vllm_kvpool.protocol import ChunkSave, LoadRequest
+from vllm_kvpool.layout import ChunkLayout, ModelGeometry
+from vllm_kvpool.layout import build as layouts
+from vllm_kvpool.local import LocalPool
 
 BLOCK, CHUNK = 16, 256  # tokens: vLLM's CUDA default block; the pool's default chunk
+
+# Each checked against the model's config.json (num_hidden_layers, num_key_value_heads, head_dim
+# or hidden_size / num_attention_heads, torch_dtype, sliding_window, layer_types).
+MODELS: dict[str, ModelGeometry] = {
+    "llama-3.1-8b": ModelGeometry(
+        "meta-llama/Llama-3.1-8B", num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
+        sliding_window=None, sliding_layers=0,
+        source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
+    "gpt-oss-20b": ModelGeometry(
+        "openai/gpt-oss-20b", num_layers=24, num_kv_heads=8, head_dim=64, dtype_bytes=2,
+        sliding_window=128, sliding_layers=12,  # layer_types: sliding, full, sliding, ...
+        source="https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json"),
+    "qwen3-30b-a3b": ModelGeometry(
+        "Qwen/Qwen3-30B-A3B", num_layers=48, num_kv_heads=4, head_dim=128, dtype_bytes=2,
+        sliding_window=None, sliding_layers=0,  # use_sliding_window: false
+        source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
+}  # fmt: skip
 
 
 @dataclass
@@ -50,73 +61,52 @@ class Run:
 
 
 class ModelPool:
-    """One model's KV tensors and a pool holding its prefix (the connector's code paths)."""
+    """One model's KV tensors and a ``LocalPool`` holding its prefix (the connector's jobs)."""
 
-    def __init__(self, layout: ChunkLayout, tokens: int, directory: Path, name: str) -> None:
-        self.layout = layout
+    def __init__(self, model: ModelGeometry, hma: bool, tokens: int, directory: Path,
+                 name: str) -> None:  # fmt: skip
         self.blocks = tokens // BLOCK
-        kv = {}
-        for g in layout.groups:  # one [blocks, page] tensor per layer, as vLLM's views are
-            for layer in g.layer_names:
-                kv[layer] = torch.zeros(self.blocks, g.page_bytes // 2, dtype=torch.bfloat16)
-                kv[layer].view(torch.int16).random_(generator=torch.Generator().manual_seed(len(kv)))
-        self.kv = kv
-        chunks = -(-self.blocks // layout.blocks_per_chunk)
-        need = chunks * layout.chunk_bytes
+        chunk_bytes = ChunkLayout(tuple(model.groups(BLOCK, hma)), CHUNK // BLOCK).chunk_bytes
+        need = -(-self.blocks * BLOCK // CHUNK) * chunk_bytes
         config = load_pool_config({
             "chunk_tokens": CHUNK, "staging": "256MiB",
             "devices": [{"host": {"capacity": need // 2 + (64 << 20)}},
                         {"ssd": {"path": str(directory / f"{name}.kvpool"),
                                  "capacity": need + (64 << 20), "backend": "uring"}}]})  # fmt: skip
-        self.geometry = PoolGeometry(sum(g.block_bytes for g in layout.groups),
-                                     layout.blocks_per_chunk,
-                                     layout_fingerprint([name, layout.chunk_bytes]), layout)  # fmt: skip
-        self.gbps = probe_bandwidths(config, self.geometry)
-        self.pool = UnifiedPool(config, self.geometry, DeviceWeights(self.gbps))
-        self.engine = TransferEngine(open_handlers(config, self.geometry),
-                                     ChunkKV.from_kv_caches(kv, layout, self.blocks),
-                                     copy_threads=probe_copy_threads(config))  # as the worker  # fmt: skip
+        self.layout = layouts.from_model(config, model, BLOCK, hma)
+        kv = {}
+        for g in self.layout.groups:  # one [blocks, page] tensor per layer, as vLLM's views are
+            for layer in g.layer_names:
+                kv[layer] = torch.zeros(self.blocks, g.page_bytes // 2, dtype=torch.bfloat16)
+                kv[layer].view(torch.int16).random_(generator=torch.Generator().manual_seed(len(kv)))
+        self.local = LocalPool(config, kv, self.blocks, BLOCK, layout=self.layout)
         self.hashes = [i.to_bytes(8, "little") + name.encode() for i in range(self.blocks)]
-        self.ids = [list(range(self.blocks)) for _ in range(max(g.group_id for g in layout.groups) + 1)]
+        self.ids = list(range(self.blocks))
 
     def save(self) -> None:
-        bpc = self.layout.blocks_per_chunk
-        chunks = [(f, self.hashes[f : f + bpc]) for f in range(0, self.blocks, bpc)]
-        saves = [ChunkSave("prefix", p.entry.key, p.entry.location.device, p.entry.location.slot,
-                           section_save_ids(self.layout, p.first_block, p.entry.location.num_blocks,
-                                            self.ids), p.entry.location.num_blocks)
-                 for p in self.pool.plan_saves("prefix", chunks)]  # fmt: skip
-        self.engine.finish_step_saves(saves)
-        self.engine.wait_all()
-        self.pool.apply_report(self.engine.take_report())
-        assert all(e.committed for e in self.pool.index.entries.values()), "prefix not stored"
+        chunks = -(-self.blocks // self.layout.blocks_per_chunk)
+        assert self.local.save(self.hashes, self.ids) == chunks, "prefix not stored"
+
+    def _bytes_read(self) -> int:
+        return sum(c.bytes_read for c in self.local.status().transfers.devices.values())
 
     def fetch(self, device: int | None = None) -> Run:
         """The connector's fetch of the whole hit; with ``device``, only that device's share."""
-        hits = self.pool.match(self.hashes)
-        end = self.layout.usable_hit_blocks(
-            [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
-        reads = [r for h in hits if (r := section_read(self.layout, h.entry, h.first_block,
-                                                        self.ids, 0, end)) is not None]  # fmt: skip
-        if device is not None:
-            reads = [r for r in reads if r.device == device]
-        self.engine.take_report()  # counters are per report: start from zero
-        start = time.perf_counter()
-        self.engine.start_loads([LoadRequest("fetch", tuple(reads), is_async=True)])
-        while "fetch" not in self.engine.take_finished([])[1]:
-            time.sleep(0.0002)
-        seconds = time.perf_counter() - start
-        assert not self.engine.take_invalid_blocks(), "a chunk failed its checksum"
-        read = sum(c.bytes_read for c in self.engine.take_report().counters.devices.values())
-        kv = self.layout.fetch_bytes(end) if device is None else read
-        return Run(seconds, kv, read)
+        before = self._bytes_read()
+        result = self.local.fetch(self.hashes, self.ids,
+                                  devices=None if device is None else {device})  # fmt: skip
+        assert result.ok, "a chunk failed its checksum"
+        read = self._bytes_read() - before
+        kv = self.layout.fetch_bytes(result.blocks) if device is None else read
+        return Run(result.seconds, kv, read)
 
     @property
     def devices(self) -> list[int]:
-        return sorted({e.location.device for e in self.pool.index.entries.values()})
+        """The devices holding part of the prefix."""
+        return [d for d, u in enumerate(self.local.status().usage) if u.used_slots]
 
     def close(self) -> None:
-        self.engine.close()
+        self.local.close()
 
 
 def _line(model: str, hma: str, runs: list[Run]) -> str:
@@ -141,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.model:
             geo = MODELS[name]
             variants = ["on", "off"] if geo.sliding_layers else ["on"]
-            pools = {v: ModelPool(geo.chunk_layout(BLOCK, CHUNK, hma=v == "on"), args.tokens,
-                                  Path(tmp), f"{name}-{v}") for v in variants}  # fmt: skip
+            pools = {v: ModelPool(geo, v == "on", args.tokens, Path(tmp), f"{name}-{v}")
+                     for v in variants}  # fmt: skip
             runs: dict[str, list[Run]] = {v: [] for v in variants}
             fracs: dict[str, list[float]] = {v: [] for v in variants}
             try:

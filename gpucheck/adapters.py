@@ -6,7 +6,6 @@ returns plain values, so the parts stay independent of the product's classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 # --------------------------------------------------------------------------- predictors: devices
@@ -274,69 +273,12 @@ def cona_reshard_same_layout(state: Any, bucket_bytes: int) -> tuple[Any, dict]:
 # --------------------------------------------------------------------------- kvpool engine
 
 
-def kvpool_engine(kv: dict, num_blocks: int, block_tokens: int, chunk_tokens: int,
-                  host_bytes: int, ssd_path: str, ssd_bytes: int, backend: str,
-                  staging: str = "256MiB") -> Any:
-    """A TransferEngine over one host pool + one SSD file for the KV tensors ``kv``."""
-    from vllm_kvpool.config import parse_pool_config
-    from vllm_kvpool.engine import TransferEngine
-    from vllm_kvpool.handlers import open_handlers
-    from vllm_kvpool.kv_layout import KVLayout
-    from vllm_kvpool.pool import PoolGeometry, layout_fingerprint
+def kvpool_local(kv: dict, num_blocks: int, block_tokens: int, chunk_tokens: int,
+                 device: dict, staging: str = "256MiB") -> Any:
+    """A ``LocalPool`` over one pool device (``{"host": {...}}`` or ``{"ssd": {...}}``) for the
+    KV tensors ``kv``: the connector's jobs and engine, every read verified."""
+    from vllm_kvpool.local import LocalPool
 
-    layout = KVLayout.from_kv_caches(kv, list(kv), num_blocks)
-    bpc = chunk_tokens // block_tokens
-    geometry = PoolGeometry(layout.block_bytes, bpc, layout_fingerprint(["gpucheck"]))
-    config = parse_pool_config({
-        "chunk_tokens": chunk_tokens, "staging": staging,
-        "devices": [{"host": {"capacity": host_bytes}},
-                    {"ssd": {"path": ssd_path, "backend": backend, "capacity": ssd_bytes}}]})
-    handlers = open_handlers(config, geometry)
-    return _Engine(TransferEngine(handlers, layout, verify_checksums=True), geometry, bpc)
-
-
-class _Engine:
-    """Save chunks to a chosen device and load them back through the engine's public calls."""
-
-    def __init__(self, engine: Any, geometry: Any, blocks_per_chunk: int) -> None:
-        self.engine, self.geometry, self.bpc = engine, geometry, blocks_per_chunk
-        self.checksums: dict[bytes, dict] = {}
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.geometry.chunk_bytes
-
-    def save(self, device: int, chunks: list[tuple[int, list[int]]], wait: Callable) -> None:
-        """``chunks``: (slot, block ids); returns when every write is committed."""
-        from vllm_kvpool.protocol import ChunkSave
-
-        saves = [ChunkSave("gpucheck", f"{device}:{slot}".encode(), device, slot, tuple(ids))
-                 for slot, ids in chunks]
-        self.engine.finish_step_saves(saves)
-        self.engine.wait_all()
-        report = self.engine.take_report()
-        if report.failed_saves or report.failed_devices:
-            raise RuntimeError(f"saves failed: {report.failed_saves[:3]} "
-                               f"devices {report.failed_devices}")
-        for key, rank, checksum in report.committed:
-            self.checksums[key] = {rank: checksum}
-        wait()
-
-    def load(self, device: int, chunks: list[tuple[int, list[int]]], wait: Callable) -> None:
-        import time
-
-        from vllm_kvpool.protocol import ChunkRead, LoadRequest
-
-        reads = tuple(ChunkRead(f"{device}:{slot}".encode(), device, slot, len(ids),
-                                self.checksums[f"{device}:{slot}".encode()], 0, tuple(ids))
-                      for slot, ids in chunks)
-        self.engine.start_loads([LoadRequest("gpucheck", reads, is_async=True)])
-        while "gpucheck" not in self.engine.take_finished([])[1]:
-            time.sleep(0.0005)
-        wait()
-        bad = self.engine.take_invalid_blocks()
-        if bad:
-            raise RuntimeError(f"{len(bad)} blocks reported invalid (corrupt or failed reads)")
-
-    def close(self) -> None:
-        self.engine.close()
+    config = {"chunk_tokens": chunk_tokens, "staging": staging, "verify_checksums": True,
+              "devices": [device]}  # fmt: skip
+    return LocalPool(config, kv, num_blocks, block_tokens, bandwidths=[1.0], layout_id="gpucheck")

@@ -228,7 +228,7 @@ class Harness:
 
 def corrupt_on_disk(handler: Any, slot: int, offset: int = 100) -> None:
     """Flip one byte of the chunk in ``slot`` of a file-backed SSD handler, behind its back."""
-    with open(handler.cfg.path, "r+b") as f:
+    with open(handler.cfg.settings.path, "r+b") as f:
         f.seek(handler.offset(slot) + offset)
         byte = f.read(1)
         f.seek(-1, 1)

@@ -40,8 +40,8 @@ def _probe(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from vllm_kvpool.layout import ChunkLayout
     from vllm_kvpool.media import medium_of
-    from vllm_kvpool.pool import PoolGeometry
     from vllm_kvpool.probe import probe_bandwidths
 
     config = load_pool_config(args.config)
@@ -51,8 +51,7 @@ def _probe(args: argparse.Namespace) -> int:
         config = replace(config, probe=replace(config.probe, seconds=args.seconds))
     config = replace(config, probe=replace(config.probe, enabled=True),
                      devices=tuple(replace(d, bandwidth_gbps=None) for d in config.devices))
-    geometry = PoolGeometry(block_bytes=2 << 20, blocks_per_chunk=1, layout_version=0)
-    gbps = probe_bandwidths(config, geometry)
+    gbps = probe_bandwidths(config, ChunkLayout.uniform(2 << 20, 1))
     table = Table(title="kvpool device probe")
     for col in ("device", "kind", "where", "capacity GiB", "read GB/s", "share"):
         table.add_column(col)

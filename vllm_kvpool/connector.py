@@ -1,6 +1,6 @@
 """``UnifiedKVPoolConnector``: the vLLM ``KVConnectorBase_V1`` glue around the pool.
 
-Thin: it derives the chunk geometry from vLLM's KV cache config and delegates every hook to
+Thin: it derives the chunk layout from vLLM's KV cache config and delegates every hook to
 the scheduler-side role (``scheduler.PoolScheduler``: index, placement, saves) or the
 worker-side role (``worker.PoolWorker``: the transfer engine). The two exchange only the
 messages of ``protocol`` (wrapped in ``connector_meta``), so vLLM may run them in different
@@ -14,7 +14,6 @@ Load
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_kvpool.config import PoolConfig, PoolConfigError, pool_config_from_extra
+from vllm_kvpool.config import PoolConfigError, pool_config_from_extra
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata
-from vllm_kvpool.geometry import chunk_layout
 from vllm_kvpool.identity import engine_identity
+from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import default_status_path
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
+from vllm_kvpool.pool import UnifiedPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,25 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_kvpool.engine import TransferEngine
-
-
-def pool_geometry(config: PoolConfig, vllm_config: VllmConfig,
-                  kv_cache_config: KVCacheConfig) -> PoolGeometry:  # fmt: skip
-    """Chunk geometry both sides derive from vLLM's KV cache config: one section per KV cache
-    group (``geometry.ChunkLayout``; several groups when vLLM's hybrid manager is on)."""
-    block_size = vllm_config.cache_config.block_size
-    bpc = config.check_block_size(block_size)
-    layout = chunk_layout(kv_cache_config, block_size, bpc)
-    specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in layout.groups]
-    if len(layout.groups) == 1:
-        (group,), (spec,) = layout.groups, specs
-        version = layout_fingerprint([group.layer_names, group.page_bytes, str(spec.dtype),
-                                      block_size, type(spec).__name__])  # fmt: skip
-        return PoolGeometry(group.block_bytes, bpc, version)
-    version = layout_fingerprint([(g.layer_names, g.page_bytes, str(s.dtype), type(s).__name__,
-                                   g.window_blocks) for g, s in zip(layout.groups, specs,
-                                                                    strict=True)] + [block_size])  # fmt: skip
-    return PoolGeometry(sum(g.block_bytes for g in layout.groups), bpc, version, layout)
 
 
 def _world(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -79,7 +59,7 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """One logical KV pool over host-memory pools and SSDs, striped by bandwidth.
 
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; each KV cache group is its own
-    section of every chunk (sliding-window groups only the window, see ``geometry``)."""
+    section of every chunk (sliding-window groups only the window, see ``layout``)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -90,16 +70,16 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.pool_config = pool_config_from_extra(extra)
-        geometry = pool_geometry(self.pool_config, vllm_config, kv_cache_config)
-        # Chunks of another model, dtype, TP layout or block hashing are never served (SSD
-        # chunks outlive the process: their index records carry this fingerprint).
-        self.geometry = replace(geometry, layout_version=layout_fingerprint(
-            [geometry.layout_version, geometry.blocks_per_chunk, *engine_identity(vllm_config)]))
-        self.geometry.check_capacity(self.pool_config)
-        if self.geometry.layout is not None and self.pool_config.load_mode == "sync":
+        # One section per KV cache group (several when vLLM's hybrid manager is on). Chunks of
+        # another model, dtype, TP layout or block hashing are never served (SSD chunks outlive
+        # the process: their index records carry the layout's fingerprint).
+        self.layout = layouts.from_vllm(self.pool_config, kv_cache_config,
+                                       vllm_config.cache_config.block_size,
+                                       engine_identity(vllm_config))  # fmt: skip
+        if self.layout.num_groups > 1 and self.pool_config.load_mode == "sync":
             raise PoolConfigError("load_mode", "'sync' cannot report a chunk that fails to load "
-                                  f"for a model with {len(self.geometry.layout.groups)} KV cache "
-                                  "groups (vLLM recomputes only failed async loads there); use "
+                                  f"for a model with {self.layout.num_groups} KV cache groups "
+                                  "(vLLM recomputes only failed async loads there); use "
                                   "'async'")  # fmt: skip
         rank, world_size = _world(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -111,13 +91,13 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             hash_block = kv_cache_config.hash_block_size or block_size
             self.scheduler = PoolScheduler(
-                self.pool_config, self.geometry, block_size, world_size,
+                self.pool_config, self.layout, block_size, world_size,
                 extra.get("status_file") or str(default_status_path()),
                 hash_scale=block_size // hash_block)  # fmt: skip
         else:
             from vllm_kvpool.worker import PoolWorker
 
-            self.worker = PoolWorker(self.pool_config, self.geometry, rank, world_size)
+            self.worker = PoolWorker(self.pool_config, self.layout, rank, world_size)
 
     @property
     def pool(self) -> UnifiedPool:
@@ -178,9 +158,7 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ========================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        block_size = self._vllm_config.cache_config.block_size
-        chunks = chunk_layout(self._kv_cache_config, block_size, self.geometry.blocks_per_chunk)
-        self.worker.register_kv_caches(kv_caches, chunks, self._kv_cache_config.num_blocks)
+        self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def unregister_kv_caches(self) -> None:
         """vLLM >= 0.33 sleep mode, before the KV memory is unmapped: finish every background

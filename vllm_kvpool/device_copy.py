@@ -6,7 +6,7 @@ read this layer" (vLLM's ``wait_for_layer_load``). Host memory the copies read f
 registered once (``register_host``) and unregistered on ``close``.
 
 - ``Copier`` (KV caches in host memory, and any device without its own copier): each chunk's
-  layer is copied by ``KVLayout.scatter`` (on CPU the C++ core's GIL-free ``copy_many``), the
+  layer is copied by ``GroupKV.scatter`` (on CPU the C++ core's GIL-free ``copy_many``), the
   CPU path as it always was.
 - ``DeviceCopier``: the KV lives on an accelerator. Per KV cache group it plans the load once
   (``block_runs``, ``stage_pays``); per layer that is one host-to-device copy per contiguous
@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_kvpool.chunk_kv import ChunkKV
-from vllm_kvpool.kv_layout import KVLayout
+from vllm_kvpool.layout.kv import ChunkKV, GroupKV
 from vllm_kvpool.protocol import ChunkRead
 
 logger = logging.getLogger("vllm_kvpool")
@@ -161,7 +160,7 @@ class DeviceCopier(Copier):
                     alike[gi] = _alike(kv)
                 n = len(ids)
                 layers = None
-                if alike[gi]:  # every layer: stored pages one after the other (KVLayout.offset)
+                if alike[gi]:  # every layer: stored pages one after the other (GroupKV.offset)
                     t, r = kv.layers[0].tensor, kv.layers[0].ratio
                     nbytes = len(kv.layers) * section.num_blocks * kv.layers[0].page_bytes
                     layers = (chunk[section.offset : section.offset + nbytes].view(t.dtype)
@@ -187,7 +186,7 @@ class DeviceCopier(Copier):
                 self._load(layout.groups[gi], local, group)
             return self._record()
 
-    def _load(self, kv: KVLayout, local: int, group: GroupPlan) -> None:
+    def _load(self, kv: GroupKV, local: int, group: GroupPlan) -> None:
         layer = kv.layers[local]
         t, r, page = layer.tensor, layer.ratio, layer.page_bytes
         shape = t.shape[1:]
@@ -258,7 +257,7 @@ class DeviceCopier(Copier):
         kv.index_copy_(0, pages.to(kv.device, non_blocking=True), stage)
 
 
-def _alike(kv: KVLayout) -> bool:
+def _alike(kv: GroupKV) -> bool:
     """Whether every layer of ``kv`` has pages of one dtype, shape and kernel split."""
     first = kv.layers[0]
     return all(layer.tensor.dtype == first.tensor.dtype and layer.ratio == first.ratio

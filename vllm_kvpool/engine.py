@@ -1,7 +1,8 @@
 """Worker side: schedules chunk transfers between vLLM's paged KV and the pool's media.
 
 The engine owns the threads and decides what moves when; the media handlers
-(``vllm_kvpool.handlers``) move the bytes and the KV layout (``kv_layout``) says where they are.
+(``vllm_kvpool.handlers``) move the bytes and the chunk layout (``layout.ChunkKV``) says where
+they are in the KV.
 
 Loads issue every device's reads at once (two batched waves in flight per SSD) into staging
 buffers or straight into the KV pages, while resident (host-memory) chunks are verified and
@@ -28,10 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_kvpool.chunk_kv import ChunkKV
 from vllm_kvpool.device_copy import Copier, copier_for
 from vllm_kvpool.handlers import Buffer, LoadOp, MediumHandler, SaveOp
-from vllm_kvpool.kv_layout import COPY_THREADS, KVLayout
+from vllm_kvpool.layout.kv import COPY_THREADS, ChunkKV
 from vllm_kvpool.native import kvio
 from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest, WorkerReport
 
@@ -46,8 +46,8 @@ def _pop(chunks: deque) -> Any:
         return None
 
 
-def _sync_device(layout: KVLayout) -> None:
-    if layout.layers and layout.layers[0].tensor.device.type == "cuda":
+def _sync_device(layout: ChunkKV) -> None:
+    if layout.device.type == "cuda":
         torch.cuda.current_stream().synchronize()
 
 
@@ -118,14 +118,12 @@ class TransferEngine:
     ``tiers[d]`` is the handler of pool device ``d`` (the config's device order).
     """
 
-    def __init__(self, tiers: list[MediumHandler], layout: KVLayout | ChunkKV, rank: int = 0,
+    def __init__(self, tiers: list[MediumHandler], layout: ChunkKV, rank: int = 0,
                  verify_checksums: bool = False, retry_seconds: float = 10.0,
                  copy_threads: int = COPY_THREADS, copier: Copier | None = None) -> None:  # fmt: skip
         self.tiers = tiers
-        self.layout = layout if isinstance(layout, ChunkKV) else ChunkKV.single(layout)
-        layers = self.layout.layers
-        kv_device = layers[0].tensor.device if layers else torch.device("cpu")
-        self.copier = copier if copier is not None else copier_for(kv_device)
+        self.layout = layout
+        self.copier = copier if copier is not None else copier_for(layout.device)
         for handler in tiers:  # the host memory loads copy from (pinned for a GPU's DMA)
             for address, nbytes in handler.host_regions():
                 self.copier.register_host(address, nbytes)

@@ -11,7 +11,9 @@ engine (``TransferEngine`` over the media handlers) the connector runs, driven d
 
 ``block_hashes[i]`` names block i of a sequence (any bytes; chained over the prefix like
 vLLM's, so a key names the whole prefix up to it) and ``block_ids[i]`` is the KV block holding
-it. Chunks are ``chunk_tokens // block_size`` blocks.
+it (in every layer's tensor). Chunks are ``chunk_tokens // block_size`` blocks. The chunk layout
+comes from the tensors (every layer full attention), or from a model's geometry
+(``layout.build.from_model``: sliding-window groups keep only their window, as in vLLM).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import torch
 from vllm_kvpool.config import PoolConfig, load_pool_config
 from vllm_kvpool.engine import TransferEngine
 from vllm_kvpool.handlers import MediumHandler, open_handlers, restorable_chunks
-from vllm_kvpool.kv_layout import KVLayout
+from vllm_kvpool.layout import ChunkKV, ChunkLayout
+from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import PoolStatus
 from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool, layout_fingerprint
+from vllm_kvpool.pool import UnifiedPool, prefix_blocks
 from vllm_kvpool.probe import probe_bandwidths, probe_copy_threads
-from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest, WorkerReport
+from vllm_kvpool.protocol import LoadRequest, WorkerReport
 
 
 @dataclass(frozen=True)
@@ -42,25 +45,27 @@ class FetchResult:
 
 
 class LocalPool:
-    """A pool over ``config``'s devices serving the KV tensors ``kv_caches``."""
+    """A pool over ``config``'s devices serving the KV tensors ``kv_caches``.
+
+    ``layout``: the chunk layout (default: from the tensors, ``layout_id`` in its fingerprint so
+    a previous run's SSD chunks are served only to the same ``layout_id``)."""
 
     def __init__(self, config: PoolConfig | dict[str, Any] | str, kv_caches: dict[str, torch.Tensor],
                  num_blocks: int, block_size: int, bandwidths: Sequence[float] | None = None,
-                 layout_id: object = "local") -> None:  # fmt: skip
+                 layout_id: object = "local", layout: ChunkLayout | None = None) -> None:  # fmt: skip
         self.config = load_pool_config(config)
-        self.layout = KVLayout.from_kv_caches(kv_caches, list(kv_caches), num_blocks)
         self.block_size = block_size
-        bpc = self.config.check_block_size(block_size)
-        self.geometry = PoolGeometry(self.layout.block_bytes, bpc,
-                                     layout_fingerprint([layout_id, self.layout.block_bytes, bpc]))
-        self.geometry.check_capacity(self.config)
+        self.layout = layout if layout is not None else layouts.from_kv_caches(
+            self.config, kv_caches, num_blocks, block_size, [layout_id])
+        self.layout.check_capacity(self.config)
+        kv = ChunkKV.from_kv_caches(kv_caches, self.layout, num_blocks)
         gbps = list(bandwidths) if bandwidths is not None else probe_bandwidths(self.config,
-                                                                                 self.geometry)
-        self.pool = UnifiedPool(self.config, self.geometry,
+                                                                                 self.layout)
+        self.pool = UnifiedPool(self.config, self.layout,
                                 DeviceWeights(gbps, self.config.probe.drift_threshold))
-        for device, chunks in restorable_chunks(self.config, self.geometry).items():
-            self.pool.restore(device, chunks)  # a previous run's SSD chunks (same layout_id)
-        self.engine = TransferEngine(open_handlers(self.config, self.geometry), self.layout,
+        for device, chunks in restorable_chunks(self.config, self.layout).items():
+            self.pool.restore(device, chunks)  # a previous run's SSD chunks (same layout)
+        self.engine = TransferEngine(open_handlers(self.config, self.layout), kv,
                                      verify_checksums=self.config.verify_checksums,
                                      retry_seconds=self.config.device_retry_seconds,
                                      copy_threads=probe_copy_threads(self.config))  # fmt: skip
@@ -78,42 +83,35 @@ class LocalPool:
                              f"{len(block_ids)}")  # fmt: skip
         self._requests += 1
         req_id = f"local-{self._requests}"
-        bpc = self.geometry.blocks_per_chunk
+        bpc = self.layout.blocks_per_chunk
         chunks = [(f, block_hashes[f : f + bpc]) for f in range(0, len(block_hashes), bpc)]
-        planned = self.pool.plan_saves(req_id, chunks)
-        saves = [ChunkSave(req_id, p.entry.key, p.entry.location.device, p.entry.location.slot,
-                           tuple(block_ids[p.first_block : p.first_block
-                                           + p.entry.location.num_blocks]),
-                           block_hashes=p.entry.block_hashes)
-                 for p in planned]  # fmt: skip
-        self.engine.finish_step_saves(saves)
+        self.engine.finish_step_saves(self.pool.save_jobs(req_id, chunks,
+                                                          self._group_ids(block_ids)))  # fmt: skip
         self.engine.wait_all()
         self.pool.forget_request(req_id)
-        report = self._apply(self.engine.take_report())
-        return sum(1 for key, _, _ in report.committed
-                   if (e := self.pool.index.get(key)) is not None and e.committed)  # fmt: skip
+        return len(self._apply(self.engine.take_report()).committed)  # one rank: each commits
 
     def fetch(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
               timeout: float = 600.0, devices: Collection[int] | None = None) -> FetchResult:  # fmt: skip
-        """Copy the longest stored prefix of ``block_hashes`` into ``block_ids``; with
-        ``devices``, only that prefix's chunks held on those devices (one share of the fetch
-        alone: the blocks of the other chunks are left as they are)."""
-        hits = self.pool.match(block_hashes)
+        """Copy the longest stored prefix of ``block_hashes`` into ``block_ids`` (the connector's
+        load of a hit: the window at the hit's end of sliding-window groups); with ``devices``,
+        only that prefix's chunks held on those devices (one share of the fetch alone: the
+        blocks of the other chunks are left as they are)."""
+        hits = self.pool.lookup(block_hashes)
+        jobs = self.pool.load_jobs(hits, self._group_ids(block_ids))
         if devices is not None:
             hits = [h for h in hits if h.entry.location.device in devices]
-        reads = tuple(ChunkRead(h.entry.key, h.entry.location.device, h.entry.location.slot,
-                                h.entry.location.num_blocks, dict(h.entry.checksums), 0,
-                                tuple(block_ids[h.first_block : h.first_block + h.num_blocks]),
-                                verify=not h.entry.validated)
-                      for h in hits)  # fmt: skip
+            jobs = [(r, e) for r, e in jobs if r.device in devices]
+        entries = [e for _, e in jobs]
         self._requests += 1
         req_id = f"local-{self._requests}"
         if devices is None:  # a share fetched alone is a measurement, not a lookup
             self.pool.record_lookup(len(block_hashes) * self.block_size,
-                                    sum(h.num_blocks for h in hits) * self.block_size)  # fmt: skip
-            if reads:
-                self.pool.record_load([h.entry for h in hits])
-        self.pool.pin([h.entry for h in hits])
+                                    prefix_blocks(hits) * self.block_size)  # fmt: skip
+            if jobs:
+                self.pool.record_load(entries)
+        reads = tuple(r for r, _ in jobs)
+        self.pool.pin(entries)
         try:
             start = time.perf_counter()
             self.engine.start_loads([LoadRequest(req_id, reads, is_async=True)])
@@ -124,10 +122,14 @@ class LocalPool:
                 time.sleep(0.0002)
             seconds = time.perf_counter() - start
         finally:
-            self.pool.unpin([h.entry for h in hits])
+            self.pool.unpin(entries)
         invalid = self.engine.take_invalid_blocks()
         self._apply(self.engine.take_report())
         return FetchResult(sum(h.num_blocks for h in hits), seconds, not invalid)
+
+    def _group_ids(self, block_ids: Sequence[int]) -> list[Sequence[int]]:
+        """Every layer's tensor is indexed by the same block ids: one table per group."""
+        return [block_ids] * self.layout.num_group_tables
 
     def status(self) -> PoolStatus:
         """Per-device usage and traffic, hit counters (what ``kvpool status`` shows)."""

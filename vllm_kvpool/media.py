@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from vllm_kvpool.config import DeviceConfig, PoolConfig
     from vllm_kvpool.handlers.base import MediumHandler
+    from vllm_kvpool.layout import ChunkLayout
     from vllm_kvpool.persist import RestoredChunk
-    from vllm_kvpool.pool import PoolGeometry
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,15 @@ class Medium(ABC):
     settings: ClassVar[type[MediumSettings]] = MediumSettings
 
     @abstractmethod
-    def open(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
+    def open(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout,
              rank_suffix: str) -> MediumHandler:  # fmt: skip
         """The worker's handler of the device (``rank_suffix``: this rank's, e.g. ".rank1")."""
 
     @abstractmethod
-    def probe(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry) -> float:
+    def probe(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout) -> float:
         """Read bandwidth in GB/s (a placement weight), measured within ``config.probe``."""
 
-    def restore(self, cfg: DeviceConfig, geometry: PoolGeometry,
+    def restore(self, cfg: DeviceConfig, layout: ChunkLayout,
                 world_size: int) -> list[RestoredChunk]:  # fmt: skip
         """Chunks a previous run left that this pool may serve; none unless persistent."""
         return []

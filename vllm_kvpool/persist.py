@@ -3,7 +3,7 @@
 Every SSD keeps, after its data region, an index region of ``num_slots`` fixed-size records;
 record ``s`` describes the chunk in slot ``s``: its block hashes (the key is the first), block
 count, byte length, this rank's xxh64, the pool fingerprint (KV layout + model identity + block
-hashing, see ``connector.pool_geometry``), a sequence number and a checksum of the record itself.
+hashing, see ``layout.build``), a sequence number and a checksum of the record itself.
 
 Crash consistency: before a slot is overwritten its old record is erased and made durable; a
 worker writes a chunk's record only after the chunk's data write completed and was made durable

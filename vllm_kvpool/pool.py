@@ -1,74 +1,26 @@
-"""The logical pool (scheduler side): devices as fixed-size chunk slots, the index, placement,
-eviction and device health. Pure Python, no vLLM and no I/O: workers do the bytes.
-
-Every device is cut into ``slot_bytes`` slots (one chunk each, aligned for O_DIRECT), the same
-geometry on the scheduler and on each worker, so a (device, slot) pair is a complete address.
+"""The logical pool (scheduler side): devices as fixed-size chunk slots (``ChunkLayout``), the
+index, placement, eviction and device health, and the jobs the workers run: a save plan becomes
+``ChunkSave`` messages, a prefix hit ``ChunkRead`` ones (``save_jobs``, ``lookup`` and
+``load_jobs``; the scheduler, ``LocalPool``, the benchmarks and the GPU kit all build them here).
+Pure Python, no vLLM and no I/O: workers do the bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_kvpool.config import DeviceConfig, PoolConfig
+from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.eviction import evict_lru
-from vllm_kvpool.geometry import ChunkLayout
 from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit, ChunkIndex, ChunkLocation
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.metrics import DeviceUsage, LookupCounters, PoolStatus, TransferCounters
 from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.placement import DeviceWeights, Placement
-from vllm_kvpool.protocol import WorkerReport
+from vllm_kvpool.protocol import ChunkRead, ChunkSave, WorkerReport
 
 logger = logging.getLogger("vllm_kvpool")
-
-SLOT_ALIGNMENT = 4096  # covers the logical block size of NVMe/loop devices and O_DIRECT files
-
-
-def align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
-
-
-def layout_fingerprint(parts: Sequence[object]) -> int:
-    """Stable 63-bit id of a KV layout (layer names, page sizes, dtypes, block size)."""
-    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    block_bytes: int  # one vLLM block across all layers this worker holds
-    blocks_per_chunk: int
-    layout_version: int
-    layout: ChunkLayout | None = None  # several KV cache groups: what a chunk keeps of each
-
-    def nbytes(self, num_blocks: int) -> int:
-        """Stored bytes of a chunk of ``num_blocks`` blocks."""
-        return self.layout.nbytes(num_blocks) if self.layout else num_blocks * self.block_bytes
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.nbytes(self.blocks_per_chunk)
-
-    @property
-    def slot_bytes(self) -> int:
-        return align_up(self.chunk_bytes, SLOT_ALIGNMENT)
-
-    def num_slots(self, device: DeviceConfig) -> int:
-        return device.capacity // self.slot_bytes
-
-    def check_capacity(self, config: PoolConfig) -> None:
-        from vllm_kvpool.config import PoolConfigError
-
-        for i, d in enumerate(config.devices):
-            if self.num_slots(d) < 1:
-                raise PoolConfigError(
-                    f"devices[{i}].{d.kind}.capacity",
-                    f"{d.capacity} bytes holds no chunk of {self.slot_bytes} bytes "
-                    f"({config.chunk_tokens} tokens)",
-                )
-
 
 @dataclass
 class SlotAllocator:
@@ -99,23 +51,31 @@ class PlannedSave:
     first_block: int  # index in the request of the chunk's first block
 
 
+GroupBlockIds = Sequence[Sequence[int]]  # a request's block ids per KV cache group (vLLM's order)
+
+
+def prefix_blocks(hits: Sequence[ChunkHit]) -> int:
+    """Blocks of the request the hits cover (they are a prefix, in order)."""
+    return hits[-1].first_block + hits[-1].num_blocks if hits else 0
+
+
 class UnifiedPool:
     """Index + slots + placement + eviction over all devices of one pool config."""
 
     def __init__(
         self,
         config: PoolConfig,
-        geometry: PoolGeometry,
+        layout: ChunkLayout,
         weights: DeviceWeights,
         world_size: int = 1,
     ) -> None:
-        geometry.check_capacity(config)
+        layout.check_capacity(config)
         self.config = config
-        self.geometry = geometry
+        self.layout = layout
         self.weights = weights
         self.world_size = world_size
         self.index = ChunkIndex()
-        self.slots = [SlotAllocator(geometry.num_slots(d)) for d in config.devices]
+        self.slots = [SlotAllocator(layout.num_slots(d)) for d in config.devices]
         self.placement = Placement(config.placement, len(config.devices))
         self.lookups = LookupCounters()
         self.transfers = TransferCounters()
@@ -123,12 +83,51 @@ class UnifiedPool:
     # -- lookups ---------------------------------------------------------------------------
     def match(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
         """Committed chunks on healthy devices covering the longest prefix of ``hashes``."""
-        hits = self.index.match_prefix(hashes, self.geometry.blocks_per_chunk,
-                                       self.geometry.layout_version)  # fmt: skip
+        hits = self.index.match_prefix(hashes, self.layout.blocks_per_chunk,
+                                       self.layout.layout_version)  # fmt: skip
         for n, hit in enumerate(hits):
             if self.weights.failed[hit.entry.location.device]:
                 return hits[:n]
         return hits
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
+        """The hits a load may use: the matched prefix, cut back to where every sliding window
+        is stored (the end of a stored chunk) when the layout has sliding-window groups."""
+        hits = self.match(hashes)
+        usable = self.layout.usable_hit_blocks(
+            [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
+        return [h for h in hits if h.first_block < usable]
+
+    def load_jobs(self, hits: Sequence[ChunkHit], group_ids: GroupBlockIds, load_from: int = 0,
+                  hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip
+        """The reads that put ``hits`` back into a request's blocks (``group_ids``: its block
+        table per KV cache group), for a hit ending at block ``hit_end`` (default: where the
+        hits end) whose blocks before ``load_from`` vLLM already holds: every block of the
+        full-attention groups, the window at ``hit_end`` of the sliding-window ones. A chunk
+        restored after a restart is verified on its first read, whatever the config."""
+        end = prefix_blocks(hits) if hit_end is None else hit_end
+        out = []
+        for hit in hits:
+            entry, loc = hit.entry, hit.entry.location
+            wanted = {s.group.group_id: (lo, hi) for s, lo, hi
+                      in self.layout.loads(hit.first_block, loc.num_blocks, load_from, end)}  # fmt: skip
+            if not wanted:
+                continue  # nothing of this chunk is missing from vLLM's KV
+            ids: list[int] = []
+            sections = []
+            for s in self.layout.sections(loc.num_blocks):
+                lo, hi = wanted.get(s.group.group_id, (0, 0))
+                ids += group_ids[s.group.group_id][lo:hi]
+                sections.append((max(0, lo - hit.first_block - s.first), hi - lo))
+            out.append((ChunkRead(entry.key, loc.device, loc.slot, loc.num_blocks,
+                                  dict(entry.checksums), tuple(ids), tuple(sections),
+                                  verify=not entry.validated), entry))  # fmt: skip
+        return out
+
+    def is_stored(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether the pool holds (or is writing) this chunk at least this long."""
+        entry = self.index.get(hashes[0])
+        return entry is not None and len(entry.block_hashes) >= len(hashes)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """A request asked about ``query_tokens``; ``hit_tokens`` of them will come from here."""
@@ -163,7 +162,7 @@ class UnifiedPool:
         self.slots[device].reserve({c.slot for c in todo})
         for c in todo:
             loc = ChunkLocation(device, c.slot, c.num_blocks, c.nbytes,
-                                self.geometry.layout_version)  # fmt: skip
+                                self.layout.layout_version)  # fmt: skip
             entry = self.index.reserve(c.block_hashes[0], c.block_hashes, loc)
             entry.checksums = dict(c.checksums)
             entry.committed = len(entry.checksums) >= self.world_size
@@ -213,11 +212,25 @@ class UnifiedPool:
         for (first, hashes), device in zip(todo, devices, strict=False):
             loc = ChunkLocation(device=device, slot=self.slots[device].take(),
                                 num_blocks=len(hashes),
-                                nbytes=self.geometry.nbytes(len(hashes)),
-                                layout_version=self.geometry.layout_version)  # fmt: skip
+                                nbytes=self.layout.nbytes(len(hashes)),
+                                layout_version=self.layout.layout_version)  # fmt: skip
             planned.append(PlannedSave(self.index.reserve(hashes[0], hashes, loc), first))
         self.lookups.saves += len(planned)
         return planned
+
+    def save_jobs(self, req_id: str, chunks: Sequence[tuple[int, Sequence[BlockHash]]],
+                  group_ids: GroupBlockIds) -> list[ChunkSave]:  # fmt: skip
+        """``plan_saves`` as the workers' jobs: each chunk's stored blocks of every section,
+        from the request's block table per KV cache group (``group_ids``)."""
+        jobs = []
+        for p in self.plan_saves(req_id, chunks):
+            loc, first = p.entry.location, p.first_block
+            ids = tuple(b for s in self.layout.sections(loc.num_blocks) for b in
+                        group_ids[s.group.group_id][first + s.first : first + s.first
+                                                    + s.num_blocks])  # fmt: skip
+            jobs.append(ChunkSave(req_id, p.entry.key, loc.device, loc.slot, ids, loc.num_blocks,
+                                  tuple(p.entry.block_hashes)))  # fmt: skip
+        return jobs
 
     def acknowledge_save(self, key: BlockHash, rank: int, checksum: int) -> None:
         self.index.acknowledge(key, rank, checksum, self.world_size)
@@ -277,11 +290,17 @@ class UnifiedPool:
         self.transfers.merge(report.counters)
         return settled
 
+    def clear(self) -> None:
+        """Drop every committed chunk (vLLM's reset of the prefix cache)."""
+        for entry in list(self.index.oldest_first()):
+            if entry.committed:
+                self.invalidate(entry.key)
+
     # -- reporting -------------------------------------------------------------------------
     def status(self) -> PoolStatus:
         usage = [
             DeviceUsage(d.name, d.kind, alloc.total - alloc.num_free, alloc.total,
-                        self.geometry.slot_bytes, w, failed)  # fmt: skip
+                        self.layout.slot_bytes, w, failed)  # fmt: skip
             for d, alloc, w, failed in zip(self.config.devices, self.slots, self.weights.gbps,
                                            self.weights.failed, strict=True)  # fmt: skip
         ]

@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from vllm_kvpool.config import PoolConfig
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.media import medium_of
 from vllm_kvpool.native import kvio
-from vllm_kvpool.pool import PoolGeometry
 
 MAX_COPY_THREADS = 8  # memory bandwidth is saturated well before this on current servers
 THREADS_WITHIN = 0.9  # fewest threads reaching this fraction of the best probed copy
@@ -64,7 +64,7 @@ def probe_copy_threads(config: PoolConfig) -> int:
     return min(t for t in counts if gbps[t] >= THREADS_WITHIN * best)
 
 
-def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
+def probe_bandwidths(config: PoolConfig, layout: ChunkLayout) -> list[float]:
     """Read bandwidth (GB/s) per device: fixed ``bandwidth_gbps`` or its medium's short probe."""
     gbps: list[float] = []
     for cfg in config.devices:
@@ -73,5 +73,5 @@ def probe_bandwidths(config: PoolConfig, geometry: PoolGeometry) -> list[float]:
         elif not config.probe.enabled:
             gbps.append(1.0)  # no probe and no figure: equal weights
         else:
-            gbps.append(medium_of(cfg).probe(cfg, config, geometry))
+            gbps.append(medium_of(cfg).probe(cfg, config, layout))
     return gbps

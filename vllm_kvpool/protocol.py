@@ -18,8 +18,8 @@ class ChunkSave:
     key: bytes
     device: int
     slot: int
-    block_ids: tuple[int, ...]  # vLLM block ids holding the chunk, in order, section by section
-    num_blocks: int = 0  # blocks of the chunk (0: len(block_ids), a single KV cache group)
+    block_ids: tuple[int, ...]  # vLLM block ids of each section's stored blocks, section by section
+    num_blocks: int  # blocks of the chunk (a sliding-window section stores fewer)
     block_hashes: tuple[bytes, ...] = ()  # the chunk's block hashes (indexed on SSDs)
 
 
@@ -30,11 +30,10 @@ class ChunkRead:
     slot: int
     stored_blocks: int  # blocks in the stored chunk (its layout)
     checksums: dict[int, int]  # worker rank -> checksum of that rank's shard
-    skip: int  # leading blocks of the chunk already present (local prefix-cache hit)
-    block_ids: tuple[int, ...]  # destination vLLM blocks for chunk blocks skip, skip+1, ...
-    # Several KV cache groups (``chunk_kv``): (skip, count) per section, block_ids section by
-    # section; () is the single group (skip, len(block_ids)).
-    sections: tuple[tuple[int, int], ...] = ()
+    block_ids: tuple[int, ...]  # destination vLLM blocks, section by section
+    # Per section of the stored chunk (``layout``): (skip, count): its blocks skip..skip+count
+    # go to the next ``count`` of ``block_ids`` (skip: blocks vLLM already holds).
+    sections: tuple[tuple[int, int], ...]
     verify: bool = False  # check the checksum even with verify_checksums off (restored chunk)
 
 

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvpool.chunk_kv import section_read, section_save_ids
 from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata, PoolWorkerMetadata
 from vllm_kvpool.handlers import restorable_chunks
 from vllm_kvpool.index import ChunkEntry
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.metrics import counter_delta, flat_counters
 from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool
+from vllm_kvpool.pool import UnifiedPool, prefix_blocks
 from vllm_kvpool.probe import probe_bandwidths
-from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest, WorkerReport
+from vllm_kvpool.protocol import LoadRequest, WorkerReport
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -50,20 +50,19 @@ class _RequestState:
 class PoolScheduler:
     """The scheduler-side role of ``UnifiedKVPoolConnector``."""
 
-    def __init__(self, config: PoolConfig, geometry: PoolGeometry, block_size: int,
+    def __init__(self, config: PoolConfig, layout: ChunkLayout, block_size: int,
                  world_size: int, status_path: str, hash_scale: int = 1) -> None:  # fmt: skip
         self.pool_config = config
-        self.geometry = geometry
-        self.layout = geometry.layout  # several KV cache groups (hybrid manager), else None
+        self.layout = layout
         self.block_size = block_size
         self.hash_scale = hash_scale  # vLLM hashes blocks of block_size / hash_scale tokens
         self.status_path = status_path
-        gbps = probe_bandwidths(config, geometry)
+        gbps = probe_bandwidths(config, layout)
         logger.info("kvpool: placement weights (GB/s): %s", dict(
             zip((d.name for d in config.devices), gbps, strict=True)))  # fmt: skip
         weights = DeviceWeights(gbps, drift_threshold=config.probe.drift_threshold)
-        self.pool = UnifiedPool(config, geometry, weights, world_size)
-        for device, chunks in restorable_chunks(config, geometry, world_size).items():
+        self.pool = UnifiedPool(config, layout, weights, world_size)
+        for device, chunks in restorable_chunks(config, layout, world_size).items():
             if n := self.pool.restore(device, chunks):
                 logger.info("kvpool: %s: %d chunks of a previous run restored (each verified on "
                             "its first read)", config.devices[device].name, n)  # fmt: skip
@@ -81,14 +80,8 @@ class PoolScheduler:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
         # At least one prompt token must be computed to produce logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = self.pool.match(self._hashes(request)[:max_blocks])
-        if self.layout is not None:  # a hit ends where every sliding window is stored
-            usable = self.layout.usable_hit_blocks(
-                [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
-            hits = [h for h in hits if h.first_block < usable]
-            matched = usable * self.block_size
-        else:
-            matched = sum(h.num_blocks for h in hits) * self.block_size
+        hits = self.pool.lookup(self._hashes(request)[:max_blocks])
+        matched = prefix_blocks(hits) * self.block_size
         self._lookups[request.request_id] = (num_computed_tokens, hits)
         external = matched - num_computed_tokens
         if external <= 0:
@@ -105,37 +98,16 @@ class PoolScheduler:
             self.pool.record_lookup(request.num_tokens, num_external_tokens)
         if num_external_tokens <= 0:
             return
-        group_ids = blocks.get_block_ids()
-        first = computed // self.block_size
-        last = (computed + num_external_tokens) // self.block_size
-        reads, pinned = [], []
-        for hit in hits:
-            loc = hit.entry.location
-            if self.layout is not None:
-                read = section_read(self.layout, hit.entry, hit.first_block, group_ids, first,
-                                    last)  # fmt: skip
-                if read is None:
-                    continue
-                reads.append(read)
-                pinned.append(hit.entry)
-                continue
-            lo, hi = max(hit.first_block, first), min(hit.first_block + hit.num_blocks, last)
-            if lo >= hi:
-                continue
-            reads.append(ChunkRead(hit.entry.key, loc.device, loc.slot, loc.num_blocks,
-                                   dict(hit.entry.checksums), lo - hit.first_block,
-                                   tuple(group_ids[0][lo:hi])))  # fmt: skip
-            pinned.append(hit.entry)
+        jobs = self.pool.load_jobs(hits, blocks.get_block_ids(), computed // self.block_size,
+                                   (computed + num_external_tokens) // self.block_size)  # fmt: skip
+        pinned = [entry for _, entry in jobs]
         self.pool.pin(pinned)
         self._load_pins[req_id] = pinned
         is_async = self.pool_config.load_mode == "async"
         if not is_async:
             self._sync_loads.append(req_id)
         self.pool.record_load(pinned)
-        # A chunk restored after a restart is verified on its first read, whatever the config.
-        reads = [r if e.validated else replace(r, verify=True) for r, e in zip(reads, pinned,
-                                                                               strict=True)]
-        self._next_meta.loads.append(LoadRequest(req_id, tuple(reads), is_async))
+        self._next_meta.loads.append(LoadRequest(req_id, tuple(r for r, _ in jobs), is_async))
 
     def _hashes(self, request: Request) -> list:
         """The request's block hashes at the pool's block size (vLLM may hash finer)."""
@@ -173,7 +145,7 @@ class PoolScheduler:
         """Save full chunks once computed (prompt, and generated tokens with ``save_decode``)
         and the prompt's partial last chunk once, at the prompt's end; a chunk that generated
         tokens fill later replaces that partial copy."""
-        request, bpc = state.request, self.geometry.blocks_per_chunk
+        request, bpc = state.request, self.layout.blocks_per_chunk
         if state.stopped or not state.block_ids:
             return
         hashes_all = self._hashes(request)
@@ -202,31 +174,20 @@ class PoolScheduler:
         chunks = self._windows_held(state, chunks)
         if not chunks:
             return
-        for planned in self.pool.plan_saves(request.request_id, chunks):
-            entry, first = planned.entry, planned.first_block
-            n = entry.location.num_blocks
-            if self.layout is None:
-                ids = tuple(state.block_ids[0][first : first + n])
-                save = ChunkSave(request.request_id, entry.key, entry.location.device,
-                                 entry.location.slot, ids)  # fmt: skip
-            else:
-                ids = section_save_ids(self.layout, first, n, state.block_ids)
-                save = ChunkSave(request.request_id, entry.key, entry.location.device,
-                                 entry.location.slot, ids, n)  # fmt: skip
-            meta.saves.append(replace(save, block_hashes=tuple(entry.block_hashes)))
-            state.inflight_saves.add(entry.key)
-            self._save_owner[entry.key] = request.request_id
+        for save in self.pool.save_jobs(request.request_id, chunks, state.block_ids):
+            meta.saves.append(save)
+            state.inflight_saves.add(save.key)
+            self._save_owner[save.key] = request.request_id
 
     def _windows_held(self, state: _RequestState,
                       chunks: list[tuple[int, list]]) -> list[tuple[int, list]]:  # fmt: skip
         """The chunks whose sliding-window tails vLLM still holds. A tail freed before its chunk
         was planned (its save deferred) is gone for good: that chunk and everything after it
         are not saved (a prefix with a hole never matches past it)."""
-        if self.layout is None or not self.layout.hybrid:
+        if not self.layout.hybrid:
             return chunks
         for i, (first, hashes) in enumerate(chunks):
-            entry = self.pool.index.get(hashes[0])
-            if entry is not None and len(entry.block_hashes) >= len(hashes):
+            if self.pool.is_stored(hashes):
                 continue  # already pooled (e.g. loaded from it): nothing to copy
             for s in self.layout.sections(len(hashes)):
                 if s.num_blocks and first + s.first < s.group.first_kept(state.computed):
@@ -287,9 +248,7 @@ class PoolScheduler:
             logger.debug("kvpool: cannot write status file %s: %s", self.status_path, exc)
 
     def reset_cache(self) -> bool:
-        for entry in list(self.pool.index.oldest_first()):
-            if entry.committed:
-                self.pool.invalidate(entry.key)
+        self.pool.clear()
         return True
 
     def shutdown(self) -> None:

@@ -8,41 +8,36 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvpool.chunk_kv import ChunkKV
 from vllm_kvpool.config import PoolConfig, PoolConfigError
 from vllm_kvpool.connector_meta import PoolStepMetadata, PoolWorkerMetadata
 from vllm_kvpool.engine import TransferEngine
-from vllm_kvpool.geometry import ChunkLayout
 from vllm_kvpool.handlers import open_handlers
-from vllm_kvpool.pool import PoolGeometry
+from vllm_kvpool.layout import ChunkKV, ChunkLayout
 from vllm_kvpool.probe import probe_copy_threads
 
 
 class PoolWorker:
     """The worker-side role of ``UnifiedKVPoolConnector``."""
 
-    def __init__(self, config: PoolConfig, geometry: PoolGeometry, rank: int,
+    def __init__(self, config: PoolConfig, layout: ChunkLayout, rank: int,
                  world_size: int) -> None:  # fmt: skip
         self.pool_config = config
-        self.geometry = geometry
+        self.layout = layout
         self.rank = rank
         self.world_size = world_size
         self.engine: TransferEngine | None = None
         # vLLM maps block-level load errors back to requests only with one KV cache group;
         # with several, a failed load is reported per request (and recomputed whole).
-        self.per_request_failures = geometry.layout is not None  # set for several groups only
+        self.per_request_failures = layout.num_groups > 1
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], chunks: ChunkLayout,
-                           num_blocks: int) -> None:  # fmt: skip
-        """``chunks``: what a chunk keeps of each KV cache group (``geometry.chunk_layout``)."""
-        layout = ChunkKV.from_kv_caches(kv_caches, chunks, num_blocks)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         try:
-            layout.check()
+            kv = ChunkKV.from_kv_caches(kv_caches, self.layout, num_blocks)
         except ValueError as exc:
             raise PoolConfigError("chunk layout", str(exc)) from exc
         suffix = f".rank{self.rank}" if self.world_size > 1 else ""
-        handlers = open_handlers(self.pool_config, self.geometry, suffix)
-        self.engine = TransferEngine(handlers, layout, self.rank, self.pool_config.verify_checksums,
+        handlers = open_handlers(self.pool_config, self.layout, suffix)
+        self.engine = TransferEngine(handlers, kv, self.rank, self.pool_config.verify_checksums,
                                      self.pool_config.device_retry_seconds,
                                      probe_copy_threads(self.pool_config))  # fmt: skip
 

@@ -132,19 +132,10 @@ def _equal(kv: dict, ref: dict) -> bool:
     return all(torch.equal(kv[k].view(torch.int16), ref[k].view(torch.int16)) for k in kv)
 
 
-def _engine(shape: Shape, kv: dict, workdir: Path, backend: str, slot_bytes_hint: int):
-    half = shape.num_blocks // 2
-    chunk_blocks = shape.chunk_tokens // shape.block_tokens
-    chunks_each = half // chunk_blocks
-    cap = (chunks_each + 2) * slot_bytes_hint
-    return adapters.kvpool_engine(kv, shape.num_blocks, shape.block_tokens, shape.chunk_tokens,
-                                  cap, str(workdir / "kvpool-file.bin"), cap, backend,
-                                  staging=shape.staging)
-
-
 def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
                      backend: str) -> dict:
-    """Save half the KV to the host pool and half to the file, zero the KV, load both back."""
+    """Save half the KV to a host pool and half to a file, zero the KV, load both back: each
+    half through its own ``LocalPool`` (one device each, so each leg is one medium)."""
     import torch
 
     kv = _make_kv(shape, device)
@@ -152,31 +143,45 @@ def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
     cuda_sync(device)
     chunk_blocks = shape.chunk_tokens // shape.block_tokens
     slot_hint = -(-shape.layers * shape.page_bytes * chunk_blocks // 4096) * 4096
-    eng = _engine(shape, kv, workdir, backend, slot_hint)
     half = shape.num_blocks // 2
-    chunks = [list(range(b, b + chunk_blocks)) for b in range(0, shape.num_blocks, chunk_blocks)]
-    host = [(i, ids) for i, ids in enumerate(chunks) if ids[0] < half]
-    disk = list(enumerate(ids for ids in chunks if ids[0] >= half))  # the file's slots from 0
-    leg_bytes = {0: len(host) * eng.chunk_bytes, 1: len(disk) * eng.chunk_bytes}
+    cap = (half // chunk_blocks + 2) * slot_hint
+    hashes = [f"roundtrip-{i}".encode() for i in range(shape.num_blocks)]
+    ids = list(range(shape.num_blocks))
     where = "gpu" if device == "cuda" else "cpu_kv"
+    media = [({"host": {"capacity": cap}}, "host_pool", slice(0, half)),
+             ({"ssd": {"path": str(workdir / "kvpool-file.bin"), "backend": backend,
+                       "capacity": cap}}, f"file ({backend}, staging)",
+              slice(half, shape.num_blocks))]  # fmt: skip
+    pools = []
     legs = {}
     try:
-        for device_idx, items, name in ((0, host, f"{where}->host_pool"),
-                                        (1, disk, f"{where}->file ({backend}, staging)")):
+        for medium, _, _ in media:
+            pools.append(adapters.kvpool_local(kv, shape.num_blocks, shape.block_tokens,
+                                               shape.chunk_tokens, medium, shape.staging))  # fmt: skip
+        chunk_bytes = pools[0].layout.chunk_bytes
+        for pool, (_, name, part) in zip(pools, media, strict=True):
+            chunks = len(ids[part]) // chunk_blocks
             t0 = time.perf_counter()
-            eng.save(device_idx, items, lambda: cuda_sync(device))
-            legs[name] = (leg_bytes[device_idx], time.perf_counter() - t0)
+            saved = pool.save(hashes[part], ids[part])
+            cuda_sync(device)
+            legs[f"{where}->{name}"] = (chunks * chunk_bytes, time.perf_counter() - t0)
+            if saved != chunks:
+                raise RuntimeError(f"{name}: {saved} of {chunks} chunks saved")
         for t in kv.values():
             t.zero_()
         cuda_sync(device)
-        for device_idx, items, name in ((0, host, f"host_pool->{where}"),
-                                        (1, disk, f"file ({backend}, staging)->{where}")):
+        for pool, (_, name, part) in zip(pools, media, strict=True):
             t0 = time.perf_counter()
-            eng.load(device_idx, items, lambda: cuda_sync(device))
-            legs[name] = (leg_bytes[device_idx], time.perf_counter() - t0)
+            result = pool.fetch(hashes[part], ids[part])
+            cuda_sync(device)
+            legs[f"{name}->{where}"] = (len(ids[part]) // chunk_blocks * chunk_bytes,
+                                        time.perf_counter() - t0)  # fmt: skip
+            if not result.ok or result.blocks != len(ids[part]):
+                raise RuntimeError(f"{name}: {result.blocks} blocks loaded, ok={result.ok}")
         exact = _equal(kv, ref)
     finally:
-        eng.close()
+        for pool in pools:
+            pool.close()
         (workdir / "kvpool-file.bin").unlink(missing_ok=True)
         del kv, ref
         if device == "cuda":
@@ -185,7 +190,7 @@ def engine_roundtrip(shape: Shape, device: str, workdir: Path, w: RowWriter,
         w.write(test="engine", path=name, bytes=nbytes, seconds=secs, gbps=nbytes / secs / 1e9,
                 byte_exact=exact, repeats=1, status="ok" if exact else "error",
                 note="" if exact else "the KV loaded back differs from the KV saved",
-                detail={"layers": shape.layers, "chunk_bytes": eng.chunk_bytes,
+                detail={"layers": shape.layers, "chunk_bytes": chunk_bytes,
                         "backend": backend, "kv_device": device})
     return {"byte_exact": exact, "backend": backend,
             "gbps": {k: round(b / s / 1e9, 3) for k, (b, s) in legs.items()}}
@@ -227,39 +232,26 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
     staged copy per chunk and one gather per layer); byte-exact checks and GB/s per table."""
     import torch
 
-    from vllm_kvpool.chunk_kv import ChunkKV
-    from vllm_kvpool.config import parse_pool_config
-    from vllm_kvpool.engine import TransferEngine
-    from vllm_kvpool.geometry import ChunkLayout, GroupLayout
-    from vllm_kvpool.handlers import open_handlers
-    from vllm_kvpool.pool import PoolGeometry, layout_fingerprint
-    from vllm_kvpool.protocol import ChunkRead, ChunkSave, LoadRequest
+    from vllm_kvpool.protocol import LoadRequest
 
     kv = _make_kv(shape, device)
     ref = {k: v.clone() for k, v in kv.items()}
     bpc = shape.chunk_tokens // shape.block_tokens
-    block_bytes = shape.layers * shape.page_bytes
-    geometry = PoolGeometry(block_bytes, bpc, layout_fingerprint(["gpucheck-fetch"]))
     chunks = shape.num_blocks // bpc
-    config = parse_pool_config({"chunk_tokens": shape.chunk_tokens, "devices": [
-        {"host": {"capacity": (chunks + 1) * geometry.slot_bytes}}]})  # fmt: skip
-    layout = ChunkLayout((GroupLayout(0, tuple(kv), shape.page_bytes, shape.block_tokens),), bpc)
-    eng = TransferEngine(open_handlers(config, geometry),
-                         ChunkKV.from_kv_caches(kv, layout, shape.num_blocks))  # fmt: skip
-    nbytes = shape.num_blocks * block_bytes
+    slot_bytes = -(-shape.layers * shape.page_bytes * bpc // 4096) * 4096
+    pool = adapters.kvpool_local(kv, shape.num_blocks, shape.block_tokens, shape.chunk_tokens,
+                                 {"host": {"capacity": (chunks + 1) * slot_bytes}})  # fmt: skip
+    eng = pool.engine
+    hashes = [f"fetch-{i}".encode() for i in range(shape.num_blocks)]
+    nbytes = shape.num_blocks * shape.layers * shape.page_bytes
     out: dict = {}
     try:
-        saves = [ChunkSave("save", f"c{c}".encode(), 0, c, tuple(range(c * bpc, (c + 1) * bpc)))
-                 for c in range(chunks)]  # fmt: skip
         t0 = time.perf_counter()
-        eng.finish_step_saves(saves)
-        eng.wait_all()
+        saved = pool.save(hashes, list(range(shape.num_blocks)))
         cuda_sync(device)
         save_s = time.perf_counter() - t0
-        report = eng.take_report()
-        if report.failed_saves or len(report.committed) != chunks:
-            raise RuntimeError(f"saves failed: {report.failed_saves[:3]}")
-        checksums = {key: {rank: c} for key, rank, c in report.committed}
+        if saved != chunks:
+            raise RuntimeError(f"saves failed: {saved} of {chunks} chunks saved")
         pinned = eng.copier.pinned_bytes
         baseline = None
         if device == "cuda":
@@ -268,9 +260,9 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
         tables = {"contiguous": torch.arange(shape.num_blocks),
                   "shuffled": torch.randperm(shape.num_blocks, generator=gen)}  # fmt: skip
         for table, ids in tables.items():
-            reads = tuple(ChunkRead(f"c{c}".encode(), 0, c, bpc, checksums[f"c{c}".encode()], 0,
-                                    tuple(ids[c * bpc : (c + 1) * bpc].tolist()))
-                          for c in range(chunks))  # fmt: skip
+            # The pool's own jobs for this block table (as the scheduler builds them).
+            reads = tuple(r for r, _ in pool.pool.load_jobs(pool.pool.lookup(hashes),
+                                                            [ids.tolist()]))  # fmt: skip
             times, exact = [], True
             for i in range(repeats):
                 for t in kv.values():
@@ -308,7 +300,7 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
                                        "goal": FETCH_GOAL, "pinned_bytes": pinned,
                                        "copier": type(eng.copier).__name__})  # fmt: skip
     finally:
-        eng.close()
+        pool.close()
         del kv, ref
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -52,8 +52,8 @@ def build(model_dir, tmp_path, layout="LBHNC", page_aligned=False, **kw) -> Harn
 def reads_land_in_kv(h: Harness, block_ids: list[int]) -> bool:
     """Whether a full-chunk SSD read into these blocks skips the staging copy."""
     dev = h.worker.engine.tiers[1].device
-    return h.worker.engine.layout.groups[0].direct_segments(block_ids, dev.mem_alignment,
-                                                            dev.alignment) is not None  # fmt: skip
+    return h.worker.engine.layout.direct_segments([block_ids], len(block_ids), dev.mem_alignment,
+                                                  dev.alignment) is not None  # fmt: skip
 
 
 def save_first_request(h: Harness) -> None:

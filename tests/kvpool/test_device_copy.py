@@ -14,10 +14,10 @@ pytest.importorskip("vllm_kvpool._kvio")
 
 import vllm_kvpool.engine as engine_mod  # noqa: E402
 from tests.kvpool.fake_device import FakeDevice  # noqa: E402
-from vllm_kvpool.chunk_kv import ChunkKV  # noqa: E402
+from vllm_kvpool.config import load_pool_config  # noqa: E402
 from vllm_kvpool.device_copy import Copier, block_runs, copier_for, stage_pays  # noqa: E402
-from vllm_kvpool.geometry import ChunkLayout, GroupLayout  # noqa: E402
-from vllm_kvpool.kv_layout import KVLayout  # noqa: E402
+from vllm_kvpool.layout import ChunkKV, ChunkLayout, GroupLayout  # noqa: E402
+from vllm_kvpool.layout import build as layouts  # noqa: E402
 from vllm_kvpool.local import LocalPool  # noqa: E402
 from vllm_kvpool.protocol import ChunkRead, LoadRequest  # noqa: E402
 
@@ -47,15 +47,23 @@ def make_kv(names: list[str], heads: tuple[int, ...] = (HEADS,) * 3) -> dict[str
     return {n: torch.zeros(NUM_BLOCKS, h, TOKENS, DIM) for n, h in zip(names, heads, strict=True)}
 
 
+def from_tensors(kv: dict[str, torch.Tensor]) -> ChunkKV:
+    """The local pool's layout of these tensors: chunks of 4 blocks."""
+    config = load_pool_config({"chunk_tokens": 4 * TOKENS, "devices": [
+        {"host": {"capacity": "1MiB"}}]})  # fmt: skip
+    return ChunkKV.from_kv_caches(kv, layouts.from_kv_caches(config, kv, NUM_BLOCKS, TOKENS),
+                                  NUM_BLOCKS)  # fmt: skip
+
+
 def single() -> tuple[ChunkKV, dict]:
     kv = make_kv(["l0", "l1", "l2"])
-    return ChunkKV.single(KVLayout.from_kv_caches(kv, list(kv), NUM_BLOCKS), 4), kv
+    return from_tensors(kv), kv
 
 
 def mixed() -> tuple[ChunkKV, dict]:
-    """Layers of different page sizes (no common typed view of the chunk's layers)."""
+    """Layers of different page sizes: one group each, the same block table."""
     kv = make_kv(["l0", "l1", "l2"], heads=(2, 1, 3))
-    return ChunkKV.single(KVLayout.from_kv_caches(kv, list(kv), NUM_BLOCKS), 4), kv
+    return from_tensors(kv), kv
 
 
 def hybrid() -> tuple[ChunkKV, dict]:
@@ -81,13 +89,15 @@ READS = {
 
 
 def chunk_reads(layout: ChunkKV, spec: list, seed: int) -> list[tuple[ChunkRead, torch.Tensor]]:
+    """``spec``: (stored, skip or (skip, count) per section, ids per section or one list that
+    every group's section takes)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (stored, skip, ids) in enumerate(spec):
+        ids = ids * layout.layout.num_groups if len(ids) == 1 else ids
+        sections = skip if isinstance(skip, tuple) else tuple((skip, len(s)) for s in ids)
         flat = tuple(b for s in ids for b in s)
-        sections = skip if isinstance(skip, tuple) else ()
-        read = ChunkRead(f"c{i}".encode(), 0, i, stored, {}, 0 if sections else skip, flat,
-                         sections)  # fmt: skip
+        read = ChunkRead(f"c{i}".encode(), 0, i, stored, {}, flat, sections)
         data = torch.randint(0, 256, (layout.nbytes(stored),), dtype=torch.uint8, generator=g)
         out.append((read, data))
     return out
@@ -157,14 +167,8 @@ def fake(monkeypatch) -> FakeDevice:
 def sync_fetch(pool: LocalPool, skip: int) -> list[str]:
     """A sync load as the connector issues it: the forward waits layer by layer. Returns the
     layer names in order; the first chunk's first ``skip`` blocks are left out."""
-    hits = pool.pool.match(HASHES)
-    reads = []
-    for h in hits:
-        s = skip if h.first_block == 0 else 0
-        loc = h.entry.location
-        reads.append(ChunkRead(h.entry.key, loc.device, loc.slot, loc.num_blocks,
-                               dict(h.entry.checksums), s,
-                               tuple(IDS[h.first_block + s : h.first_block + h.num_blocks])))  # fmt: skip
+    jobs = pool.pool.load_jobs(pool.pool.lookup(HASHES), [IDS], load_from=skip)
+    reads = [read for read, _ in jobs]
     eng = pool.engine
     eng.start_loads([LoadRequest("sync", tuple(reads), is_async=False)])
     names = list(eng.layout.index)

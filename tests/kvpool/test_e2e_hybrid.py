@@ -71,7 +71,7 @@ def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
     assert core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     kinds = sorted(type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups)
     assert kinds == ["FullAttentionSpec", "SlidingWindowSpec"]
-    assert sched.geometry.layout is not None and sched.geometry.layout.hybrid
+    assert sched.layout.num_groups == 2 and sched.layout.hybrid
 
     assert _generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
     hits = sched.pool.lookups.hit_tokens

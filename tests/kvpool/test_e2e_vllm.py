@@ -77,7 +77,7 @@ def _scale_all_pool_data(worker, factor: float, pool=None):
             tier.view(0, tier.pool.capacity).view(torch.float32).mul_(factor)
             continue
         size = tier.slot_bytes * (tier.device.capacity // tier.slot_bytes)
-        with open(tier.cfg.path, "r+b") as f:
+        with open(tier.cfg.settings.path, "r+b") as f:
             f.seek(tier.data_base)
             data = np.frombuffer(f.read(size), dtype=np.float32).copy()
             f.seek(tier.data_base)
@@ -87,7 +87,7 @@ def _scale_all_pool_data(worker, factor: float, pool=None):
         if pool is None:
             continue
         d = worker.engine.tiers.index(tier)
-        with open(tier.cfg.path, "rb") as f:
+        with open(tier.cfg.settings.path, "rb") as f:
             for e in pool.index.entries.values():
                 if e.location.device == d and e.committed:
                     f.seek(tier.offset(e.location.slot))
@@ -120,7 +120,7 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
     entry = next(e for e in sched.pool.index.entries.values()
                  if e.committed and sched.pool_config.devices[e.location.device].kind == "ssd")  # fmt: skip
     tier = worker.engine.tiers[entry.location.device]
-    with open(tier.cfg.path, "r+b") as f:
+    with open(tier.cfg.settings.path, "r+b") as f:
         f.seek(tier.offset(entry.location.slot) + 4096 + 17)
         byte = f.read(1)[0]
         f.seek(-1, 1)

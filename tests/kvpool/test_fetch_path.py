@@ -93,7 +93,7 @@ def test_ssd_chunk_verified_on_every_read(tmp_path):
         assert fetch_all(pool, kv).ok
         e = min(on(pool, "ssd"), key=lambda e: HASHES.index(e.key))
         with open(tmp_path / "s0.kvpool", "r+b") as f:
-            f.seek(e.location.slot * pool.geometry.slot_bytes + 8)
+            f.seek(e.location.slot * pool.layout.slot_bytes + 8)
             f.write(b"\x00" * 8)
         r = fetch_all(pool, kv)
         assert not r.ok and pool.status().transfers.devices["ssd0"].corrupt == 1

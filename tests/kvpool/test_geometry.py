@@ -1,4 +1,4 @@
-"""Per-group chunk layouts from vLLM's real KV spec classes and grouping; the paper's models."""
+"""Chunk layouts from vLLM's real KV spec classes and grouping (``layout.build.from_vllm``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,18 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from vllm_kvpool.geometry import MODELS, chunk_layout, tp_replica_shard  # noqa: E402
+from vllm_kvpool.config import load_pool_config  # noqa: E402
+from vllm_kvpool.layout import ChunkLayout  # noqa: E402
+from vllm_kvpool.layout import build as layouts  # noqa: E402
 
 BS = 16
+
+
+def chunk_layout(kv_cache_config: KVCacheConfig, block_size: int,
+                 blocks_per_chunk: int) -> ChunkLayout:  # fmt: skip
+    config = load_pool_config({"chunk_tokens": blocks_per_chunk * block_size,
+                               "devices": [{"host": {"capacity": "64GiB"}}]})  # fmt: skip
+    return layouts.from_vllm(config, kv_cache_config, block_size)
 
 
 def _config(*groups: KVCacheGroupSpec) -> KVCacheConfig:
@@ -95,40 +104,27 @@ def test_unsupported_group_kind_is_named():
         chunk_layout(_config(KVCacheGroupSpec(["x"], spec)), BS, 4)
 
 
-def test_mla_replicated_across_tp_is_written_once_per_shard():
-    """vLLM marks MLA's latent cache ``max_tp_shards=1``; its own ``kv_cache_groups_tp_replicas``
-    then says all TP ranks hold the same KV, and the pool writes it from one rank."""
-    from vllm.v1.core.kv_cache_utils import kv_cache_groups_tp_replicas
-
+def test_mla_latent_cache_is_one_vector_per_token():
     mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                            max_tp_shards=1)  # fmt: skip
-    gqa = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
-    groups = [KVCacheGroupSpec(["m0", "m1"], mla)]
-    replicas = kv_cache_groups_tp_replicas(groups, tp_size=4)
-    assert replicas == 4
-    assert [tp_replica_shard(r, 4, replicas) for r in range(4)] == [
-        (0, True), (0, False), (0, False), (0, False)]  # fmt: skip
-    # with pipeline parallelism each stage's layers are their own shard
-    assert [tp_replica_shard(r, 4, replicas) for r in (4, 5)] == [(1, True), (1, False)]
-    # head-sharded GQA KV: every rank its own shard, each written
-    plain = kv_cache_groups_tp_replicas([KVCacheGroupSpec(["g"], gqa)], tp_size=4)
-    assert [tp_replica_shard(r, 4, plain) for r in range(4)] == [(r, True) for r in range(4)]
-    layout = chunk_layout(_config(*groups), BS, 16)
-    assert layout.chunk_bytes == 16 * 2 * mla.real_page_size_bytes  # latent: one vector/token
+    layout = chunk_layout(_config(KVCacheGroupSpec(["m0", "m1"], mla)), BS, 16)
+    assert layout.num_groups == 1 and not layout.hybrid
+    assert layout.chunk_bytes == 16 * 2 * mla.real_page_size_bytes
 
 
-@pytest.mark.parametrize(("model", "per_token", "fetch_32k"), [
-    ("llama-3.1-8b", 131072, 4 * 2**30),  # 32 layers x 8 heads x 128 x K,V x bf16
-    ("qwen3-30b-a3b", 98304, 3 * 2**30),  # 48 x 4 x 128 x 2 x 2
-    ("gpt-oss-20b", 36864, 12 * 2048 * (32768 + 128)),  # full every token, window 128 at the end
-])  # fmt: skip
-def test_paper_model_geometry(model, per_token, fetch_32k):
-    geo = MODELS[model]
-    assert geo.bytes_per_token(block_size=16, chunk_tokens=256) == per_token
-    assert geo.fetch_bytes(32768) == fetch_32k
-    if geo.sliding_layers:
-        assert geo.fetch_bytes(32768, hma=False) == 24 * 2048 * 32768  # 1.5 GiB with HMA off
-        assert geo.bytes_per_token(hma=False) == 49152
+def test_layout_version_names_what_the_bytes_depend_on():
+    """Another dtype, grouping or identity (model, TP layout) is another layout: never served."""
+    common = dict(block_size=BS, num_kv_heads=8, head_size=64)
+    one = _config(KVCacheGroupSpec(["a", "b"], FullAttentionSpec(dtype=torch.bfloat16, **common)))
+    config = load_pool_config({"chunk_tokens": 256, "devices": [{"host": {"capacity": "1GiB"}}]})
+    base = layouts.from_vllm(config, one, BS, ["model-a"])
+    assert layouts.from_vllm(config, one, BS, ["model-a"]).layout_version == base.layout_version
+    other_dtype = _config(KVCacheGroupSpec(["a", "b"], FullAttentionSpec(dtype=torch.float16,
+                                                                         **common)))  # fmt: skip
+    versions = {layouts.from_vllm(config, one, BS, ["model-b"]).layout_version,
+                layouts.from_vllm(config, other_dtype, BS, ["model-a"]).layout_version,
+                layouts.from_vllm(config, _gpt_oss_like(), BS, ["model-a"]).layout_version}
+    assert base.layout_version not in versions and len(versions) == 3
 
 
 def test_first_kept_block_follows_vllms_sliding_window_manager():

@@ -14,10 +14,10 @@ pytest.importorskip("vllm_kvpool._kvio")
 
 from vllm_kvpool.config import parse_pool_config  # noqa: E402
 from vllm_kvpool.handlers import LoadOp, SaveOp, open_handler  # noqa: E402
+from vllm_kvpool.layout import ChunkLayout  # noqa: E402
 from vllm_kvpool.native import kvio  # noqa: E402
-from vllm_kvpool.pool import PoolGeometry  # noqa: E402
 
-GEOMETRY = PoolGeometry(block_bytes=16 << 10, blocks_per_chunk=4, layout_version=1)  # 64 KiB
+GEOMETRY = ChunkLayout.uniform(16 << 10, 4, layout_version=1)  # 64 KiB
 SLOTS = 6
 SPDK_TRID = os.environ.get("KVPOOL_SPDK_TRID", "")
 

@@ -22,7 +22,6 @@ pytest.importorskip("vllm_kvpool._kvio")
 
 from support.vllm_harness import BLOCK_SIZE, corrupt_on_disk, make_vllm_config  # noqa: E402
 from tests.kvpool.hybrid_support import HybridHarness, write_tiny_hybrid  # noqa: E402
-from vllm_kvpool.geometry import chunk_layout  # noqa: E402
 from vllm_kvpool.handlers import LoadOp  # noqa: E402
 
 PROMPT = [(i * 5 + 7) % 500 + 3 for i in range(640)]  # 20 blocks = 5 chunks
@@ -142,7 +141,7 @@ def test_groups_stored_per_window_and_loaded_byte_identical(model_dir, tmp_path,
     assert stale_blocks(h, PROMPT) == []  # every group's section is exactly the request's KV
 
     # bytes per token: what the geometry says, written as measured by the workers
-    layout = chunk_layout(h.kv_config, BLOCK_SIZE, CHUNK_BLOCKS)
+    layout = h.worker.engine.layout.layout  # the connector's, from vLLM's KV cache config
     per_token = layout.bytes_per_token(BLOCK_SIZE)
     assert per_token == (2 * 4 + 2 * 2) * PAGE / 128 == 1536
     written = sum(d.bytes_written for d in pool.transfers.devices.values())
@@ -172,7 +171,7 @@ def test_freed_window_blocks_are_copied_before_vllm_reuses_them(model_dir, tmp_p
     """Negative control first: with the copy-before-release wait switched off and the saver
     held until the request is done, the pooled sliding-window bytes are stale (vLLM reused
     those blocks). Then the real engine: the same run pools exactly the request's KV."""
-    from vllm_kvpool.chunk_kv import ChunkKV
+    from vllm_kvpool.layout import ChunkKV
 
     h = build(model_dir, tmp_path / "neg", caplog)
     held = threading.Event()

@@ -1,4 +1,4 @@
-"""KVLayout's copy plans: the merged whole-chunk rows move the same bytes as the per-layer path."""
+"""GroupKV's copy plans: the merged whole-chunk rows move the same bytes as the per-layer path."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import torch
 
 pytest.importorskip("vllm_kvpool._kvio")
 
-from vllm_kvpool.kv_layout import KVLayout  # noqa: E402
+from vllm_kvpool.layout import GroupKV  # noqa: E402
 from vllm_kvpool.native import kvio  # noqa: E402
 
 BLOCKS, HEADS, BLOCK_TOKENS, HEAD2 = 16, 2, 4, 8
 
 
-def make_layout(seed: int, uniform: bool) -> KVLayout:
+def make_layout(seed: int, uniform: bool) -> GroupKV:
     """Three layers; non-uniform ones differ in KV heads (the per-layer copy plan)."""
     g = torch.Generator().manual_seed(seed)
     kv = {f"layer.{i}": torch.randn(BLOCKS, HEADS + (0 if uniform else i), BLOCK_TOKENS, HEAD2,
                                     generator=g) for i in range(3)}  # fmt: skip
-    return KVLayout.from_kv_caches(kv, list(kv), BLOCKS)
+    return GroupKV.from_kv_caches(kv, list(kv), BLOCKS)
 
 
 @pytest.mark.parametrize("uniform", [True, False])
@@ -53,5 +53,5 @@ def test_chunk_ops_scatter_equals_per_layer_scatter(stored, skip, block_ids, uni
 
 def test_chunk_ops_needs_contiguous_cpu_pages():
     kv = {"l": torch.randn(BLOCKS, BLOCK_TOKENS, HEADS, HEAD2).transpose(1, 2)}  # HND view
-    layout = KVLayout.from_kv_caches(kv, ["l"], BLOCKS)
+    layout = GroupKV.from_kv_caches(kv, ["l"], BLOCKS)
     assert layout.chunk_ops([0, 1], 0, True) is None

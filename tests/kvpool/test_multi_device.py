@@ -12,8 +12,9 @@ import torch
 
 from tests.kvpool.placement_oracle import fetch_seconds, optimal_fetch
 from vllm_kvpool.config import parse_pool_config
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool
+from vllm_kvpool.pool import UnifiedPool
 
 
 def brute_force(num_chunks: int, chunk: int, gbps: list[float], caps: list[int]) -> float:
@@ -59,8 +60,8 @@ def test_optimal_fetch_rejects_bad_input():
         optimal_fetch(1, 1, [1.0, 2.0], [3])
 
 
-def geometry(chunk_bytes: int = 4096, blocks: int = 1) -> PoolGeometry:
-    return PoolGeometry(chunk_bytes // blocks, blocks, 7)
+def geometry(chunk_bytes: int = 4096, blocks: int = 1) -> ChunkLayout:
+    return ChunkLayout.uniform(chunk_bytes // blocks, blocks, 7)
 
 
 def pool_over(gbps: list[float], slots: list[int], placement: str) -> UnifiedPool:

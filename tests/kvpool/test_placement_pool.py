@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from tests.kvpool.placement_oracle import fetch_seconds
 from vllm_kvpool.config import parse_pool_config
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.placement import DeviceWeights, Placement, interleave, largest_remainder
-from vllm_kvpool.pool import PoolGeometry, UnifiedPool
+from vllm_kvpool.pool import UnifiedPool
 
 
 def test_largest_remainder_is_proportional():
@@ -80,7 +81,7 @@ def _pool(capacities=("1MiB", "1MiB"), placement="bandwidth", gbps=(1.0, 1.0), b
     cfg = parse_pool_config({"devices": [{"host": {"capacity": c, "name": f"h{i}"}}
                                          for i, c in enumerate(capacities)],
                              "chunk_tokens": 32 * bpc, "placement": placement})  # fmt: skip
-    geo = PoolGeometry(block_bytes=64 * 1024, blocks_per_chunk=bpc, layout_version=7)
+    geo = ChunkLayout.uniform(64 * 1024, bpc, layout_version=7)
     return UnifiedPool(cfg, geo, DeviceWeights(list(gbps)))
 
 
@@ -89,7 +90,7 @@ def _hashes(prefix: str, n: int) -> list[bytes]:
 
 
 def _save_all(pool, req, hashes, rank=0):
-    bpc = pool.geometry.blocks_per_chunk
+    bpc = pool.layout.blocks_per_chunk
     chunks = [(i, hashes[i : i + bpc]) for i in range(0, len(hashes), bpc)]
     planned = pool.plan_saves(req, chunks)
     for p in planned:
@@ -116,7 +117,7 @@ def test_uncommitted_and_wrong_layout_are_misses():
     assert pool.match(a) == []  # written but not acknowledged: invisible
     pool.acknowledge_save(planned[0].entry.key, 0, 1)
     assert sum(h.num_blocks for h in pool.match(a)) == 2
-    pool.geometry = PoolGeometry(64 * 1024, 2, layout_version=8)
+    pool.layout = ChunkLayout.uniform(64 * 1024, 2, layout_version=8)
     assert pool.match(a) == []
 
 

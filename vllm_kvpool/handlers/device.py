@@ -25,6 +25,7 @@ import torch
 
 from vllm_kvpool.config import DeviceConfig
 from vllm_kvpool.handlers.base import Buffer, LoadOp, MediumHandler, Outcome, SaveOp, StagingSlots
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.native import kvio
 from vllm_kvpool.persist import (
     MAX_HASH_BYTES,
@@ -34,7 +35,6 @@ from vllm_kvpool.persist import (
     record_bytes,
     scan_records,
 )
-from vllm_kvpool.pool import PoolGeometry
 
 if TYPE_CHECKING:
     from vllm_kvpool.handlers.ssd import SsdSettings
@@ -63,13 +63,13 @@ class DeviceHandler(MediumHandler):
 
     records_hugepages = False  # the index-record buffer is small: no huge page for it
 
-    def __init__(self, cfg: DeviceConfig, geometry: PoolGeometry, staging_bytes: int,
+    def __init__(self, cfg: DeviceConfig, layout: ChunkLayout, staging_bytes: int,
                  rank_suffix: str = "") -> None:  # fmt: skip
-        super().__init__(cfg, geometry.slot_bytes)
+        super().__init__(cfg, layout.slot_bytes)
         self.io = kvio()
-        self.geometry = geometry
-        self.num_slots = geometry.num_slots(cfg)
-        self.record_bytes = record_bytes(geometry.blocks_per_chunk)
+        self.layout = layout
+        self.num_slots = layout.num_slots(cfg)
+        self.record_bytes = record_bytes(layout.blocks_per_chunk)
         self.rank_suffix = rank_suffix
         # 1 = the slot may have an index record on the device (unknown slots of a device that
         # held data count as recorded): it is erased before the slot is overwritten.
@@ -106,17 +106,17 @@ class DeviceHandler(MediumHandler):
         return self.target_of(self.cfg, self.rank_suffix)
 
     @staticmethod
-    def regions(cfg: DeviceConfig, geometry: PoolGeometry) -> tuple[int, int, int]:
+    def regions(cfg: DeviceConfig, layout: ChunkLayout) -> tuple[int, int, int]:
         """(data bytes, index bytes, capacity to open): the data region starts at 0."""
-        data = geometry.num_slots(cfg) * geometry.slot_bytes
-        index = geometry.num_slots(cfg) * record_bytes(geometry.blocks_per_chunk)
+        data = layout.num_slots(cfg) * layout.slot_bytes
+        index = layout.num_slots(cfg) * record_bytes(layout.blocks_per_chunk)
         return data, index, data + index + PROBE_RESERVE
 
     @classmethod
-    def open_raw(cls, cfg: DeviceConfig, geometry: PoolGeometry, rank_suffix: str = "",
+    def open_raw(cls, cfg: DeviceConfig, layout: ChunkLayout, rank_suffix: str = "",
                  create: bool = True) -> tuple[Any, int, int]:  # fmt: skip
         """Open (creating/preallocating a file), reserve data and index: (device, data, index)."""
-        data, index, capacity = cls.regions(cfg, geometry)
+        data, index, capacity = cls.regions(cfg, layout)
         settings = ssd_settings(cfg)
         dev = kvio().Device(cls.target_of(cfg, rank_suffix), capacity=capacity,
                             backend=settings.backend, queue_depth=settings.queue_depth,
@@ -133,10 +133,10 @@ class DeviceHandler(MediumHandler):
         return dev, data_base, index_base
 
     @classmethod
-    def probe_gbps(cls, cfg: DeviceConfig, geometry: PoolGeometry, seconds: float) -> float:
+    def probe_gbps(cls, cfg: DeviceConfig, layout: ChunkLayout, seconds: float) -> float:
         """Read GB/s of the engine's write/read probe in the scratch region after the index, so
         no live chunk is touched."""
-        dev, _, _ = cls.open_raw(cfg, geometry)
+        dev, _, _ = cls.open_raw(cfg, layout)
         pool = None  # a local, so it outlives the device it is registered with
         try:
             pool = cls.probe_pool(cfg, dev)
@@ -151,7 +151,7 @@ class DeviceHandler(MediumHandler):
         return None
 
     def open_device(self, create: bool = True) -> tuple[Any, int, int]:
-        return self.open_raw(self.cfg, self.geometry, self.rank_suffix, create)
+        return self.open_raw(self.cfg, self.layout, self.rank_suffix, create)
 
     def open_sync_fd(self) -> int | None:
         """A descriptor to make written data durable with (``fdatasync``)."""
@@ -165,15 +165,15 @@ class DeviceHandler(MediumHandler):
                                                    or os.path.getsize(target) == 0)
 
     @classmethod
-    def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
+    def restorable(cls, cfg: DeviceConfig, layout: ChunkLayout,
                    world_size: int) -> list[RestoredChunk]:  # fmt: skip
         """Chunks a previous run left on this device (every rank's file), oldest first."""
-        data, _, _ = cls.regions(cfg, geometry)
-        size = record_bytes(geometry.blocks_per_chunk)
+        data, _, _ = cls.regions(cfg, layout)
+        size = record_bytes(layout.blocks_per_chunk)
         per_rank = [scan_records(cls.target_of(cfg, f".rank{r}" if world_size > 1 else ""), data,
-                                 geometry.num_slots(cfg), size) for r in range(world_size)]  # fmt: skip
-        return merge_ranks(per_rank, geometry.layout_version, geometry.num_slots(cfg),
-                           geometry.slot_bytes, geometry.blocks_per_chunk)
+                                 layout.num_slots(cfg), size) for r in range(world_size)]  # fmt: skip
+        return merge_ranks(per_rank, layout.layout_version, layout.num_slots(cfg),
+                           layout.slot_bytes, layout.blocks_per_chunk)
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -260,7 +260,7 @@ class DeviceHandler(MediumHandler):
             return [Outcome(False, "error", 0, msg) if o.ok else o for o in outcomes]
         seq = time.time_ns()
         records = [(op.slot, ChunkRecord(op.slot, op.block_hashes, len(op.block_hashes), op.nbytes,
-                                         outcomes[i].checksum, self.geometry.layout_version,
+                                         outcomes[i].checksum, self.layout.layout_version,
                                          seq + k, self.num_slots, self.slot_bytes).encode(
                                              self.record_bytes))
                    for k, (i, op) in enumerate(todo)]  # fmt: skip

@@ -16,9 +16,9 @@ import torch
 
 from vllm_kvpool.config import DeviceConfig, PoolConfig
 from vllm_kvpool.handlers.base import Buffer, LoadOp, MediumHandler, Outcome, SaveOp
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.media import Medium, register_medium
 from vllm_kvpool.native import kvio
-from vllm_kvpool.pool import PoolGeometry
 
 logger = logging.getLogger("vllm_kvpool")
 
@@ -86,11 +86,11 @@ class HostMemoryHandler(MediumHandler):
 class HostMedium(Medium):
     name = "host"
 
-    def open(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
+    def open(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout,
              rank_suffix: str) -> HostMemoryHandler:  # fmt: skip
-        return HostMemoryHandler(cfg, geometry.slot_bytes, geometry.num_slots(cfg))
+        return HostMemoryHandler(cfg, layout.slot_bytes, layout.num_slots(cfg))
 
-    def probe(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry) -> float:
+    def probe(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout) -> float:
         """A memcpy of ``probe.size``."""
         result = kvio().probe_memcpy(seconds=config.probe.seconds, nbytes=config.probe.size)
         return float(result["gbps"])

@@ -19,9 +19,9 @@ from typing import Any
 
 from vllm_kvpool.config import DeviceConfig
 from vllm_kvpool.handlers.device import PROBE_CHUNK, DeviceHandler, ssd_settings
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.native import kvio
 from vllm_kvpool.persist import RestoredChunk
-from vllm_kvpool.pool import PoolGeometry
 
 logger = logging.getLogger("vllm_kvpool")
 
@@ -52,7 +52,7 @@ class SpdkHandler(DeviceHandler):
         return False  # a namespace may hold a previous run's records
 
     @classmethod
-    def restorable(cls, cfg: DeviceConfig, geometry: PoolGeometry,
+    def restorable(cls, cfg: DeviceConfig, layout: ChunkLayout,
                    world_size: int) -> list[RestoredChunk]:  # fmt: skip
         return []
 

@@ -17,9 +17,9 @@ from typing import Any
 from vllm_kvpool.config import DeviceConfig, PoolConfig, PoolConfigError, choice_field, int_field
 from vllm_kvpool.handlers.device import DeviceHandler, ssd_settings
 from vllm_kvpool.handlers.spdk import SpdkHandler
+from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.media import Medium, MediumSettings, register_medium
 from vllm_kvpool.persist import RestoredChunk
-from vllm_kvpool.pool import PoolGeometry
 
 # backend -> handler; uring and posix differ only inside _kvio.Device
 BACKENDS: dict[str, type[DeviceHandler]] = {"uring": DeviceHandler, "posix": DeviceHandler,
@@ -73,16 +73,16 @@ class SsdMedium(Medium):
     name = "ssd"
     settings = SsdSettings
 
-    def open(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry,
+    def open(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout,
              rank_suffix: str) -> DeviceHandler:  # fmt: skip
-        return BACKENDS[ssd_settings(cfg).backend](cfg, geometry, config.staging, rank_suffix)
+        return BACKENDS[ssd_settings(cfg).backend](cfg, layout, config.staging, rank_suffix)
 
-    def probe(self, cfg: DeviceConfig, config: PoolConfig, geometry: PoolGeometry) -> float:
-        return BACKENDS[ssd_settings(cfg).backend].probe_gbps(cfg, geometry, config.probe.seconds)
+    def probe(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout) -> float:
+        return BACKENDS[ssd_settings(cfg).backend].probe_gbps(cfg, layout, config.probe.seconds)
 
-    def restore(self, cfg: DeviceConfig, geometry: PoolGeometry,
+    def restore(self, cfg: DeviceConfig, layout: ChunkLayout,
                 world_size: int) -> list[RestoredChunk]:  # fmt: skip
-        return BACKENDS[ssd_settings(cfg).backend].restorable(cfg, geometry, world_size)
+        return BACKENDS[ssd_settings(cfg).backend].restorable(cfg, layout, world_size)
 
     def describe(self, cfg: DeviceConfig) -> tuple[str, str]:
         settings = ssd_settings(cfg)

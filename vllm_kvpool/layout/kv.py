@@ -1,11 +1,19 @@
-"""KV address math: where a chunk's bytes live in vLLM's paged KV tensors and in pool memory.
+"""A chunk layout bound to vLLM's KV tensors (worker side): where a chunk's bytes live in the
+paged KV and in pool memory.
 
-A chunk holds ``num_blocks`` vLLM blocks of every layer this worker owns, layer-major:
-``[layer][block][page bytes]`` where a page is the block's bytes of that layer in vLLM's logical
-``[H, N, C]`` order. Layer-major lets a layer of many blocks be gathered/scattered in one
-``index_select``/``index_copy_`` straight between KV tensor and pool memory, whatever physical
-``KVCacheLayout`` vLLM chose. On CPU the copies are planned as ``(dst, src, nbytes)`` rows
-(``chunk_ops``) that the C++ engine runs GIL-free (``copy_many``).
+``ChunkKV`` is a ``ChunkLayout`` over the tensors: one ``GroupKV`` per KV cache group moves that
+group's section of the chunk. A section holds its blocks of every layer of the group,
+layer-major: ``[layer][block][page bytes]`` where a page is the block's bytes of that layer in
+vLLM's logical ``[H, N, C]`` order. Layer-major lets a layer of many blocks be
+gathered/scattered in one ``index_select``/``index_copy_`` straight between KV tensor and pool
+memory, whatever physical ``KVCacheLayout`` vLLM chose. On CPU the copies are planned as
+``(dst, src, nbytes)`` rows (``chunk_ops``) that the C++ engine runs GIL-free (``copy_many``).
+
+With the hybrid KV cache manager every group has its own block table (groups alias one KV
+buffer, a block id being owned by one group at a time), so a message's ``block_ids`` are the
+sections' ids one section after the other: a save's are the stored blocks of each section
+(``ChunkSave.num_blocks`` says the chunk's length), a read's ``ChunkRead.sections`` say
+``(skip, count)`` per section.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_kvpool.layout.chunk import ChunkLayout, Section
 from vllm_kvpool.native import kvio
+from vllm_kvpool.protocol import ChunkRead, ChunkSave
 
 COPY_THREADS = 2  # GIL-free memcpy threads per gather/scatter (C++ copy_many)
 MAX_SEGMENTS = 4096  # host segments of one direct read (one backend request each)
@@ -31,7 +41,9 @@ class LayerPages:
 
 
 @dataclass
-class KVLayout:
+class GroupKV:
+    """One KV cache group's pages in vLLM's tensors."""
+
     layers: list[LayerPages]
     layer_prefix: list[int] = field(default_factory=list)  # page bytes of the layers before
 
@@ -68,7 +80,7 @@ class KVLayout:
     @classmethod
     def from_kv_caches(
         cls, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
-    ) -> KVLayout:
+    ) -> GroupKV:
         """Learn vLLM's real per-layer KV views (as ``register_kv_caches`` hands them over)."""
         layers = []
         for name in layer_names:
@@ -125,18 +137,6 @@ class KVLayout:
             parts.append(ops)
         return _merge_adjacent(np.concatenate(parts)) if parts else None
 
-    def direct_segments(self, block_ids: Sequence[int], mem_align: int,
-                        align: int) -> np.ndarray | None:  # fmt: skip
-        """(kv_addr, nbytes) rows that let an O_DIRECT read land straight in the KV pages of a
-        full chunk (no staging copy): only when the pages are CPU memory aligned for the device."""
-        ops = self.chunk_ops(block_ids, 0, to_kv=True)
-        if ops is None or len(ops) > MAX_SEGMENTS:
-            return None
-        dst, nbytes = ops[:, 0], ops[:, 2]
-        if (dst % np.uint64(mem_align)).any() or (nbytes % np.uint64(align)).any():
-            return None
-        return np.ascontiguousarray(ops[:, [0, 2]])
-
     def gather(self, li: int, block_ids: Sequence[int], chunk: torch.Tensor, stored: int) -> None:
         """Copy layer ``li`` of ``block_ids`` from the KV tensor into the chunk buffer."""
         layer = self.layers[li]
@@ -165,6 +165,147 @@ class KVLayout:
         src = self._host_view(region, layer, len(block_ids))
         ids = self._ids(layer, block_ids)
         layer.tensor.index_copy_(0, ids, src.to(layer.tensor.device, non_blocking=True))
+
+
+SectionIds = Sequence[Sequence[int]]  # block ids per section, in the layout's section order
+
+
+class ChunkKV:
+    """A ``ChunkLayout`` bound to the KV tensors: one ``GroupKV`` per KV cache group."""
+
+    def __init__(self, layout: ChunkLayout, groups: list[GroupKV]) -> None:
+        self.layout = layout
+        self.groups = groups
+        self.layers: list[LayerPages] = [layer for g in groups for layer in g.layers]
+        self.index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self._where = [(gi, li) for gi, g in enumerate(groups) for li in range(len(g.layers))]
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], layout: ChunkLayout,
+                       num_blocks: int) -> ChunkKV:  # fmt: skip
+        """Learn vLLM's real per-layer KV views (as ``register_kv_caches`` hands them over) and
+        check they hold what the layout says (else the chunk layout lies)."""
+        kv = cls(layout, [GroupKV.from_kv_caches(kv_caches, g.layer_names, num_blocks)
+                          for g in layout.groups])  # fmt: skip
+        for g, group in zip(layout.groups, kv.groups, strict=True):
+            if group.block_bytes != g.block_bytes:
+                raise ValueError(f"kvpool: KV tensors of cache group {g.group_id} hold "
+                                 f"{group.block_bytes} bytes per block, its KV cache spec says "
+                                 f"{g.block_bytes}")  # fmt: skip
+        return kv
+
+    @property
+    def hybrid(self) -> bool:
+        return self.layout.hybrid
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].tensor.device if self.layers else torch.device("cpu")
+
+    def nbytes(self, num_blocks: int) -> int:
+        return self.layout.nbytes(num_blocks)
+
+    def where(self, li: int) -> tuple[int, int]:
+        """(group, layer index in the group's ``GroupKV``) of layer ``li``."""
+        return self._where[li]
+
+    def gather(self, li: int, block_ids: SectionIds, chunk: torch.Tensor, stored: int) -> None:
+        """Copy layer ``li`` of its section's blocks from the KV into the chunk buffer."""
+        gi, local = self._where[li]
+        ids = block_ids[gi]
+        if ids:
+            section = self.layout.sections(stored)[gi]
+            self.groups[gi].gather(local, ids, chunk[section.offset :], section.num_blocks)
+
+    def scatter(self, li: int, block_ids: SectionIds, chunk: torch.Tensor, stored: int,
+                skip: Sequence[int]) -> None:  # fmt: skip
+        """Copy layer ``li``'s section blocks ``skip[s]..`` from the chunk buffer into the KV."""
+        gi, local = self._where[li]
+        ids = block_ids[gi]
+        if ids:
+            section = self.layout.sections(stored)[gi]
+            self.groups[gi].scatter(local, ids, chunk[section.offset :], section.num_blocks,
+                                    skip[gi])  # fmt: skip
+
+    def read_groups(self, read: ChunkRead) -> list[tuple[int, Section, int, Sequence[int]]]:
+        """(group, its section of the stored chunk, skip, destination block ids) of each group a
+        read puts blocks back into."""
+        ids, skips = self.read_ids(read)
+        return [(gi, section, skips[gi], ids[gi])
+                for gi, section in enumerate(self.layout.sections(read.stored_blocks))
+                if ids[gi]]  # fmt: skip
+
+    def chunk_ops(self, block_ids: SectionIds, chunk_addr: int, to_kv: bool, stored: int,
+                  skip: Sequence[int] | None = None) -> np.ndarray | None:  # fmt: skip
+        """Copy rows of every section (chunk byte order); None unless all pages are CPU runs."""
+        parts = []
+        for gi, section in enumerate(self.layout.sections(stored)):
+            if not block_ids[gi]:
+                continue
+            ops = self.groups[gi].chunk_ops(block_ids[gi], chunk_addr + section.offset, to_kv,
+                                            section.num_blocks, skip[gi] if skip else 0)  # fmt: skip
+            if ops is None:
+                return None
+            parts.append(ops)
+        return _merge_adjacent(np.concatenate(parts)) if parts else None
+
+    def whole(self, block_ids: SectionIds, stored: int, skip: Sequence[int]) -> bool:
+        """Whether a transfer moves every stored byte of the chunk (a read may then land in the
+        KV pages directly, or be verified while it is copied)."""
+        return all(not s and len(ids) == sec.num_blocks for ids, s, sec
+                   in zip(block_ids, skip, self.layout.sections(stored), strict=True))  # fmt: skip
+
+    def direct_segments(self, block_ids: SectionIds, stored: int, mem_align: int,
+                        align: int) -> np.ndarray | None:  # fmt: skip
+        """(kv_addr, nbytes) rows that let an O_DIRECT read of the whole chunk land straight in
+        the KV pages (no staging copy): only when the pages are CPU memory aligned for the
+        device."""
+        ops = self.chunk_ops(block_ids, 0, True, stored)
+        if ops is None or len(ops) > MAX_SEGMENTS:
+            return None
+        dst, nbytes = ops[:, 0], ops[:, 2]
+        if (dst % np.uint64(mem_align)).any() or (nbytes % np.uint64(align)).any():
+            return None
+        return np.ascontiguousarray(ops[:, [0, 2]])
+
+    # -- messages -------------------------------------------------------------------------
+    def save_bytes(self, job: ChunkSave) -> int:
+        return self.nbytes(job.num_blocks)
+
+    def save_ids(self, job: ChunkSave) -> list[tuple[int, ...]]:
+        out, at = [], 0
+        for section in self.layout.sections(job.num_blocks):
+            out.append(job.block_ids[at : at + section.num_blocks])
+            at += section.num_blocks
+        return out
+
+    def read_ids(self, read: ChunkRead) -> tuple[list[tuple[int, ...]], list[int]]:
+        """(destination ids per section, skip per section) of a read."""
+        ids, skips, at = [], [], 0
+        for skip, count in read.sections:
+            ids.append(read.block_ids[at : at + count])
+            skips.append(skip)
+            at += count
+        return ids, skips
+
+    def gather_job(self, li: int, job: ChunkSave, chunk: torch.Tensor) -> None:
+        self.gather(li, self.save_ids(job), chunk, job.num_blocks)
+
+    def scatter_read(self, li: int, read: ChunkRead, chunk: torch.Tensor) -> None:
+        ids, skips = self.read_ids(read)
+        self.scatter(li, ids, chunk, read.stored_blocks, skips)
+
+    def read_ops(self, read: ChunkRead, chunk_addr: int) -> np.ndarray | None:
+        ids, skips = self.read_ids(read)
+        return self.chunk_ops(ids, chunk_addr, True, read.stored_blocks, skips)
+
+    def whole_read(self, read: ChunkRead) -> bool:
+        ids, skips = self.read_ids(read)
+        return self.whole(ids, read.stored_blocks, skips)
+
+    def read_segments(self, read: ChunkRead, mem_align: int, align: int) -> np.ndarray | None:
+        ids, _ = self.read_ids(read)
+        return self.direct_segments(ids, read.stored_blocks, mem_align, align)
 
 
 def _contiguous_pages(layer: LayerPages) -> bool:
