@@ -229,11 +229,11 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             if part.startswith("alone:"):
                 r = pool.fetch(hashes, ids, devices={devs.index(part[6:])})
             else:
-                pool.engine.verify = part == "pool-verify"
+                pool.engine.loads.verify = part == "pool-verify"
                 try:
                     r = pool.fetch(hashes, ids)
                 finally:
-                    pool.engine.verify = pool.config.verify_checksums
+                    pool.engine.loads.verify = pool.config.verify_checksums
             return r.seconds, r.blocks, r.ok
 
         parts = [p for p in spec.get("parts") or pool_parts(devs)

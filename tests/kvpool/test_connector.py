@@ -119,7 +119,7 @@ def test_sleep_mode_unregister_drains_background_copies(model_dir, tmp_path):
     h = build(model_dir, tmp_path)
     engine = h.worker.engine
     held = threading.Event()
-    engine._saver.submit(held.wait)  # hold the save thread so the step's copies stay queued
+    engine.saves.thread.submit(held.wait)  # hold the save thread so the step's copies stay queued
     h.add("A", PROMPT + [900])
     h.step()
     # A finished with its saves queued: the engine keeps its blocks until they are written

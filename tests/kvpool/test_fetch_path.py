@@ -48,7 +48,7 @@ def test_bytes_identical_in_every_mode(tmp_path, verify, threads):
     want = {k: t.clone() for k, t in kv.items()}
     with LocalPool(config(tmp_path, verify_checksums=verify, copy_threads=threads), kv, BLOCKS,
                    BLOCK) as pool:  # fmt: skip
-        assert pool.engine.copy_threads == threads
+        assert pool.engine.loads.copy_threads == threads
         assert pool.save(HASHES, IDS) == 16
         assert on(pool, "host") and on(pool, "ssd")  # both shares present
         r = fetch_all(pool, kv)

@@ -175,7 +175,7 @@ def test_freed_window_blocks_are_copied_before_vllm_reuses_them(model_dir, tmp_p
 
     h = build(model_dir, tmp_path / "neg", caplog)
     held = threading.Event()
-    h.worker.engine._saver.submit(held.wait)
+    h.worker.engine.saves.thread.submit(held.wait)
     with monkeypatch.context() as m:
         m.setattr(ChunkKV, "hybrid", property(lambda self: False))
         request = h.add("A", PROMPT + [900])

@@ -99,7 +99,7 @@ def test_other_layout_is_a_miss_and_a_stale_record_is_caught(tmp_path):
         f.write(bytes(4096))
     fresh = make_kv(2)
     with LocalPool(ssd_config(tmp_path), fresh, BLOCKS, BLOCK, layout_id="model-a") as pool:
-        pool.engine.verify = False  # verify_checksums off: restored chunks are verified anyway
+        pool.engine.loads.verify = False  # verify_checksums off: restored chunks are verified anyway
         result = pool.fetch(HASHES, list(range(BLOCKS)))
         assert not result.ok and pool.pool.lookups.invalidated >= 1
         assert pool.pool.transfers.devices["ssd0"].corrupt >= 1

@@ -1,0 +1,334 @@
+"""The load path: a step's loads issue every device's reads at once (two batched waves in flight
+per SSD) into staging buffers or straight into the KV pages, while resident (host-memory)
+chunks are verified and copied into the KV by the loader thread and a copy thread. When the
+whole load fits the staging buffers and a load is synchronous it scatters layer by layer and
+signals each layer, so ``wait_for_layer_load`` releases early layers first."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_kvpool.device_copy import Copier
+from vllm_kvpool.engine.accounting import Accounts, ReadOutcome
+from vllm_kvpool.engine.health import DeviceHealth
+from vllm_kvpool.engine.threads import TaskThread, pop
+from vllm_kvpool.handlers import Buffer, LoadOp, MediumHandler
+from vllm_kvpool.layout.kv import ChunkKV
+from vllm_kvpool.native import kvio
+from vllm_kvpool.protocol import ChunkRead, LoadRequest
+
+logger = logging.getLogger("vllm_kvpool")
+
+
+@dataclass
+class _PendingRead:
+    req: LoadRequest
+    read: ChunkRead
+    nbytes: int
+    buf: Buffer | None = None  # where the chunk's bytes are once read (staged or resident)
+    segments: np.ndarray | None = None  # KV pages a direct read fills (then no buf)
+    ok: bool = True
+
+
+@dataclass
+class _Wave:
+    ticket: int
+    reads: list[_PendingRead]
+    submitted: float
+
+
+class LoadPath:
+    def __init__(self, tiers: Sequence[MediumHandler], layout: ChunkKV, copier: Copier,
+                 accounts: Accounts, health: DeviceHealth, loader: TaskThread,
+                 copy_thread: TaskThread, rank: int, verify: bool, copy_threads: int) -> None:  # fmt: skip
+        self.tiers = tiers
+        self.layout = layout
+        self.copier = copier
+        self.accounts = accounts
+        self.health = health
+        self.loader = loader  # runs each step's load batch
+        self.copy_thread = copy_thread  # resident chunks beside the loader
+        self.rank = rank
+        self.verify = verify  # also re-verify host-resident chunks on every fetch
+        self.copy_threads = copy_threads
+        self.io = kvio()
+        self._layer_events: list[threading.Event] = []
+        self._layer_marks: list[Any] = []  # the copier's per-layer marks of the sync load
+
+    def start(self, loads: Sequence[LoadRequest]) -> None:
+        """Issue this step's loads; sync ones release layers through ``wait_layer``."""
+        if not loads:
+            return
+        sync = any(not r.is_async for r in loads)
+        events = [threading.Event() for _ in self.layout.layers]
+        marks: list[Any] = [None] * len(events)
+        if sync:
+            self._layer_events, self._layer_marks = events, marks
+        self.loader.submit(self._run_loads, list(loads), events, marks, self.copier.fence())
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Until layer ``layer_name`` of the sync load is issued; then the forward's stream
+        waits for that layer's copies only (the copier's mark)."""
+        li = self.layout.index.get(layer_name)
+        if li is not None and self._layer_events:
+            self._layer_events[li].wait()
+            self.copier.wait(self._layer_marks[li])
+
+    def wait_sync(self) -> None:
+        for event, mark in zip(self._layer_events, self._layer_marks, strict=True):
+            event.wait()
+            self.copier.wait(mark)
+        self._layer_events, self._layer_marks = [], []
+
+    def _run_loads(self, loads: list[LoadRequest], events: list[threading.Event],
+                   marks: list[Any], fence: Any) -> None:  # fmt: skip
+        start = time.perf_counter()
+        try:
+            self.copier.follow(fence)
+            self._load_batch(loads, events, marks)
+        except Exception:  # never leave the forward waiting: every chunk of the batch fails
+            logger.exception("kvpool: load batch failed")
+            self.accounts.loads_failed([(req, r) for req in loads for r in req.reads])
+        finally:
+            for e in events:
+                e.set()
+        self.accounts.loads_finished(loads, time.perf_counter() - start)
+
+    def _load_batch(self, loads: list[LoadRequest], events: list[threading.Event],
+                    marks: list[Any]) -> None:  # fmt: skip
+        """Keep every SSD busy (two waves in flight each) while resident chunks are copied."""
+        pending = [_PendingRead(req, r, self.layout.nbytes(r.stored_blocks))
+                   for req in loads for r in req.reads]  # fmt: skip
+        queues: dict[int, deque[_PendingRead]] = defaultdict(deque)
+        resident: list[_PendingRead] = []
+        for p in pending:
+            handler = self.tiers[p.read.device]
+            if handler.failed:
+                p.ok = False
+            elif handler.resident:
+                resident.append(p)
+            else:
+                p.segments = self._direct_segments(handler, p)
+                queues[p.read.device].append(p)
+        fits = all(sum(p.segments is None for p in q) <= self.tiers[d].staging_slots
+                   for d, q in queues.items())  # fmt: skip
+        layer_major = fits and any(not r.is_async for r in loads)
+        if layer_major:  # verify now, scatter layer by layer once everything is here
+            for p in resident:
+                self._read_resident(p, scatter=False)
+        host_queue: deque[_PendingRead] = deque()
+        bulk: list[tuple[_PendingRead, np.ndarray]] = []
+        for p in [] if layer_major else resident:
+            ops = self._unverified_ops(p)
+            if ops is None:
+                host_queue.append(p)
+            else:
+                bulk.append((p, ops))
+        # Unverified resident chunks (verified when saved, not on every fetch): one GIL-free copy
+        # over all of them on ``copy_threads`` threads, on the copier, while this thread keeps the
+        # SSDs busy. Verified ones are hashed and copied by this thread AND the copier, one chunk
+        # each at a time (hashing, not memory, limits one thread).
+        copier = None
+        if bulk:
+            copier = self.copy_thread.submit(self._copy_resident, bulk)
+        elif len(host_queue) > 1:
+            copier = self.copy_thread.submit(self._drain_resident, host_queue)
+        inflight: dict[int, deque[_Wave]] = defaultdict(deque)
+        last_done: dict[int, float] = {}
+        while host_queue or any(queues.values()) or any(inflight.values()):
+            progressed = False
+            for d in list(queues):
+                self._fill(d, queues[d], inflight[d], fits)
+                while inflight[d] and self.tiers[d].poll(inflight[d][0].ticket):
+                    self._finish_wave(d, inflight[d].popleft(), last_done, layer_major)
+                    progressed = True
+            if (p := pop(host_queue)) is not None:
+                self._read_resident(p, scatter=True, threads=1 if copier else self.copy_threads)
+            elif not progressed:
+                busy = [d for d in inflight if inflight[d]]
+                if len(busy) == 1:  # one device left: sleep in the kernel until it is done
+                    self._finish_wave(busy[0], inflight[busy[0]].popleft(), last_done, layer_major)
+                else:
+                    time.sleep(0.0002)
+        if copier is not None:
+            copier.result()
+        if layer_major:
+            plan = self.copier.prepare(self.layout, [(p.read, p.buf.view) for p in pending
+                                                     if p.ok and p.buf is not None])  # fmt: skip
+            for li, event in enumerate(events):
+                marks[li] = self.copier.load_layer(self.layout, li, plan)
+                event.set()
+            self.copier.synchronize()  # before the staging buffers are reused
+            self._release(pending)
+        self.copier.synchronize()
+        self.accounts.loads_failed([(p.req, p.read) for p in pending if not p.ok])
+
+    def _expected(self, r: ChunkRead) -> int | None:
+        """The checksum a read must match (None: unverified). Bytes read from a device are
+        always verified; a host-resident chunk was verified when it was saved, so only with
+        ``verify_checksums`` (or a restored chunk's first read)."""
+        if not self.tiers[r.device].resident or self.verify or r.verify:
+            return r.checksums.get(self.rank)
+        return None
+
+    def _unverified_ops(self, p: _PendingRead) -> np.ndarray | None:
+        """Copy rows of a resident chunk that needs no verification and goes to the KV whole."""
+        r = p.read
+        if self._expected(r) is not None or not self.layout.whole_read(r):
+            return None
+        p.buf = self.tiers[r.device].load_buffer(r.slot, p.nbytes)
+        assert p.buf is not None  # resident media never run out of buffers
+        return self._read_ops(r, p.buf.address)
+
+    def _read_ops(self, r: ChunkRead, address: int) -> np.ndarray | None:
+        """The C++ copy rows of a read from ``address``; None unless the KV is host memory the
+        core can address (else the copier moves it, layer by layer)."""
+        return self.layout.read_ops(r, address) if self.copier.kv_addressable else None
+
+    def _copy_resident(self, chunks: list[tuple[_PendingRead, np.ndarray]]) -> None:
+        start = time.perf_counter()
+        self.io.copy_many(np.concatenate([ops for _, ops in chunks]), threads=self.copy_threads)
+        elapsed = time.perf_counter() - start
+        total = sum(p.nbytes for p, _ in chunks)
+        by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
+        for p, _ in chunks:
+            by_device[p.read.device].append(ReadOutcome(p.read, p.nbytes, "ok"))
+        for device, outcomes in by_device.items():  # one pass for all: each device's share
+            share = sum(o.nbytes for o in outcomes) / total
+            self.accounts.reads_done(device, outcomes, elapsed * share)
+
+    def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
+        """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
+        r = p.read
+        if (not self.copier.kv_addressable or not self.layout.whole_read(r)
+                or handler.io_length(p.nbytes) != p.nbytes):  # fmt: skip
+            return None
+        return self.layout.read_segments(r, handler.mem_alignment, handler.alignment)
+
+    def _fill(self, device: int, queue: deque[_PendingRead], waves: deque[_Wave],
+              fits: bool) -> None:  # fmt: skip
+        """Submit reads until two waves are in flight or the staging buffers are all taken."""
+        handler = self.tiers[device]
+        if handler.failed:  # failed mid-batch: the rest of its reads are misses
+            for p in queue:
+                p.ok = False
+            queue.clear()
+            return
+        wave_size = handler.staging_slots if fits else max(1, handler.staging_slots // 2)
+        while queue and len(waves) < 2:
+            wave: list[_PendingRead] = []
+            ops = []
+            staged = 0  # reads of this wave that take a staging buffer (direct ones do not)
+            while queue and staged < wave_size:
+                p = queue[0]
+                target: Any = p.segments
+                if target is None:
+                    p.buf = handler.load_buffer(p.read.slot, p.nbytes)
+                    if p.buf is None:
+                        break  # staging busy (also used by saves): retry on the next round
+                    staged += 1
+                    target = p.buf.address
+                queue.popleft()
+                wave.append(p)
+                expected = self._expected(p.read)
+                ops.append(LoadOp(p.read.slot, target, p.nbytes, expected))
+            if not wave:
+                return
+            try:
+                waves.append(_Wave(handler.submit_load(ops), wave, time.perf_counter()))
+            except OSError as exc:
+                self.health.failed(device, str(exc))
+                for p in (*wave, *queue):
+                    p.ok = False
+                self._release(wave)
+                queue.clear()
+                return
+
+    def _finish_wave(self, device: int, wave: _Wave, last_done: dict[int, float],
+                     layer_major: bool) -> None:  # fmt: skip
+        handler = self.tiers[device]
+        results = handler.wait(wave.ticket)
+        now = time.perf_counter()
+        # Waves overlap: charge the device only for the time since its previous completion.
+        elapsed = now - max(wave.submitted, last_done.get(device, 0.0))
+        last_done[device] = now
+        outcomes = []
+        corrupt_slots: list[int] = []
+        for p, r in zip(wave.reads, results, strict=True):
+            outcomes.append(ReadOutcome(p.read, p.nbytes, "ok" if r.ok else r.status, r.message))
+            if r.ok:
+                continue
+            p.ok = False
+            if r.status == "corrupt":
+                corrupt_slots.append(p.read.slot)
+            else:
+                self.health.failed(device, r.message)
+        if corrupt_slots:  # its record must not offer the chunk again after a restart
+            try:
+                handler.retire(corrupt_slots)
+            except OSError as exc:
+                self.health.failed(device, str(exc))
+        self.accounts.reads_done(device, outcomes, elapsed, observe=True)
+        if not layer_major:
+            for p in wave.reads:
+                if p.ok and p.buf is not None:
+                    self._scatter(p, self.copy_threads)
+            self.copier.synchronize()  # before the staging buffers are reused
+            self._release(wave.reads)
+
+    def _scatter(self, p: _PendingRead, threads: int) -> None:
+        """Copy a chunk buffer into its KV blocks, all layers in one pass where it can."""
+        assert p.buf is not None
+        r = p.read
+        ops = self._read_ops(r, p.buf.address)
+        if ops is not None:
+            self.io.copy_many(ops, threads=threads)
+            return
+        plan = self.copier.prepare(self.layout, [(r, p.buf.view)])
+        for li in range(len(self.layout.layers)):
+            self.copier.load_layer(self.layout, li, plan)
+
+    def _drain_resident(self, chunks: deque[_PendingRead]) -> None:
+        while (p := pop(chunks)) is not None:
+            self._read_resident(p, scatter=True, threads=1)
+
+    def _read_resident(self, p: _PendingRead, scatter: bool, threads: int = 1) -> None:
+        """Verify a resident chunk; with ``scatter``, copy it into the KV blocks in the same pass
+        (a corrupt chunk's blocks are reported invalid and recomputed, so its bytes do no harm)."""
+        handler = self.tiers[p.read.device]
+        start = time.perf_counter()
+        p.buf = handler.load_buffer(p.read.slot, p.nbytes)
+        assert p.buf is not None  # resident media never run out of buffers
+        r = p.read
+        expected = self._expected(r)
+        ops = None
+        if scatter and expected is not None and self.layout.whole_read(r):
+            # The whole chunk goes to the KV in byte order: hash it while it is copied.
+            ops = self._read_ops(r, p.buf.address)
+        if ops is not None:
+            p.ok = self.io.copy_many_checksum(ops) == expected
+        else:
+            if expected is not None:
+                (outcome,) = handler.wait(handler.submit_load(
+                    [LoadOp(r.slot, p.buf.address, p.nbytes, expected)]))  # fmt: skip
+                p.ok = outcome.ok
+            if scatter and p.ok:
+                self._scatter(p, threads)
+        self.accounts.reads_done(p.read.device, [ReadOutcome(p.read, p.nbytes,
+                                                             "ok" if p.ok else "corrupt")],
+                                 time.perf_counter() - start)  # fmt: skip
+
+    @staticmethod
+    def _release(reads: list[_PendingRead]) -> None:
+        for p in reads:
+            if p.buf is not None:
+                p.buf.release()
+            p.buf = None
