@@ -102,13 +102,18 @@ class Harness:
     @classmethod
     def build(cls, vllm_config, num_blocks: int = 256, layout: str = "LBHNC",
               page_aligned: bool = False) -> Harness:  # fmt: skip
+        kv_config, kv = make_kv_cache(num_blocks, layout, page_aligned)
+        return cls.over(vllm_config, kv_config, kv)
+
+    @classmethod
+    def over(cls, vllm_config: Any, kv_config: Any, kv: dict[str, torch.Tensor]) -> Harness:
+        """vLLM's real scheduler and a worker-role connector over these KV tensors."""
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        kv_config, kv = make_kv_cache(num_blocks, layout, page_aligned)
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        vllm_config.cache_config.num_gpu_blocks = kv_config.num_blocks
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config, log_stats=True,
                               structured_output_manager=StructuredOutputManager(vllm_config),
                               block_size=BLOCK_SIZE)  # fmt: skip

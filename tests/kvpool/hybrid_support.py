@@ -83,19 +83,8 @@ class HybridHarness(Harness):
     @classmethod
     def build_hybrid(cls, vllm_config: Any, num_blocks: int = 256, hma: bool = True,
                      worker: bool = True) -> HybridHarness:  # fmt: skip
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
-
         kv_config, kv = make_hybrid_kv_cache(vllm_config, num_blocks, hma)
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
-        scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config, log_stats=True,
-                              structured_output_manager=StructuredOutputManager(vllm_config),
-                              block_size=BLOCK_SIZE)  # fmt: skip
-        w = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_config)
-        w.register_kv_caches(kv)
-        h = cls(scheduler, w, kv)
+        h = cls.over(vllm_config, kv_config, kv)
         h.kv_config = kv_config
         return h
 
