@@ -12,10 +12,16 @@ with X = uring GB/s / buffered GB/s and Y = buffered sys-s/GB / uring sys-s/GB.
 
 With --backend spdk (needs the module built with SPDK and a target: --trid or KVPOOL_SPDK_TRID)
 it instead reads the namespace through the `spdk` backend (checksum-verified, --queue-depth ops
-of --chunk-mib in flight) and, alternating with it, runs SPDK's own `spdk_nvme_perf` (--perf or
-on PATH) at the same queue depth and I/O size; the last line is
+of --chunk-mib in flight) and, interleaved with it (ABBA order), runs SPDK's own
+`spdk_nvme_perf` (--perf or on PATH) at the same queue depth and I/O size. Both are pinned to
+the same CPUs (--perf-core-mask: perf's -c, the backend's poller and this process's threads), so
+neither gets a core the other lacks; loopback NVMe/TCP swings widely on a VM, so the default is
+--repeats 9 and the spread of the per-pair ratios is printed. The last line is
 
-    spdk_gbps=X nvme_perf_gbps=Y ratio_vs_nvme_perf=X/Y
+    spdk_gbps=X perf_gbps=Y ratio_vs_spdk_perf=P
+
+with P the median over the pairs of X/Y (each pair run back to back). Measure with the target's
+polling core excluded: ``quiet-run --exclude-pid <nvmf_tgt pid> -- ...``.
 
     .venv/bin/python benchmarks/bench_kvio.py --size-gib 2
     .venv/bin/python benchmarks/bench_kvio.py --backend spdk --trid "$KVPOOL_SPDK_TRID" --size-gib 1
@@ -165,6 +171,19 @@ def run_nvme_perf(perf: str, trid: str, qd: int, chunk: int, seconds: float, mas
                s1.ru_utime - s0.ru_utime)
 
 
+def cpus_of_mask(mask: str) -> set[int]:
+    """CPUs of an SPDK core mask ("0x5") or list ("0,2", "[1-3]")."""
+    mask = mask.strip().strip("[]")
+    if mask.lower().startswith("0x"):
+        bits = int(mask, 16)
+        return {i for i in range(bits.bit_length()) if bits >> i & 1}
+    cpus: set[int] = set()
+    for part in mask.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def main_spdk(args: argparse.Namespace, chunk: int, size: int) -> int:
     trid = args.trid or os.environ.get("KVPOOL_SPDK_TRID", "")
     why = ("module built without SPDK" if "spdk" not in _kvio.backends()
@@ -175,6 +194,8 @@ def main_spdk(args: argparse.Namespace, chunk: int, size: int) -> int:
     if why:
         print(f"spdk: skipped ({why})")
         return 0
+    # The same CPUs as spdk_nvme_perf -c: the backend's poller (below) and this process.
+    os.sched_setaffinity(0, cpus_of_mask(args.perf_core_mask))
     # The Device's queue depth counts NVMe commands: --queue-depth ops of one chunk each, split
     # to the controller's max transfer size, as spdk_nvme_perf splits its I/Os.
     with _kvio.Device(trid, backend="spdk", name="bench-probe") as d:
@@ -198,27 +219,40 @@ def main_spdk(args: argparse.Namespace, chunk: int, size: int) -> int:
             sums += [r.checksum for r in dev.write(
                 [(i * chunk, src.address, chunk) for i in range(first, min(size // chunk, first + 32))])]
         last = 1.0
-        for rep in range(args.repeats):
-            run = bench_device("spdk", dev, pool, size, chunk, sums, args.queue_depth)
-            last = run.seconds
-            results.setdefault("spdk", []).append(run)
-            prun = run_nvme_perf(perf, trid, args.queue_depth, chunk, last, args.perf_core_mask)
-            results.setdefault("spdk_nvme_perf", []).append(prun)
-            print(f"  [{rep + 1}/{args.repeats}] spdk {run.gbps:6.2f} GB/s   spdk_nvme_perf "
-                  f"{prun.gbps:6.2f} GB/s", flush=True)
+        ratios = []
+        for rep in range(args.repeats):  # ABBA: neither method always runs first
+            order = ("spdk", "perf") if rep % 2 == 0 else ("perf", "spdk")
+            pair: dict[str, Run] = {}
+            for method in order:
+                if method == "spdk":
+                    pair[method] = bench_device("spdk", dev, pool, size, chunk, sums,
+                                                args.queue_depth)  # fmt: skip
+                    last = pair[method].seconds
+                else:
+                    pair[method] = run_nvme_perf(perf, trid, args.queue_depth, chunk, last,
+                                                 args.perf_core_mask)  # fmt: skip
+            results.setdefault("spdk", []).append(pair["spdk"])
+            results.setdefault("spdk_nvme_perf", []).append(pair["perf"])
+            ratios.append(pair["spdk"].gbps / pair["perf"].gbps)
+            print(f"  [{rep + 1}/{args.repeats}] spdk {pair['spdk'].gbps:6.2f} GB/s   "
+                  f"spdk_nvme_perf {pair['perf'].gbps:6.2f} GB/s   ratio {ratios[-1]:.2f}",
+                  flush=True)  # fmt: skip
     med = {m: statistics.median(r.gbps for r in rs) for m, rs in results.items()}
     spread = {m: (min(r.gbps for r in rs), max(r.gbps for r in rs)) for m, rs in results.items()}
     for m in med:
         print(f"{m:<16} median {med[m]:6.2f} GB/s  (min {spread[m][0]:.2f}, max {spread[m][1]:.2f})")
-    ratio = med["spdk"] / med["spdk_nvme_perf"]
+    ratio = statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratio, ratio, ratio]
+    print(f"ratio per pair: median {ratio:.2f}, quartiles {q[0]:.2f}-{q[2]:.2f}, "
+          f"min {min(ratios):.2f}, max {max(ratios):.2f} (n={len(ratios)})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_kvio_spdk.json").write_text(json.dumps(
         {"size_bytes": size, "chunk_bytes": chunk, "queue_depth_ops": args.queue_depth,
-         "queue_depth_commands": qd_cmds, "trid": trid,
+         "queue_depth_commands": qd_cmds, "trid": trid, "core_mask": args.perf_core_mask,
          "runs": {m: [asdict(r) | {"gbps": r.gbps} for r in rs] for m, rs in results.items()},
-         "ratio_vs_nvme_perf": ratio}, indent=2))
-    print(f"spdk_gbps={med['spdk']:.2f} nvme_perf_gbps={med['spdk_nvme_perf']:.2f} "
-          f"ratio_vs_nvme_perf={ratio:.2f}")
+         "ratios": ratios, "ratio_vs_spdk_perf": ratio}, indent=2))
+    print(f"spdk_gbps={med['spdk']:.2f} perf_gbps={med['spdk_nvme_perf']:.2f} "
+          f"ratio_vs_spdk_perf={ratio:.2f}")
     return 0
 
 
@@ -229,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-gib", type=float, default=2.0, help="bytes to read per method (>= 2)")
     ap.add_argument("--chunk-mib", type=int, default=2, help="chunk size in MiB")
     ap.add_argument("--queue-depth", type=int, default=32, help="ops (chunks) in flight")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per method (median reported)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per method, median reported (default 3; spdk 9)")
     ap.add_argument("--dir", type=Path, default=REPO / ".tmp", help="where the device file lives")
     ap.add_argument("--out", type=Path, default=REPO / "out", help="JSON results go here")
     ap.add_argument("--trid", default="", help="spdk: transport id (default KVPOOL_SPDK_TRID)")
@@ -239,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="spdk: poller CPUs of the backend (default: --perf-core-mask, the same "
                          "core spdk_nvme_perf polls on)")
     args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 9 if args.backend == "spdk" else 3
     if args.size_gib <= 0 or args.chunk_mib <= 0 or args.repeats <= 0:
         ap.error("--size-gib, --chunk-mib and --repeats must be positive")
     chunk = args.chunk_mib * MiB

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make spdk-check`: the SPDK backend's tests against real NVMe/TCP targets on loopback (SPDK
+# built outside the repo as /work/shared/spdk/RECIPE.md says; the module rebuilt with it). The
+# handler tests share one target started here; tests/kvpool/test_spdk.py starts, kills and
+# restarts its own. Needs root (huge pages).
+set -euo pipefail
+: "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix (bin/nvmf_tgt)}"
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export LD_LIBRARY_PATH="$SPDK_DIR/lib:${LD_LIBRARY_PATH:-}"
+"$PY" -c "from vllm_kvpool import _kvio; assert 'spdk' in _kvio.backends(), \
+'the module was built without SPDK: rebuild with PKG_CONFIG_PATH=\$SPDK_DIR/lib/pkgconfig'"
+state=$(mktemp -d /tmp/kvpool-spdk-check.XXXXXX)
+export KVPOOL_TGT_DIR=$state KVPOOL_TGT_PORT=4430
+trid=$(bash scripts/spdk_nvmf_target.sh start | tail -1)
+trap 'KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh kill; rm -rf "$state"' EXIT
+KVPOOL_SPDK_TRID="$trid" "$PY" -m pytest -q -ra tests/kvpool/test_handlers.py -k spdk
+bash scripts/spdk_nvmf_target.sh kill  # one polling target at a time on these cores
+env -u KVPOOL_TGT_DIR -u KVPOOL_TGT_PORT "$PY" -m pytest -q -ra tests/kvpool/test_spdk.py
