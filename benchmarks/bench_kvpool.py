@@ -602,6 +602,11 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
                    "retrieve_timeout": args.lmcache_timeout}]  # fmt: skip
     out["S2"] = {"devices": [{"host": {"capacity": host2 * s}}, ssd0], "pools": full,
                  "lmcache": s2_lmc}  # fmt: skip
+    if args.spdk_trid:  # S1 with its SSD share on an SPDK namespace instead of io_uring
+        spdk = {"ssd": {"name": "spdk0", "path": "spdk0", "backend": "spdk",
+                        "spdk_trid": args.spdk_trid, "capacity": (n - host1 + 8) * s}}  # fmt: skip
+        out["S1-spdk"] = {"devices": [{"host": {"capacity": host1 * s}}, spdk], "pools": full,
+                          "lmcache": []}  # fmt: skip
     if dev is not None and dev.second is not None:
         h = max(1, host2 // 2)
         second = {"ssd": {"path": dev.second, "backend": dev.second_backend,
@@ -731,7 +736,7 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     best_lmc = min(s1_lmc, key=lambda k: med(times[k])) if s1_lmc else None
     x = ratio(best_lmc, "S1/pool") if best_lmc else float("nan")
     xv = ratio(best_lmc, "S1/pool-verify") if best_lmc else float("nan")
-    fracs = {s: bound_fracs(results, s) for s in ("S1", "S2", "S3")}
+    fracs = {s: bound_fracs(results, s) for s in ("S1", "S1-spdk", "S2", "S3")}
     f = med(fracs["S1"]) if fracs["S1"] else float("nan")
     w = med(fracs["S3"]) if fracs["S3"] else float("nan")
     v = ratio("S1/serial", "S1/pool")
@@ -752,6 +757,10 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             if max(fr) > 1.0:
                 log(f"{s}: WARNING the pool beat its in-run bound in some repetition (> 1): the "
                     "bound's parts were measured slower than the whole; treat F as noise-limited")
+    if times.get("S1-spdk/pool") and times.get("S1/pool"):
+        log(f"S1-spdk: the pool with its SSD share on SPDK / on io_uring (seconds): "
+            f"{ratio('S1-spdk/pool', 'S1/pool'):.2f}; SSD share alone, SPDK / io_uring: "
+            f"{ratio('S1-spdk/alone:spdk0', 'S1/alone:ssd0'):.2f}")
     for other, what in (("pool-rr", "round robin (a uniform split: equal chunks per device)"),
                         ("pool-tiered", "tiered (fill host pools, then SSDs, in config order)")):
         if times.get(f"S3/{other}") and times.get("S3/pool"):
@@ -815,7 +824,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-fraction", type=float, default=0.875, help="S1 host share (< 1)")
     p.add_argument("--small-host-fraction", type=float, default=0.5, help="S2/S3 host share")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--scenarios", nargs="*", choices=("S1", "S2", "S3"), default=None)
+    p.add_argument("--scenarios", nargs="*", choices=("S1", "S1-spdk", "S2", "S3"), default=None)
+    p.add_argument("--spdk-trid", default="",
+                   help="also run S1-spdk: S1 with its SSD share on this SPDK namespace (an "
+                        "NVMe/TCP target, /work/shared/spdk/RECIPE.md; the module built with SPDK)")
     p.add_argument("--throttle-mbps", type=int, default=1500,
                    help="read limit of the second SSD (cgroup io.max / blkio)")  # fmt: skip
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if importable")
