@@ -44,6 +44,7 @@ class Target:
     """One nvmf_tgt over a RAM bdev, driven by scripts/spdk_nvmf_target.sh."""
 
     def __init__(self, state: Path, port: int) -> None:
+        self.log = state / "nvmf_tgt.log"
         self.env = {**os.environ, "KVPOOL_TGT_DIR": str(state), "KVPOOL_TGT_PORT": str(port),
                     "KVPOOL_TGT_MALLOC_MIB": "256"}  # fmt: skip
         self.trid = ""
@@ -51,7 +52,8 @@ class Target:
     def _run(self, action: str) -> str:
         out = subprocess.run(["bash", str(SCRIPT), action], env=self.env, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
-        assert out.returncode == 0, f"{action}: {out.stdout}{out.stderr}"
+        log = self.log.read_text()[-2000:] if self.log.exists() else ""
+        assert out.returncode == 0, f"{action}: {out.stdout}{out.stderr}\n{log}"
         return out.stdout.strip()
 
     def start(self) -> None:
@@ -128,6 +130,26 @@ def test_spdk_device_recovers_after_the_target_restarts(tmp_path, target):
         r = pool.fetch(again, ids)
         assert r.ok and r.blocks == blocks
         assert all(torch.equal(kv[k], kv2[k]) for k in kv)
+
+
+def _threads_named(name: str) -> list[Path]:
+    return [t for t in Path("/proc/self/task").iterdir()
+            if (t / "comm").read_text().strip() == name]  # fmt: skip
+
+
+def test_poller_pinned_to_its_mask_and_the_caller_left_alone(target):
+    """The controller's poller runs on ``spdk_core_mask`` (what bench_kvio gives it: the cores
+    spdk_nvme_perf polls on); the thread that opened the device keeps its own affinity."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    with kvio().Device(target.trid, backend="spdk", name="pin-test",
+                       spdk_core_mask=hex(1 << cpu)) as dev:  # fmt: skip
+        assert dev.capacity > 0
+        pollers = _threads_named("kvio-spdk-poll")
+        assert pollers, "no SPDK poller thread"
+        allowed = [os.sched_getaffinity(int(t.name)) for t in pollers]
+        assert {cpu} in allowed, allowed
+        assert os.sched_getaffinity(0) == before
 
 
 # ----------------------------------------------------------------------------- kvpool serve
