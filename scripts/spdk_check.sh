@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make spdk-check`: the SPDK backend's tests against real NVMe/TCP targets on loopback (SPDK
 # built outside the repo as /work/shared/spdk/RECIPE.md says; the module rebuilt with it). The
-# handler tests share one target started here; tests/kvpool/test_spdk.py starts, kills and
+# engine's and handler's tests share one target started here; tests/kvpool/test_spdk.py starts, kills and
 # restarts its own. Needs root (huge pages).
 set -euo pipefail
 : "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix (bin/nvmf_tgt)}"
@@ -14,6 +14,7 @@ state=$(mktemp -d /tmp/kvpool-spdk-check.XXXXXX)
 export KVPOOL_TGT_DIR=$state KVPOOL_TGT_PORT=4430
 trid=$(bash scripts/spdk_nvmf_target.sh start | tail -1)
 trap 'KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh kill; rm -rf "$state"' EXIT
-KVPOOL_SPDK_TRID="$trid" "$PY" -m pytest -q -ra tests/kvpool/test_handlers.py -k spdk
+KVPOOL_SPDK_TRID="$trid" KVPOOL_SPDK_TARGET_CTL="$PWD/scripts/spdk_nvmf_target.sh" \
+  "$PY" -m pytest -q -ra tests/kvio/test_kvio_spdk.py tests/kvpool/test_handlers.py -k spdk
 bash scripts/spdk_nvmf_target.sh kill  # one polling target at a time on these cores
 env -u KVPOOL_TGT_DIR -u KVPOOL_TGT_PORT "$PY" -m pytest -q -ra tests/kvpool/test_spdk.py
