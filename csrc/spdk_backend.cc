@@ -274,6 +274,7 @@ struct Queue {
   std::deque<Request*> pending;       // guarded by Controller::mu_
   bool paused = false;                // guarded by Controller::mu_ (re-registering memory)
   std::atomic<uint64_t> outstanding{0};  // submitted, completion callback not yet run
+  std::atomic<uint64_t> unfinished{0};   // submitted, not yet completed (what stats() reports)
   std::atomic<uint64_t> active{0};       // taken by the poller, not yet finished
   std::unique_ptr<Completer> completer;
   std::vector<Region> regions;
@@ -775,6 +776,8 @@ class SpdkBackend final : public Backend {
     if (q_.nsid == 0) q_.nsid = ctrl_->first_active_ns();
     q_.completer = std::make_unique<Completer>(
         [this](Request* r, int err, const std::string& detail) {
+          // Not in flight any more before the waiter wakes: stats() right after wait() reads 0.
+          --q_.unfinished;
           q_.opts.complete(r, err, detail);
           --q_.outstanding;  // after the callback: close() waits for this
         });
@@ -790,7 +793,7 @@ class SpdkBackend final : public Backend {
   }
 
   const char* name() const override { return "spdk"; }
-  uint64_t inflight() const override { return q_.outstanding.load(); }
+  uint64_t inflight() const override { return q_.unfinished.load(); }
   bool needs_hugetlb() const override { return ctrl_ && ctrl_->is_pcie(); }
   std::string state() const override {
     return ctrl_ ? state_name(ctrl_->state()) : "closed";
@@ -799,6 +802,7 @@ class SpdkBackend final : public Backend {
 
   void submit(const std::vector<Request*>& reqs) override {
     q_.outstanding += reqs.size();
+    q_.unfinished += reqs.size();
     ctrl_->submit(&q_, reqs);
   }
 
