@@ -10,6 +10,9 @@
 #include "common.h"
 #include "copy.h"
 #include "device.h"
+#ifdef KVPOOL_FAULT_INJECTION
+#include "fault.h"
+#endif
 #include "host_pool.h"
 #include "log.h"
 #include "probe.h"
@@ -25,6 +28,11 @@ using namespace kvio;
 #endif
 #ifndef KVPOOL_SPDK_VERSION
 #define KVPOOL_SPDK_VERSION ""
+#endif
+#ifdef KVPOOL_FAULT_INJECTION
+constexpr bool fault_injection_compiled = true;
+#else
+constexpr bool fault_injection_compiled = false;
 #endif
 
 namespace {
@@ -316,9 +324,55 @@ PYBIND11_MODULE(_kvio, m) {
 #else
     d["spdk"] = false;
 #endif
+    d["fault_injection"] = fault_injection_compiled;
     d["compiler"] = __VERSION__;
     return d;
   });
+  m.def("fault_injection", [] { return fault_injection_compiled; },
+        "Whether this build can inject device faults (KVPOOL_FAULT_INJECTION, test builds).");
+  m.def(
+      "set_faults",
+      [](const std::string& spec) {
+#ifdef KVPOOL_FAULT_INJECTION
+        set_faults(spec);
+#else
+        throw std::runtime_error(
+            "set_faults: vllm_kvpool._kvio was built without fault injection "
+            "(-DKVPOOL_FAULT_INJECTION=ON, test builds only)");
+#endif
+      },
+      py::arg("spec"),
+      "Replace the fault rules (KVPOOL_FAULTS syntax; counters restart; \"\" clears).");
+  m.def(
+      "faults",
+      [] {
+        py::list out;
+#ifdef KVPOOL_FAULT_INJECTION
+        for (const FaultRule& r : current_faults()) {
+          py::dict d;
+          d["device"] = r.device;
+          d["op"] = r.write ? "write" : "read";
+          d["errno"] = r.err;
+          d["after"] = r.after;
+          d["count"] = r.count;
+          d["seen"] = r.seen;
+          d["injected"] = r.injected;
+          out.append(d);
+        }
+#endif
+        return out;
+      },
+      "The fault rules in force with their counters ([] without fault injection).");
+  m.def(
+      "faults_injected",
+      [] {
+        uint64_t n = 0;
+#ifdef KVPOOL_FAULT_INJECTION
+        for (const FaultRule& r : current_faults()) n += r.injected;
+#endif
+        return n;
+      },
+      "Requests failed by fault rules so far (0 without fault injection).");
   m.def("numa_nodes", &numa_nodes, "NUMA nodes with memory ([0] without libnuma).");
   m.def("flush_log", &flush_engine_log,
         "Move queued engine log records (SPDK, reconnects) into logger 'vllm_kvpool.kvio' "

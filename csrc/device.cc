@@ -9,9 +9,15 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 
 #include "checksum.h"
 #include "common.h"
+#ifdef KVPOOL_FAULT_INJECTION
+#include "fault.h"
+#else
+#include "log.h"
+#endif
 
 namespace kvio {
 namespace {
@@ -21,6 +27,28 @@ std::string hex64(uint64_t v) {
   std::snprintf(b, sizeof(b), "0x%016" PRIx64, v);
   return b;
 }
+
+// The backend `make` builds; a fault-injection build puts the fault wrapper in front of it.
+template <typename Make>
+std::unique_ptr<Backend> make_backend(const BackendOptions& opts, Make&& make) {
+#ifdef KVPOOL_FAULT_INJECTION
+  return with_faults(opts, make);
+#else
+  return make(opts);
+#endif
+}
+
+#ifndef KVPOOL_FAULT_INJECTION
+// A user build ignores KVPOOL_FAULTS, once said.
+void warn_faults_ignored() {
+  static std::atomic<bool> warned{false};
+  const char* env = std::getenv("KVPOOL_FAULTS");
+  if (!env || !*env || warned.exchange(true)) return;
+  engine_log(kLogWarning, "KVPOOL_FAULTS",
+             "KVPOOL_FAULTS is set but this build has no fault injection "
+             "(-DKVPOOL_FAULT_INJECTION=ON, test builds only): ignored");
+}
+#endif
 
 }  // namespace
 
@@ -59,11 +87,18 @@ Device::Device(const DeviceOptions& opts) : opts_(opts) {
   bo.complete = [this](Request* r, int err, const std::string& detail) {
     on_complete(r, err, detail);
   };
+#ifdef KVPOOL_FAULT_INJECTION
+  load_env_faults();  // a subprocess (kvpool serve) gets its rules from the environment
+#else
+  warn_faults_ignored();
+#endif
 
   if (opts_.backend == "spdk") {
 #ifdef KVPOOL_HAVE_SPDK
     SpdkGeometry geo;
-    backend_ = make_spdk_backend(bo, opts_.path, &geo);
+    backend_ = make_backend(bo, [&](const BackendOptions& o) {
+      return make_spdk_backend(o, opts_.path, &geo);
+    });
     kind_ = "spdk";
     align_ = geo.sector_size;
     mem_align_ = 4;  // NVMe PRP/SGL entries need dword-aligned payloads
@@ -79,7 +114,8 @@ Device::Device(const DeviceOptions& opts) : opts_(opts) {
     open_fd_device();
     bo.fd = fd_;
     try {
-      backend_ = opts_.backend == "uring" ? make_uring_backend(bo) : make_posix_backend(bo);
+      backend_ = make_backend(bo, opts_.backend == "uring" ? make_uring_backend
+                                                           : make_posix_backend);
     } catch (...) {
       ::close(fd_);
       throw;
