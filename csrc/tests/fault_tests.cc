@@ -14,16 +14,10 @@
 #include "fault.h"
 #include "host_pool.h"
 
+#include "check.h"
+
 using namespace kvio;
 
-static int g_failures = 0;
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                                  \
-    }                                                                                \
-  } while (0)
 
 static bool rejected(const std::string& spec, const std::string& says) {
   try {
@@ -203,10 +197,5 @@ int main(int argc, char** argv) {
   test_device(dir + "/kvio_fault_uring.img", "uring");
   test_device(dir + "/kvio_fault_posix.img", "posix");
   test_env(dir + "/kvio_fault_env.img");
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("kvio fault tests passed\n");
-  return 0;
+  return finish("kvio fault tests");
 }

@@ -22,16 +22,10 @@
 #include "log.h"
 #include "probe.h"
 
+#include "check.h"
+
 using namespace kvio;
 
-static int g_failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                   \
-    }                                                                 \
-  } while (0)
 
 template <typename F>
 static bool throws_kind(ErrorKind kind, F&& f) {
@@ -253,10 +247,5 @@ int main(int argc, char** argv) {
   roundtrip(dir + "/kvio_unit_posix.img", "posix");
   concurrency(dir + "/kvio_unit_cc_uring.img", "uring");
   concurrency(dir + "/kvio_unit_cc_posix.img", "posix");
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("kvio unit tests passed\n");
-  return 0;
+  return finish("kvio unit tests");
 }

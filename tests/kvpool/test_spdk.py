@@ -80,6 +80,16 @@ def _kv(seed: int, blocks: int) -> dict[str, torch.Tensor]:
     return {f"l{i}": torch.randn(blocks, 2, 16, 32, generator=g) for i in range(2)}
 
 
+def _round_trip(pool, hashes: list[bytes], ids: list[int], kv: dict, want: dict) -> None:
+    """Save the KV (equal to ``want``), zero it, fetch it back: byte for byte."""
+    assert pool.save(hashes, ids) == len(ids) // 4
+    for t in kv.values():
+        t.zero_()
+    r = pool.fetch(hashes, ids)
+    assert r.ok and r.blocks == len(ids)
+    assert all(torch.equal(kv[k], want[k]) for k in kv)
+
+
 def test_spdk_device_recovers_after_the_target_restarts(tmp_path, target):
     """Save to the SPDK device, SIGKILL the target: loads fail and are reported (never wrong
     bytes), the device is marked failed and its chunks become misses; once the target is back
@@ -97,12 +107,7 @@ def test_spdk_device_recovers_after_the_target_restarts(tmp_path, target):
     kv = _kv(0, blocks)
     want = {k: t.clone() for k, t in kv.items()}
     with LocalPool(config, kv, blocks, 16) as pool:
-        assert pool.save(hashes, ids) == blocks // 4
-        for t in kv.values():
-            t.zero_()
-        r = pool.fetch(hashes, ids)
-        assert r.ok and r.blocks == blocks
-        assert all(torch.equal(kv[k], want[k]) for k in kv)
+        _round_trip(pool, hashes, ids, kv, want)
 
         target.kill()
         for t in kv.values():
@@ -123,13 +128,7 @@ def test_spdk_device_recovers_after_the_target_restarts(tmp_path, target):
         kv2 = _kv(1, blocks)
         for k in kv:
             kv[k].copy_(kv2[k])
-        again = [f"spdk-again-{i}".encode() for i in range(blocks)]
-        assert pool.save(again, ids) == blocks // 4
-        for t in kv.values():
-            t.zero_()
-        r = pool.fetch(again, ids)
-        assert r.ok and r.blocks == blocks
-        assert all(torch.equal(kv[k], kv2[k]) for k in kv)
+        _round_trip(pool, [f"spdk-again-{i}".encode() for i in range(blocks)], ids, kv, kv2)
 
 
 def _threads_named(name: str) -> list[Path]:
