@@ -141,8 +141,6 @@ class Journal:
     """The run's files in the work directory, one JSON object a line, appended and flushed as
     things happen (a killed run keeps everything it saw)."""
 
-    NAMES = ("requests", "reference", "statuses", "samples", "events")
-
     def __init__(self, work: Path) -> None:
         self.work = work
         self.lock = threading.Lock()
