@@ -554,7 +554,7 @@ def plot_rss(rss: list[tuple[float, float, int]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--short", action="store_true", help="test-suite mode (<= 3 minutes)")
-    p.add_argument("--seconds", type=float, default=None, help="load time (default 210; short 16)")
+    p.add_argument("--seconds", type=float, default=None, help="load time (default 180; short 16)")
     p.add_argument("--clients", type=int, default=None, help="concurrent clients (4; short 2)")
     p.add_argument("--workdir", type=Path, default=Path("out/soak_kvpool"))
     p.add_argument("--out", type=Path, default=Path("out"), help="RSS plot and JSON summary")
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             journal.close()
         return report(journal, meta["pool"], args.out, log)
 
-    seconds = args.seconds or (16.0 if args.short else 210.0)
+    seconds = args.seconds or (16.0 if args.short else 180.0)
     clients = args.clients or (2 if args.short else 4)
     faults = FAULT_RULES if fault_injection() else ""
     shutil.rmtree(work, ignore_errors=True)
