@@ -13,7 +13,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,6 +151,28 @@ def test_poller_pinned_to_its_mask_and_the_caller_left_alone(target):
         allowed = [os.sched_getaffinity(int(t.name)) for t in pollers]
         assert {cpu} in allowed, allowed
         assert os.sched_getaffinity(0) == before
+
+
+def _pci_opens(trid: str, tmp: Path, **env: str) -> list[str]:
+    """The PCI sysfs paths a fresh process opens while it opens its first SPDK device (strace)."""
+    trace = tmp / f"strace-{len(env)}.txt"
+    code = ("from vllm_kvpool.native import kvio; import sys\n"
+            "with kvio().Device(sys.argv[1], backend='spdk', name='pci-test') as d:\n"
+            "    assert d.capacity > 0")  # fmt: skip
+    subprocess.run(["strace", "-f", "-qq", "-e", "trace=open,openat", "-o", str(trace),
+                    sys.executable, "-c", code, trid], env={**os.environ, **env}, cwd=REPO,
+                   check=True, timeout=120)  # fmt: skip
+    return [line for line in trace.read_text().splitlines() if "/sys/bus/pci" in line]
+
+
+def test_nvmf_only_process_skips_the_pci_scan(tmp_path, target):
+    """A process whose first SPDK device is NVMe-oF does not scan the PCI bus (DPDK would probe
+    every PCI device it has a driver for); ``KVPOOL_SPDK_PCI=1`` turns the scan back on, which
+    is what shows the strace sees a scan when there is one."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (apt-get install strace)")
+    assert _pci_opens(target.trid, tmp_path) == []
+    assert _pci_opens(target.trid, tmp_path, KVPOOL_SPDK_PCI="1"), "the control run saw no scan"
 
 
 # ----------------------------------------------------------------------------- kvpool serve
