@@ -77,7 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from support.model import TINY, write_tiny_llama  # noqa: E402
-from support.serving import BLOCK_SIZE, Server  # noqa: E402
+from support.serving import BLOCK_SIZE, Server, become_subreaper, reap_orphans  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 3, 500
 MAX_MODEL_LEN = 2048
@@ -578,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     # SIGTERM ends the run through the finally blocks below: servers stopped, files complete
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    become_subreaper()  # the servers' engine cores' CPU counts as this run's under quiet-run
     if args.resume or args.report_only:
         meta = json.loads((work / "run.json").read_text())
         log(f"run {meta['run_id']} in {work}: {meta['config']}")
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             replay(journal, reference, log)
         finally:
             reference.stop()
+            reap_orphans()
             journal.close()
         return report(journal, args.out, log)
 
@@ -629,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         run.open_gate.set()
         pooled.stop()
         reference.stop()
+        reap_orphans()
         journal.close()
     return report(journal, args.out, log)
 
