@@ -83,17 +83,23 @@ def make_kv_cache(num_blocks: int, layout_name: str = "LBHNC", page_aligned: boo
     return config, dict(zip(names, views, strict=True))
 
 
-def kv_value(layer: int, position: int, token: int) -> float:
-    return float(layer * 100000 + position * 10 + token % 7) + 0.5
+RANK_OFFSET = 1_000_000  # tensor-parallel rank r's shard holds kv_value + r * RANK_OFFSET
+
+
+def kv_value(layer: int, position: int, token: int, rank: int = 0) -> float:
+    return float(rank * RANK_OFFSET + layer * 100000 + position * 10 + token % 7) + 0.5
 
 
 @dataclass
 class Harness:
-    """One scheduler + one worker connector + the KV tensors, stepped by hand."""
+    """One scheduler + one worker connector + the KV tensors, stepped by hand; with
+    ``tensor_parallel``, one worker connector and KV shard per rank."""
 
     scheduler: Any
-    worker: Any
-    kv: dict[str, torch.Tensor]
+    worker: Any  # rank 0's
+    kv: dict[str, torch.Tensor]  # rank 0's
+    peers: list[tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=list)  # ranks 1..
+    aggregator: Any = None  # vLLM's KVOutputAggregator over the ranks' outputs
     requests: dict[str, Any] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     kv_stats: list[dict] = field(default_factory=list)  # what vLLM's stats logger receives
@@ -121,6 +127,37 @@ class Harness:
                                                      kv_config)  # fmt: skip
         worker.register_kv_caches(kv)
         return cls(scheduler, worker, kv)
+
+    @classmethod
+    def tensor_parallel(cls, vllm_config: Any, tp: int, num_blocks: int = 256) -> Harness:
+        """``tp`` ranks in one process: rank r's worker connector built as it is in rank r's
+        process (where torch.distributed says r) over its own KV shard, whose forward writes
+        ``kv_value(..., rank=r)``; the ranks' outputs merged by vLLM's KVOutputAggregator, as
+        vLLM's multiprocess executor merges them."""
+        from unittest import mock
+
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        vllm_config.parallel_config.tensor_parallel_size = tp
+        vllm_config.parallel_config.world_size = tp
+        kv_config, kv = make_kv_cache(num_blocks)
+        h = cls.over(vllm_config, kv_config, kv)
+        for rank in range(1, tp):
+            _, shard = make_kv_cache(num_blocks)
+            with mock.patch("vllm_kvpool.connector._world", return_value=(rank, tp)):
+                w = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
+                                                        kv_config)  # fmt: skip
+            w.register_kv_caches(shard)
+            h.peers.append((w, shard))
+        h.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        return h
+
+    @property
+    def ranks(self) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+        """(worker connector, KV) of every rank, rank 0 first."""
+        return [(self.worker, self.kv), *self.peers]
 
     @property
     def connector(self):
@@ -151,30 +188,34 @@ class Harness:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        if out.has_sync_kv_loads:
-            w.start_load_kv(None)
+        workers = [w for w, _ in self.ranks]
+        for w in workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            if out.has_sync_kv_loads:
+                w.start_load_kv(None)
         self._forward(out)
-        if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        done = w.get_transfer_results(out.finished_req_ids)  # as vLLM's model runner asks
-        kv_out = KVConnectorOutput(finished_sending=done.finished_sending,
-                                   finished_recving=done.finished_recving,
-                                   failed_recving=done.failed_recving,
-                                   invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                   kv_connector_worker_meta=w.build_connector_worker_meta())  # fmt: skip
-        w.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
             req = self.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens  # schedule() already advanced it
             sampled.append([7] if done else [])
-        runner_out = ModelRunnerOutput(req_ids=req_ids,
-                                       req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                       sampled_token_ids=sampled, kv_connector_output=kv_out)  # fmt: skip
+        outputs = []
+        for w in workers:
+            if not out.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            done = w.get_transfer_results(out.finished_req_ids)  # as vLLM's model runner asks
+            kv_out = KVConnectorOutput(finished_sending=done.finished_sending,
+                                       finished_recving=done.finished_recving,
+                                       failed_recving=done.failed_recving,
+                                       invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                       kv_connector_worker_meta=w.build_connector_worker_meta())  # fmt: skip
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=req_ids,
+                                             req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                             sampled_token_ids=sampled, kv_connector_output=kv_out))  # fmt: skip
+        runner_out = self.aggregator.aggregate(outputs) if self.aggregator else outputs[0]
         engine_outputs = self.scheduler.update_from_output(out, runner_out)
         for eo in engine_outputs.values():
             stats = eo.scheduler_stats
@@ -187,7 +228,8 @@ class Harness:
         if not out.num_scheduled_tokens:
             # Idle step (waiting on the connector): let its transfers finish, so how many steps
             # a request takes does not depend on how busy the machine is.
-            self.worker.engine.wait_all()
+            for w in workers:
+                w.engine.wait_all()
         return out
 
     def _forward(self, out) -> None:
@@ -199,11 +241,13 @@ class Harness:
             for pos in range(start, start + n):
                 token = req.all_token_ids[pos]
                 block, offset = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                for li, name in enumerate(self.kv):
-                    self.worker.wait_for_layer_load(name)
-                    self.kv[name][block, :, offset, :] = kv_value(li, pos, token)
-        for name, tensor in self.kv.items():
-            self.worker.save_kv_layer(name, tensor, None)
+                for rank, (w, kv) in enumerate(self.ranks):
+                    for li, name in enumerate(kv):
+                        w.wait_for_layer_load(name)
+                        kv[name][block, :, offset, :] = kv_value(li, pos, token, rank)
+        for w, kv in self.ranks:
+            for name, tensor in kv.items():
+                w.save_kv_layer(name, tensor, None)
 
     def run(self, until: Iterable[str], max_steps: int = 200) -> None:
         want = set(until)
@@ -215,25 +259,27 @@ class Harness:
 
     def drain(self) -> None:
         """Let async saves finish and be acknowledged (the scheduler keeps stepping)."""
-        self.worker.engine.wait_all()
+        for w, _ in self.ranks:
+            w.engine.wait_all()
         for _ in range(5):
             self.step()
 
-    def expected_block(self, tokens: list[int], block_index: int) -> dict[str, torch.Tensor]:
-        """The KV content a block must hold for ``tokens`` (what the forward writes)."""
+    def expected_block(self, tokens: list[int], block_index: int,
+                       rank: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The KV content a block must hold for ``tokens`` on ``rank`` (what the forward writes)."""
         out = {}
         for li, name in enumerate(self.kv):
             t = torch.empty_like(self.kv[name][0])
             for off in range(BLOCK_SIZE):
                 pos = block_index * BLOCK_SIZE + off
-                t[:, off, :] = kv_value(li, pos, tokens[pos])
+                t[:, off, :] = kv_value(li, pos, tokens[pos], rank)
             out[name] = t
         return out
 
 
 def corrupt_on_disk(handler: Any, slot: int, offset: int = 100) -> None:
     """Flip one byte of the chunk in ``slot`` of a file-backed SSD handler, behind its back."""
-    with open(handler.cfg.settings.path, "r+b") as f:
+    with open(handler.target, "r+b") as f:  # this rank's file
         f.seek(handler.offset(slot) + offset)
         byte = f.read(1)
         f.seek(-1, 1)
