@@ -386,7 +386,7 @@ PYBIND11_MODULE(_kvio, m) {
           const auto addr = obj.cast<uint64_t>();
           const auto n = nbytes.cast<uint64_t>();
           py::gil_scoped_release nogil;
-          return xxh64(reinterpret_cast<const void*>(addr), n, seed);
+          return xxh3_64(reinterpret_cast<const void*>(addr), n, seed);
         }
         BufferView b(obj, PyBUF_ANY_CONTIGUOUS);
         uint64_t n = static_cast<uint64_t>((*b).len);
@@ -400,10 +400,11 @@ PYBIND11_MODULE(_kvio, m) {
         }
         const void* data = (*b).buf;
         py::gil_scoped_release nogil;
-        return xxh64(data, n, seed);
+        return xxh3_64(data, n, seed);
       },
       py::arg("buf_or_addr"), py::arg("nbytes") = py::none(), py::arg("seed") = 0,
-      "xxHash64 of a buffer or of nbytes at an address (GIL released).");
+      "XXH3-64 (as xxhash.xxh3_64_intdigest) of a buffer or of nbytes at an address (GIL "
+      "released).");
 
   m.def(
       "memcpy",
@@ -431,7 +432,7 @@ PYBIND11_MODULE(_kvio, m) {
         return copy_many_checksum(parsed.data(), parsed.size());
       },
       py::arg("ops"),
-      "copy_many on one thread that also returns the xxHash64 of the source bytes in op order "
+      "copy_many on one thread that also returns the XXH3-64 of the source bytes in op order "
       "(verifies a chunk while scattering it: one pass over memory).");
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool", py::buffer_protocol())

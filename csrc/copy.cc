@@ -47,7 +47,7 @@ uint64_t copy_many(const CopyOp* ops, size_t n, unsigned threads) {
 }
 
 uint64_t copy_many_checksum(const CopyOp* ops, size_t n) {
-  Xxh64 hash;
+  Xxh3 hash;
   for (size_t i = 0; i < n; ++i) {
     hash.update_copy(reinterpret_cast<void*>(ops[i].dst), reinterpret_cast<const void*>(ops[i].src),
                      ops[i].nbytes);

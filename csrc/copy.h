@@ -15,8 +15,8 @@ struct CopyOp {
 // calling thread takes a share too). Returns the number of bytes copied.
 uint64_t copy_many(const CopyOp* ops, size_t n, unsigned threads);
 
-// Copies every op in order on the calling thread and returns the xxHash64 of the source bytes
-// in that order (= the checksum of the chunk they form), hashing each stripe as it is copied.
+// Copies every op in order on the calling thread and returns the XXH3-64 of the source bytes
+// in that order (= the checksum of the chunk they form), hashing each few KiB as it is copied.
 uint64_t copy_many_checksum(const CopyOp* ops, size_t n);
 
 }  // namespace kvio

@@ -332,7 +332,7 @@ uint64_t Device::submit(bool write, const std::vector<IoOp>& ops) {
     const std::vector<Region> one{{op.addr, op.length}};
     const std::vector<Region>& parts = op.segments.empty() ? one : op.segments;
     // The checksum of a write describes the bytes handed to us, computed before they move.
-    Xxh64 hash;
+    Xxh3 hash;
     uint64_t dev_off = op.offset;
     for (size_t k = 0; k < parts.size(); ++k) {
       Request& r = t->reqs[t->first_req[i] + k];
@@ -406,7 +406,7 @@ void Device::finish_op(Ticket* t, uint32_t op) {
   ++reads_;
   const auto& want = t->expected[op];
   if (!want) return;
-  Xxh64 hash;
+  Xxh3 hash;
   for (size_t k = t->first_req[op]; k < t->first_req[op + 1]; ++k) {
     hash.update(reinterpret_cast<const void*>(t->reqs[k].addr), t->reqs[k].length);
   }

@@ -37,38 +37,71 @@ static bool throws_kind(ErrorKind kind, F&& f) {
   return false;
 }
 
-static void test_xxh64() {
-  // Reference values of XXH64 (seed 0 unless noted).
-  CHECK(xxh64("", 0) == 0xEF46DB3751D8E999ull);
-  CHECK(xxh64("a", 1) == 0xD24EC4F1A98C6E5Bull);
-  CHECK(xxh64("abc", 3) == 0x44BC2CF5AD770999ull);
+static void test_xxh3() {
+  // Reference values of XXH3_64bits / XXH3_64bits_withSeed (Python xxhash.xxh3_64_intdigest).
+  CHECK(xxh3_64("", 0) == 0x2D06800538D394C2ull);
+  CHECK(xxh3_64("a", 1) == 0xE6C632B61E964E1Full);
+  CHECK(xxh3_64("abc", 3) == 0x78AF5F94892F3950ull);
+  CHECK(xxh3_64("abc", 3, 1) == 0x6B4467B443C76228ull);
   const char* fox = "The quick brown fox jumps over the lazy dog";
-  CHECK(xxh64(fox, std::strlen(fox)) == 0x0B242D361FDA71BCull);
-  // Every tail length must change the hash (catches tail-loop bugs).
-  std::vector<unsigned char> buf(100);
-  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 7);
-  uint64_t prev = 0;
-  for (size_t n = 1; n < buf.size(); ++n) {
-    const uint64_t h = xxh64(buf.data(), n);
-    CHECK(h != prev);
-    prev = h;
-  }
-  CHECK(xxh64("abc", 3, 1) != xxh64("abc", 3, 0));
-  // Streaming over uneven pieces (and copying while hashing) equals the one-shot hash.
-  std::vector<unsigned char> big(1000), copy(1000, 0);
-  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<unsigned char>(i * 31 + 5);
-  for (size_t piece : {1, 7, 31, 32, 33, 100, 999}) {
-    Xxh64 a, b;
-    for (size_t off = 0; off < big.size(); off += piece) {
-      const size_t n = std::min(piece, big.size() - off);
-      a.update(big.data() + off, n);
-      b.update_copy(copy.data() + off, big.data() + off, n);
+  CHECK(xxh3_64(fox, std::strlen(fox)) == 0xCE7D19A5418FB365ull);
+  // One length of each path (0, 1-3, 4-8, 9-16, 17-128, 129-240, long; block edges), seed 0 and
+  // a 64-bit seed (which the long path turns into a derived secret).
+  std::vector<unsigned char> buf(5000);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 7 + 3);
+  constexpr uint64_t kSeed = 0x9E3779B97F4A7C15ull;
+  struct Vec {
+    size_t len;
+    uint64_t seed0, seeded;
+  };
+  const Vec vecs[] = {
+      {0, 0x2D06800538D394C2ull, 0x602B0E2CD6662C8Bull},
+      {1, 0x13E608BC156DEFEDull, 0x1B4C466098160569ull},
+      {3, 0xA9088DDA485B481Cull, 0xA8BACD847619199Eull},
+      {4, 0x6D9253B16C8B1ED3ull, 0xE1C585329CF1878Eull},
+      {8, 0x60539DB630471163ull, 0xBC53D62E02F670A4ull},
+      {9, 0xFEFF668361D723A8ull, 0xD4FB426F424E6E62ull},
+      {16, 0xB8C859B0F030B585ull, 0x7775D23337D796B5ull},
+      {17, 0x714A04408E79B80Full, 0x7D1872B1361C0FA6ull},
+      {128, 0x67425A03650261BFull, 0xE9E239440DAC1B3Cull},
+      {129, 0xC664BF3311C6ABC4ull, 0xB11455AB08C506D4ull},
+      {240, 0x64556DC6B462A6CFull, 0x6EA73B2BE19B57C5ull},
+      {241, 0x8BEADD3A8874FE17ull, 0xA0462D397650B282ull},
+      {1024, 0x9B81661C641C72B1ull, 0xE955D0AFE88A0F51ull},
+      {1025, 0x806C2072ED713576ull, 0xCBDB289911B2614Bull},
+      {2048, 0xABE604813BA62ED1ull, 0xF4F759FB3540761Cull},
+      {2049, 0x55AED42C9F1554B6ull, 0x48BDDF09C6482093ull},
+      {5000, 0x799AADDD7339581Dull, 0x4EAE2D7F035DB6BBull},
+  };
+  // Every stripe kernel this CPU runs gives the reference values, one-shot and streamed over
+  // uneven pieces (copying while hashing too); the last piece sizes leave the final stripe
+  // spanning bytes that were consumed in an earlier update.
+  const std::string chosen = xxh3_kernel();
+  std::printf("xxh3 kernel: %s\n", chosen.c_str());
+  std::mt19937_64 rng(42);
+  std::vector<unsigned char> copy(buf.size());
+  for (const char* kernel : {"avx2", "sse2", "scalar"}) {
+    if (!xxh3_select_kernel(kernel)) continue;
+    for (const Vec& v : vecs) {
+      CHECK(xxh3_64(buf.data(), v.len) == v.seed0);
+      CHECK(xxh3_64(buf.data(), v.len, kSeed) == v.seeded);
+      for (size_t piece : {1, 7, 63, 64, 65, 200, 255, 256, 257, 1000, 1024, 0}) {
+        Xxh3 a, b(kSeed);
+        for (size_t off = 0; off < v.len;) {
+          const size_t n = std::min(piece ? piece : 1 + rng() % 700, v.len - off);
+          a.update(buf.data() + off, n);
+          b.update_copy(copy.data() + off, buf.data() + off, n);
+          off += n;
+        }
+        CHECK(a.digest() == v.seed0);
+        CHECK(b.digest() == v.seeded);
+        CHECK(std::equal(buf.begin(), buf.begin() + v.len, copy.begin()));
+        std::fill(copy.begin(), copy.end(), 0);
+      }
     }
-    CHECK(a.digest() == xxh64(big.data(), big.size()));
-    CHECK(b.digest() == a.digest());
-    CHECK(copy == big);
-    std::fill(copy.begin(), copy.end(), 0);
   }
+  CHECK(!xxh3_select_kernel("unknown"));
+  CHECK(xxh3_select_kernel(chosen.c_str()));
 }
 
 static void test_allocator() {
@@ -238,7 +271,7 @@ static void test_rate_limited_log() {
 
 int main(int argc, char** argv) {
   const std::string dir = argc > 1 ? argv[1] : ".";
-  test_xxh64();
+  test_xxh3();
   test_allocator();
   test_host_pool();
   test_copy();
