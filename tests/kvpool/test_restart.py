@@ -4,8 +4,10 @@ no visible partial chunk. Host-memory chunks are lost on restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -13,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 pytest.importorskip("vllm_kvpool._kvio")
 
 from vllm_kvpool.local import LocalPool  # noqa: E402
-from vllm_kvpool.persist import ChunkRecord, merge_ranks, record_bytes  # noqa: E402
+from vllm_kvpool.persist import RECORD_ALIGN, ChunkRecord, merge_ranks, record_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS, BLOCK = 48, 16  # 4 blocks a chunk (64 tokens), 12 chunks
@@ -103,6 +106,38 @@ def test_other_layout_is_a_miss_and_a_stale_record_is_caught(tmp_path):
         result = pool.fetch(HASHES, list(range(BLOCKS)))
         assert not result.ok and pool.pool.lookups.invalidated >= 1
         assert pool.pool.transfers.devices["ssd0"].corrupt >= 1
+
+
+def as_written_by_the_xxh64_build(path: Path, size: int) -> int:
+    """Rewrite each intact record of an SSD file as the build that checksummed with XXH64 wrote
+    it (the chunk's checksum and the record's own); the number of records rewritten."""
+    raw = bytearray(path.read_bytes())
+    rewritten = 0
+    for off in range(0, len(raw) - size + 1, RECORD_ALIGN):
+        rec = ChunkRecord.decode(bytes(raw[off : off + size]))
+        if rec is None:
+            continue
+        data = bytes(raw[rec.slot * rec.slot_bytes :][: rec.nbytes])  # the data region starts at 0
+        old_rec = dataclasses.replace(rec, checksum=xxhash.xxh64_intdigest(data))
+        old = bytearray(old_rec.encode(size))
+        struct.pack_into("<Q", old, 12, 0)
+        struct.pack_into("<Q", old, 12, xxhash.xxh64_intdigest(bytes(old)))
+        raw[off : off + size] = old
+        rewritten += 1
+    path.write_bytes(raw)
+    return rewritten
+
+
+def test_records_of_the_xxh64_build_are_not_restored(tmp_path):
+    """After the switch to XXH3 a record an older build wrote fails its own checksum, so its chunk
+    is never restored (rather than restored and caught on its first read)."""
+    with LocalPool(ssd_config(tmp_path), make_kv(0), BLOCKS, BLOCK, layout_id="t") as pool:
+        assert pool.save(HASHES, list(range(BLOCKS))) == 12
+    size = record_bytes(4)
+    assert sum(as_written_by_the_xxh64_build(tmp_path / f"s{i}.kvpool", size) for i in (0, 1)) == 12
+    with LocalPool(ssd_config(tmp_path), make_kv(1), BLOCKS, BLOCK, layout_id="t") as pool:
+        assert len(pool.pool.index) == 0  # nothing restored: every slot free again
+        assert pool.fetch(HASHES, list(range(BLOCKS))).blocks == 0
 
 
 CHILD = """
