@@ -11,7 +11,7 @@ and times, on the same engine and the same stored chunks:
                ``frac_of_bound`` = bound / pool time, which cannot exceed 1 (if it does, the
                bound is wrong and the run says so)
   serial       a truly serial fetch in the same engine: the host share, then the SSD share(s)
-Every fetch that fills the whole prefix is checked byte-identical (xxh64 per layer). CPU cost is
+Every fetch that fills the whole prefix is checked byte-identical (XXH3-64 per layer). CPU cost is
 user+sys seconds of the process (all threads) during the fetch, per GB.
 
 Rival: real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,

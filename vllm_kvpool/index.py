@@ -30,7 +30,7 @@ class ChunkEntry:
     key: BlockHash
     block_hashes: tuple[BlockHash, ...]
     location: ChunkLocation
-    checksums: dict[int, int] = field(default_factory=dict)  # worker rank -> xxh64 of its shard
+    checksums: dict[int, int] = field(default_factory=dict)  # worker rank -> XXH3-64 of its shard
     committed: bool = False  # visible to lookups only once every worker has written it
     readers: int = 0  # in-flight loads; a chunk being read is never evicted
     dead: bool = False  # dropped from the index while still being read: free its slot later

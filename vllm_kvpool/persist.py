@@ -2,13 +2,14 @@
 
 Every SSD keeps, after its data region, an index region of ``num_slots`` fixed-size records;
 record ``s`` describes the chunk in slot ``s``: its block hashes (the key is the first), block
-count, byte length, this rank's xxh64, the pool fingerprint (KV layout + model identity + block
+count, byte length, this rank's XXH3-64, the pool fingerprint (KV layout + model identity + block
 hashing, see ``layout.build``), a sequence number and a checksum of the record itself.
 
 Crash consistency: before a slot is overwritten its old record is erased and made durable; a
 worker writes a chunk's record only after the chunk's data write completed and was made durable
 (``fdatasync`` of the file or block device). So a record that reads back intact always describes
-complete data still in its slot; a torn record fails its own checksum and is ignored. Restored
+complete data still in its slot; a torn record fails its own checksum and is ignored, and so
+does every record of a build that checksummed with XXH64 (before XXH3-64). Restored
 chunks are still verified on their first read, whatever ``verify_checksums`` says (media can
 change under the pool).
 At start-up the scheduler rebuilds the index from the records whose fingerprint matches
@@ -50,7 +51,7 @@ class ChunkRecord:
     block_hashes: tuple[bytes, ...]
     num_blocks: int
     nbytes: int
-    checksum: int  # xxh64 of this rank's bytes of the chunk
+    checksum: int  # XXH3-64 of this rank's bytes of the chunk
     fingerprint: int
     seq: int  # larger = written later
     num_slots: int

@@ -5,7 +5,7 @@ cut into fixed-size chunk slots. The engine schedules; handlers move bytes:
 
     buf = h.save_buffer(slot, nbytes)             # memory the KV gather fills
     t = h.submit_save([SaveOp(slot, buf.address, nbytes)])
-    [outcome] = h.wait(t)                         # .ok, .checksum (xxh64 of the chunk)
+    [outcome] = h.wait(t)                         # .ok, .checksum (XXH3-64 of the chunk)
     target = h.load_buffer(slot, nbytes)          # None while staging is busy
     t = h.submit_load([LoadOp(slot, target.address, nbytes, expected_checksum)])
     h.poll(t); h.wait(t)                          # .status "ok" | "corrupt" | "error"
@@ -37,7 +37,7 @@ class Outcome:
 
     ok: bool
     status: str = "ok"  # "ok" | "corrupt" | "error"
-    checksum: int = 0  # xxh64 of the bytes written (saves) or verified (loads); 0 if none
+    checksum: int = 0  # XXH3-64 of the bytes written (saves) or verified (loads); 0 if none
     message: str = ""
 
 
