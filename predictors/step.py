@@ -43,11 +43,22 @@ PhaseCallback = Callable[[str], None]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+def per_pixel_classes(output: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether integer ``target`` labels ``output``'s dimension 1 (``(N, C, ...)`` logits of a
+    segmentation net) rather than its last one."""
+    return (output.dim() > 2 and target.dim() == output.dim() - 1
+            and target.shape != output.shape[:-1]
+            and target.shape == output.shape[:1] + output.shape[2:])
+
+
 def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets (language models, classifiers), MSE otherwise."""
+    """Cross-entropy for integer targets (language models and classifiers: classes last;
+    segmentation: ``(N, C, H, W)`` logits for ``(N, H, W)`` labels), MSE otherwise."""
     if hasattr(output, "logits"):
         output = output.logits
     if not target.is_floating_point():
+        if per_pixel_classes(output, target):
+            return F.cross_entropy(output, target)
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
     return F.mse_loss(output, target)
 

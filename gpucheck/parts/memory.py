@@ -4,7 +4,9 @@ prediction next to each row.
 Grid: LLaVA-like (CLIP ViT + projector + Llama), a ViT, a decoder LLM (the predictor's presets,
 scaled down, built by the predictor's own model builder), an MLP and a CNN; fp32, bf16
 autocast, bf16 pure, fp16 autocast + GradScaler; fused and foreach AdamW; activation
-checkpointing on/off. Per row: one warm-up step (creates the Adam states), peak stats reset,
+checkpointing on/off. Then the ``vision`` family: torchvision's ResNet-18/50, DenseNet-121 (the
+concat-heavy one), VGG-16 and a U-Net (``support.convnets``) at two batch sizes each, fp32 and
+bf16 autocast, foreach AdamW (torch's default on CUDA), as a PyTorch user trains them. Per row: one warm-up step (creates the Adam states), peak stats reset,
 one measured step; ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and NVML's
 device-level used bytes (CUDA context and every other process included) before and after.
 The dry run executes the same steps on the CPU (no CUDA memory statistics: rows ``skipped``).
@@ -29,6 +31,7 @@ from gpucheck.common import (
 )
 from gpucheck.predictions import Predictions
 from gpucheck.steps import MLP, RealStep, count_params
+from support import convnets
 
 FILE = "memory.csv"
 GROUND_TRUTH = "cuda: torch.cuda.max_memory_reserved of a real step (gpu_check)"
@@ -38,11 +41,13 @@ CAPACITY_GIB = 141
 
 @dataclass(frozen=True)
 class Point:
-    family: str  # llava | vit | llm | mlp | cnn
+    family: str  # llava | vit | llm | mlp | cnn | vision
     size: str
     precision: str
     optimizer: str
     checkpointing: str
+    model: str = ""  # vision: a support.convnets name
+    batch: int = 0  # vision
 
 
 # (preset, width, depth, vocab, image_res, seq, batch) per family and size
@@ -61,24 +66,34 @@ PRESET_MODELS = {
 }
 MLP_SIZES = {"gpu": (1024, 4096, 8, 1000, 2048), "tiny": (32, 64, 2, 10, 4)}  # in, hid, L, C, B
 CNN_SIZES = {"gpu": ((64, 128, 256), 2, 224, 64), "tiny": ((8, 16), 1, 16, 2)}
+# vision: model -> (image side, batch sizes); tiny: the dry run's small images
+VISION = {"gpu": {"resnet18": (224, (64, 256)), "resnet50": (224, (32, 128)),
+                  "densenet121": (224, (32, 128)), "vgg16": (224, (16, 64)),
+                  "unet": (256, (8, 32))},
+          "tiny": {"densenet121": (32, (2,)), "unet": (32, (1,))}}
+VISION_PRECISIONS = ("fp32", "bf16")
 
 
 def grid(tiny: bool) -> list[Point]:
-    """GPU: every family x precision x optimizer x checkpointing (no checkpointed CNN), in a
-    fixed shuffle so a cut by the budget still covers every family; dry run: one point per
-    family, together covering every precision, optimizer and checkpointing value."""
+    """GPU: the vision points first (a second or two each: the conv-net ground truth), then
+    every family x precision x optimizer x checkpointing (no checkpointed CNN) in a fixed
+    shuffle, so a cut by the budget still covers every family; dry run: one point per family,
+    together covering every precision, optimizer and checkpointing value."""
     size = "tiny" if tiny else "gpu"
     points = [Point(family, size, prec, opt, ckpt)
               for family in ("llava", "vit", "llm", "mlp", "cnn") for prec in PRECISIONS
               for opt in ("fused", "foreach") for ckpt in ("none", "full")
               if not (family == "cnn" and ckpt == "full")]  # the zoo's CNN: no checkpointing
     random.Random(0).shuffle(points)
+    points = [Point("vision", size, prec, "foreach", "none", model, b)
+              for model, (_, batches) in VISION[size].items() for b in batches
+              for prec in VISION_PRECISIONS] + points
     if tiny:
         want = {("llava", "fp32", "fused", "none"), ("vit", "bf16", "foreach", "full"),
                 ("llm", "fp16", "fused", "full"), ("mlp", "bf16-pure", "foreach", "full"),
                 ("cnn", "fp16", "foreach", "none")}
-        points = [p for p in points
-                  if (p.family, p.precision, p.optimizer, p.checkpointing) in want]
+        points = [p for p in points if p.family == "vision" and p.precision == "bf16"
+                  or (p.family, p.precision, p.optimizer, p.checkpointing) in want]
     return points
 
 
@@ -107,6 +122,12 @@ def _build(point: Point, device: str):
         x = torch.randn(batch, d_in).to(device)
         y = torch.randint(0, classes, (batch,)).to(device)
         return model, [x], {}, y, None, batch
+    if point.family == "vision":
+        image = VISION[point.size][point.model][0]
+        with torch.device(device):
+            model = convnets.build(point.model)
+        x, y = convnets.batch(point.model, point.batch, image, device)
+        return model, [x], {}, y, None, point.batch
     from predictors.zoo import ConvNetSpec
 
     widths, blocks, image, batch = CNN_SIZES[point.size]
@@ -185,12 +206,28 @@ def measure(point: Point, device: str) -> dict:
         row.update(adapters.memory_row_fields(spec, cfg), model=spec.name)
         row["key"] += f"|{point.optimizer}"  # collect-memory's key has no optimizer
     else:
-        name = f"{point.family}-{point.size}"
+        name = point.model or f"{point.family}-{point.size}"
+        if point.family == "vision":
+            row["note"] = "; ".join(filter(None, [row.get("note"),
+                                                  _torchvision_check(point.model, params)]))
+            name = f"{name}-b{batch}"
         row.update(key=f"{name}|{point.precision}|{point.optimizer}|{point.checkpointing}",
                    model=name, config={"batch": batch, "precision": point.precision,
                                        "checkpointing": point.checkpointing})
     del step, model, inputs, kw
     return row
+
+
+def _torchvision_check(model: str, params: int) -> str:
+    """Where torchvision is installed (the GPU image), its parameter count beside ours."""
+    try:
+        import torchvision
+    except Exception:  # noqa: BLE001 - absent or broken beside a CPU torch
+        return "torchvision not importable: parameter count not compared"
+    if model not in convnets.TORCHVISION_PARAMS:
+        return "no torchvision model of that name"
+    theirs = count_params(torchvision.models.get_model(model, weights=None))
+    return f"params {params} vs torchvision {torchvision.__version__} {theirs}"
 
 
 def _finish(row: dict, pred: dict) -> dict:
