@@ -230,6 +230,13 @@ def cona_train_step(state: Any, data: Any) -> dict:
             "consumed_samples": state.consumed_samples, "strategy": state.strategy.name}
 
 
+def cona_evaluate(state: Any, data: Any, num_samples: int) -> float:
+    """Forward-only loss of the first ``num_samples`` samples (no update; collective)."""
+    from megatron_cona.runtime import evaluate
+
+    return float(evaluate(state, data, 0, num_samples))
+
+
 def cona_switch(state: Any, strategy: str) -> tuple[Any, dict]:
     """CONA's transactional strategy switch (in a 1-rank world only the batch can change)."""
     from megatron_cona.runtime import switch_strategy

@@ -67,7 +67,7 @@ TIME = _cols(
 )
 # (4) megatron-core GPTModel through CONA's runtime: steps, batch switch, 1-rank reshard.
 MEGATRON = _cols(
-    Col("event", "str", True),  # init | train | switch_batch | reshard | train_after
+    Col("event", "str", True),  # init | train | switch_batch | reshard | forward_after_reshard | train_after
     Col("strategy", "str", True), Col("iteration", "int"), Col("loss", "float"),
     Col("seconds", "float", True), Col("consumed_samples", "int"), Col("backend", "str", True),
     Col("precision", "str"), Col("detail", "json"),

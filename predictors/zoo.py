@@ -138,7 +138,7 @@ class EmbeddingHead(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1]))
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             x = layer(x)
         x = self.norm(x)

@@ -104,6 +104,8 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
         summary["samples_per_step_after_switch"] = (state.consumed_samples - before_consumed) / n
 
         budget.check("the reshard", reserve=5.0)
+        eval_samples = 2 * state.strategy.micro_batch
+        eval_before = adapters.cona_evaluate(state, data, eval_samples)
         before = {k: v.detach().clone() for k, v in adapters.cona_state_tensors(state).items()}
         t0 = time.perf_counter()
         state, facts = adapters.cona_reshard_same_layout(state, bucket)
@@ -120,6 +122,16 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
                 note="" if ok else "the resharded state differs from the source", **base)
         summary["reshard_exact"] = not mismatched
         del before, after
+        # the tensors compared above are what the reshard wrote; the forward must see them too
+        eval_after = adapters.cona_evaluate(state, data, eval_samples)
+        same = math.isclose(eval_before, eval_after, rel_tol=1e-6)
+        w.write(event="forward_after_reshard", strategy=state.strategy.name,
+                iteration=state.iteration, loss=eval_after, seconds=0,
+                consumed_samples=state.consumed_samples, status="ok" if same else "error",
+                detail={"loss_before": eval_before, "loss_after": eval_after,
+                        "samples": eval_samples},
+                note="" if same else "the resharded model computes another loss", **base)
+        summary["forward_same_after_reshard"] = same
         train(state, 1 if ctx.dry_run else 2, "train_after")
         summary["losses"] = [round(x, 4) for x in losses]
         summary["loss_fell"] = losses[-1] < losses[0]
