@@ -11,6 +11,10 @@
 * ``--train``: retrains the memory residual model on the merged ground truth and trains the GPU
   family's time correction (``predictors/models/time_<family>``) on the time rows.
 
+``--parts memory`` or ``--parts time`` folds one file only (a rerun of one part goes to its own
+folder); ``--commit SHA`` names the commit that was sent, where the device machine's copy of the
+tree reported another (its ``git_commit`` is whatever HEAD the copied tree carried).
+
 A dry run's results are refused: they hold no GPU ground truth.
 """
 
@@ -45,13 +49,18 @@ def _provenance_text(p: dict) -> str:
             f"{p['date']}, commit {p['git_commit']}")
 
 
-def load_run(results: Path) -> dict:
+def load_run(results: Path, commit: str | None = None) -> dict:
     run_path = results / "run.json"
     if not run_path.exists():
         raise FoldError(f"{run_path} missing: not a gpu_check results folder")
     run = json.loads(run_path.read_text())
     if run.get("dry_run"):
         raise FoldError(f"{results} holds a dry run (cpu): no GPU ground truth to fold")
+    if commit:
+        if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+            raise FoldError(f"commit={commit!r} is not a git commit hash")
+        run["provenance"]["git_commit"] = f"{commit} (sent; the run reported " \
+                                          f"{run['provenance'].get('git_commit')})"
     return run
 
 
@@ -80,7 +89,8 @@ def gpu_slug(name: str) -> str:
 
 def fold_time(results: Path, data_dir: Path, run: dict) -> tuple[Path, int]:
     prov = run["provenance"]
-    rows = [r for r in _rows(results / "time.csv") if r["status"] == "ok"]
+    rows = [{**r, "git_commit": prov["git_commit"]}
+            for r in _rows(results / "time.csv") if r["status"] == "ok"]
     if not rows:
         raise FoldError(f"{results / 'time.csv'} has no ok rows")
     target = data_dir / f"time_{gpu_slug(prov['gpu'])}.csv"
@@ -109,18 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "predictors" / "data")
     p.add_argument("--train", action="store_true", help="retrain the memory and time models")
     p.add_argument("--models-dir", type=Path, default=ROOT / "predictors" / "models")
+    p.add_argument("--parts", default="memory,time", help="memory, time or both (default)")
+    p.add_argument("--commit", default=None, help="the commit sent to the device machine")
     args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"memory", "time"}:
+        print(f"fold: error: --parts={args.parts!r}: memory and/or time", file=sys.stderr)
+        return 2
     try:
-        run = load_run(args.results)
-        mem_path, mem_rows = fold_memory(args.results, args.data_dir, run["provenance"])
-        print(f"memory: {mem_rows} GPU rows appended to {mem_path}")
-        time_path, time_rows = fold_time(args.results, args.data_dir, run)
-        print(f"time: {time_rows} GPU rows in {time_path} (+ device profile)")
+        run = load_run(args.results, args.commit)
+        if "memory" in parts:
+            mem_path, mem_rows = fold_memory(args.results, args.data_dir, run["provenance"])
+            print(f"memory: {mem_rows} GPU rows appended to {mem_path}")
+        if "time" in parts:
+            time_path, time_rows = fold_time(args.results, args.data_dir, run)
+            print(f"time: {time_rows} GPU rows in {time_path} (+ device profile)")
     except FoldError as exc:
         print(f"fold: error: {exc}", file=sys.stderr)
         return 2
-    if args.train:
+    if args.train and "memory" in parts:
         print(f"memory model: {adapters.train_memory_model(mem_path)}")
+    if args.train and "time" in parts:
         print(f"time model: {adapters.train_time_family_model(time_path, args.models_dir)}")
     return 0
 

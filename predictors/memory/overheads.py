@@ -49,9 +49,15 @@ CONTEXTS: dict[str, ContextSize] = {
     # lazy loading (PyTorch's default since 1.13, pytorch/pytorch#86509: 287 MB vs 667 MB for
     # the bare context) loads only the kernels used, so on such stacks this is conservative.
     "ampere": ContextSize(1429 * MiB, "GPUMemNet A100-40GB smallest MLP: 1451 - 22 MiB"),
-    # Not measured on Hopper yet: the bare lazy-loading context plus the same library share as
-    # on Ampere would be smaller; this keeps the Ampere figure (conservative for the verdict).
-    "hopper": ContextSize(1429 * MiB, "Ampere figure reused (conservative; unmeasured)"),
+    # Measured on an H200 (gpu_check, 2026-12-04, driver 580.159.04, CUDA 13.0, torch 2.11,
+    # commit 05df9b1; predictors/data/gpu/h200-2026-12-04/): NVML used at the peak minus
+    # max_memory_reserved of the first training step in a fresh process (ResNet-18, cuDNN
+    # loaded by it) is 1382 MiB; later steps of the same process read 1384-1402 MiB as lazily
+    # loaded kernels accumulate (at most 1402 over its 92 steps: the figure kept, so the OOM
+    # verdict stays on the safe side). The bare context with cuBLAS is 682 MiB (device.csv:
+    # cuda_context_bytes); a training step loads far more.
+    "hopper": ContextSize(1402 * MiB, "H200 gpu_check 2026-12-04: NVML used - "
+                          "max_memory_reserved over 92 training steps, max (first step 1382)"),
 }
 
 

@@ -76,3 +76,22 @@ def test_fold_refuses_a_dry_run(tmp_path, capsys):
     (out / "run.json").write_text(json.dumps({"dry_run": True, "provenance": PROV}))
     assert fold([str(out), "--data-dir", str(tmp_path)]) == 2
     assert "holds a dry run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fold_one_part_with_the_sent_commit(tmp_path, capsys):
+    from predictors.collect import load_measurements
+
+    results = _results(tmp_path, dry_run=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "predictors/data/memory_ground_truth.csv", data)
+    memory_before = (data / "memory_ground_truth.csv").read_bytes()
+    assert fold([str(results), "--data-dir", str(data), "--parts", "time",
+                 "--commit", "677202e"]) == 0
+    assert (data / "memory_ground_truth.csv").read_bytes() == memory_before
+    df = load_measurements(data / "time_h200.csv")
+    assert df["git_commit"][0] == "677202e (sent; the run reported f77cc8e)"
+    assert fold([str(results), "--data-dir", str(data), "--commit", "not-a-sha"]) == 2
+    assert fold([str(results), "--data-dir", str(data), "--parts", "kvio"]) == 2
+    assert "commit='not-a-sha'" in capsys.readouterr().err
