@@ -30,7 +30,7 @@ def _cols(*cols: Col) -> tuple[Col, ...]:
 
 # (1) build of vllm_kvpool._kvio + the transfer engine's GPU path and plain cudaMemcpyAsync.
 KVIO = _cols(
-    Col("test", "str", True),  # build | engine | memcpy
+    Col("test", "str", True),  # build | fetch | fetch_profile | engine | memcpy | copy_diag
     Col("path", "str", True),  # e.g. gpu->host_pool, file->gpu, h2d_pinned
     Col("bytes", "int"),
     Col("seconds", "float", True),
@@ -67,7 +67,7 @@ TIME = _cols(
 )
 # (4) megatron-core GPTModel through CONA's runtime: steps, batch switch, 1-rank reshard.
 MEGATRON = _cols(
-    Col("event", "str", True),  # init | train | switch_batch | reshard | forward_after_reshard | train_after
+    Col("event", "str", True),  # init | train | switch_batch | reshard | forward_after_reshard | train_after | reference_without_reshard
     Col("strategy", "str", True), Col("iteration", "int"), Col("loss", "float"),
     Col("seconds", "float", True), Col("consumed_samples", "int"), Col("backend", "str", True),
     Col("precision", "str"), Col("detail", "json"),

@@ -299,11 +299,104 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
                                        "memcpy_pinned_h2d_s": baseline, "ratio": ratio,
                                        "goal": FETCH_GOAL, "pinned_bytes": pinned,
                                        "copier": type(eng.copier).__name__})  # fmt: skip
+        if device == "cuda":
+            try:  # a diagnosis: the measurements above stand without it
+                reads = tuple(r for r, _ in pool.pool.load_jobs(
+                    pool.pool.lookup(hashes), [tables["contiguous"].tolist()]))
+                prof = _profile_fetch(eng, reads, kv)
+                w.write(test="fetch_profile", path="host_pool->gpu (contiguous)",
+                        bytes=nbytes, seconds=prof["wall_s"], gbps=nbytes / prof["wall_s"] / 1e9,
+                        repeats=1, status="ok", detail=prof)
+            except Exception as exc:  # noqa: BLE001
+                w.write(test="fetch_profile", path="host_pool->gpu (contiguous)", seconds=0,
+                        status="error", note=error_text(exc))
     finally:
         pool.close()
         del kv, ref
         if device == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def _profile_fetch(eng, reads, kv: dict, log_lines: int = 30) -> dict:
+    """One more contiguous fetch under torch.profiler (every thread's aten calls and the CUDA
+    copies): where its wall time goes, printed to the log."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_kvpool.protocol import LoadRequest
+
+    for t in kv.values():
+        t.zero_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.start_loads([LoadRequest("profiled", reads, is_async=False)])
+        for name in kv:
+            eng.wait_layer(name)
+        eng.wait_sync_loads()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    eng.wait_all()
+    avg = prof.key_averages()
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=log_lines), flush=True)
+    copies = [e for e in avg if e.key == "aten::copy_"]
+    memcpy_us = sum(e.device_time_total for e in avg if "Memcpy HtoD" in e.key)
+    return {"wall_s": wall, "copy_calls": copies[0].count if copies else 0,
+            "copy_cpu_s": copies[0].cpu_time_total / 1e6 if copies else 0.0,
+            "memcpy_htod_device_s": memcpy_us / 1e6}
+
+
+def copy_diagnosis(w: RowWriter, copies: int = 4096, size: int = 1 << 20) -> dict:
+    """``copies`` host-to-device ``copy_(non_blocking=True)`` of ``size`` bytes each (the fetch's
+    pattern: 128 chunks x 32 layers of 1 MiB) from torch-pinned, ``cudaHostRegister``-ed and
+    pageable host memory, against one copy of the same bytes: the per-call cost and whether
+    registered memory moves at pinned speed (``is_pinned`` as torch sees it)."""
+    import mmap
+
+    import torch
+
+    nbytes = copies * size
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    buf = mmap.mmap(-1, nbytes)
+    registered = torch.frombuffer(buf, dtype=torch.uint8)
+    registered.fill_(1)
+    cudart = torch.cuda.cudart()
+    reg_err = int(cudart.cudaHostRegister(registered.data_ptr(), nbytes, 0))
+    sources = {"pinned (torch)": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+               "registered (cudaHostRegister)": registered,
+               "pageable": torch.empty(nbytes, dtype=torch.uint8)}
+    out: dict = {"register_error": reg_err}
+    try:
+        for name, src in sources.items():
+            src.fill_(2)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(copies):
+                dev[i * size:(i + 1) * size].copy_(src[i * size:(i + 1) * size], non_blocking=True)
+            issued = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            many = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            dev.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            one = time.perf_counter() - t0
+            out[name] = {"many_gbps": round(nbytes / many / 1e9, 2),
+                         "one_gbps": round(nbytes / one / 1e9, 2),
+                         "issue_us_per_copy": round(issued / copies * 1e6, 1),
+                         "is_pinned": bool(src.is_pinned())}
+            w.write(test="copy_diag", path=f"{name}->gpu", bytes=nbytes, seconds=many,
+                    gbps=nbytes / many / 1e9, byte_exact=bool(torch.equal(dev[:size].cpu(),
+                                                                          src[:size])),
+                    repeats=1, status="ok", detail={**out[name], "copies": copies,
+                                                    "copy_bytes": size, "one_copy_s": one,
+                                                    "register_error": reg_err})
+    finally:
+        if reg_err == 0:
+            cudart.cudaHostUnregister(registered.data_ptr())
+        del sources, registered, dev
+        buf.close()
+        torch.cuda.empty_cache()
     return out
 
 
@@ -379,4 +472,9 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
         return summary
     budget.check("the cudaMemcpyAsync baseline")
     summary["memcpy"] = memcpy_baseline(shape.total_bytes // 2, w)
+    budget.check("the copy diagnosis")
+    try:
+        summary["copy_diag"] = copy_diagnosis(w)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis; the measurements above stand
+        w.write(test="copy_diag", path="-", seconds=0, status="error", note=error_text(exc))
     return summary

@@ -34,6 +34,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reference(ctx: PartContext, cfg, data, losses: list[float], budget: Budget,
+               w: RowWriter, base: dict) -> bool:
+    """The same schedule again from a fresh build, without the reshard: the losses after the
+    reshard must equal these (the same weights, data and kernels)."""
+    budget.check("the reference run", reserve=5.0)
+    state = adapters.cona_build(cfg, START)
+    ref = [adapters.cona_train_step(state, data)["loss"] for _ in range(2 if ctx.dry_run else 3)]
+    state, _ = adapters.cona_switch(state, SWITCHED)
+    ref += [adapters.cona_train_step(state, data)["loss"]
+            for _ in range(len(losses) - len(ref))]
+    state.destroy()
+    same = all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(losses, ref, strict=True))
+    w.write(event="reference_without_reshard", strategy=SWITCHED, iteration=len(ref), loss=ref[-1],
+            seconds=0, status="ok" if same else "error",
+            detail={"losses": [round(x, 5) for x in ref],
+                    "with_reshard": [round(x, 5) for x in losses]},
+            note="" if same else "the losses after the reshard differ from the run without it",
+            **base)
+    return same
+
+
 def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     import torch
     import torch.distributed as dist
@@ -136,6 +157,7 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
         summary["losses"] = [round(x, 4) for x in losses]
         summary["loss_fell"] = losses[-1] < losses[0]
         state.destroy()
+        summary["reshard_matches_reference"] = _reference(ctx, cfg, data, losses, budget, w, base)
     except Exception as exc:  # noqa: BLE001 - recorded as a row; the harness goes on
         w.write(event="error", strategy="-", seconds=0, status="error", note=error_text(exc),
                 **base)

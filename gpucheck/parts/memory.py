@@ -5,7 +5,7 @@ Grid: LLaVA-like (CLIP ViT + projector + Llama), a ViT, a decoder LLM (the predi
 scaled down, built by the predictor's own model builder), an MLP and a CNN; fp32, bf16
 autocast, bf16 pure, fp16 autocast + GradScaler; fused and foreach AdamW; activation
 checkpointing on/off. Then the ``vision`` family: torchvision's ResNet-18/50, DenseNet-121 (the
-concat-heavy one), VGG-16 and a U-Net (``support.convnets``) at two batch sizes each, fp32 and
+concat-heavy one), VGG-16 and a U-Net (``support.convnets``) at two batch sizes each, fp32, tf32 and
 bf16 autocast, foreach AdamW (torch's default on CUDA), as a PyTorch user trains them. Per row: one warm-up step (creates the Adam states), peak stats reset,
 one measured step; ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and NVML's
 device-level used bytes (CUDA context and every other process included) before and after.
@@ -15,6 +15,7 @@ The dry run executes the same steps on the CPU (no CUDA memory statistics: rows 
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -71,7 +72,10 @@ VISION = {"gpu": {"resnet18": (224, (64, 256)), "resnet50": (224, (32, 128)),
                   "densenet121": (224, (32, 128)), "vgg16": (224, (16, 64)),
                   "unet": (256, (8, 32))},
           "tiny": {"densenet121": (32, (2,)), "unet": (32, (1,))}}
-VISION_PRECISIONS = ("fp32", "bf16")
+# tf32: PyTorch's default for convolutions (torch.backends.cudnn.allow_tf32 is True)
+VISION_PRECISIONS = ("fp32", "tf32", "bf16")
+# GPUCHECK_MEMORY_FAMILIES=vision,mlp: measure only those families (a rerun of a few)
+FAMILIES_ENV = "GPUCHECK_MEMORY_FAMILIES"
 
 
 def grid(tiny: bool) -> list[Point]:
@@ -88,6 +92,8 @@ def grid(tiny: bool) -> list[Point]:
     points = [Point("vision", size, prec, "foreach", "none", model, b)
               for model, (_, batches) in VISION[size].items() for b in batches
               for prec in VISION_PRECISIONS] + points
+    if only := os.environ.get(FAMILIES_ENV):
+        points = [p for p in points if p.family in only.split(",")]
     if tiny:
         want = {("llava", "fp32", "fused", "none"), ("vit", "bf16", "foreach", "full"),
                 ("llm", "fp16", "fused", "full"), ("mlp", "bf16-pure", "foreach", "full"),

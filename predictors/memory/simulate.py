@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..autocast import autocast_context
+from ..precision import get_precision
 from ..step import Batch, LossFn, TrainingStep, default_loss
 from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
@@ -114,7 +115,8 @@ def trace_step(build: Callable[[], torch.nn.Module],
     ``capacity`` bounds the simulated allocator: under pressure it frees its cached segments
     and retries, and raises :class:`SimulatedOutOfMemoryError` when even that fails."""
     t0 = time.perf_counter()
-    tracker = MemoryTracker(CachingAllocatorSim(capacity), overheads=overheads)
+    tracker = MemoryTracker(CachingAllocatorSim(capacity), overheads=overheads,
+                            tf32=get_precision(precision).tf32)
     with FakeTensorMode():
         model = build()
         step = TrainingStep(model, precision, target="cuda", loss_fn=loss_fn,
