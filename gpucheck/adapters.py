@@ -281,11 +281,12 @@ def cona_reshard_same_layout(state: Any, bucket_bytes: int) -> tuple[Any, dict]:
 
 
 def kvpool_local(kv: dict, num_blocks: int, block_tokens: int, chunk_tokens: int,
-                 device: dict, staging: str = "256MiB") -> Any:
+                 device: dict, staging: str = "256MiB", verify: bool = True) -> Any:
     """A ``LocalPool`` over one pool device (``{"host": {...}}`` or ``{"ssd": {...}}``) for the
-    KV tensors ``kv``: the connector's jobs and engine, every read verified."""
+    KV tensors ``kv``: the connector's jobs and engine; ``verify``: host chunks hashed on every
+    fetch too (``verify_checksums``; SSD reads are always verified)."""
     from vllm_kvpool.local import LocalPool
 
-    config = {"chunk_tokens": chunk_tokens, "staging": staging, "verify_checksums": True,
+    config = {"chunk_tokens": chunk_tokens, "staging": staging, "verify_checksums": verify,
               "devices": [device]}  # fmt: skip
     return LocalPool(config, kv, num_blocks, block_tokens, bandwidths=[1.0], layout_id="gpucheck")

@@ -223,13 +223,17 @@ def _pinned_h2d_seconds(nbytes: int, repeats: int) -> list[float]:
     return times
 
 
-def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> dict:
+def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3,
+                 verify: bool = False, tables: tuple[str, ...] = ("contiguous", "shuffled"),
+                 profile: bool = False) -> dict:
     """Save a prefix into a host pool, then fetch it back into zeroed KV tensors with the calls
     ``PoolWorker`` makes (built as ``register_kv_caches`` builds it; the worker module itself
     imports vLLM, which the GPU machine lacks): a sync load, ``wait_layer`` per layer,
     ``wait_sync_loads``. Into the same
     blocks (contiguous runs: one copy per run) and into a shuffled block table (short runs: one
-    staged copy per chunk and one gather per layer); byte-exact checks and GB/s per table."""
+    staged copy per chunk and one gather per layer); byte-exact checks and GB/s per table.
+    ``verify``: the pool's ``verify_checksums`` (off by default: host chunks are hashed when
+    saved; on, every fetch hashes them first, on the loader thread)."""
     import torch
 
     from vllm_kvpool.protocol import LoadRequest
@@ -240,7 +244,8 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
     chunks = shape.num_blocks // bpc
     slot_bytes = -(-shape.layers * shape.page_bytes * bpc // 4096) * 4096
     pool = adapters.kvpool_local(kv, shape.num_blocks, shape.block_tokens, shape.chunk_tokens,
-                                 {"host": {"capacity": (chunks + 1) * slot_bytes}})  # fmt: skip
+                                 {"host": {"capacity": (chunks + 1) * slot_bytes}},
+                                 verify=verify)  # fmt: skip
     eng = pool.engine
     hashes = [f"fetch-{i}".encode() for i in range(shape.num_blocks)]
     nbytes = shape.num_blocks * shape.layers * shape.page_bytes
@@ -257,9 +262,10 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
         if device == "cuda":
             baseline = statistics.median(_pinned_h2d_seconds(nbytes, repeats))
         gen = torch.Generator().manual_seed(0)
-        tables = {"contiguous": torch.arange(shape.num_blocks),
+        orders = {"contiguous": torch.arange(shape.num_blocks),
                   "shuffled": torch.randperm(shape.num_blocks, generator=gen)}  # fmt: skip
-        for table, ids in tables.items():
+        for table in tables:
+            ids = orders[table]
             # The pool's own jobs for this block table (as the scheduler builds them).
             reads = tuple(r for r, _ in pool.pool.load_jobs(pool.pool.lookup(hashes),
                                                             [ids.tolist()]))  # fmt: skip
@@ -283,7 +289,8 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
                                                   ref[k].view(torch.int16)) for k in kv)  # fmt: skip
             med = statistics.median(times)
             ratio = baseline / med if baseline else None
-            out[table] = {"gbps": round(nbytes / med / 1e9, 3), "byte_exact": exact,
+            label = f"{table}, verified" if verify else table
+            out[label] = {"gbps": round(nbytes / med / 1e9, 3), "byte_exact": exact,
                           "ratio": None if ratio is None else round(ratio, 3)}  # fmt: skip
             note = "" if exact else "the KV fetched differs from the KV saved"
             if exact and ratio is None:
@@ -291,18 +298,19 @@ def worker_fetch(shape: Shape, device: str, w: RowWriter, repeats: int = 3) -> d
             elif exact and ratio < FETCH_GOAL:
                 note = f"ratio {ratio:.2f} below the goal {FETCH_GOAL}"
             w.write(test="fetch", path=f"host_pool->{'gpu' if device == 'cuda' else 'cpu_kv'} "
-                    f"({table})", bytes=nbytes, seconds=med, gbps=nbytes / med / 1e9,
+                    f"({label})", bytes=nbytes, seconds=med, gbps=nbytes / med / 1e9,
                     byte_exact=exact, repeats=repeats, status="ok" if exact else "error",
                     note=note, detail={"tokens": shape.num_blocks * shape.block_tokens,
                                        "layers": shape.layers, "chunks": chunks,
                                        "best_s": min(times), "save_s": round(save_s, 3),
                                        "memcpy_pinned_h2d_s": baseline, "ratio": ratio,
                                        "goal": FETCH_GOAL, "pinned_bytes": pinned,
+                                       "verify_checksums": verify,
                                        "copier": type(eng.copier).__name__})  # fmt: skip
-        if device == "cuda":
+        if profile and device == "cuda":
             try:  # a diagnosis: the measurements above stand without it
                 reads = tuple(r for r, _ in pool.pool.load_jobs(
-                    pool.pool.lookup(hashes), [tables["contiguous"].tolist()]))
+                    pool.pool.lookup(hashes), [orders["contiguous"].tolist()]))
                 prof = _profile_fetch(eng, reads, kv)
                 w.write(test="fetch_profile", path="host_pool->gpu (contiguous)",
                         bytes=nbytes, seconds=prof["wall_s"], gbps=nbytes / prof["wall_s"] / 1e9,
@@ -446,8 +454,11 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
             return {"_status": "error", "build_error": error_text(exc)}
     budget.check("the worker-path fetch")
     try:
-        summary["fetch"] = worker_fetch(DRY_FETCH_SHAPE if ctx.dry_run else FETCH_SHAPE,
-                                        ctx.device, w)  # fmt: skip
+        fetch_shape = DRY_FETCH_SHAPE if ctx.dry_run else FETCH_SHAPE
+        # the default (host chunks unverified on fetch), then verify_checksums on
+        summary["fetch"] = worker_fetch(fetch_shape, ctx.device, w, profile=True)
+        summary["fetch"].update(worker_fetch(fetch_shape, ctx.device, w, verify=True,
+                                             tables=("contiguous",)))
     except Exception as exc:  # noqa: BLE001 - recorded; the round trip still runs
         w.write(test="fetch", path="host_pool->kv (worker)", seconds=0, status="error",
                 note=error_text(exc))
