@@ -14,6 +14,7 @@ from gpucheck.common import PROVENANCE_COLUMNS, STATUS_VALUES
 MAX_FILES = 8  # what the device tool brings back from $OUT
 MAX_FILE_BYTES = 16 * 2**20
 RUN_FILE, LOG_FILE = "run.json", "log.txt"
+EVENTS_FILE = "memory_events.jsonl.gz"  # optional: the allocator's events (GPUCHECK_MEMORY_EVENTS)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ FILES: dict[str, tuple[Col, ...]] = {
     "kvio.csv": KVIO, "memory.csv": MEMORY, "time.csv": TIME, "megatron.csv": MEGATRON,
     "device.csv": DEVICE,
 }
-ALL_FILES = (RUN_FILE, LOG_FILE, *FILES)
+ALL_FILES = (RUN_FILE, LOG_FILE, *FILES, EVENTS_FILE)
 assert len(ALL_FILES) <= MAX_FILES
 
 

@@ -15,10 +15,13 @@ The dry run executes the same steps on the CPU (no CUDA memory statistics: rows 
 from __future__ import annotations
 
 import gc
+import gzip
+import json
 import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpucheck import adapters
 from gpucheck.common import (
@@ -31,6 +34,7 @@ from gpucheck.common import (
     nvml_used_bytes,
 )
 from gpucheck.predictions import Predictions
+from gpucheck.schema import EVENTS_FILE
 from gpucheck.steps import MLP, RealStep, count_params
 from support import convnets
 
@@ -76,6 +80,11 @@ VISION = {"gpu": {"resnet18": (224, (64, 256)), "resnet50": (224, (32, 128)),
 VISION_PRECISIONS = ("fp32", "tf32", "bf16")
 # GPUCHECK_MEMORY_FAMILIES=vision,mlp: measure only those families (a rerun of a few)
 FAMILIES_ENV = "GPUCHECK_MEMORY_FAMILIES"
+# GPUCHECK_MEMORY_EVENTS=1: the caching allocator's events of each measured step (every
+# alloc / free / segment with size, address and stream; no stacks) and its segments before and
+# after, one JSON line per point, into schema.EVENTS_FILE: the real event stream the
+# simulator's allocator is compared with offline (issue #37)
+EVENTS_ENV = "GPUCHECK_MEMORY_EVENTS"
 
 
 def grid(tiny: bool) -> list[Point]:
@@ -175,8 +184,32 @@ def predict_point(point: Point) -> dict:
     return out
 
 
-def measure(point: Point, device: str) -> dict:
-    """One warm-up step, peak statistics reset, one measured step (the steady state)."""
+def _segments(snapshot: dict) -> list[list]:
+    return [[seg["address"], seg["total_size"], seg["stream"], seg["segment_type"],
+             [[b["size"], b["state"], b.get("requested_size")] for b in seg["blocks"]]] for seg in snapshot["segments"]]
+
+
+def _recorded_step(step, inputs, kw, target, events) -> None:
+    """The measured step with the allocator's history on; one JSON line into ``events``."""
+    import torch
+
+    before = _segments(torch.cuda.memory._snapshot())
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+    try:
+        step(inputs, kw, target)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = [[e["action"], e["addr"], e["size"], e["stream"]]
+             for dev in snap["device_traces"] for e in dev]
+    events.write(json.dumps({"segments_before": before, "events": trace,
+                             "segments_after": _segments(snap)}) + "\n")
+
+
+def measure(point: Point, device: str, events=None) -> dict:
+    """One warm-up step, peak statistics reset, one measured step (the steady state);
+    ``events``: a text file the measured step's allocator events go to (CUDA only)."""
     import torch
 
     cuda = device == "cuda"
@@ -193,7 +226,16 @@ def measure(point: Point, device: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    step(inputs, kw, target)
+    recorded = False
+    if cuda and events is not None:
+        try:
+            _recorded_step(step, inputs, kw, target, events)
+            recorded = True
+        except Exception as exc:  # noqa: BLE001 - the measurement matters more than its events
+            events.write(json.dumps({"error": error_text(exc)}) + "\n")
+            torch.cuda.reset_peak_memory_stats()
+    if not recorded:
+        step(inputs, kw, target)
     row: dict = {"family": point.family, "size": point.size, "precision": point.precision,
                  "optimizer": point.optimizer, "checkpointing": point.checkpointing,
                  "batch": batch, "params": params, "ground_truth": GROUND_TRUTH,
@@ -256,6 +298,9 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
             abs_errors.append(abs(row["pred_error_pct"]))
         return row
 
+    events = None
+    if os.environ.get(EVENTS_ENV) and ctx.device == "cuda":
+        events = gzip.open(Path(ctx.out) / EVENTS_FILE, "wt")
     preds = Predictions(predict_point, merge, w, parallel=not ctx.dry_run)
     for point in points:
         preds.submit(point, point)
@@ -267,7 +312,9 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
                 cut = f"memory grid cut at {i}/{len(points)} points by the budget"
                 break
             try:
-                preds.measured(point, measure(point, ctx.device))
+                if events is not None:
+                    events.write(json.dumps({"point": point.__dict__}) + "\n")
+                preds.measured(point, measure(point, ctx.device, events))
                 measured += 1
             except Exception as exc:  # noqa: BLE001 - one configuration failing (OOM...)
                 errors += 1
@@ -278,6 +325,8 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
         preds.drain(budget)
     finally:
         preds.close()
+        if events is not None:
+            events.close()
     if cut:
         raise BudgetExceeded(cut)
     return {"points": len(points), "measured": measured, "errors": errors,

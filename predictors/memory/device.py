@@ -48,6 +48,7 @@ def get_device(name: str, stack: str | None = None) -> DeviceProfile:
         raise ShardingError(f"stack={key!r} unknown; choose one of {', '.join(CONTEXTS)}")
     return DeviceProfile(dev.name, int(dev.memory_bytes),
                          replace(base, context_bytes=CONTEXTS[key].bytes,
+                                 cudnn_context_bytes=CONTEXTS[key].cudnn_bytes,
                                  cudnn_workspaces=True))
 
 

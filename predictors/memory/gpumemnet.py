@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import csv
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -177,3 +178,182 @@ def example_batch(row: MlpRow) -> tuple[torch.Tensor, torch.Tensor]:
     if row.output > 1:
         return x, torch.empty(row.batch, dtype=torch.long, device="meta")
     return x, torch.empty(row.batch, 1, device="meta")
+
+
+# --------------------------------------------------------------------------- conv nets
+# GPUMemNet's CNN set, development rows only (dense, residual, uniform: 833 runs on the same
+# A100-40GB, fp32 with PyTorch's defaults, Adam, ``nvidia-smi`` peaks), shipped as
+# ``predictors/data/gpumemnet_cnn_dev.csv`` (CC BY 4.0, ``LICENSE.gpumemnet``). The networks are
+# rebuilt by :func:`build_cnn` from the rules of the repository's ``cnn.py`` at commit f5a3f5d
+# (our code, the same arithmetic), launched as its ``launcher_cnn.py`` does (no pooling flag).
+CNN_CSV = Path(__file__).resolve().parent.parent / "data" / "gpumemnet_cnn_dev.csv"
+CNN_ARCHS = ("dense", "residual", "uniform")
+MAX_FILTERS = 2048  # the generator's cap
+DENSE_GROWTH = 32  # the generator's default growth rate, 4 layers per dense block
+_CNN_NAME = re.compile(
+    r"input_channels:(?P<ch>\d+)_num_classes:(?P<classes>\d+)_depth:(?P<depth>\d+)"
+    r"_arch:(?P<arch>\w+?)_base_filters:(?P<base>\d+)_batch:(?P<batch>\d+)"
+    r"_input_size:(?P<size>\d+)_act:(?P<act>\w+?)_dropout:(?P<rate>[\d.e-]+)"
+    r"_dropout:(?P<drop>True|False)_batchnorm:(?P<bn>True|False)\.out$")
+
+
+@dataclass(frozen=True)
+class CnnRow:
+    channels: int
+    classes: int
+    depth: int
+    arch: str
+    base: int
+    batch: int
+    size: int  # square input side
+    activation: str
+    dropout: float | None
+    batchnorm: bool
+    params: int  # published total parameters
+    measured_mib: float
+    oom: bool  # Status OOM_CRASH
+
+    @property
+    def name(self) -> str:
+        return (f"cnn {self.arch} depth{self.depth} base{self.base} {self.channels}x{self.size}"
+                f"^2 batch{self.batch} {self.activation}{' bn' if self.batchnorm else ''}"
+                f"{' dropout' if self.dropout is not None else ''}")
+
+    @property
+    def runs(self) -> bool:
+        """The generator raises before training for inputs under 7 pixels (``log2`` of
+        ``size // 7`` = 0) and for one class (``BCELoss`` on integer labels)."""
+        return self.size >= 7 and self.classes > 1
+
+
+def load_cnn_rows(path: Path = CNN_CSV) -> tuple[CnnRow, ...]:
+    return _load_cnn(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_cnn(path: Path) -> tuple[CnnRow, ...]:
+    rows = []
+    with path.open() as f:
+        for i, r in enumerate(csv.DictReader(f)):
+            m = _CNN_NAME.match(r["Filename"])
+            if m is None or m["arch"] not in CNN_ARCHS:
+                raise GpuMemNetFormatError(f"row {i}: Filename={r['Filename']!r} is not a "
+                                           "development-set generator name")
+            rows.append(CnnRow(int(m["ch"]), int(m["classes"]), int(m["depth"]), m["arch"],
+                               int(m["base"]), int(m["batch"]), int(m["size"]), m["act"],
+                               float(m["rate"]) if m["drop"] == "True" else None,
+                               m["bn"] == "True", int(r["Total Parameters"]),
+                               float(r["Max GPU Memory (MiB)"]), r["Status"] == "OOM_CRASH"))
+    return tuple(rows)
+
+
+def _block(row: CnnRow, cin: int, cout: int, k: int = 3, stride: int = 1,
+           act: str | None = None, dropout: bool = True) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride, k // 2)]
+    if row.batchnorm:
+        layers.append(nn.BatchNorm2d(cout))
+    layers.append(ACTIVATIONS[act or row.activation]())
+    if dropout and row.dropout is not None:
+        layers.append(nn.Dropout(row.dropout))
+    return nn.Sequential(*layers)
+
+
+class _Residual(nn.Module):
+    def __init__(self, row: CnnRow, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_block(row, cin, cout, stride=stride), _block(row, cout, cout))
+        self.shortcut: nn.Module = nn.Identity()
+        if cin != cout or stride != 1:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride),
+                                          nn.BatchNorm2d(cout) if row.batchnorm else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.shortcut(x)
+
+
+class _Dense(nn.Module):
+    def __init__(self, row: CnnRow, cin: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_block(row, cin + i * DENSE_GROWTH, DENSE_GROWTH)
+                                    for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+class _Transition(nn.Module):
+    def __init__(self, row: CnnRow, cin: int) -> None:
+        super().__init__()
+        self.conv = _block(row, cin, cin // 2, k=1, act="relu", dropout=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        return nn.functional.avg_pool2d(x, 2) if x.shape[2] > 1 and x.shape[3] > 1 else x
+
+
+class GeneratedCNN(nn.Module):
+    def __init__(self, row: CnnRow, dense_pooling: int = 5) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        cin, side = row.channels, row.size
+        if row.arch == "residual":
+            growth = (MAX_FILTERS / row.base) ** (1 / row.depth)
+            for i in range(row.depth // 2):
+                cout = min(int(row.base * growth ** i), MAX_FILTERS)
+                stride = 2 if i % 2 == 1 and side > 7 else 1
+                blocks.append(_Residual(row, cin, cout, stride))
+                cin = cout
+                side = side // 2 if stride == 2 else side
+                if side <= 7:
+                    break
+        elif row.arch == "dense":
+            count = row.depth // 4
+            for i in range(count):
+                blocks.append(_Dense(row, cin))
+                cin += 4 * DENSE_GROWTH
+                if i % dense_pooling == 0 and i != count - 1:
+                    blocks.append(_Transition(row, cin))
+                    cin //= 2
+        elif row.arch == "uniform":
+            for _ in range(row.depth):
+                blocks.append(_block(row, cin, row.base))
+                cin = row.base
+        else:
+            raise GpuMemNetFormatError(f"arch={row.arch!r} is not one of {CNN_ARCHS}")
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, row.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.blocks(x), 1)
+        return torch.softmax(self.fc(torch.flatten(x, 1)), dim=1)
+
+
+def build_cnn(row: CnnRow) -> nn.Module:
+    """The row's network with the published total parameter count. A dense net's transition
+    frequency was drawn at random by the generator (every ``ceil(depth / poolings)`` blocks or
+    every 5, ``poolings = max(1, int(log2(size // 7)))``): the variant whose count matches."""
+    if not row.runs:
+        raise GpuMemNetFormatError(f"{row.name}: the generator fails before training")
+    poolings = max(1, int(math.log2(row.size // 7)))
+    variants = [5, max(1, math.ceil(row.depth / poolings))] if row.arch == "dense" else [5]
+    for every in variants:
+        with torch.device("meta"):
+            model = GeneratedCNN(row, every)
+        # the dataset counts PReLU's weight as 0 (as in its MLP set); a net without conv
+        # blocks has an empty layer list there (0 parameters)
+        if row.params == 0 and not len(model.blocks):
+            return model
+        if sum(p.numel() for m in model.modules() if not isinstance(m, nn.PReLU)
+               for p in m.parameters(recurse=False)) == row.params:
+            return model
+    raise GpuMemNetFormatError(f"{row.name}: no rebuild has the published {row.params} "
+                               "parameters")
+
+
+def example_cnn_batch(row: CnnRow) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, labels) on the meta device, as the training loop moves them to the GPU."""
+    return (torch.empty(row.batch, row.channels, row.size, row.size, device="meta"),
+            torch.empty(row.batch, dtype=torch.long, device="meta"))

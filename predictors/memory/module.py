@@ -211,6 +211,8 @@ def predict_module_memory(
                           capacity=limit, steps=len(sizes))
 
     meas = run(None)
+    if meas.convolutions and prof.overheads.cudnn_context_bytes:
+        outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
     extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision, meas.peak_phase,
                                             _module_tensors(build, precision)
                                             if dist.zero == 3 else None)  # fmt: skip

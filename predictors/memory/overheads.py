@@ -25,6 +25,7 @@ class CudaOverheads:
     cublas_workspaces: int  # forward thread + autograd device thread
     context_bytes: int  # CUDA context, outside the caching allocator
     cudnn_workspaces: bool = False  # convolutions allocate cuDNN workspaces (tracker)
+    cudnn_context_bytes: int = 0  # cuDNN's kernels, loaded by a step with convolutions
 
     @property
     def workspace_total(self) -> int:
@@ -38,6 +39,8 @@ class ContextSize:
 
     bytes: int
     basis: str
+    cudnn_bytes: int = 0  # added when the step runs convolutions (cuDNN loaded)
+    cudnn_basis: str = ""
 
 
 CONTEXTS: dict[str, ContextSize] = {
@@ -48,7 +51,15 @@ CONTEXTS: dict[str, ContextSize] = {
     # CUDA_MODULE_LOADING=EAGER) loads every kernel image of libtorch_cuda, cuBLAS and cuDNN;
     # lazy loading (PyTorch's default since 1.13, pytorch/pytorch#86509: 287 MB vs 667 MB for
     # the bare context) loads only the kernels used, so on such stacks this is conservative.
-    "ampere": ContextSize(1429 * MiB, "GPUMemNet A100-40GB smallest MLP: 1451 - 22 MiB"),
+    # cuDNN: a step with convolutions loads its kernels too. GPUMemNet's CNN development rows
+    # (same A100-40GB and stack, predictors/data/gpumemnet_cnn_dev.csv): its smallest conv net
+    # (row 600: uniform, depth 2, 44 filters, 3x16x16, batch 22) peaks at 1747 MiB where the
+    # traced step plus the context above is 1457 MiB: 290 MiB (the next five smallest read
+    # 236-292). A net with no convolution (row 680: pooling + one Linear) reads 1467 MiB,
+    # exactly the traced step plus the context, so the extra is cuDNN's.
+    "ampere": ContextSize(1429 * MiB, "GPUMemNet A100-40GB smallest MLP: 1451 - 22 MiB",
+                          290 * MiB, "GPUMemNet A100-40GB smallest CNN (row 600): 1747 - 1457 "
+                          "MiB"),
     # Measured on an H200 (gpu_check, 2026-12-04, driver 580.159.04, CUDA 13.0, torch 2.11,
     # commit 05df9b1; predictors/data/gpu/h200-2026-12-04/): NVML used at the peak minus
     # max_memory_reserved of the first training step in a fresh process (ResNet-18, cuDNN
@@ -56,8 +67,11 @@ CONTEXTS: dict[str, ContextSize] = {
     # loaded kernels accumulate (at most 1402 over its 92 steps: the figure kept, so the OOM
     # verdict stays on the safe side). The bare context with cuBLAS is 682 MiB (device.csv:
     # cuda_context_bytes); a training step loads far more.
+    # That run loaded cuDNN with its first step (a conv net), so this figure includes cuDNN's
+    # kernels; a step without convolutions holds less (not measured on Hopper: conservative).
     "hopper": ContextSize(1402 * MiB, "H200 gpu_check 2026-12-04: NVML used - "
-                          "max_memory_reserved over 92 training steps, max (first step 1382)"),
+                          "max_memory_reserved over 92 training steps, max (first step 1382; "
+                          "cuDNN loaded)"),
 }
 
 

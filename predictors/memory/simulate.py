@@ -45,11 +45,13 @@ class Measurement:
     phase_peaks: dict[str, int]
     saved_by_module: dict[str, int]  # activation bytes saved per module (forward end)
     segments_released: int = 0  # cached segments freed under capacity pressure
+    convolutions: int = 0  # convolution ops traced (the step loads cuDNN)
 
     def as_row(self) -> dict:
         row = asdict(self)
         row.pop("saved_by_module")
         row.pop("segments_released")
+        row.pop("convolutions")
         for k, v in row.pop("breakdown").items():
             row[f"gt_{k}"] = v
         for k, v in row.pop("phase_peaks").items():
@@ -156,6 +158,7 @@ def trace_step(build: Callable[[], torch.nn.Module],
         phase_peaks=dict(tracker.phase_peaks),
         saved_by_module=dict(tracker.module_saved),
         segments_released=s.num_releases,
+        convolutions=tracker.convolutions,
     )
 
 

@@ -76,6 +76,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.module_saved: dict[str, int] = defaultdict(int)
         self._found_inf: set[int] = set()  # storages of grad-scaler found-inf flags
+        self.convolutions = 0  # a step with any loads cuDNN (its kernels outside the allocator)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _alloc(self, key: int, nbytes: int, label: str, op: str) -> _Record:
@@ -178,7 +179,10 @@ class MemoryTracker(TorchDispatchMode):
             self._found_inf.add(_storage_key(args[1]))
         if name in _GEMMS and self.overheads.cublas_workspaces:
             self._cublas_workspace()
-        workspace = self._cudnn_workspace(name, args) if name in _CONVS else None
+        workspace = None
+        if name in _CONVS:
+            self.convolutions += 1
+            workspace = self._cudnn_workspace(name, args)
         out = func(*args, **(kwargs or {}))
         if workspace is not None:
             self._free(workspace)
