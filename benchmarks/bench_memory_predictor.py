@@ -28,7 +28,11 @@
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
    step) through the same API: DEVELOPMENT figures (the workspace rule was read off them).
-5. Agreement with the simulator (NOT accuracy): the multimodal preset predictor against the
+5. The allocator rules alone: the real event streams of those steps (run 5,
+   ``GPUCHECK_MEMORY_EVENTS``) replayed through the simulator from their recorded segments
+   (``predictors.memory.cuda_events``): where this matches and 4. does not, the error is in
+   the traced request stream, not in the allocator.
+6. Agreement with the simulator (NOT accuracy): the multimodal preset predictor against the
    caching-allocator simulator it shares code with (``predictors/data/memory_ground_truth.csv``,
    held out by family and size).
 
@@ -327,6 +331,33 @@ def h200_convnets() -> float | None:
     return mape
 
 
+def allocator_on_real_streams() -> tuple[float, float] | None:
+    """MAPE of the simulator's peaks over the recorded real event streams (allocated,
+    reserved)."""
+    from predictors.memory.cuda_events import load_steps, replay
+
+    runs = sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory_events.jsonl.gz"))
+    errs_a, errs_r = [], []
+    for events in runs:
+        with (events.parent / "memory.csv").open() as f:
+            real = {(r["model"], r["precision"]): r for r in csv.DictReader(f)}
+        for step in load_steps(events):
+            p = step.point
+            if p["family"] != "vision":
+                continue
+            r = real[(f"{p['model']}-b{p['batch']}", p["precision"])]
+            stats = replay(step)
+            errs_a.append(_pct(stats.peak_allocated, float(r["peak_allocated"])))
+            errs_r.append(_pct(stats.peak_reserved, float(r["peak_reserved"])))
+    if not errs_r:
+        return None
+    out = statistics.fmean(errs_a), statistics.fmean(errs_r)
+    print(f"The allocator simulator on {len(errs_r)} REAL event streams (H200 conv-net steps "
+          f"replayed from their recorded segments): peak allocated MAPE {out[0]:.2f}%, peak "
+          f"reserved MAPE {out[1]:.2f}% (max {max(errs_r):.2f}%)")
+    return out
+
+
 def simulator_agreement() -> float:
     from predictors.memory.collect import GROUND_TRUTH_CSV
     from predictors.memory.evaluate import evaluate, format_report
@@ -374,6 +405,7 @@ def main() -> None:
     cnn = run_cnn(args.cnn_every, cnn_cache, args.minutes)
     c_mape, c_dyn, c_false_fits, false_oom = report_cnn(cnn)
     h200 = h200_convnets()
+    allocator_on_real_streams()
     sim = simulator_agreement()
     print(f"agreement with the simulator (not accuracy): {sim:.2f}%")
     print(f"MLP set (development): device-level MAPE {mape:.2f}%")

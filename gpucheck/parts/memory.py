@@ -184,16 +184,13 @@ def predict_point(point: Point) -> dict:
     return out
 
 
-def _segments(snapshot: dict) -> list[list]:
-    return [[seg["address"], seg["total_size"], seg["stream"], seg["segment_type"],
-             [[b["size"], b["state"], b.get("requested_size")] for b in seg["blocks"]]] for seg in snapshot["segments"]]
-
-
 def _recorded_step(step, inputs, kw, target, events) -> None:
     """The measured step with the allocator's history on; one JSON line into ``events``."""
     import torch
 
-    before = _segments(torch.cuda.memory._snapshot())
+    from predictors.memory.cuda_events import compact
+
+    before, _ = compact(torch.cuda.memory._snapshot())
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
     try:
         step(inputs, kw, target)
@@ -201,10 +198,9 @@ def _recorded_step(step, inputs, kw, target, events) -> None:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    trace = [[e["action"], e["addr"], e["size"], e["stream"]]
-             for dev in snap["device_traces"] for e in dev]
+    after, trace = compact(snap)
     events.write(json.dumps({"segments_before": before, "events": trace,
-                             "segments_after": _segments(snap)}) + "\n")
+                             "segments_after": after}) + "\n")
 
 
 def measure(point: Point, device: str, events=None) -> dict:
