@@ -26,7 +26,7 @@ unverified pass. Measure with the target's
 polling core excluded: ``quiet-run --exclude-pid <nvmf_tgt pid> -- ...``.
 
     .venv/bin/python benchmarks/bench_kvio.py --size-gib 2
-    .venv/bin/python benchmarks/bench_kvio.py --backend spdk --trid "$KVPOOL_SPDK_TRID" --size-gib 1
+    .venv/bin/python benchmarks/bench_kvio.py --backend spdk --trid "$KVPOOL_SPDK_TRID" --size-gib 1.5
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ set -euo pipefail
 : "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix (bin/nvmf_tgt)}"
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-export LD_LIBRARY_PATH="$SPDK_DIR/lib:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$SPDK_DIR/lib:${LD_LIBRARY_PATH:-}"  # the module and spdk_nvme_perf load SPDK's .so
 "$PY" -c "from vllm_kvpool import _kvio; assert 'spdk' in _kvio.backends(), \
 'the module was built without SPDK: rebuild with PKG_CONFIG_PATH=\$SPDK_DIR/lib/pkgconfig'"
 state=$(mktemp -d /tmp/kvpool-spdk-check.XXXXXX)

@@ -10,7 +10,9 @@
 # Environment: SPDK_DIR (install prefix with bin/nvmf_tgt; rpc.py is looked up under it and
 # SPDK_SRC), KVPOOL_TGT_DIR (state dir, default /tmp/kvpool-nvmf), KVPOOL_TGT_MALLOC_MIB (1024),
 # KVPOOL_TGT_CORE_MASK (0x2), KVPOOL_TGT_PORT (4420), KVPOOL_TGT_MEM_MIB (DPDK memory reserved
-# up front; default: grown on demand).
+# up front; default: grown on demand), KVPOOL_HUGEPAGES (2 MiB pages the target and one
+# initiator need together; default MALLOC_MIB / 2 + 900: 1412 for 1 GiB, 1668 for 1.5 GiB).
+# `start` raises vm.nr_hugepages to that if it is lower (never lowers it).
 set -euo pipefail
 
 DIR=${KVPOOL_TGT_DIR:-/tmp/kvpool-nvmf}
@@ -34,6 +36,18 @@ rpc_py() {
 
 pid() { [ -f "$DIR/nvmf_tgt.pid" ] && cat "$DIR/nvmf_tgt.pid" || true; }
 
+ensure_hugepages() {  # the RAM bdev, the target's and one initiator's DPDK memory
+  local need=${KVPOOL_HUGEPAGES:-$((MALLOC_MIB / 2 + 900))} have
+  have=$(cat /proc/sys/vm/nr_hugepages)
+  if [ "$have" -lt "$need" ]; then
+    echo "$need" >/proc/sys/vm/nr_hugepages 2>/dev/null || {
+      echo "need $need huge pages (vm.nr_hugepages is $have): run as root" >&2; exit 1; }
+    have=$(cat /proc/sys/vm/nr_hugepages)
+    [ "$have" -ge "$need" ] || {
+      echo "only $have of $need huge pages could be reserved (memory fragmented?)" >&2; exit 1; }
+  fi
+}
+
 clean_hugepages() {  # files of a killed target keep their huge pages reserved
   local p=$1
   [ -n "$p" ] && rm -f /dev/hugepages/spdk_pid"${p}"map_* 2>/dev/null || true
@@ -42,6 +56,7 @@ clean_hugepages() {  # files of a killed target keep their huge pages reserved
 case "${1:-}" in
   start)
     : "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix}"
+    ensure_hugepages
     mountpoint -q /dev/hugepages || { mkdir -p /dev/hugepages && mount -t hugetlbfs -o pagesize=2M nodev /dev/hugepages; }
     rm -f "$DIR/nvmf.sock"
     LD_LIBRARY_PATH="$SPDK_DIR/lib:${LD_LIBRARY_PATH:-}" "$SPDK_DIR/bin/nvmf_tgt" -m "$MASK" \
