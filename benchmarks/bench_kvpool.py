@@ -14,6 +14,12 @@ and times, on the same engine and the same stored chunks:
 Every fetch that fills the whole prefix is checked byte-identical (XXH3-64 per layer). CPU cost is
 user+sys seconds of the process (all threads) during the fetch, per GB.
 
+Equal footing: every child, the pool's and LMCache's, runs with the same number of torch and
+OpenMP threads, the pool's own ``copy_threads`` (its probe's choice, printed; the pool children
+get it explicitly), and both sides are timed over the same window: from the call (the pool's
+``LocalPool.fetch``, lookup and job planning included; LMCache's ``retrieve()``, hashing and
+lookup included) to the last byte in the KV cache.
+
 Rival: real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
 ``use_odirect`` on/off), one child per configuration (store once; per repetition restore the
 split, drop caches, retrieve), through
@@ -178,6 +184,7 @@ class Result:
     note: str = ""
     cold: bool = True
     rep: int = 0
+    threads: int = 1  # torch / OpenMP threads of the child (= the pool's copy_threads)
 
     @property
     def gbps(self) -> float:
@@ -197,6 +204,8 @@ def pool_parts(names: list[str]) -> list[str]:
 def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     """The pool through its public engine API (``vllm_kvpool.local.LocalPool``): stored once,
     then ``spec["reps"]`` repetitions of every part of ``pool_parts``."""
+    import torch
+
     from vllm_kvpool.local import LocalPool
 
     for d in spec["config"]["devices"]:
@@ -220,21 +229,28 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
         share = {i: sum(e.location.nbytes for e in pool.pool.index.entries.values()
                         if e.location.device == i) for i in range(len(devs))}  # fmt: skip
 
+        def timed(devices: set[int] | None = None) -> tuple[float, Any]:
+            """The whole ``fetch`` call (lookup, job planning, copies), the window LMCache's
+            ``retrieve()`` is timed over."""
+            start = time.perf_counter()
+            r = pool.fetch(hashes, ids, devices=devices)
+            return time.perf_counter() - start, r
+
         def fetch(part: str) -> tuple[float, int, bool]:
             """(seconds, blocks, all verified) of one part."""
             if part == "serial":
-                runs = [pool.fetch(hashes, ids, devices={i}) for i in order if share[i]]
-                return (sum(r.seconds for r in runs), sum(r.blocks for r in runs),
-                        all(r.ok for r in runs))  # fmt: skip
+                runs = [timed({i}) for i in order if share[i]]
+                return (sum(t for t, _ in runs), sum(r.blocks for _, r in runs),
+                        all(r.ok for _, r in runs))  # fmt: skip
             if part.startswith("alone:"):
-                r = pool.fetch(hashes, ids, devices={devs.index(part[6:])})
+                seconds, r = timed({devs.index(part[6:])})
             else:
                 pool.engine.loads.verify = part == "pool-verify"
                 try:
-                    r = pool.fetch(hashes, ids)
+                    seconds, r = timed()
                 finally:
                     pool.engine.loads.verify = pool.config.verify_checksums
-            return r.seconds, r.blocks, r.ok
+            return seconds, r.blocks, r.ok
 
         parts = [p for p in spec.get("parts") or pool_parts(devs)
                  if not p.startswith("alone:") or share[devs.index(p[6:])]]  # fmt: skip
@@ -259,7 +275,7 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 name = spec["system"] if part == "pool" else part
                 r = Result(name, spec["scenario"], seconds, sum(moved.values()), cpu_s, identical,
                            moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
-                           rep=rep)  # fmt: skip
+                           rep=rep, threads=torch.get_num_threads())  # fmt: skip
                 out.append(r)
                 if emit is not None:
                     emit(r)
@@ -407,7 +423,8 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                                                "tokens (the rest would be recomputed)")  # fmt: skip
             r = Result(spec["system"], spec["scenario"], seconds, moved, cpu_s, identical,
                        {k: b for k, b in dev.items() if b},
-                       {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep)  # fmt: skip
+                       {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
+                       torch.get_num_threads())  # fmt: skip
             if rep < 0:
                 continue
             out.append(r)
@@ -425,6 +442,9 @@ def child_main(payload: str) -> int:
     spec = job["spec"]
     if spec.get("cgroup"):  # the throttled loop device's limit applies to this process
         Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    import torch
+
+    torch.set_num_threads(spec["threads"])  # LMCache's torch copies get the pool's threads
 
     def emit(r: Result) -> None:
         print("RESULT " + json.dumps(asdict(r)), flush=True)
@@ -506,8 +526,10 @@ class Devices:
 
 # ----------------------------------------------------------------------------- orchestration
 def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[Result]:
-    """Run one child; each result goes to ``sink`` as soon as the child prints it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1",
+    """Run one child; each result goes to ``sink`` as soon as the child prints it. Every
+    child, the pool's and LMCache's, runs with ``spec["threads"]`` torch and OpenMP threads:
+    the pool's ``copy_threads`` (same CPU budget for both sides)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "THP_MEM_ALLOC_ENABLE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     payload = json.dumps({"geometry": asdict(g), "spec": spec})
     err_path = Path(spec.get("workdir", "/tmp")) / "child.err"
@@ -571,6 +593,14 @@ def probe(g: Geometry, config: dict[str, Any]) -> list[float]:
 
     bpc = g.chunk_tokens // g.block_size
     return probe_bandwidths(load_pool_config(config), ChunkLayout.uniform(g.chunk_bytes // bpc, bpc))
+
+
+def copy_threads(config: dict[str, Any]) -> int:
+    """The pool's own choice of memcpy threads for a fetch (``probe_copy_threads``)."""
+    from vllm_kvpool.config import load_pool_config
+    from vllm_kvpool.probe import probe_copy_threads
+
+    return probe_copy_threads(load_pool_config(config))
 
 
 def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
@@ -665,18 +695,23 @@ def run(args: argparse.Namespace, log=print) -> str:
             if cgroup:  # probe (and run) under the second SSD's throttle
                 Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
             gbps = probe(g, pool_config(g, sc["devices"], "bandwidth"))
+            threads = copy_threads(pool_config(g, sc["devices"], "bandwidth"))
+            log(f"[{name}] copy threads (the pool's probe): {threads}, for every child")
             log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
             pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
-                      "config": pool_config(g, sc["devices"], placement), "gbps": gbps,
+                      "config": {**pool_config(g, sc["devices"], placement),
+                                 "copy_threads": threads},
+                      "gbps": gbps, "threads": threads,
                       "cgroup": cgroup, "reps": args.reps, "parts": parts,
                       "workdir": str(args.workdir)}
                      for system, placement, parts in sc["pools"]]  # fmt: skip
             # One child per system: it stores once, then times every repetition (the pool
             # children sit between LMCache's configurations, so drift hits both).
             lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
-                    "cgroup": cgroup, "workdir": str(args.workdir)} for j in sc["lmcache"]]  # fmt: skip
+                    "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
+                   for j in sc["lmcache"]]  # fmt: skip
             for spec in [*lmc[:1], *pools, *lmc[1:]]:
                 run_child(g, spec, args.timeout, sink)
     finally:
@@ -743,7 +778,13 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     y = ratio("S3/lmcache-slice-odirect", "S3/pool")
     pool_cpu = [r.cpu_s / (r.nbytes / 1e9) for r in results.get("S1/pool", []) if r.seconds]
     c = med(pool_cpu) if pool_cpu else float("nan")
+    pool_threads = max((r.threads for r in results.get("S1/pool", [])), default=0)
+    lmc_threads = max((r.threads for r in results.get(best_lmc or "", [])), default=0)
     if best_lmc:
+        lmc_cpu = [r.cpu_s / (r.nbytes / 1e9) for r in results[best_lmc] if r.seconds]
+        log(f"S1 on equal footing: both timed from the call (lookup included) to the last byte "
+            f"in the KV cache; threads: pool {pool_threads}, LMCache {lmc_threads}; CPU-s/GB: "
+            f"pool {c:.2f}, LMCache {med(lmc_cpu):.2f}")
         log(f"X uses LMCache's faster configuration in S1: {best_lmc.split('/')[1]}; against "
             f"pool-verify (host chunks hashed on every fetch too): {xv:.2f}")
     for s, fr in fracs.items():
@@ -768,7 +809,8 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
     return (f"ratio_vs_lmcache={x:.2f} frac_of_bound={f:.2f} ratio_vs_serial={v:.2f} "
-            f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f}")
+            f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f} "
+            f"lmcache_threads={lmc_threads} pool_threads={pool_threads}")
 
 
 def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:

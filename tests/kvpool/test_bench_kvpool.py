@@ -37,7 +37,7 @@ def test_pool_parts_fetch_identical_kv(bench, tmp_path, placement):
     devices = [{"host": {"capacity": 2 * s}},
                {"ssd": {"path": str(tmp_path / "ssd0.kvpool"), "backend": "uring",
                         "capacity": 5 * s}}]  # fmt: skip
-    spec = {"system": "pool", "scenario": "smoke", "salt": "smoke", "reps": 2,
+    spec = {"system": "pool", "scenario": "smoke", "salt": "smoke", "reps": 2, "threads": 2,
             "config": bench.pool_config(g, devices, placement), "gbps": [8.0, 2.0]}  # fmt: skip
     results = bench.run_pool(g, spec)
     by = {}
@@ -64,11 +64,14 @@ def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
     gib = (g.num_chunks + 4) * g.chunk_bytes / 2**30
     spec = {"system": "lmcache-slice-odirect", "scenario": "smoke", "salt": "smoke",
             "copy": "slice", "odirect": True, "disk_dir": str(tmp_path / "lmc"), "disk_gib": gib,
-            "cpu_gib": gib, "resident": 2, "reps": 2}  # fmt: skip
+            "cpu_gib": gib, "resident": 2, "reps": 2, "threads": 2}  # fmt: skip
+    import torch
+
+    torch.set_num_threads(2)  # as child_main does from spec["threads"]
     results = bench.run_lmcache(g, spec)
     assert [r.rep for r in results] == [0, 1]
     for r in results:
-        assert r.identical
+        assert r.identical and r.threads == 2
         assert r.device_bytes == {"lmcache-cpu": 2 * g.chunk_bytes,
                                   "lmcache-disk": (g.num_chunks - 2) * g.chunk_bytes}  # fmt: skip
 
@@ -90,4 +93,22 @@ def test_summary_line_from_in_run_parts(bench):
     line = bench.summarize(g, results, args, lambda *_: None)
     assert line.startswith("ratio_vs_lmcache=nan frac_of_bound=0.85 ratio_vs_serial=1.33 ")
     cpu = 0.1 / (g.prefix_bytes / 1e9)
-    assert line.endswith(f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f}")
+    assert line.endswith(f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} "
+                         "lmcache_threads=0 pool_threads=1")
+
+
+def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
+    """A child process gets ``spec["threads"]`` torch and OpenMP threads (LMCache's children go
+    through the same ``run_child`` / ``child_main``), and the pool's timing window is the whole
+    fetch call."""
+    g = tiny(bench)
+    s = bench.slot(g)
+    devices = [{"host": {"capacity": 5 * s}}]
+    spec = {"system": "pool", "scenario": "smoke", "salt": "threads", "reps": 1, "threads": 2,
+            "parts": ["pool"], "workdir": str(tmp_path),
+            "config": {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 2},
+            "gbps": [8.0]}  # fmt: skip
+    got = bench.run_child(g, spec, 300, lambda r: None)
+    assert got and all(r.threads == 2 and r.identical for r in got)
+    spec["threads"] = 1
+    assert all(r.threads == 1 for r in bench.run_child(g, spec, 300, lambda r: None))
