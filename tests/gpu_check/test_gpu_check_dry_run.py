@@ -60,18 +60,23 @@ def test_kvio_round_trip_is_byte_exact_and_cuda_copies_are_skipped(dry_run):
     assert memcpy and all(r["status"] == "skipped" and r["note"] == NO_GPU for r in memcpy)
     # The worker-path fetch ran on the CPU path (no GPU: no pinned-memcpy ratio).
     fetch = {r["path"]: r for r in rows if r["test"] == "fetch"}
-    assert set(fetch) == {"host_pool->cpu_kv (contiguous)", "host_pool->cpu_kv (shuffled)"}
-    for r in fetch.values():
+    assert set(fetch) == {"host_pool->cpu_kv (contiguous)", "host_pool->cpu_kv (shuffled)",
+                          "host_pool->cpu_kv (contiguous, verified)"}
+    for path, r in fetch.items():
         detail = json.loads(r["detail"])
         assert r["status"] == "ok" and r["byte_exact"] == "true" and int(r["repeats"]) == 3
         assert detail["ratio"] is None and detail["copier"] == "Copier" and detail["chunks"] > 1
+        # as users run it (host chunks hashed when saved), and with verify_checksums apart
+        assert detail["verify_checksums"] == path.endswith("verified)")
 
 
 @pytest.mark.slow
 def test_memory_grid_runs_every_family_and_asks_the_predictor(dry_run):
     rows = _rows(dry_run, "memory.csv")
-    assert {r["family"] for r in rows} == {"llava", "vit", "llm", "mlp", "cnn"}
+    assert {r["family"] for r in rows} == {"llava", "vit", "llm", "mlp", "cnn", "vision"}
     assert {r["precision"] for r in rows} == {"fp32", "bf16", "bf16-pure", "fp16"}
+    assert {r["model"] for r in rows if r["family"] == "vision"} == {"densenet121-b2",
+                                                                      "unet-b1"}
     assert {r["optimizer"] for r in rows} == {"fused", "foreach"}
     assert {r["checkpointing"] for r in rows} == {"none", "full"}
     for r in rows:  # the real step ran; CUDA's statistics need a GPU
@@ -97,11 +102,16 @@ def test_megatron_trains_switches_batch_and_reshards_exactly(dry_run):
     rows = _rows(dry_run, "megatron.csv")
     events = [r["event"] for r in rows]
     assert events == ["init", "train", "train", "switch_batch", "train", "reshard",
-                      "train_after"], events
+                      "forward_after_reshard", "train_after", "reference_without_reshard"], events
     assert all(r["status"] == "ok" and r["backend"] == "gloo" for r in rows), rows
-    consumed = [int(r["consumed_samples"]) for r in rows if r["event"].startswith("train")]
+    consumed = [int(r["consumed_samples"]) for r in rows if r["event"] in ("train", "train_after")]
     assert consumed == [8, 16, 32, 48]  # global batch 8, then 16 after the switch
     reshard = json.loads(next(r for r in rows if r["event"] == "reshard")["detail"])
     assert reshard["mismatched"] == [] and reshard["tensors"] > 0
-    losses = [float(r["loss"]) for r in rows if r["loss"]]
+    losses = [float(r["loss"]) for r in rows if r["event"] in ("train", "train_after")]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    # the reshard changes nothing a forward or the next steps compute
+    forward = json.loads(next(r for r in rows if r["event"] == "forward_after_reshard")["detail"])
+    assert forward["loss_before"] == forward["loss_after"]
+    ref = json.loads(next(r for r in rows if r["event"] == "reference_without_reshard")["detail"])
+    assert ref["losses"] == ref["with_reshard"]
