@@ -15,8 +15,10 @@ from predictors.memory.device import DistributedSpec, get_device
 from predictors.memory.gpumemnet import (
     GeneratedMLP,
     bce_loss,
+    build_cnn,
     build_mlp,
     example_batch,
+    load_cnn_rows,
     load_mlp_rows,
     smallest_network,
 )
@@ -128,6 +130,39 @@ def test_cudnn_workspace_is_allocated_around_convolutions():
     no_ws = predict_module_memory(cnn.build, x, y, device=off)
     assert with_ws.max_memory_allocated > no_ws.max_memory_allocated
     assert with_ws.max_memory_reserved >= no_ws.max_memory_reserved
+    # on tensor cores (TF32, bf16 autocast) the trace gives convolutions no workspace
+    for precision in ("tf32", "bf16"):
+        on = predict_module_memory(cnn.build, x, y, device="a100-40gb", precision=precision)
+        bare = predict_module_memory(cnn.build, x, y, device=off, precision=precision)
+        assert on.max_memory_allocated == bare.max_memory_allocated, precision
+
+
+def test_cudnn_context_only_for_steps_with_convolutions():
+    cnn = CnnSpec((8, 16), image_res=16, classes=10)
+    x, y = cnn.example(2)
+    conv = predict_module_memory(cnn.build, x, y, device="a100-40gb")
+    assert conv.outside_allocator["cudnn"] == CONTEXTS["ampere"].cudnn_bytes == 290 * MiB
+    mlp = MlpSpec(32, (64,), 10)
+    mx, my = mlp.example(4)
+    assert "cudnn" not in predict_module_memory(mlp.build, mx, my,
+                                                device="a100-40gb").outside_allocator
+
+
+def test_gpumemnet_cnn_rows_rebuild_with_their_published_parameters():
+    rows = load_cnn_rows()
+    assert len(rows) == 833 and {r.arch for r in rows} == {"dense", "residual", "uniform"}
+    runnable = [r for r in rows if r.runs]
+    assert len(rows) - len(runnable) == 23  # inputs under 7 pixels, or one class
+    variants = set()
+    for r in runnable[::3]:
+        model = build_cnn(r)  # raises unless the count matches the published one
+        if r.arch == "dense" and len(model.blocks):
+            variants.add((r.depth, len(model.blocks) - r.depth // 4))  # transition blocks
+    # both of the generator's transition frequencies occur: some depth with every-5 spacing and
+    # the same depth elsewhere with its other spacing, or depths whose count differs from 5's
+    assert any(t != max(0, (d // 4 - 2) // 5 + 1) for d, t in variants)
+    with pytest.raises(MemorySpecError, match="fails before training"):
+        build_cnn(next(r for r in rows if not r.runs))
 
 
 def test_gpumemnet_generator_rules_rebuild_the_published_networks():
