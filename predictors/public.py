@@ -99,7 +99,7 @@ def load_llm_foundry_pairs() -> list[PrecisionPair]:
                                        "h100-80gb", "bf16-mixed", "fp8", ratio,
                                        "activation checkpointing" if ckpt else "",
                                        TrainingOptions(fsdp=True,
-                                                       activation_checkpointing=ckpt)))  # fmt: skip
+                                                       recompute="full" if ckpt else "none")))  # fmt: skip
     return pairs
 
 
