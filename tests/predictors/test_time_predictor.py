@@ -88,7 +88,7 @@ def test_public_validation_data_shipped_with_sources():
     from predictors.vtrain import data_path
 
     sources = data_path("PUBLIC_SOURCES.md").read_text()
-    for name in ("megatron_h100_weak_scaling.csv", "llm_foundry_h100_bf16_fp8.csv"):
+    for name in ("megatron_h100_weak_scaling.csv", "llm_foundry_h100.csv"):
         assert name in sources
     assert "Apache License" in data_path("LICENSE.llm-foundry").read_text()
     assert "NVIDIA CORPORATION" in data_path("LICENSE.megatron-lm").read_text()
