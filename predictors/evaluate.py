@@ -298,3 +298,121 @@ def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_d
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Development fleet (published GPU runs; predictors.fleet)
+
+
+@dataclass
+class FleetResult:
+    name: str
+    mape: float
+    per_group: dict[str, float]
+    rows: list[tuple[str, float, float]]  # (row name, predicted, measured)
+    efficiencies: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def per_row(self) -> list[tuple[str, float, float, float]]:
+        return [(n, p, m, 100.0 * (p - m) / m) for n, p, m in self.rows]
+
+
+class FleetFolds:
+    """Held-out splits over fleet rows: per fit group (device family and framework), the kernel
+    efficiencies (:class:`predictors.efficiency.EfficiencyFit`) are fitted on the fold's
+    training rows only and the held-out rows are priced with them. ``fitter(group_rows)``
+    builds the fitter (a test passes one that records what it was fitted on)."""
+
+    def __init__(self, rows, fitter=None) -> None:
+        from predictors.efficiency import EfficiencyFit
+
+        self.rows = list(rows)
+        by_family: dict[str, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            by_family.setdefault(r.fit_group, []).append(i)
+        self.family_index = by_family
+        make = fitter or EfficiencyFit
+        self.fits = {f: make([self.rows[i] for i in idx]) for f, idx in by_family.items()}
+        self._cache: dict[tuple[str, frozenset], dict[str, float]] = {}
+
+    def _fitted(self, family: str, train: set[int]) -> dict[str, float]:
+        local = frozenset(j for j, i in enumerate(self.family_index[family]) if i in train)
+        key = (family, local)
+        if key not in self._cache:
+            self._cache[key] = self.fits[family].fit(sorted(local))
+        return self._cache[key]
+
+    def predict(self, train: set[int], test: list[int]) -> tuple[dict[int, float], dict]:
+        """Predictions on ``test`` of efficiencies fitted on ``train`` (per fit group)."""
+        out, fitted, wanted = {}, {}, set(test)
+        for family, idx in self.family_index.items():
+            held = [j for j, i in enumerate(idx) if i in wanted]
+            if not held:
+                continue
+            eff = self._fitted(family, train)
+            fitted[family] = eff
+            for j, p in zip(held, self.fits[family].predict(eff, held), strict=True):
+                out[idx[j]] = p
+        return out, fitted
+
+    def leave_group_out(self, name: str, groups: Sequence[str]) -> FleetResult:
+        preds: dict[int, float] = {}
+        per_group, fitted = {}, {}
+        everything = set(range(len(self.rows)))
+        for g in sorted(set(groups), key=str):
+            test = [i for i, x in enumerate(groups) if x == g]
+            pred, fitted[str(g)] = self.predict(everything - set(test), test)
+            preds.update(pred)
+            per_group[str(g)] = mape([pred[i] for i in test], [self.rows[i].seconds for i in test])
+        return self._result(name, preds, per_group, fitted)
+
+    def _result(self, name, preds, per_group, fitted) -> FleetResult:
+        order = sorted(preds)
+        rows = [(self.rows[i].name, preds[i], self.rows[i].seconds) for i in order]
+        return FleetResult(name, mape([p for _, p, _ in rows], [m for _, _, m in rows]),
+                           per_group, rows, fitted)  # fmt: skip
+
+
+def pair_error(result: FleetResult, rows) -> FleetResult:
+    """Mean |predicted / measured - 1| (%) of the t_bf16 / t_fp8 ratio of every precision pair
+    in ``rows``, from ``result``'s held-out predictions of both runs."""
+    from predictors.fleet import precision_pairs
+
+    pred = {n: p for n, p, _ in result.rows}
+    out = [(f"{a.name} / {b.precision}", pred[a.name] / pred[b.name], a.seconds / b.seconds)
+           for a, b in precision_pairs(rows)]  # fmt: skip
+    err = float(np.mean([abs(p / m - 1) for _, p, m in out]) * 100) if out else float("nan")
+    return FleetResult("fleet_pair_error", err, {}, out)
+
+
+def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
+    """Development splits over the ``develop`` fleet rows, efficiencies fitted inside every
+    fold (development figures: the data and the model were iterated on while looking at them):
+
+    * ``new_model``: leave one model out (a new model on a known fleet);
+    * ``new_gpus``: leave one GPU count out;
+    * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
+      predictions (both runs of a pair belong to the held-out model)."""
+    from predictors.fleet import load_fleet
+
+    rows = load_fleet("develop")
+    folds = FleetFolds(rows, fitter)
+    new_model = folds.leave_group_out("fleet_new_model", [r.model for r in rows])
+    new_gpus = folds.leave_group_out("fleet_new_gpus", [str(r.gpus) for r in rows])
+    return {"new_model": new_model, "new_gpus": new_gpus,
+            "pair_error": pair_error(new_model, rows)}  # fmt: skip
+
+
+def evaluate_fleet_final(fitter=None) -> FleetResult:
+    """The frozen final split (``use == "final"`` rows: chosen before any efficiency was
+    fitted and never fitted or selected on), priced with efficiencies fitted on every
+    development row. Score it once and report it as such."""
+    from predictors.fleet import load_fleet
+
+    dev, final = load_fleet("develop"), load_fleet("final")
+    folds = FleetFolds(dev + final, fitter)
+    test = list(range(len(dev), len(dev) + len(final)))
+    pred, fitted = folds.predict(set(range(len(dev))), test)
+    per = {r.source: mape([pred[i] for i in test if folds.rows[i].source == r.source],
+                          [folds.rows[i].seconds for i in test
+                           if folds.rows[i].source == r.source]) for r in final}  # fmt: skip
+    return folds._result("fleet_final", pred, per, {"all_development": fitted})

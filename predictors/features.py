@@ -20,6 +20,7 @@ import torch
 
 from predictors.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.devices import Device
+from predictors.efficiency import for_precision
 from predictors.network import Topology
 from predictors.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
@@ -225,6 +226,7 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
     p = get_precision(precision)
     if not precision_aware:
         p = get_precision("fp32")
+    device = for_precision(device, p)
     work = step_work(spec, strategy, p, device)
     est = iteration_time(work, strategy, device, options, topology)
     m = strategy.num_microbatches

@@ -60,8 +60,11 @@ class FleetRow:
         return self.strategy.world_size
 
     @property
-    def family(self) -> str:
-        return get_device(self.device).family
+    def fit_group(self) -> str:
+        """The device family and framework its efficiencies are fitted for."""
+        from predictors.efficiency import fit_group
+
+        return fit_group(get_device(self.device), self.options)
 
     @property
     def run_key(self) -> tuple:
@@ -110,7 +113,7 @@ def load_torchtitan() -> list[FleetRow]:
         options = TrainingOptions(fsdp=dp * strategy.cp > 1, tp_comm_overlap=_flag(r["async_tp"]),
                                   virtual_pipeline=int(r["virtual_pipeline"]),
                                   recompute=r["activation_checkpointing"],
-                                  compiled=_flag(r["compile"]))  # fmt: skip
+                                  compiled=_flag(r["compile"]), framework="torchtitan")  # fmt: skip
         tokens = strategy.global_batch_size * spec.seq_length
         seconds = tokens / (float(r["tokens_per_s_per_gpu"]) * strategy.world_size)
         tags = ("compile" if options.compiled else "eager") + ("-asynctp" if options.tp_comm_overlap
@@ -138,10 +141,11 @@ def load_llm_foundry() -> list[FleetRow]:
                                  "batch sizes")  # fmt: skip
         recompute = "full" if _flag(r["activation_checkpointing"]) else "none"
         if r["sharding"] == "FULL_SHARD":
-            options = TrainingOptions(fsdp=True, recompute=recompute)
+            options = TrainingOptions(fsdp=True, recompute=recompute, framework="llm-foundry")
         elif r["sharding"] == "SHARD_GRAD_OP":
             options = TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True,
-                                      overlap_param_gather=True, recompute=recompute)  # fmt: skip
+                                      overlap_param_gather=True, recompute=recompute,
+                                      framework="llm-foundry")  # fmt: skip
         else:
             raise FleetDataError(f"{FOUNDRY_CSV}: sharding={r['sharding']!r} is not FULL_SHARD "
                                  "or SHARD_GRAD_OP")  # fmt: skip

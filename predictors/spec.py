@@ -18,6 +18,11 @@ ATTENTION_IMPLS = ("flash", "unfused")
 # "selective" re-runs what is cheap to recompute and costly to keep (attention and the
 # elementwise ops; the GEMM outputs are kept)
 RECOMPUTE_MODES = ("none", "selective", "full")
+# The training stack that runs the step: the same kernels on the same device reach different
+# shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
+# FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
+# per device family and framework (predictors.efficiency)
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry")
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,11 @@ class TrainingOptions:
     recompute: str = "none"  # one of RECOMPUTE_MODES
     # torch.compile (Inductor): elementwise chains fused into fewer kernels
     compiled: bool = False
+    framework: str = "megatron"  # one of FRAMEWORKS
 
     def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise StrategyError(f"framework={self.framework!r} must be one of {FRAMEWORKS}")
         if self.recompute not in RECOMPUTE_MODES:
             raise StrategyError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
         if self.virtual_pipeline < 1:

@@ -5,6 +5,9 @@
   train a variant that never saw what it will be asked about.
 * :func:`train_measurement_model` — the CPU correction on ``predict collect`` measurements,
   with the same kind of ``exclude`` (a pandas row predicate).
+* :func:`train_fleet_efficiencies` — kernel efficiencies per device family and framework on
+  the development fleet rows (the correction of device families without a LightGBM model,
+  H100 included).
 
 A data set measured at one precision says nothing about precision: its precision features are
 constant or just stand in for model size. Features that describe precision are therefore only
@@ -86,12 +89,31 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     return train_time_model(feats, df["seconds"].to_numpy(), "cpu", names, meta)
 
 
-def train_shipped_models(data: str | Path, out_dir: str | Path, vtrain: bool = True) -> list[Path]:
-    """What ``predict train`` writes: the CPU models (precision-aware and the ablation) and,
-    with ``vtrain``, the A100 model."""
+def train_fleet_efficiencies(out_dir: str | Path) -> Path:
+    """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
+    row (:mod:`predictors.fleet`, :func:`predictors.efficiency.fit_by_group`), written to
+    ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
+    from predictors.efficiency import fit_by_group
+    from predictors.fleet import FLEET_FILES, load_fleet
+
+    rows = load_fleet("develop")
+    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES)} ({len(rows)} runs)",
+            "groups": fit_by_group(rows)}  # fmt: skip
+    path = Path(out_dir) / "efficiency.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(blob, indent=2) + "\n")
+    return path
+
+
+def train_shipped_models(data: str | Path, out_dir: str | Path, vtrain: bool = True,
+                         fleet: bool = False) -> list[Path]:  # fmt: skip
+    """What ``predict train`` writes: the CPU models (precision-aware and the ablation), with
+    ``vtrain`` the A100 model, with ``fleet`` the fleet-fitted efficiencies."""
     out_dir = Path(out_dir)
     paths = [train_measurement_model(data, aware).save(out_dir, "time_cpu" + ("" if aware else "_unaware"))
              for aware in (True, False)]  # fmt: skip
     if vtrain:
         paths.append(train_vtrain_model().save(out_dir, "time_a100"))
+    if fleet:
+        paths.append(train_fleet_efficiencies(out_dir))
     return paths
