@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from predictors.feature_sets import measurement_features, vtrain_features
 from predictors.model import mape, train_time_model
-from predictors.train import feature_names
+from predictors.train import feature_names, train_vtrain_rows
 
 
 @dataclass
@@ -30,20 +31,6 @@ class HeldOutResult:
 
 # ---------------------------------------------------------------------------------------------
 # vTrain (A100, Megatron, fp16 mixed)
-
-
-def vtrain_features(precision_aware: bool = True, rows=None, device=None):
-    """(rows, feature rows) of vTrain; ``device`` defaults to the table's ``a100-80gb`` (pass
-    one with fitted constants, :func:`predictors.calibrate.with_constants`)."""
-    from predictors.devices import get_device
-    from predictors.features import features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
-
-    rows = rows if rows is not None else load_vtrain()
-    dev = device or get_device(VTRAIN_DEVICE)
-    feats = [features(r.spec, r.strategy, VTRAIN_PRECISION, dev,
-                      precision_aware=precision_aware) for r in rows]  # fmt: skip
-    return rows, feats
 
 
 class _VTrainFolds:
@@ -68,16 +55,12 @@ class _VTrainFolds:
         return self._feats[key]
 
     def fold(self, train: list[int], test: list[int]) -> tuple[np.ndarray, dict[str, float]]:
-        """Predictions on ``test`` of a correction (and constants) fitted on ``train`` only."""
-        from predictors.calibrate import fit_gpu_constants
-        from predictors.vtrain import VTRAIN_PRECISION
-
-        constants = fit_gpu_constants([self.rows[i] for i in train], VTRAIN_PRECISION, self.base)
-        feats = self.features(constants)
-        names = feature_names(feats, [VTRAIN_PRECISION])
-        model = train_time_model([feats[i] for i in train],
-                                 [self.rows[i].seconds for i in train], "a100", names)  # fmt: skip
-        return model.predict([feats[i] for i in test]), constants
+        """Predictions on ``test`` of a correction (and constants) fitted on ``train`` only,
+        by the one trainer of the held-out vTrain model (:func:`train_vtrain_rows`)."""
+        model = train_vtrain_rows([self.rows[i] for i in train],
+                                  lambda c: [self.features(c)[i] for i in train])  # fmt: skip
+        constants = model.meta["device_constants"]
+        return model.predict([self.features(constants)[i] for i in test]), constants
 
     def split(self, name: str, groups: Sequence[str],
               folds: Sequence[tuple[set[str], set[str]]]) -> HeldOutResult:  # fmt: skip
@@ -128,56 +111,6 @@ def evaluate_vtrain() -> dict[str, HeldOutResult]:
 
 # ---------------------------------------------------------------------------------------------
 # Local measurements (predict collect)
-
-
-def feature_code_version() -> str:
-    """Hash of the code that turns a configuration into features (invalidates caches)."""
-    import hashlib
-
-    import predictors
-
-    root = Path(predictors.__file__).parent
-    h = hashlib.sha256()
-    # devices.py is hashed for its rate rules (the CPU ceiling); the profile's numbers and the
-    # fitted per-kernel cost are part of the cache tag and row key
-    for name in ("trace.py", "features.py", "analytical.py", "network.py", "autocast.py",
-                 "step.py", "zoo.py", "precision.py", "spec.py", "devices.py"):  # fmt: skip
-        h.update((root / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def measurement_features(df, precision_aware: bool, device, cache: str | Path | None = None
-                         ) -> list[dict]:  # fmt: skip
-    """Features of measured rows against the CPU profile they were measured with.
-
-    ``cache`` (a JSON file) keeps feature rows keyed by configuration, code version and
-    device, so re-evaluating a data set does not re-trace every model.
-    """
-    import json
-
-    from predictors.collect import KEY_COLUMNS, row_spec_strategy
-    from predictors.features import features
-
-    cache = Path(cache) if cache else None
-    tag = f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"
-    stored = {}
-    if cache and cache.exists():
-        blob = json.loads(cache.read_text())
-        stored = blob.get("rows", {}) if blob.get("tag") == tag else {}
-    out, dirty = [], False
-    for _, r in df.iterrows():
-        key = "|".join(str(r[k]) for k in KEY_COLUMNS) + f"|aware={precision_aware}"
-        key += f"|overhead={device.launch_overhead:.6g}"
-        if key not in stored:
-            spec, strategy = row_spec_strategy(r)
-            stored[key] = features(spec, strategy, r["precision"], device,
-                                   precision_aware=precision_aware)  # fmt: skip
-            dirty = True
-        out.append(stored[key])
-    if cache and dirty:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"tag": tag, "rows": stored}))
-    return out
 
 
 def size_tier(model: str) -> str:

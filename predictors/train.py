@@ -37,31 +37,47 @@ def feature_names(rows: Sequence[dict], precisions: Sequence[str]) -> list[str]:
     return names
 
 
+def train_vtrain_rows(rows: Sequence[VTrainRow],
+                      features_for: Callable[[dict[str, float]], list[dict]] | None = None,
+                      meta: dict | None = None) -> TimeModel:  # fmt: skip
+    """The one trainer of the A100 correction on vTrain rows — the shipped model, every
+    held-out fold of :mod:`predictors.evaluate` and CONA's held-out predictor: the host
+    constants fitted on ``rows`` (kept in ``meta["device_constants"]``), the rows' features
+    under them, LightGBM on those. ``features_for(constants)`` gives the feature rows of
+    ``rows`` (a caller with a cache shares it); default: computed here."""
+    from predictors.calibrate import fit_gpu_constants, with_constants
+    from predictors.devices import get_device
+    from predictors.feature_sets import vtrain_features
+    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION
+
+    if not rows:
+        raise ValueError("no vTrain rows to train on")
+    base = get_device(VTRAIN_DEVICE)
+    constants = fit_gpu_constants(rows, VTRAIN_PRECISION, base)
+    feats = (features_for(constants) if features_for
+             else vtrain_features(rows=rows, device=with_constants(base, constants))[1])  # fmt: skip
+    names = feature_names(feats, [VTRAIN_PRECISION])
+    return train_time_model(feats, [r.seconds for r in rows], "a100", names,
+                            {**(meta or {}), "device_constants": constants})  # fmt: skip
+
+
 def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
                        rows: Sequence[VTrainRow] | None = None) -> TimeModel:  # fmt: skip
-    """The A100 correction trained on vTrain rows for which ``exclude(row)`` is false.
+    """The A100 correction trained on vTrain rows for which ``exclude(row)`` is false
+    (:func:`train_vtrain_rows`).
 
     Example (hold out one model size): ``train_vtrain_model(lambda r: r.size == "h2048-l24")``;
     ``r.spec`` and ``r.strategy`` are the row's :class:`TransformerSpec` and
-    :class:`ParallelStrategy`. The host constants (per-kernel overhead, collective latency)
-    are fitted on the same rows and kept in ``meta["device_constants"]``."""
-    from predictors.calibrate import fit_gpu_constants, with_constants
-    from predictors.devices import get_device
-    from predictors.evaluate import vtrain_features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
+    :class:`ParallelStrategy`."""
+    from predictors.vtrain import VTRAIN_DEVICE, load_vtrain
 
-    rows = [r for r in (rows if rows is not None else load_vtrain())
-            if not (exclude and exclude(r))]  # fmt: skip
-    if not rows:
+    every = list(rows if rows is not None else load_vtrain())
+    kept = [r for r in every if not (exclude and exclude(r))]
+    if not kept:
         raise ValueError("exclude removed every vTrain row; nothing to train on")
-    constants = fit_gpu_constants(rows, VTRAIN_PRECISION, get_device(VTRAIN_DEVICE))
-    rows, feats = vtrain_features(rows=rows,
-                                  device=with_constants(get_device(VTRAIN_DEVICE), constants))  # fmt: skip
-    names = feature_names(feats, [VTRAIN_PRECISION])
     meta = {"training_data": VTRAIN_META, "device": VTRAIN_DEVICE, "precision_aware": True,
-            "excluded_rows": 1440 - len(rows) if exclude else 0,
-            "device_constants": constants}  # fmt: skip
-    return train_time_model(feats, [r.seconds for r in rows], "a100", names, meta)
+            "excluded_rows": len(every) - len(kept)}  # fmt: skip
+    return train_vtrain_rows(kept, meta=meta)
 
 
 def train_measurement_model(data: str | Path, precision_aware: bool = True,
@@ -72,7 +88,7 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     from predictors.calibrate import fit_cpu_constants, with_constants
     from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.evaluate import measurement_features
+    from predictors.feature_sets import measurement_features
 
     data = Path(data)
     df = load_measurements(data)
