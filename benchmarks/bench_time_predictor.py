@@ -16,7 +16,9 @@ P  CPU measurements (this repository's ``predict collect`` data, 7 precisions), 
 D  Secondary: vTrain leave one (hidden, depth) group out (its hidden size is seen at three
    other depths: interpolation).
 C  Precision pairs, public: LLM Foundry's H100 bf16 vs fp8 rows (same model, batch, settings):
-   mean |predicted ratio / measured ratio - 1| of t_bf16 / t_fp8. Never fitted on.
+   mean |predicted ratio / measured ratio - 1| of t_bf16 / t_fp8, by the roofline with its
+   default efficiencies, never fitted on them (the fleet-fitted efficiencies include these rows;
+   their held-out pair error is F).
 V  VALIDATION, not a test: Megatron-LM's H100 weak-scaling table (48-6,144 GPUs; data/
    PUBLIC_SOURCES.md). It was looked at while the network model was shaped, so it is labelled
    a validation figure; the multi-node test data is held out from this repository. Megatron-Core
@@ -137,8 +139,8 @@ def precision_pairs(out: Path | None) -> float:
 
     res = evaluate_precision_pairs()
     notes = {p.name: p.note for p in load_llm_foundry_pairs()}
-    print(f"C LLM Foundry H100 bf16/fp8 speed ratio ({len(res.rows)} pairs): "
-          f"mean error {res.error:.2f}%")
+    print(f"C LLM Foundry H100 bf16/fp8 speed ratio ({len(res.rows)} pairs, roofline with "
+          f"default efficiencies): mean error {res.error:.2f}%")
     for name, pred, meas, err in res.per_row():
         print(f"    {name:<16} measured x{meas:.3f}  predicted x{pred:.3f}  {err:+6.1f}%"
               f"  {notes[name]}")  # fmt: skip
