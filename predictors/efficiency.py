@@ -16,12 +16,12 @@ everything around them reach; a fit for one framework is not used for another):
 * ``compiled``: torch.compile's factor on the non-GEMM kernels' time;
 * ``gemm_latency``: the fixed cost of a GEMM beyond ``FLOPs / rate`` (``Device.gemm_latency``),
   which makes the efficiency depend on the GEMM's size: a GEMM of ``F`` FLOPs reaches
-  ``e F / (F + gemm_latency x rate x e)`` of peak, small ones far less than large ones;
+  ``e F / (F + gemm_latency x rate x e)`` of peak, small ones far less than large ones.
 
 A key is fitted only where the training rows exercise it; everything else keeps the
-roofline default. The fit is coordinate descent over a log-spaced grid fixed before looking at
-any fold, minimising the mean ``|log(predicted / measured)|``; held-out evaluations call it
-inside each fold on the fold's training rows only.
+roofline default. The fit is coordinate descent over the grids below, minimising the mean
+``|log(predicted / measured)|``; held-out evaluations call it inside each fold on the fold's
+training rows only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ from predictors.devices import Device, get_device
 from predictors.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.spec import TrainingOptions
 
-# shares of peak, log-spaced 0.1-1.0 (set before any fold was scored)
+# Grids of the development: the efficiency grid (shares of peak, log-spaced 0.1-1.0) was set
+# before any fold was scored; the compiled grid was widened once after an in-sample fit hit
+# its floor; fitting comm_latency and launch_overhead too was tried and dropped (worse
+# leave-one-model-out), and the per-GEMM cost's grid cut to three values (runtime)
 EFFICIENCY_GRID = tuple(round(0.1 * 10 ** (i / 15), 4) for i in range(16))
 COMPILED_GRID = (0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.7, 0.85, 1.0, 1.2)
 # Device fields fitted beside the efficiencies, with their grids
