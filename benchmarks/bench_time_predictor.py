@@ -16,14 +16,27 @@ P  CPU measurements (this repository's ``predict collect`` data, 7 precisions), 
 D  Secondary: vTrain leave one (hidden, depth) group out (its hidden size is seen at three
    other depths: interpolation).
 C  Precision pairs, public: LLM Foundry's H100 bf16 vs fp8 rows (same model, batch, settings):
-   mean |predicted ratio / measured ratio - 1| of t_bf16 / t_fp8. Never fitted on.
+   mean |predicted ratio / measured ratio - 1| of t_bf16 / t_fp8, by the roofline with its
+   default efficiencies, never fitted on them (the fleet-fitted efficiencies include these rows;
+   their held-out pair error is F).
 V  VALIDATION, not a test: Megatron-LM's H100 weak-scaling table (48-6,144 GPUs; data/
    PUBLIC_SOURCES.md). It was looked at while the network model was shaped, so it is labelled
-   a validation figure; the multi-node test data is held out from this repository.
+   a validation figure; the multi-node test data is held out from this repository. Megatron-Core
+   on H100 has no development rows, so it is priced with the roofline's default efficiencies.
+M  DEVELOPMENT fleet (torchtitan, LLM Foundry H100; Narayanan et al. A100; ``develop`` rows of
+   predictors/data, 99 runs): leave one model out, kernel efficiencies fitted per device family
+   and framework inside every fold (predictors/efficiency.py).
+G  DEVELOPMENT fleet, leave one GPU count out (same fitting).
+F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 15 pairs from the
+   leave-one-model-out predictions of both runs.
+FINAL  The split frozen before any efficiency was fitted (``final`` rows: LLM Foundry H100 at
+   128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows and
+   scored once: it is not to be tuned on.
 
 Per-fold and per-row figures are written to ``--out`` (JSON, one file per part, as each part
 finishes) and printed. Last line: ``mape_unseen_hidden=U mape_unseen_precision=P
-mape_by_depth=D precision_pair_error=C mape_multinode_validation=V``.
+mape_by_depth=D precision_pair_error=C mape_fleet_new_model=M mape_fleet_new_gpus=G
+fleet_pair_error=F mape_fleet_final=FINAL mape_multinode_validation=V``.
 """
 
 from __future__ import annotations
@@ -84,13 +97,50 @@ def multinode_validation(out: Path | None) -> float:
     return res.error
 
 
+def fleet_splits(out: Path | None) -> tuple[float, float, float]:
+    """(new model M, new GPU count G, bf16/fp8 pair error F) on the development fleet rows,
+    efficiencies fitted inside every fold. DEVELOPMENT figures."""
+    from predictors.evaluate import evaluate_fleet
+
+    res = evaluate_fleet()
+    m, g, f = res["new_model"], res["new_gpus"], res["pair_error"]
+    print(f"M DEVELOPMENT fleet, leave one model out ({len(m.rows)} runs): MAPE {m.mape:.2f}%")
+    for name, v in m.per_group.items():
+        print(f"    {name:<16} {v:6.2f}%")
+    print(f"G DEVELOPMENT fleet, leave one GPU count out: MAPE {g.mape:.2f}% ("
+          + ", ".join(f"{k} GPUs {v:.1f}%" for k, v in sorted(g.per_group.items(),
+                                                              key=lambda kv: int(kv[0])))
+          + ")")  # fmt: skip
+    print(f"F DEVELOPMENT fleet bf16/fp8 pair error ({len(f.rows)} pairs, leave-one-model-out "
+          f"predictions): {f.mape:.2f}%")
+    for name, pred, meas, err in f.per_row():
+        print(f"    {name:<72} measured x{meas:.3f}  predicted x{pred:.3f}  {err:+6.1f}%")
+    _save(out, "fleet", {k: {"mape": v.mape, "per_group": v.per_group, "rows": v.per_row(),
+                             "efficiencies": v.efficiencies} for k, v in res.items()})  # fmt: skip
+    return m.mape, g.mape, f.mape
+
+
+def fleet_final(out: Path | None) -> float:
+    """The frozen final split, scored once per run of this benchmark (never tuned on)."""
+    from predictors.evaluate import evaluate_fleet_final
+
+    res = evaluate_fleet_final()
+    print(f"FINAL (frozen before tuning, scored once) fleet rows ({len(res.rows)} runs: LLM "
+          f"Foundry H100 128-512 GPUs, torchtitan H200): MAPE {res.mape:.2f}%")
+    for name, pred, meas, err in res.per_row():
+        print(f"    {name:<60} measured {meas:8.3f} s  predicted {pred:8.3f} s  {err:+6.1f}%")
+    _save(out, "fleet_final", {"mape": res.mape, "per_group": res.per_group,
+                               "rows": res.per_row(), "efficiencies": res.efficiencies})  # fmt: skip
+    return res.mape
+
+
 def precision_pairs(out: Path | None) -> float:
     from predictors.public import evaluate_precision_pairs, load_llm_foundry_pairs
 
     res = evaluate_precision_pairs()
     notes = {p.name: p.note for p in load_llm_foundry_pairs()}
-    print(f"C LLM Foundry H100 bf16/fp8 speed ratio ({len(res.rows)} pairs): "
-          f"mean error {res.error:.2f}%")
+    print(f"C LLM Foundry H100 bf16/fp8 speed ratio ({len(res.rows)} pairs, roofline with "
+          f"default efficiencies): mean error {res.error:.2f}%")
     for name, pred, meas, err in res.per_row():
         print(f"    {name:<16} measured x{meas:.3f}  predicted x{pred:.3f}  {err:+6.1f}%"
               f"  {notes[name]}")  # fmt: skip
@@ -181,10 +231,14 @@ def main() -> int:
         _save(args.out, "cpu_fresh", {"unseen_precision": fresh})
     c = precision_pairs(args.out)
     v = multinode_validation(args.out)
+    m, g, f = fleet_splits(args.out)
+    final = fleet_final(args.out)
     latency()
     print(f"  total {time.time() - t0:.0f} s")
     print(f"mape_unseen_hidden={u:.2f}% mape_unseen_precision={p:.2f}% mape_by_depth={d:.2f}% "
-          f"precision_pair_error={c:.2f}% mape_multinode_validation={v:.2f}%")
+          f"precision_pair_error={c:.2f}% mape_fleet_new_model={m:.2f}% "
+          f"mape_fleet_new_gpus={g:.2f}% fleet_pair_error={f:.2f}% "
+          f"mape_fleet_final={final:.2f}% mape_multinode_validation={v:.2f}%")
     return 0
 
 

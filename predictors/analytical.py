@@ -1,12 +1,18 @@
-"""Roofline time of each traced kernel, composed into an iteration under DP x TP x PP.
+"""Roofline time of each traced kernel, composed into an iteration under DP x TP x PP x CP.
 
-Per kernel: ``max(FLOPs / matmul rate in its dtype, bytes / bandwidth) + launch overhead``.
-Per iteration (Megatron 1F1B schedule with ``m`` micro-batches on ``pp`` stages, ``vp`` model
-chunks per stage): ``(m + (pp - 1)/vp) * (stage compute + exposed TP collectives + PP p2p per
-micro-batch)`` (the ``(pp - 1)/vp`` extra slots are the pipeline bubble) ``+ exposed DP gradient
-all-reduce (grad dtype, bucketed) + optimizer step``. Every communication cost comes from the
-one network model, :mod:`predictors.network` (placement on nodes, NVLink vs InfiniBand, NCCL
-ring/tree, overlap).
+Per kernel: ``max(FLOPs / (matmul rate in its dtype x efficiency), bytes / bandwidth) + launch
+overhead``; the efficiency is the device family's fitted one (``Device.efficiency``,
+:mod:`predictors.efficiency`) or the default below. Per iteration (Megatron's 1F1B schedule
+with ``m`` micro-batches on ``pp`` stages, ``v`` model chunks per stage, interleaved when
+``v > 1``): ``m * slot + (pp - 1) * slot / v`` — the bubble is ``(p - 1) / (v m)`` of the ideal
+time — where a slot is one micro-batch's compute (plus full or selective recomputation) + the
+exposed TP collectives (hidden under the GEMMs with TP overlap) + the PP sends (``2 v`` per
+micro-batch: every chunk boundary, forward and backward) + the exposed CP ring sends (hidden
+under attention) + FSDP gathers not hidden under compute; then ``+`` the exposed DP gradient
+reduction over DP x CP (bucketed; reduce-scatter + all-gather with the distributed optimizer,
+each overlappable) ``+`` the optimizer step (``1 / (dp cp)`` of it when sharded). Every
+communication cost comes from the one network model, :mod:`predictors.network` (placement on
+nodes, NVLink vs InfiniBand, NCCL ring/tree, overlap).
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ from predictors.network import p2p as p2p_cost
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
 from predictors.trace import OpRecord, Trace
 
-# Fraction of peak a well-shaped kernel reaches; the learned model corrects the rest.
+# Fraction of peak a well-shaped kernel reaches: the roofline's fallback where no efficiency
+# was fitted for the device family (Device.efficiency, fitted by predictors.efficiency on
+# development rows; keys "<op_class>:<dtype key>", e.g. "matmul:fp8", "attention:bf16").
 MATMUL_EFFICIENCY = {"matmul": 0.75, "conv": 0.6, "attention": 0.5}
-# fp8 GEMMs reach a smaller share of their (2x) peak than bf16 ones of theirs, and small fp8
-# GEMMs can be slower than bf16 (NVIDIA/TransformerEngine#445: a 1024^3 te.Linear in fp8 ran
-# 3.6x slower than in bf16; NVIDIA/Megatron-LM#396: a 13B GPT gained 1.35x end to end, "the
-# speedup will also vary greatly depending on your model size and micro batch size"). An
-# assumption, not fitted to any measured pair: 0.8 x the bf16 share of peak.
+# Unfitted fallback for fp8 GEMMs: 0.8 x the bf16 share of their (2x) peak (small fp8 GEMMs
+# can be slower than bf16: NVIDIA/TransformerEngine#445; NVIDIA/Megatron-LM#396).
 RATE_EFFICIENCY = {"fp8": 0.8, "mxfp8": 0.8}
+MATMUL_CLASSES = tuple(MATMUL_EFFICIENCY)
+# Device.efficiency key of torch.compile's factor on the non-GEMM kernels' time (fused
+# elementwise chains); unfitted: 1 (no fusion assumed)
+COMPILED_KEY = "compiled"
 # Transformer Engine's DelayedScaling: once per step one fused kernel updates every fp8
 # tensor's amax history and scale (nvte_delayed_scaling_recipe_amax_and_scale_update_after_
 # reduction); the amaxes are all-reduced across the data/tensor-parallel group after each
@@ -59,12 +68,22 @@ def dtype_key(record: OpRecord) -> str:
     return "tf32" if record.dtype_class == "tf32" else "fp32"
 
 
+def efficiency(op_class: str, key: str, device: Device) -> float:
+    """Share of the dtype's peak a kernel of ``op_class`` reaches on ``device``: the fitted
+    value where the device carries one, else the roofline default."""
+    fitted = device.efficiency.get(f"{op_class}:{key}")
+    return default_efficiency(op_class, key) if fitted is None else fitted
+
+
+def default_efficiency(op_class: str, key: str) -> float:
+    return MATMUL_EFFICIENCY[op_class] * RATE_EFFICIENCY.get(key, 1.0)
+
+
 def op_time(record: OpRecord, device: Device) -> float:
     key = dtype_key(record)
     if record.op_class in MATMUL_EFFICIENCY:
         flops = record.flops * (0.5 if record.causal else 1.0)  # flash kernels skip masked tiles
-        rate = device.matmul_rate(key, flops) * MATMUL_EFFICIENCY[record.op_class]
-        rate *= RATE_EFFICIENCY.get(key, 1.0)
+        rate = device.matmul_rate(key, flops) * efficiency(record.op_class, key, device)
         if device.kind == "gpu" and not record.tensor_core and key != "fp32":
             rate *= 0.5  # misaligned shapes: padded or CUDA-core fallback
         busy = max(flops / rate, record.bytes / device.mem_bw)
@@ -77,32 +96,19 @@ def op_time(record: OpRecord, device: Device) -> float:
     return busy + device.launch_overhead
 
 
-def record_times(trace: Trace, device: Device) -> list[float]:
-    """:func:`op_time` of every record; a layer repeated ``n`` times repeats the same record
-    objects, so each distinct record is priced once."""
-    seen: dict[int, float] = {}
-    out = []
-    for r in trace.records:
-        t = seen.get(id(r))
-        if t is None:
-            t = seen[id(r)] = op_time(r, device)
-        out.append(t)
-    return out
-
-
-def _sum_where(trace: Trace, device: Device, keep) -> float:
-    return sum(t for r, t in zip(trace.records, record_times(trace, device), strict=True)
-               if keep(r))  # fmt: skip
+def priced(trace: Trace, device: Device) -> list[tuple[OpRecord, int, float]]:
+    """(record, count, :func:`op_time`) of each distinct record of ``trace``."""
+    return [(r, n, op_time(r, device)) for r, n in trace.unique()]
 
 
 def trace_time(trace: Trace, device: Device) -> float:
-    return sum(record_times(trace, device))
+    return sum(n * t for _, n, t in priced(trace, device))
 
 
 def class_times(trace: Trace, device: Device) -> dict[str, float]:
     out: dict[str, float] = {}
-    for r, t in zip(trace.records, record_times(trace, device), strict=True):
-        out[r.op_class] = out.get(r.op_class, 0.0) + t
+    for r, n, t in priced(trace, device):
+        out[r.op_class] = out.get(r.op_class, 0.0) + n * t
     return out
 
 
@@ -119,6 +125,10 @@ class StepWork:
     pp_bytes: float = 0.0  # activation bytes sent to the next stage per micro-batch
     fp8_tensors: int = 0  # tensors quantised to fp8 per micro-batch (one per GEMM operand cast)
     fp8_recipe: object | None = None  # predictors.precision.Fp8Recipe of those casts
+    # context parallelism: K/V bytes one rank sends around the CP ring per micro-batch
+    # (forward K,V; backward K,V again and dK,dV), in ``cp_sends`` point-to-point steps
+    cp_bytes: float = 0.0
+    cp_sends: int = 0
 
 
 @dataclass
@@ -141,6 +151,8 @@ class Breakdown:
     recompute_mb: float = 0.0  # activation checkpointing: forward re-run per micro-batch
     fsdp_comm_mb: float = 0.0  # exposed FSDP gathers/reduce-scatters per micro-batch
     fp8_recipe_s: float = 0.0  # amax reductions and scale updates per iteration
+    cp_comm_mb: float = 0.0  # exposed CP ring sends per micro-batch
+    cp_nodes: int = 1
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -151,20 +163,35 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
                    topology: Topology | None = None) -> Breakdown:  # fmt: skip
     s = strategy
     topo = topology or topology_of(device)
-    groups = megatron_groups(s.dp, s.tp, s.pp, topo)
-    compute = trace_time(work.fwd_bwd, device)
+    groups = megatron_groups(s.dp, s.tp, s.pp, topo, s.cp)
+    grad = groups.grad_group  # DP x CP
+    fused = device.efficiency.get(COMPILED_KEY, 1.0) if options.compiled else 1.0
+    kernels = [(r, n * (t if r.op_class in MATMUL_CLASSES else t * fused))
+               for r, n, t in priced(work.fwd_bwd, device)]  # fmt: skip
+
+    def busy(keep) -> float:
+        return sum(t for r, t in kernels if keep(r))
+
+    compute = busy(lambda r: True)
     recompute = 0.0
-    if options.activation_checkpointing:
-        recompute = _sum_where(work.fwd_bwd, device, lambda r: r.phase == "forward")
-        compute += recompute
+    if options.recompute == "full":
+        recompute = busy(lambda r: r.phase == "forward")
+    elif options.recompute == "selective":  # GEMM outputs kept, the rest re-run
+        recompute = busy(lambda r: r.phase == "forward" and r.op_class != "matmul")
+    compute += recompute
     tp = NO_COMM
     if s.tp > 1 and work.tp_collectives:
         each = all_reduce(work.tp_bytes / work.tp_collectives, groups.tp, topo)
         tp = each.times(work.tp_collectives)
     tp_exposed = tp.seconds
     if options.tp_comm_overlap:
-        gemm = _sum_where(work.fwd_bwd, device, lambda r: r.op_class == "matmul")
-        tp_exposed = max(0.0, tp.seconds - gemm)
+        tp_exposed = max(0.0, tp.seconds - busy(lambda r: r.op_class == "matmul"))
+    cp = NO_COMM
+    if s.cp > 1 and work.cp_sends:
+        # ring attention: each K/V block's send overlaps the attention on the previous block
+        cp = p2p_cost(work.cp_bytes / work.cp_sends, groups.cp.spans_nodes, topo).times(
+            work.cp_sends)
+    cp_exposed = max(0.0, cp.seconds - busy(lambda r: r.op_class == "attention"))
     vp = options.virtual_pipeline
     # interleaving: every model chunk boundary is a send; the bubble shrinks by vp
     p2p = p2p_cost(work.pp_bytes, groups.pp.spans_nodes, topo).times(2 * vp) if s.pp > 1 else NO_COMM
@@ -173,38 +200,39 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     # the distributed optimizer reduce-scatters gradients and all-gathers the updated
     # parameters (a ring all-reduce is exactly those two halves), and each rank steps 1/dp
     # of the optimizer state
-    share = 0.5 if options.distributed_optimizer and s.dp > 1 else 1.0
-    bucket = all_reduce(work.dp_grad_bytes / buckets, groups.dp, topo).times(share)
+    share = 0.5 if options.distributed_optimizer and grad.size > 1 else 1.0
+    bucket = all_reduce(work.dp_grad_bytes / buckets, grad, topo).times(share)
     dp = bucket.times(buckets)
     fsdp_mb, fsdp_exposed = NO_COMM, 0.0
-    if options.fsdp and s.dp > 1:
+    if options.fsdp and grad.size > 1:
         # per micro-batch: two parameter all-gathers and one gradient reduce-scatter, each half
         # a ring all-reduce; prefetching overlaps them with the micro-batch's compute
-        fsdp_mb = all_reduce(work.dp_grad_bytes, groups.dp, topo).times(1.5)
+        fsdp_mb = all_reduce(work.dp_grad_bytes, grad, topo).times(1.5)
         fsdp_exposed = max(0.0, fsdp_mb.seconds - compute)
         dp = bucket = NO_COMM
     dp_exposed = dp.seconds
     if options.overlap_grad_reduce:
-        backward = _sum_where(work.fwd_bwd, device, lambda r: r.phase == "backward")
-        dp_exposed = exposed_bucketed([bucket.seconds] * buckets, backward)
+        dp_exposed = exposed_bucketed([bucket.seconds] * buckets,
+                                      busy(lambda r: r.phase == "backward"))  # fmt: skip
     gather = dp if share < 1.0 else NO_COMM
     gather_exposed = gather.seconds
     if options.overlap_param_gather:
-        forward = _sum_where(work.fwd_bwd, device, lambda r: r.phase != "backward")
-        gather_exposed = exposed_bucketed([bucket.seconds] * buckets, forward)
+        gather_exposed = exposed_bucketed([bucket.seconds] * buckets,
+                                          busy(lambda r: r.phase != "backward"))  # fmt: skip
     dp, dp_exposed = dp + gather, dp_exposed + gather_exposed
     sharded = options.distributed_optimizer or options.fsdp
-    opt = trace_time(work.optimizer, device) / (s.dp if sharded else 1)
+    opt = trace_time(work.optimizer, device) / (grad.size if sharded else 1)
     m = s.num_microbatches
     fp8_mb, fp8_step = _fp8_recipe_costs(work, groups, topo, device)
-    slot = compute + tp_exposed + p2p.seconds + fsdp_exposed + fp8_mb
-    bubble = (s.pp - 1) * slot / vp
+    slot = compute + tp_exposed + p2p.seconds + fsdp_exposed + fp8_mb + cp_exposed
+    bubble = (s.pp - 1) * slot / vp  # bubble / ideal time = (p - 1) / (v * m)
     total = m * slot + bubble + dp_exposed + opt + fp8_step
-    per_iter = tp.times(m) + p2p.times(m) + dp + fsdp_mb.times(m)
+    per_iter = tp.times(m) + p2p.times(m) + dp + fsdp_mb.times(m) + cp.times(m)
     return Breakdown(compute, tp_exposed, p2p.seconds, bubble, dp_exposed, opt, total,
                      tp.seconds, dp.seconds, per_iter.intra_bytes, per_iter.inter_bytes,
                      groups.nodes, groups.tp.nodes, groups.dp.nodes, groups.pp.nodes,
-                     recompute, fsdp_exposed, m * fp8_mb + fp8_step)  # fmt: skip
+                     recompute, fsdp_exposed, m * fp8_mb + fp8_step, cp_exposed,
+                     groups.cp.nodes)  # fmt: skip
 
 
 def _fp8_recipe_costs(work: StepWork, groups, topo: Topology, device: Device

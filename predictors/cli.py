@@ -72,6 +72,7 @@ def cmd_time(args) -> int:
             continue
         results[name] = {"seconds": res.seconds, "analytical_seconds": res.analytical_seconds,
                          "calibrated": res.calibrated, "model_file": res.model_file,
+                         "fitted_efficiency": res.fitted_efficiency,
                          "breakdown": res.breakdown.as_dict()}  # fmt: skip
     out = {"model": spec.family, "strategy": strategy.name, "device": device.name,
            "predictions": results}  # fmt: skip
@@ -84,7 +85,8 @@ def cmd_time(args) -> int:
     fastest = min(r["seconds"] for r in results.values())
     print(f"{spec.family} {strategy.name} on {device.name}:")
     for name, r in results.items():
-        note = "" if r["calibrated"] else "  (analytical only: no trained model for this device)"
+        note = ("" if r["calibrated"] else "  (roofline with fleet-fitted efficiencies)"
+                if r["fitted_efficiency"] else "  (analytical only: no trained model for this device)")
         print(
             f"  {name:<11} {r['seconds'] * 1e3:10.2f} ms/iteration  "
             f"x{r['seconds'] / fastest:5.2f} of fastest{note}"
@@ -144,6 +146,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train the LightGBM correction (CPU data and/or vTrain)")
     p.add_argument("--data", default=None, help="measurements CSV (default: shipped CPU data)")
     p.add_argument("--vtrain", action="store_true", help="also train the A100 model on vTrain")
+    p.add_argument("--fleet", action="store_true",
+                   help="also fit the per-family efficiencies on the development fleet rows")
     p.add_argument("--out-dir", default="out/models")
     p.set_defaults(func=cmd_train)
 
@@ -153,7 +157,7 @@ def cmd_train(args) -> int:
     data = Path(args.data) if args.data else _shipped_measurements()
     from predictors.train import train_shipped_models
 
-    for path in train_shipped_models(data, out_dir, vtrain=args.vtrain):
+    for path in train_shipped_models(data, out_dir, vtrain=args.vtrain, fleet=args.fleet):
         print(f"wrote {path}")
     return 0
 

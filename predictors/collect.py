@@ -268,7 +268,7 @@ def device_profile_path(csv_path: Path) -> Path:
 
 
 def features_cache_path(csv_path: Path) -> Path:
-    """Feature rows of a measurement file (see :func:`predictors.evaluate.measurement_features`)."""
+    """Feature rows of a measurement file (see :func:`predictors.feature_sets.measurement_features`)."""
     return Path(csv_path).with_suffix(".features.json")
 
 

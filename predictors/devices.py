@@ -57,6 +57,10 @@ class Device:
     # peak); rates between the two sizes are interpolated in log space
     small_gemm: dict[str, float] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
+    # share of peak per "<op_class>:<dtype key>" (and torch.compile's "compiled" factor),
+    # fitted per device family on development rows (predictors.efficiency); empty: the
+    # roofline defaults of predictors.analytical
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     @property
     def supports_fp8(self) -> bool:
@@ -135,6 +139,9 @@ DEVICES: dict[str, Device] = {
         _gpu(
             "h100-80gb", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 3350 * G, 450 * G, 50 * G, 80
         ),  # fmt: skip
+        # Meta's Grand Teton H100 (torchtitan's published runs): 96 GB HBM2e at 2.4 TB/s, 500 W;
+        # its peak lies between SXM and NVL and is not published: the SXM figures stand in
+        _gpu("h100-96gb", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 2400 * G, 450 * G, 50 * G, 96),
         _gpu("h200", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 4800 * G, 450 * G, 50 * G, 141),
         # HGX B200 datasheet (dense = half the sparse figures): MXFP8 block scaling runs on
         # Blackwell tensor cores at the fp8 rate; NVLink 5 1.8 TB/s bidirectional per GPU

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from predictors.feature_sets import measurement_features, vtrain_features
 from predictors.model import mape, train_time_model
-from predictors.train import feature_names
+from predictors.train import feature_names, train_vtrain_rows
 
 
 @dataclass
@@ -30,20 +31,6 @@ class HeldOutResult:
 
 # ---------------------------------------------------------------------------------------------
 # vTrain (A100, Megatron, fp16 mixed)
-
-
-def vtrain_features(precision_aware: bool = True, rows=None, device=None):
-    """(rows, feature rows) of vTrain; ``device`` defaults to the table's ``a100-80gb`` (pass
-    one with fitted constants, :func:`predictors.calibrate.with_constants`)."""
-    from predictors.devices import get_device
-    from predictors.features import features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
-
-    rows = rows if rows is not None else load_vtrain()
-    dev = device or get_device(VTRAIN_DEVICE)
-    feats = [features(r.spec, r.strategy, VTRAIN_PRECISION, dev,
-                      precision_aware=precision_aware) for r in rows]  # fmt: skip
-    return rows, feats
 
 
 class _VTrainFolds:
@@ -68,16 +55,12 @@ class _VTrainFolds:
         return self._feats[key]
 
     def fold(self, train: list[int], test: list[int]) -> tuple[np.ndarray, dict[str, float]]:
-        """Predictions on ``test`` of a correction (and constants) fitted on ``train`` only."""
-        from predictors.calibrate import fit_gpu_constants
-        from predictors.vtrain import VTRAIN_PRECISION
-
-        constants = fit_gpu_constants([self.rows[i] for i in train], VTRAIN_PRECISION, self.base)
-        feats = self.features(constants)
-        names = feature_names(feats, [VTRAIN_PRECISION])
-        model = train_time_model([feats[i] for i in train],
-                                 [self.rows[i].seconds for i in train], "a100", names)  # fmt: skip
-        return model.predict([feats[i] for i in test]), constants
+        """Predictions on ``test`` of a correction (and constants) fitted on ``train`` only,
+        by the one trainer of the held-out vTrain model (:func:`train_vtrain_rows`)."""
+        model = train_vtrain_rows([self.rows[i] for i in train],
+                                  lambda c: [self.features(c)[i] for i in train])  # fmt: skip
+        constants = model.meta["device_constants"]
+        return model.predict([self.features(constants)[i] for i in test]), constants
 
     def split(self, name: str, groups: Sequence[str],
               folds: Sequence[tuple[set[str], set[str]]]) -> HeldOutResult:  # fmt: skip
@@ -128,56 +111,6 @@ def evaluate_vtrain() -> dict[str, HeldOutResult]:
 
 # ---------------------------------------------------------------------------------------------
 # Local measurements (predict collect)
-
-
-def feature_code_version() -> str:
-    """Hash of the code that turns a configuration into features (invalidates caches)."""
-    import hashlib
-
-    import predictors
-
-    root = Path(predictors.__file__).parent
-    h = hashlib.sha256()
-    # devices.py is hashed for its rate rules (the CPU ceiling); the profile's numbers and the
-    # fitted per-kernel cost are part of the cache tag and row key
-    for name in ("trace.py", "features.py", "analytical.py", "network.py", "autocast.py",
-                 "step.py", "zoo.py", "precision.py", "spec.py", "devices.py"):  # fmt: skip
-        h.update((root / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def measurement_features(df, precision_aware: bool, device, cache: str | Path | None = None
-                         ) -> list[dict]:  # fmt: skip
-    """Features of measured rows against the CPU profile they were measured with.
-
-    ``cache`` (a JSON file) keeps feature rows keyed by configuration, code version and
-    device, so re-evaluating a data set does not re-trace every model.
-    """
-    import json
-
-    from predictors.collect import KEY_COLUMNS, row_spec_strategy
-    from predictors.features import features
-
-    cache = Path(cache) if cache else None
-    tag = f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"
-    stored = {}
-    if cache and cache.exists():
-        blob = json.loads(cache.read_text())
-        stored = blob.get("rows", {}) if blob.get("tag") == tag else {}
-    out, dirty = [], False
-    for _, r in df.iterrows():
-        key = "|".join(str(r[k]) for k in KEY_COLUMNS) + f"|aware={precision_aware}"
-        key += f"|overhead={device.launch_overhead:.6g}"
-        if key not in stored:
-            spec, strategy = row_spec_strategy(r)
-            stored[key] = features(spec, strategy, r["precision"], device,
-                                   precision_aware=precision_aware)  # fmt: skip
-            dirty = True
-        out.append(stored[key])
-    if cache and dirty:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"tag": tag, "rows": stored}))
-    return out
 
 
 def size_tier(model: str) -> str:
@@ -298,3 +231,121 @@ def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_d
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Development fleet (published GPU runs; predictors.fleet)
+
+
+@dataclass
+class FleetResult:
+    name: str
+    mape: float
+    per_group: dict[str, float]
+    rows: list[tuple[str, float, float]]  # (row name, predicted, measured)
+    efficiencies: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def per_row(self) -> list[tuple[str, float, float, float]]:
+        return [(n, p, m, 100.0 * (p - m) / m) for n, p, m in self.rows]
+
+
+class FleetFolds:
+    """Held-out splits over fleet rows: per fit group (device family and framework), the kernel
+    efficiencies (:class:`predictors.efficiency.EfficiencyFit`) are fitted on the fold's
+    training rows only and the held-out rows are priced with them. ``fitter(group_rows)``
+    builds the fitter (a test passes one that records what it was fitted on)."""
+
+    def __init__(self, rows, fitter=None) -> None:
+        from predictors.efficiency import EfficiencyFit
+
+        self.rows = list(rows)
+        by_family: dict[str, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            by_family.setdefault(r.fit_group, []).append(i)
+        self.family_index = by_family
+        make = fitter or EfficiencyFit
+        self.fits = {f: make([self.rows[i] for i in idx]) for f, idx in by_family.items()}
+        self._cache: dict[tuple[str, frozenset], dict[str, float]] = {}
+
+    def _fitted(self, family: str, train: set[int]) -> dict[str, float]:
+        local = frozenset(j for j, i in enumerate(self.family_index[family]) if i in train)
+        key = (family, local)
+        if key not in self._cache:
+            self._cache[key] = self.fits[family].fit(sorted(local))
+        return self._cache[key]
+
+    def predict(self, train: set[int], test: list[int]) -> tuple[dict[int, float], dict]:
+        """Predictions on ``test`` of efficiencies fitted on ``train`` (per fit group)."""
+        out, fitted, wanted = {}, {}, set(test)
+        for family, idx in self.family_index.items():
+            held = [j for j, i in enumerate(idx) if i in wanted]
+            if not held:
+                continue
+            eff = self._fitted(family, train)
+            fitted[family] = eff
+            for j, p in zip(held, self.fits[family].predict(eff, held), strict=True):
+                out[idx[j]] = p
+        return out, fitted
+
+    def leave_group_out(self, name: str, groups: Sequence[str]) -> FleetResult:
+        preds: dict[int, float] = {}
+        per_group, fitted = {}, {}
+        everything = set(range(len(self.rows)))
+        for g in sorted(set(groups), key=str):
+            test = [i for i, x in enumerate(groups) if x == g]
+            pred, fitted[str(g)] = self.predict(everything - set(test), test)
+            preds.update(pred)
+            per_group[str(g)] = mape([pred[i] for i in test], [self.rows[i].seconds for i in test])
+        return self._result(name, preds, per_group, fitted)
+
+    def _result(self, name, preds, per_group, fitted) -> FleetResult:
+        order = sorted(preds)
+        rows = [(self.rows[i].name, preds[i], self.rows[i].seconds) for i in order]
+        return FleetResult(name, mape([p for _, p, _ in rows], [m for _, _, m in rows]),
+                           per_group, rows, fitted)  # fmt: skip
+
+
+def pair_error(result: FleetResult, rows) -> FleetResult:
+    """Mean |predicted / measured - 1| (%) of the t_bf16 / t_fp8 ratio of every precision pair
+    in ``rows``, from ``result``'s held-out predictions of both runs."""
+    from predictors.fleet import precision_pairs
+
+    pred = {n: p for n, p, _ in result.rows}
+    out = [(f"{a.name} / {b.precision}", pred[a.name] / pred[b.name], a.seconds / b.seconds)
+           for a, b in precision_pairs(rows)]  # fmt: skip
+    err = float(np.mean([abs(p / m - 1) for _, p, m in out]) * 100) if out else float("nan")
+    return FleetResult("fleet_pair_error", err, {}, out)
+
+
+def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
+    """Development splits over the ``develop`` fleet rows, efficiencies fitted inside every
+    fold (development figures: the data and the model were iterated on while looking at them):
+
+    * ``new_model``: leave one model out (a new model on a known fleet);
+    * ``new_gpus``: leave one GPU count out;
+    * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
+      predictions (both runs of a pair belong to the held-out model)."""
+    from predictors.fleet import load_fleet
+
+    rows = load_fleet("develop")
+    folds = FleetFolds(rows, fitter)
+    new_model = folds.leave_group_out("fleet_new_model", [r.model for r in rows])
+    new_gpus = folds.leave_group_out("fleet_new_gpus", [str(r.gpus) for r in rows])
+    return {"new_model": new_model, "new_gpus": new_gpus,
+            "pair_error": pair_error(new_model, rows)}  # fmt: skip
+
+
+def evaluate_fleet_final(fitter=None) -> FleetResult:
+    """The frozen final split (``use == "final"`` rows: chosen before any efficiency was
+    fitted and never fitted or selected on), priced with efficiencies fitted on every
+    development row. Score it once and report it as such."""
+    from predictors.fleet import load_fleet
+
+    dev, final = load_fleet("develop"), load_fleet("final")
+    folds = FleetFolds(dev + final, fitter)
+    test = list(range(len(dev), len(dev) + len(final)))
+    pred, fitted = folds.predict(set(range(len(dev))), test)
+    per = {r.source: mape([pred[i] for i in test if folds.rows[i].source == r.source],
+                          [folds.rows[i].seconds for i in test
+                           if folds.rows[i].source == r.source]) for r in final}  # fmt: skip
+    return folds._result("fleet_final", pred, per, {"all_development": fitted})

@@ -20,6 +20,7 @@ import torch
 
 from predictors.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.devices import Device
+from predictors.efficiency import for_precision
 from predictors.network import Topology
 from predictors.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
@@ -107,13 +108,28 @@ def _canonical(spec: TransformerSpec) -> TransformerSpec:
     return replace(spec, num_layers=1)
 
 
+def _full_context(layer: Trace, cp: int) -> Trace:
+    """A layer traced on its rank's ``seq / cp`` tokens, with its attention kernels attending
+    to the whole sequence as ring attention does: ``cp`` times the work of local-only
+    attention (the other ranks' K/V blocks), the GEMMs and elementwise ops unchanged."""
+    if cp == 1:
+        return layer
+    scaled = {}
+    for r in layer.records:
+        if r.op_class == "attention" and id(r) not in scaled:
+            scaled[id(r)] = replace(r, flops=r.flops * cp, bytes=r.bytes * cp)
+    return Trace([scaled.get(id(r), r) for r in layer.records])
+
+
 def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precision: Precision,
                      device: Device) -> StepWork:  # fmt: skip
     strategy.check(strategy.world_size, spec)
     target = target_of(device)
-    key = _canonical(spec)
+    cp = strategy.cp
+    key = replace(_canonical(spec), seq_length=spec.seq_length // cp)  # a rank's tokens
     layer_step, layer_opt = _at_batch("layer", key, strategy.tp, strategy.micro_batch,
                                       precision.name, target)  # fmt: skip
+    layer_step = _full_context(layer_step, cp)
     # an fp8 recipe covers the layers' linears only: TE keeps the embedding and LM head in
     # the high-precision dtype (te.Linear is not used there; LLM Foundry does the same)
     head_precision = precision.recipe.fallback if precision.recipe else precision.name
@@ -122,8 +138,11 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     layers = spec.num_layers // strategy.pp
     fwd_bwd = layer_step.repeated(layers) + head_step
     optimizer = layer_opt.repeated(layers) + head_opt
-    act_bytes = strategy.micro_batch * spec.seq_length * spec.hidden_size
-    act_bytes *= _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8
+    act_width = _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8
+    act_bytes = strategy.micro_batch * key.seq_length * spec.hidden_size * act_width
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    kv_block = 2 * strategy.micro_batch * key.seq_length * spec.kv_heads // strategy.tp * head_dim
+    cp_sends = 3 * (cp - 1) * layers  # per layer: K,V forward; K,V and dK,dV backward
     params_layer = sum(_numel(s) for s in _opt_param_shapes(layer_opt))
     params_head = sum(_numel(s) for s in _opt_param_shapes(head_opt))
     grad_elems = layers * params_layer + params_head
@@ -137,6 +156,8 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         pp_bytes=act_bytes,
         fp8_tensors=sum(r.name == "_scaled_mm" for r in fwd_bwd.records),
         fp8_recipe=precision.recipe,
+        cp_bytes=cp_sends * kv_block * act_width,
+        cp_sends=cp_sends,
     )
 
 
@@ -205,6 +226,7 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
     p = get_precision(precision)
     if not precision_aware:
         p = get_precision("fp32")
+    device = for_precision(device, p)
     work = step_work(spec, strategy, p, device)
     est = iteration_time(work, strategy, device, options, topology)
     m = strategy.num_microbatches
@@ -223,6 +245,8 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
         "nodes": est.nodes, "tp_nodes": est.tp_nodes, "dp_nodes": est.dp_nodes,
         "pp_nodes": est.pp_nodes,
         "virtual_pipeline": options.virtual_pipeline,
+        "cp": strategy.cp,
+        "cp_comm_frac": est.cp_comm_mb * m / est.total,
         "overlap_grad_reduce": float(options.overlap_grad_reduce),
         "tp_comm_overlap": float(options.tp_comm_overlap),
         "distributed_optimizer": float(options.distributed_optimizer),

@@ -86,18 +86,31 @@ def place(size: int, stride: int, gpus_per_node: int) -> Placement:
     return Placement(size, per_node, math.ceil(size / per_node))
 
 
+SINGLE = Placement(1, 1, 1)
+
+
 @dataclass(frozen=True)
 class Groups:
     tp: Placement
     dp: Placement
     pp: Placement
     nodes: int
+    cp: Placement = SINGLE
+    # gradients (and ZeRO/FSDP shards) span DP x CP: the CP ranks of a replica hold the same
+    # parameters
+    grad: Placement | None = None
+
+    @property
+    def grad_group(self) -> Placement:
+        return self.grad or self.dp
 
 
-def megatron_groups(dp: int, tp: int, pp: int, topo: Topology) -> Groups:
+def megatron_groups(dp: int, tp: int, pp: int, topo: Topology, cp: int = 1) -> Groups:
+    """Megatron's rank order TP (innermost), CP, DP, PP."""
     g = topo.gpus_per_node
-    return Groups(place(tp, 1, g), place(dp, tp, g), place(pp, tp * dp, g),
-                  math.ceil(dp * tp * pp / g))  # fmt: skip
+    return Groups(place(tp, 1, g), place(dp, tp * cp, g), place(pp, tp * cp * dp, g),
+                  math.ceil(dp * tp * pp * cp / g), place(cp, tp, g),
+                  place(dp * cp, tp, g))  # fmt: skip
 
 
 @dataclass(frozen=True)

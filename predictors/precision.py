@@ -34,11 +34,13 @@ class Fp8Recipe:
       default), one all-reduce of the amax buffers across the data/tensor-parallel group.
     * ``current``: ``Float8CurrentScaling`` — each cast first reduces the tensor's amax (one
       extra read of the tensor), and the amax is all-reduced per tensor across TP.
+    * ``rowwise``: torchao's float8 rowwise scaling — one scale per row of each operand,
+      computed in the cast (an extra amax read like current scaling), no amax history.
     * ``mxfp8``: ``MXFP8BlockScaling`` — 1x32 blocks with e8m0 scales computed inside the cast
       kernel; needs the device's ``mxfp8`` column (Blackwell), no amax history.
     """
 
-    scaling: str  # delayed | current | mxfp8
+    scaling: str  # delayed | current | rowwise | mxfp8
     amax_history_len: int = 1024  # DelayedScaling default
     # layers the recipe does not cover run at this precision instead (TE: the LM head,
     # embeddings and attention BMMs stay in the high-precision dtype unless asked otherwise)
@@ -51,7 +53,7 @@ class Fp8Recipe:
 
     @property
     def extra_amax_pass(self) -> bool:
-        return self.scaling == "current"
+        return self.scaling in ("current", "rowwise")
 
     @property
     def per_step_update(self) -> bool:
@@ -149,6 +151,9 @@ for _p in (
               recipe=Fp8Recipe("delayed"), requires_rate="fp8", measurable_on_cpu=False),
     Precision("fp8-current", _BF16, _BF16, False, True, False, emulation="te_fp8",
               recipe=Fp8Recipe("current"), requires_rate="fp8", measurable_on_cpu=False),
+    # torchao float8 training with rowwise scales (torchtitan's "float8 rowwise")
+    Precision("fp8-rowwise", _BF16, _BF16, False, True, False, emulation="te_fp8",
+              recipe=Fp8Recipe("rowwise"), requires_rate="fp8", measurable_on_cpu=False),
     Precision("mxfp8", _BF16, _BF16, False, True, False, emulation="te_fp8",
               recipe=Fp8Recipe("mxfp8"), requires_rate="mxfp8", measurable_on_cpu=False),
 ):

@@ -2,8 +2,8 @@
 
 * Megatron-LM's H100 weak-scaling table (48-6,144 GPUs, 1-768 nodes): per-GPU model TFLOP/s
   turned into seconds per iteration with Megatron's own FLOP count.
-* LLM Foundry's H100 bf16 vs fp8 throughput rows (same model, batch and settings): the
-  measured speed ratio of a precision pair.
+* LLM Foundry's H100 bf16 vs fp8 throughput rows (same model, batch and settings; from the
+  development fleet file ``llm_foundry_h100.csv``): the measured speed ratio of a pair.
 
 Sources, licences and the settings assumed where a table is silent: ``data/PUBLIC_SOURCES.md``.
 """
@@ -19,7 +19,6 @@ from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
 from predictors.vtrain import data_path
 
 MEGATRON_CSV = "megatron_h100_weak_scaling.csv"
-FOUNDRY_CSV = "llm_foundry_h100_bf16_fp8.csv"
 MEGATRON_OPTIONS = TrainingOptions(overlap_grad_reduce=True, tp_comm_overlap=True,
                                    distributed_optimizer=True, overlap_param_gather=True)
 
@@ -78,28 +77,19 @@ class PrecisionPair:
 
 
 def load_llm_foundry_pairs() -> list[PrecisionPair]:
-    """bf16 vs fp8 on the same MPT run. MPT stores fp32 weights under autocast in both runs;
-    the closest pair in our precision table that changes only the matmul dtype is
-    ``bf16-mixed`` vs ``fp8`` (both bf16 weights with fp32 masters). The runs use FSDP
-    ``FULL_SHARD`` (``TrainingOptions.fsdp``) and, where the table says so, activation
-    checkpointing."""
+    """bf16 vs fp8 on the same MPT run (:func:`predictors.fleet.precision_pairs` over LLM
+    Foundry's H100 rows). MPT stores fp32 weights under autocast in both runs; the closest
+    pair in our precision table that changes only the matmul dtype is ``bf16-mixed`` vs
+    ``fp8`` (both bf16 weights with fp32 masters). The runs use FSDP ``FULL_SHARD`` and, where
+    the table says so, full activation recomputation."""
+    from predictors.fleet import load_llm_foundry, precision_pairs
+
     pairs = []
-    with open(data_path(FOUNDRY_CSV), newline="") as f:
-        for r in csv.DictReader(f):
-            spec = TransformerSpec("gpt", int(r["n_layers"]), int(r["d_model"]),
-                                   int(r["n_heads"]), int(r["seq_len"]),
-                                   int(r["vocab_size"]))  # fmt: skip
-            strategy = ParallelStrategy(int(r["gpus"]), 1, 1, int(r["micro_batch"]),
-                                        int(r["global_batch"]))  # fmt: skip
-            if strategy.num_microbatches != int(r["grad_accum"]):
-                raise ValueError(f"{FOUNDRY_CSV}: row {r['model']}: batch sizes disagree")
-            ratio = float(r["fp8_tokens_per_s_per_gpu"]) / float(r["bf16_tokens_per_s_per_gpu"])
-            ckpt = r["activation_checkpointing"] == "True"
-            pairs.append(PrecisionPair(f"{r['model']}-s{r['seq_len']}", spec, strategy,
-                                       "h100-80gb", "bf16-mixed", "fp8", ratio,
-                                       "activation checkpointing" if ckpt else "",
-                                       TrainingOptions(fsdp=True,
-                                                       activation_checkpointing=ckpt)))  # fmt: skip
+    for ref, fast in precision_pairs(load_llm_foundry()):
+        note = "activation checkpointing" if ref.options.recompute != "none" else ""
+        pairs.append(PrecisionPair(f"{ref.model}-s{ref.spec.seq_length}", ref.spec, ref.strategy,
+                                   ref.device, ref.precision, fast.precision,
+                                   ref.seconds / fast.seconds, note, ref.options))  # fmt: skip
     return pairs
 
 
@@ -129,13 +119,16 @@ def evaluate_multinode(predict_fn=None) -> PublicResult:
 
 
 def evaluate_precision_pairs() -> PublicResult:
-    """Error of the predicted speed ratio of each bf16/fp8 pair against the measured one."""
-    from predictors.time_predictor import predict_iteration_time
+    """Error of the predicted speed ratio of each bf16/fp8 pair against the measured one, priced
+    by the roofline with its default efficiencies: never fitted on these pairs. (The shipped
+    fleet-fitted efficiencies were fitted on these very rows; their held-out pair error is the
+    fleet split's, :func:`predictors.evaluate.pair_error`.)"""
+    from predictors.time_predictor import predict_with_model
 
     rows = []
     for p in load_llm_foundry_pairs():
-        ref = predict_iteration_time(p.spec, p.strategy, p.reference, p.device, options=p.options)
-        fast = predict_iteration_time(p.spec, p.strategy, p.fast, p.device, options=p.options)
+        ref = predict_with_model(None, p.spec, p.strategy, p.reference, p.device, options=p.options)
+        fast = predict_with_model(None, p.spec, p.strategy, p.fast, p.device, options=p.options)
         rows.append((p.name, ref / fast, p.measured_ratio))
     pred, true = np.array([p for _, p, _ in rows]), np.array([t for _, _, t in rows])
     return PublicResult("llm_foundry_bf16_fp8_ratio",

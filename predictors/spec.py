@@ -13,6 +13,16 @@ class StrategyError(ValueError):
 
 
 ATTENTION_IMPLS = ("flash", "unfused")
+# Activation recomputation as Megatron (--recompute-granularity) and torchtitan
+# (activation_checkpoint.mode) name it: "full" re-runs every layer's forward in backward,
+# "selective" re-runs what is cheap to recompute and costly to keep (attention and the
+# elementwise ops; the GEMM outputs are kept)
+RECOMPUTE_MODES = ("none", "selective", "full")
+# The training stack that runs the step: the same kernels on the same device reach different
+# shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
+# FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
+# per device family and framework (predictors.efficiency)
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry")
 
 
 @dataclass(frozen=True)
@@ -71,9 +81,16 @@ class TrainingOptions:
     # PyTorch FSDP FULL_SHARD / ZeRO-3 over the DP group: parameters all-gathered before each
     # micro-batch's forward and again before its backward, gradients reduce-scattered
     fsdp: bool = False
-    activation_checkpointing: bool = False  # every layer's forward re-runs in backward
+    recompute: str = "none"  # one of RECOMPUTE_MODES
+    # torch.compile (Inductor): elementwise chains fused into fewer kernels
+    compiled: bool = False
+    framework: str = "megatron"  # one of FRAMEWORKS
 
     def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise StrategyError(f"framework={self.framework!r} must be one of {FRAMEWORKS}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise StrategyError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
         if self.virtual_pipeline < 1:
             raise StrategyError(f"virtual_pipeline={self.virtual_pipeline} must be >= 1")
         if self.fsdp and self.distributed_optimizer:
@@ -88,18 +105,24 @@ DEFAULT_OPTIONS = TrainingOptions()
 
 @dataclass(frozen=True)
 class ParallelStrategy:
-    """DP x TP x PP degrees plus micro- and global-batch sizes (in sequences)."""
+    """DP x TP x PP (x CP) degrees plus micro- and global-batch sizes (in sequences).
+
+    ``cp`` is context parallelism (Megatron ``--context-parallel-size``, torchtitan
+    ``context_parallel_degree``): each of ``cp`` ranks holds ``seq_length / cp`` tokens of every
+    sequence and attends to all of them (ring attention); the ranks of a CP group share the
+    data-parallel batch, and gradients are reduced over DP x CP."""
 
     dp: int
     tp: int
     pp: int
     micro_batch: int = 1
     global_batch: int | None = None  # None: dp * micro_batch (one micro-batch per step)
+    cp: int = 1
 
-    _NAME = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:mb(\d+))?(?:gb(\d+))?$")
+    _NAME = re.compile(r"^dp(\d+)tp(\d+)pp(\d+)(?:cp(\d+))?(?:mb(\d+))?(?:gb(\d+))?$")
 
     def __post_init__(self) -> None:
-        for field in ("dp", "tp", "pp", "micro_batch"):
+        for field in ("dp", "tp", "pp", "cp", "micro_batch"):
             if getattr(self, field) < 1:
                 raise StrategyError(f"{field}={getattr(self, field)} must be >= 1")
         if self.global_batch is not None and self.global_batch % (self.dp * self.micro_batch):
@@ -110,7 +133,7 @@ class ParallelStrategy:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def global_batch_size(self) -> int:
@@ -126,25 +149,27 @@ class ParallelStrategy:
 
     @property
     def name(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}mb{self.micro_batch}gb{self.global_batch_size}"
+        cp = f"cp{self.cp}" if self.cp > 1 else ""
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}{cp}mb{self.micro_batch}gb{self.global_batch_size}"
 
     def with_batch(self, micro_batch: int, global_batch: int) -> ParallelStrategy:
         return replace(self, micro_batch=micro_batch, global_batch=global_batch)
 
     @classmethod
     def parse(cls, text: str) -> ParallelStrategy:
-        """Parse ``dp2tp2pp1`` (optionally ``...mb2gb16``)."""
+        """Parse ``dp2tp2pp1`` (optionally ``...cp2mb2gb16``)."""
         m = cls._NAME.match(text.strip().lower())
         if not m:
-            raise StrategyError(f"strategy {text!r} is not of the form dp<D>tp<T>pp<P>[mb<M>][gb<G>]")
-        dp, tp, pp, mb, gb = m.groups()
-        return cls(int(dp), int(tp), int(pp), int(mb or 1), int(gb) if gb else None)
+            raise StrategyError(
+                f"strategy {text!r} is not of the form dp<D>tp<T>pp<P>[cp<C>][mb<M>][gb<G>]")
+        dp, tp, pp, cp, mb, gb = m.groups()
+        return cls(int(dp), int(tp), int(pp), int(mb or 1), int(gb) if gb else None, int(cp or 1))
 
     def check(self, world_size: int, model: TransformerSpec | None = None) -> None:
         """Raise :class:`StrategyError` naming the field when this strategy cannot run."""
         if self.world_size != world_size:
             raise StrategyError(
-                f"strategy {self.name}: dp*tp*pp={self.world_size} != world_size={world_size}"
+                f"strategy {self.name}: dp*tp*pp*cp={self.world_size} != world_size={world_size}"
             )
         if model is None:
             return
@@ -156,6 +181,18 @@ class ParallelStrategy:
         if model.kv_heads % self.tp:
             raise StrategyError(
                 f"strategy {self.name}: tp={self.tp} does not divide num_query_groups={model.kv_heads}"
+            )
+        # ring attention splits each sequence into 2*cp chunks (two per rank, balancing the
+        # causal mask's work), so 2*cp must divide it
+        if self.cp > 1 and model.seq_length % (2 * self.cp):
+            raise StrategyError(
+                f"strategy {self.name}: cp={self.cp} needs 2*cp dividing seq_length="
+                f"{model.seq_length}"
+            )
+        if self.cp > 1 and model.attention != "flash":
+            raise StrategyError(
+                f"strategy {self.name}: cp={self.cp} needs attention='flash' (ring attention "
+                f"runs on fused attention kernels), not {model.attention!r}"
             )
         if model.num_layers % self.pp:
             raise StrategyError(

@@ -3,10 +3,12 @@
 The model is traced once per distinct layer shape (cached), so after warm-up a call costs the
 roofline composition plus one LightGBM row (well under 10 ms). The learned correction is the
 shipped model of the device's family (``predictors/models/time_<family>.json``). A device
-family without one gets the analytical estimate alone (``PredictionResult.calibrated`` False):
-the A100 correction encodes the efficiency vTrain's software reached on A100s and does not
-transfer (on Megatron-Core's public H100 runs, borrowing it gave 22.8% MAPE, the analytical
-estimate 8.2%; ``benchmarks/bench_time_predictor.py``).
+family without one (H100 and H200) gets the roofline with the kernel efficiencies fitted for
+its family under the run's framework (``TrainingOptions.framework``) on the development fleet
+rows (``predictors/models/efficiency.json``, ``PredictionResult.fitted_efficiency``), or the
+roofline's defaults where none were fitted, e.g. H100 under Megatron-Core (``calibrated``
+False either way): the A100 correction encodes the efficiency vTrain's software
+reached on A100s and does not transfer to other families.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from predictors.analytical import Breakdown
 from predictors.calibrate import with_constants
 from predictors.devices import Device, get_device, require_precision_support
+from predictors.efficiency import SHIPPED, shipped_efficiencies, with_efficiency
 from predictors.features import features, features_and_breakdown
 from predictors.model import TimeModel, shipped_model_path
 from predictors.network import Topology
@@ -39,6 +42,7 @@ class PredictionResult:
     calibrated: bool  # a learned model for this device family was applied
     device: str
     model_file: str | None
+    fitted_efficiency: bool = False  # the family's fleet-fitted kernel efficiencies priced it
 
 
 @functools.lru_cache(maxsize=16)
@@ -74,14 +78,17 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device
     _validate(spec, strategy, p, dev, options)
     family = dev.family
     model = _family_model(family)
+    fitted = False
     if model:  # the constants the correction was trained with
         dev = with_constants(dev, model.meta.get("device_constants"))
+    else:  # the LightGBM corrections were trained on default-efficiency features
+        dev, fitted = with_efficiency(dev, options, shipped_efficiencies())
     row, breakdown = features_and_breakdown(spec, strategy, p, dev, options=options,
                                             topology=topology)  # fmt: skip
     seconds = model.predict_one(row) if model else row["analytical_s"]
-    path = shipped_model_path(family) if model else None
+    path = shipped_model_path(family) if model else (SHIPPED if fitted else None)
     return PredictionResult(seconds, row["analytical_s"], breakdown, model is not None, dev.name,
-                            str(path) if path else None)  # fmt: skip
+                            str(path) if path else None, fitted)  # fmt: skip
 
 
 def predict(model_spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,

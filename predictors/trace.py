@@ -128,6 +128,7 @@ class OpRecord:
 @dataclass
 class Trace:
     records: list[OpRecord] = field(default_factory=list)
+    _unique: list[tuple[OpRecord, int]] | None = field(default=None, repr=False, compare=False)
 
     def total(self, attr: str = "flops", **match: Any) -> float:
         return sum(
@@ -162,6 +163,21 @@ class Trace:
             r.bytes = max(0.0, a.bytes + factor * (b.bytes - a.bytes))
             recs.append(r)
         return Trace(recs)
+
+    def unique(self) -> list[tuple[OpRecord, int]]:
+        """Each distinct record object once with its count: a layer repeated ``n`` times
+        repeats the same objects, so pricing is per distinct record (cached; a trace's records
+        are not changed after it is built)."""
+        if self._unique is None:
+            counts: dict[int, list] = {}
+            for r in self.records:
+                slot = counts.get(id(r))
+                if slot is None:
+                    counts[id(r)] = [r, 1]
+                else:
+                    slot[1] += 1
+            self._unique = [(r, n) for r, n in counts.values()]
+        return self._unique
 
     def __add__(self, other: Trace) -> Trace:
         return Trace(self.records + other.records)

@@ -5,6 +5,9 @@
   train a variant that never saw what it will be asked about.
 * :func:`train_measurement_model` — the CPU correction on ``predict collect`` measurements,
   with the same kind of ``exclude`` (a pandas row predicate).
+* :func:`train_fleet_efficiencies` — kernel efficiencies per device family and framework on
+  the development fleet rows (the correction of device families without a LightGBM model,
+  H100 included).
 
 A data set measured at one precision says nothing about precision: its precision features are
 constant or just stand in for model size. Features that describe precision are therefore only
@@ -34,31 +37,47 @@ def feature_names(rows: Sequence[dict], precisions: Sequence[str]) -> list[str]:
     return names
 
 
+def train_vtrain_rows(rows: Sequence[VTrainRow],
+                      features_for: Callable[[dict[str, float]], list[dict]] | None = None,
+                      meta: dict | None = None) -> TimeModel:  # fmt: skip
+    """The one trainer of the A100 correction on vTrain rows — the shipped model, every
+    held-out fold of :mod:`predictors.evaluate` and CONA's held-out predictor: the host
+    constants fitted on ``rows`` (kept in ``meta["device_constants"]``), the rows' features
+    under them, LightGBM on those. ``features_for(constants)`` gives the feature rows of
+    ``rows`` (a caller with a cache shares it); default: computed here."""
+    from predictors.calibrate import fit_gpu_constants, with_constants
+    from predictors.devices import get_device
+    from predictors.feature_sets import vtrain_features
+    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION
+
+    if not rows:
+        raise ValueError("no vTrain rows to train on")
+    base = get_device(VTRAIN_DEVICE)
+    constants = fit_gpu_constants(rows, VTRAIN_PRECISION, base)
+    feats = (features_for(constants) if features_for
+             else vtrain_features(rows=rows, device=with_constants(base, constants))[1])  # fmt: skip
+    names = feature_names(feats, [VTRAIN_PRECISION])
+    return train_time_model(feats, [r.seconds for r in rows], "a100", names,
+                            {**(meta or {}), "device_constants": constants})  # fmt: skip
+
+
 def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
                        rows: Sequence[VTrainRow] | None = None) -> TimeModel:  # fmt: skip
-    """The A100 correction trained on vTrain rows for which ``exclude(row)`` is false.
+    """The A100 correction trained on vTrain rows for which ``exclude(row)`` is false
+    (:func:`train_vtrain_rows`).
 
     Example (hold out one model size): ``train_vtrain_model(lambda r: r.size == "h2048-l24")``;
     ``r.spec`` and ``r.strategy`` are the row's :class:`TransformerSpec` and
-    :class:`ParallelStrategy`. The host constants (per-kernel overhead, collective latency)
-    are fitted on the same rows and kept in ``meta["device_constants"]``."""
-    from predictors.calibrate import fit_gpu_constants, with_constants
-    from predictors.devices import get_device
-    from predictors.evaluate import vtrain_features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
+    :class:`ParallelStrategy`."""
+    from predictors.vtrain import VTRAIN_DEVICE, load_vtrain
 
-    rows = [r for r in (rows if rows is not None else load_vtrain())
-            if not (exclude and exclude(r))]  # fmt: skip
-    if not rows:
+    every = list(rows if rows is not None else load_vtrain())
+    kept = [r for r in every if not (exclude and exclude(r))]
+    if not kept:
         raise ValueError("exclude removed every vTrain row; nothing to train on")
-    constants = fit_gpu_constants(rows, VTRAIN_PRECISION, get_device(VTRAIN_DEVICE))
-    rows, feats = vtrain_features(rows=rows,
-                                  device=with_constants(get_device(VTRAIN_DEVICE), constants))  # fmt: skip
-    names = feature_names(feats, [VTRAIN_PRECISION])
     meta = {"training_data": VTRAIN_META, "device": VTRAIN_DEVICE, "precision_aware": True,
-            "excluded_rows": 1440 - len(rows) if exclude else 0,
-            "device_constants": constants}  # fmt: skip
-    return train_time_model(feats, [r.seconds for r in rows], "a100", names, meta)
+            "excluded_rows": len(every) - len(kept)}  # fmt: skip
+    return train_vtrain_rows(kept, meta=meta)
 
 
 def train_measurement_model(data: str | Path, precision_aware: bool = True,
@@ -69,7 +88,7 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     from predictors.calibrate import fit_cpu_constants, with_constants
     from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.evaluate import measurement_features
+    from predictors.feature_sets import measurement_features
 
     data = Path(data)
     df = load_measurements(data)
@@ -86,12 +105,31 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     return train_time_model(feats, df["seconds"].to_numpy(), "cpu", names, meta)
 
 
-def train_shipped_models(data: str | Path, out_dir: str | Path, vtrain: bool = True) -> list[Path]:
-    """What ``predict train`` writes: the CPU models (precision-aware and the ablation) and,
-    with ``vtrain``, the A100 model."""
+def train_fleet_efficiencies(out_dir: str | Path) -> Path:
+    """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
+    row (:mod:`predictors.fleet`, :func:`predictors.efficiency.fit_by_group`), written to
+    ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
+    from predictors.efficiency import fit_by_group
+    from predictors.fleet import FLEET_FILES, load_fleet
+
+    rows = load_fleet("develop")
+    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES)} ({len(rows)} runs)",
+            "groups": fit_by_group(rows)}  # fmt: skip
+    path = Path(out_dir) / "efficiency.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(blob, indent=2) + "\n")
+    return path
+
+
+def train_shipped_models(data: str | Path, out_dir: str | Path, vtrain: bool = True,
+                         fleet: bool = False) -> list[Path]:  # fmt: skip
+    """What ``predict train`` writes: the CPU models (precision-aware and the ablation), with
+    ``vtrain`` the A100 model, with ``fleet`` the fleet-fitted efficiencies."""
     out_dir = Path(out_dir)
     paths = [train_measurement_model(data, aware).save(out_dir, "time_cpu" + ("" if aware else "_unaware"))
              for aware in (True, False)]  # fmt: skip
     if vtrain:
         paths.append(train_vtrain_model().save(out_dir, "time_a100"))
+    if fleet:
+        paths.append(train_fleet_efficiencies(out_dir))
     return paths

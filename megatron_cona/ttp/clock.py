@@ -200,24 +200,25 @@ class HeldOutPredictor:
 
     @classmethod
     def train(cls, model: TransformerSpec, gpus: int) -> HeldOutPredictor:
-        from predictors.evaluate import vtrain_features
-        from predictors.model import mape, train_time_model
+        """By the predictors' one trainer of the held-out vTrain model
+        (:func:`predictors.train.train_vtrain_model`: host constants fitted on the kept rows)."""
+        from predictors.model import mape
+        from predictors.time_predictor import predict_with_model
+        from predictors.train import train_vtrain_model
 
-        rows, feats = vtrain_features()
+        rows = load_vtrain()
         group = f"h{model.hidden_size}-l{model.num_layers}"
-        keep = [i for i, r in enumerate(rows) if r.size != group]
-        test = [i for i, r in enumerate(rows)
-                if r.size == group and r.strategy.world_size == gpus]
-        if len(keep) == len(rows) or not test:
+        test = [r for r in rows if r.size == group and r.strategy.world_size == gpus]
+        if not test:
             raise ClockError(f"vTrain has no rows of model-size group {group} to hold out")
-        tm = train_time_model([feats[i] for i in keep], [rows[i].seconds for i in keep], "a100",
-                              meta={"held_out_group": group})
-        err = mape(tm.predict([feats[i] for i in test]), [rows[i].seconds for i in test])
-        return cls(model, group, len(keep), err, tm)
+        tm = train_vtrain_model(lambda r: r.size == group, rows=rows)
+        pred = [predict_with_model(tm, r.spec, r.strategy, VTRAIN_PRECISION, VTRAIN_DEVICE)
+                for r in test]  # fmt: skip
+        return cls(model, group, len(rows) - tm.meta["excluded_rows"],
+                   mape(pred, [r.seconds for r in test]), tm)  # fmt: skip
 
     def iteration_time(self, strategy: ParallelStrategy) -> float:
-        from predictors.devices import get_device
-        from predictors.features import features
+        from predictors.time_predictor import predict_with_model
 
-        row = features(self.model, strategy, VTRAIN_PRECISION, get_device(VTRAIN_DEVICE))
-        return self._time_model.predict_one(row)
+        return predict_with_model(self._time_model, self.model, strategy, VTRAIN_PRECISION,
+                                  VTRAIN_DEVICE)  # fmt: skip

@@ -111,7 +111,7 @@ def test_activation_checkpointing_and_fsdp():
     s = ParallelStrategy(8, 1, 1, 1, 8)
     plain = predict(SMALL, s, "bf16-mixed", dev).breakdown
     ckpt = predict(SMALL, s, "bf16-mixed", dev,
-                   options=TrainingOptions(activation_checkpointing=True)).breakdown  # fmt: skip
+                   options=TrainingOptions(recompute="full")).breakdown  # fmt: skip
     assert ckpt.recompute_mb > 0
     assert ckpt.compute_mb == pytest.approx(plain.compute_mb + ckpt.recompute_mb)
     fsdp = predict(SMALL, s, "bf16-mixed", dev, options=TrainingOptions(fsdp=True)).breakdown

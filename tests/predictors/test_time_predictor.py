@@ -79,6 +79,26 @@ def test_training_api_excludes_rows():
     assert predict_with_model(model, r.spec, r.strategy, "fp16-mixed", "a100-80gb") > 0
 
 
+def test_evaluation_folds_and_cona_share_the_one_trainer():
+    """A held-out fold of the evaluation and train_vtrain_model (which CONA's
+    HeldOutPredictor trains with) fit the same constants and predict the same."""
+    from predictors.evaluate import _VTrainFolds
+    from predictors.time_predictor import predict_with_model
+    from predictors.train import train_vtrain_model
+    from predictors.vtrain import load_vtrain
+
+    rows = [r for r in load_vtrain() if r.spec.num_layers == 12]
+    held = "h1024-l12"
+    train = [i for i, r in enumerate(rows) if r.size != held]
+    test = [i for i, r in enumerate(rows) if r.size == held]
+    pred, constants = _VTrainFolds(rows).fold(train, test)
+    model = train_vtrain_model(lambda r: r.size == held, rows=rows)
+    assert model.meta["device_constants"] == constants
+    direct = [predict_with_model(model, rows[i].spec, rows[i].strategy, "fp16-mixed", "a100-80gb")
+              for i in test]  # fmt: skip
+    assert direct == pytest.approx(list(pred), rel=1e-9)
+
+
 def test_public_validation_data_shipped_with_sources():
     """The transcribed public tables load, carry their licences, and agree with themselves
     (Megatron's MFU column is its TFLOP/s column over the H100 bf16 peak)."""
@@ -88,7 +108,7 @@ def test_public_validation_data_shipped_with_sources():
     from predictors.vtrain import data_path
 
     sources = data_path("PUBLIC_SOURCES.md").read_text()
-    for name in ("megatron_h100_weak_scaling.csv", "llm_foundry_h100_bf16_fp8.csv"):
+    for name in ("megatron_h100_weak_scaling.csv", "llm_foundry_h100.csv"):
         assert name in sources
     assert "Apache License" in data_path("LICENSE.llm-foundry").read_text()
     assert "NVIDIA CORPORATION" in data_path("LICENSE.megatron-lm").read_text()

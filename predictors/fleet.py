@@ -1,0 +1,208 @@
+"""Development fleet data: published training throughputs of real GPU fleets, each row turned
+into a full run description (model, strategy, precision, device, framework options) and its
+measured seconds per iteration.
+
+* ``torchtitan_llama3.csv``: torchtitan's Llama 3.1 8B/70B/405B runs on H100 (FSDP, TP, PP,
+  CP; bf16 and float8 pairs; 8-512 GPUs) and its async-TP and H200 benchmark files.
+* ``llm_foundry_h100.csv``: LLM Foundry's MPT runs on H100 (bf16 and fp8, 8-512 GPUs).
+* ``megatron_narayanan2021_a100.csv``: Narayanan et al. 2021, Table 1 (A100, 32-3,072 GPUs).
+
+Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
+:mod:`predictors.evaluate`; ``final`` rows form the split frozen before any tuning and scored
+once. Sources, licences and the settings assumed where a table is silent:
+``data/PUBLIC_SOURCES.md``. Nothing here fetches anything.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+
+from predictors.devices import get_device
+from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.vtrain import data_path
+
+TORCHTITAN_CSV = "torchtitan_llama3.csv"
+FOUNDRY_CSV = "llm_foundry_h100.csv"
+NARAYANAN_CSV = "megatron_narayanan2021_a100.csv"
+FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV)
+USES = ("develop", "final")
+# the tables' precision labels -> this package's precision table
+PRECISION_OF = {
+    "bf16": "bf16-mixed",  # torchtitan: FSDP2 bf16 params, fp32 reduce
+    "float8": "fp8-current",  # torchao float8 tensorwise: dynamic (current) scaling
+    "float8-rowwise": "fp8-rowwise",
+    "amp_bf16": "bf16-mixed",  # LLM Foundry: FSDP mixed precision DEFAULT
+    "amp_fp8": "fp8",  # LLM Foundry: Transformer Engine DelayedScaling
+}
+NARAYANAN_SEQ, NARAYANAN_VOCAB = 2048, 51200
+
+
+class FleetDataError(ValueError):
+    """A row of a fleet file that cannot be turned into a run (names the file and field)."""
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    name: str
+    source: str  # data file
+    model: str  # the leave-one-model-out group
+    spec: TransformerSpec
+    strategy: ParallelStrategy
+    precision: str
+    device: str
+    options: TrainingOptions
+    seconds: float  # measured seconds per iteration
+    use: str
+
+    @property
+    def gpus(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def fit_group(self) -> str:
+        """The device family and framework its efficiencies are fitted for."""
+        from predictors.efficiency import fit_group
+
+        return fit_group(get_device(self.device), self.options)
+
+    @property
+    def run_key(self) -> tuple:
+        """Everything but the precision: two rows with the same key form a precision pair."""
+        return (self.source, self.model, self.spec, self.strategy, self.device, self.options)
+
+
+def _precision(label: str, file: str) -> str:
+    try:
+        return PRECISION_OF[label]
+    except KeyError:
+        raise FleetDataError(f"{file}: precision={label!r} is not one of "
+                             f"{sorted(PRECISION_OF)}") from None  # fmt: skip
+
+
+def _use(label: str, file: str) -> str:
+    if label not in USES:
+        raise FleetDataError(f"{file}: use={label!r} is not one of {USES}")
+    return label
+
+
+def _flag(text: str) -> bool:
+    return text.strip() == "True"
+
+
+def _rows(name: str) -> list[dict[str, str]]:
+    with open(data_path(name), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def load_torchtitan() -> list[FleetRow]:
+    """Seconds per iteration from tokens/s/GPU: torchtitan counts each rank's local batch
+    (``local_batch * seq`` tokens) over ``cp * tp * pp`` GPUs, so one step takes
+    ``global_batch * seq / (tps * gpus)``."""
+    out = []
+    for r in _rows(TORCHTITAN_CSV):
+        spec = TransformerSpec("llama", int(r["num_layers"]), int(r["hidden_size"]),
+                               int(r["heads"]), int(r["seq_len"]), int(r["vocab_size"]),
+                               ffn_hidden_size=int(r["ffn"]), num_query_groups=int(r["kv_heads"]),
+                               swiglu=True, tied_embeddings=False)  # fmt: skip
+        dp, local, micro = int(r["dp"]), int(r["local_batch"]), int(r["microbatches"])
+        strategy = ParallelStrategy(dp, int(r["tp"]), int(r["pp"]), local // micro, dp * local,
+                                    int(r["cp"]))  # fmt: skip
+        if strategy.world_size != int(r["gpus"]):
+            raise FleetDataError(f"{TORCHTITAN_CSV}: {r['model']}: dp*tp*pp*cp != gpus")
+        options = TrainingOptions(fsdp=dp * strategy.cp > 1, tp_comm_overlap=_flag(r["async_tp"]),
+                                  virtual_pipeline=int(r["virtual_pipeline"]),
+                                  recompute=r["activation_checkpointing"],
+                                  compiled=_flag(r["compile"]), framework="torchtitan")  # fmt: skip
+        tokens = strategy.global_batch_size * spec.seq_length
+        seconds = tokens / (float(r["tokens_per_s_per_gpu"]) * strategy.world_size)
+        tags = ("compile" if options.compiled else "eager") + ("-asynctp" if options.tp_comm_overlap
+                                                               else "")  # fmt: skip
+        out.append(FleetRow(f"tt{r['table']}-{r['model']}-{strategy.name}-{r['precision']}-{tags}"
+                            f"-vp{options.virtual_pipeline}", TORCHTITAN_CSV, r["model"], spec,
+                            strategy, _precision(r["precision"], TORCHTITAN_CSV), r["device"],
+                            options, seconds, _use(r["use"], TORCHTITAN_CSV)))  # fmt: skip
+    return out
+
+
+def load_llm_foundry() -> list[FleetRow]:
+    """MPT runs (learned positions, tied embeddings, flash attention). ``FULL_SHARD`` is FSDP
+    ZeRO-3 (:attr:`TrainingOptions.fsdp`); ``SHARD_GRAD_OP`` (ZeRO-2: parameters gathered
+    once a step, gradients reduce-scattered) is priced as the distributed optimizer with both
+    overlaps."""
+    out = []
+    for r in _rows(FOUNDRY_CSV):
+        spec = TransformerSpec("gpt", int(r["n_layers"]), int(r["d_model"]), int(r["n_heads"]),
+                               int(r["seq_len"]), int(r["vocab_size"]))  # fmt: skip
+        strategy = ParallelStrategy(int(r["gpus"]), 1, 1, int(r["micro_batch"]),
+                                    int(r["global_batch"]))  # fmt: skip
+        if strategy.num_microbatches != int(r["grad_accum"]):
+            raise FleetDataError(f"{FOUNDRY_CSV}: {r['model']}: grad_accum disagrees with the "
+                                 "batch sizes")  # fmt: skip
+        recompute = "full" if _flag(r["activation_checkpointing"]) else "none"
+        if r["sharding"] == "FULL_SHARD":
+            options = TrainingOptions(fsdp=True, recompute=recompute, framework="llm-foundry")
+        elif r["sharding"] == "SHARD_GRAD_OP":
+            options = TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True,
+                                      overlap_param_gather=True, recompute=recompute,
+                                      framework="llm-foundry")  # fmt: skip
+        else:
+            raise FleetDataError(f"{FOUNDRY_CSV}: sharding={r['sharding']!r} is not FULL_SHARD "
+                                 "or SHARD_GRAD_OP")  # fmt: skip
+        tokens = strategy.global_batch_size * spec.seq_length
+        seconds = tokens / (float(r["tokens_per_s_per_gpu"]) * strategy.world_size)
+        out.append(FleetRow(f"foundry-{r['model']}-s{r['seq_len']}-{strategy.name}-"
+                            f"{r['precision']}", FOUNDRY_CSV, r["model"], spec, strategy,
+                            _precision(r["precision"], FOUNDRY_CSV), "h100-80gb", options,
+                            seconds, _use(r["use"], FOUNDRY_CSV)))  # fmt: skip
+    return out
+
+
+def narayanan_flops(spec: TransformerSpec, batch: int) -> float:
+    """The FLOPs per iteration Narayanan et al. 2021 (eq. 3) count, activation recomputation
+    included: ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``."""
+    h, s, L, V = spec.hidden_size, spec.seq_length, spec.num_layers, spec.vocab_size
+    return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def load_narayanan() -> list[FleetRow]:
+    """GPT runs on DGX A100 (mixed precision, full recomputation as the paper's FLOP count
+    assumes); micro-batch 1 and the plain 1F1B schedule are assumed (the table is silent)."""
+    out = []
+    for r in _rows(NARAYANAN_CSV):
+        spec = TransformerSpec("gpt", int(r["num_layers"]), int(r["hidden_size"]),
+                               int(r["attention_heads"]), NARAYANAN_SEQ,
+                               NARAYANAN_VOCAB)  # fmt: skip
+        tp, pp, gpus, gb = int(r["tp"]), int(r["pp"]), int(r["gpus"]), int(r["global_batch"])
+        strategy = ParallelStrategy(gpus // (tp * pp), tp, pp, 1, gb)
+        if strategy.world_size != gpus:
+            raise FleetDataError(f"{NARAYANAN_CSV}: {r['params_billion']}B: tp*pp does not "
+                                 "divide gpus")  # fmt: skip
+        seconds = narayanan_flops(spec, gb) / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
+        out.append(FleetRow(f"narayanan-{r['params_billion']}b", NARAYANAN_CSV,
+                            f"gpt-{r['params_billion']}b", spec, strategy, "fp16-mixed",
+                            "a100-80gb", TrainingOptions(recompute="full"), seconds,
+                            "develop"))  # fmt: skip
+    return out
+
+
+def load_fleet(use: str | None = None) -> list[FleetRow]:
+    """Every fleet row (``use``: only ``develop`` or only ``final`` rows)."""
+    if use is not None:
+        _use(use, "load_fleet")
+    rows = load_torchtitan() + load_llm_foundry() + load_narayanan()
+    return [r for r in rows if use is None or r.use == use]
+
+
+def precision_pairs(rows: list[FleetRow]) -> list[tuple[FleetRow, FleetRow]]:
+    """(bf16 row, fp8 row) of the same run: everything but the precision equal."""
+    by_key: dict[tuple, dict[str, FleetRow]] = {}
+    for r in rows:
+        by_key.setdefault(r.run_key, {})[r.precision] = r
+    pairs = []
+    for runs in by_key.values():
+        ref = runs.get("bf16-mixed")
+        if ref is None:
+            continue
+        pairs.extend((ref, fast) for p, fast in sorted(runs.items()) if p != "bf16-mixed")
+    return pairs

@@ -1,0 +1,104 @@
+"""Fleet scoring: efficiencies fitted inside each fold only, the frozen final split never
+fitted on, and the fit itself recovering known efficiencies."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from predictors import evaluate, fleet
+from predictors.devices import get_device
+from predictors.efficiency import EfficiencyFit, for_precision
+from predictors.precision import get_precision
+from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+
+
+class RecordingFitter:
+    """Stands in for EfficiencyFit: remembers which rows each fit saw, and refuses to price a
+    row with a fit that saw it."""
+
+    calls: list[frozenset] = []
+
+    def __init__(self, rows) -> None:
+        self.rows = rows
+
+    def fit(self, index):
+        seen = frozenset(self.rows[i].name for i in index)
+        RecordingFitter.calls.append(seen)
+        return {"seen": seen}
+
+    def predict(self, efficiency, index):
+        for i in index:
+            assert self.rows[i].name not in efficiency["seen"], "a held-out row reached the fit"
+        return [1.0 for _ in index]
+
+
+def _row(name, model, group, gpus=8, use="develop"):
+    return SimpleNamespace(name=name, model=model, fit_group=group, seconds=1.0, gpus=gpus,
+                           use=use, source="x.csv")  # fmt: skip
+
+
+ROWS = [_row("a1", "a", "h100/torchtitan"), _row("a2", "a", "h100/torchtitan", 64),
+        _row("b1", "b", "h100/torchtitan"), _row("c1", "c", "a100/megatron", 64),
+        _row("c2", "c", "a100/megatron"), _row("d1", "d", "a100/megatron", 64)]  # fmt: skip
+
+
+def test_held_out_group_never_reaches_the_fitter():
+    RecordingFitter.calls = []
+    folds = evaluate.FleetFolds(ROWS, RecordingFitter)
+    res = folds.leave_group_out("new_model", [r.model for r in ROWS])
+    assert sorted(n for n, _, _ in res.rows) == sorted(r.name for r in ROWS)
+    # model "a" held out: its fit group's fitter saw only "b1"
+    assert frozenset({"b1"}) in RecordingFitter.calls
+    assert all(not ({"a1", "a2"} <= seen) for seen in RecordingFitter.calls if "b1" in seen)
+    by_gpus = folds.leave_group_out("new_gpus", [str(r.gpus) for r in ROWS])
+    assert set(by_gpus.per_group) == {"8", "64"}
+
+
+def test_final_split_is_never_fitted_on(monkeypatch):
+    RecordingFitter.calls = []
+    final = [_row("f1", "a", "h100/torchtitan", 512, "final")]
+    monkeypatch.setattr(fleet, "load_fleet",
+                        lambda use=None: [r for r in ROWS + final if use in (None, r.use)])
+    res = evaluate.evaluate_fleet_final(RecordingFitter)
+    assert [n for n, _, _ in res.rows] == ["f1"]
+    assert all("f1" not in seen for seen in RecordingFitter.calls)
+
+
+def test_pair_error_from_held_out_predictions(monkeypatch):
+    a = SimpleNamespace(name="bf", seconds=2.0, precision="bf16-mixed")
+    b = SimpleNamespace(name="f8", seconds=1.0, precision="fp8")
+    res = evaluate.FleetResult("x", 0.0, {}, [("bf", 3.0, 2.0), ("f8", 2.0, 1.0)])
+    monkeypatch.setattr(fleet, "precision_pairs", lambda rows: [(a, b)])
+    # predicted ratio 1.5 vs measured 2.0: 25 %
+    assert evaluate.pair_error(res, [a, b]).mape == pytest.approx(25.0)
+
+
+# large enough that its GEMMs and attention are compute-bound on an H100
+SPEC = TransformerSpec("llama", 2, 4096, 32, 4096, 32000, num_query_groups=8, swiglu=True,
+                       tied_embeddings=False)  # fmt: skip
+
+
+def test_fit_recovers_known_efficiencies():
+    truth = {"gemm_latency": 0.0, "matmul:bf16": 0.3981, "attention:bf16": 0.2512}
+    # sequence lengths apart: attention grows with s^2, the GEMMs with s, so the two separate
+    rows = [SimpleNamespace(spec=replace(SPEC, seq_length=seq),
+                            strategy=ParallelStrategy(dp, 1, 1, mb, dp * mb * 2),
+                            precision="bf16-mixed", device="h100-80gb",
+                            options=TrainingOptions(framework="torchtitan"), seconds=1.0)
+            for seq, dp, mb in ((1024, 1, 1), (4096, 2, 2), (16384, 8, 1))]  # fmt: skip
+    fit = EfficiencyFit(rows)
+    for r, t in zip(rows, fit.predict(truth, range(len(rows))), strict=True):
+        r.seconds = t
+    assert fit.fit(range(len(rows))) == pytest.approx(truth)
+
+
+def test_an_fp8_recipe_prices_at_its_own_fitted_efficiency():
+    dev = replace(get_device("h100-80gb"), efficiency={"matmul:fp8-rowwise": 0.3})
+    assert for_precision(dev, get_precision("fp8-rowwise")).efficiency["matmul:fp8"] == 0.3
+    assert "matmul:fp8" not in for_precision(dev, get_precision("fp8")).efficiency
+
+
+def test_unknown_framework_names_the_field():
+    with pytest.raises(ValueError, match="framework='deepspeed'"):
+        TrainingOptions(framework="deepspeed")

@@ -1,0 +1,118 @@
+"""The schedules as Megatron / torchtitan run them: interleaved 1F1B, context parallelism,
+full / selective recomputation, torch.compile's fused elementwise kernels."""
+
+from dataclasses import replace
+
+import pytest
+
+from predictors.analytical import StepWork, iteration_time
+from predictors.devices import get_device
+from predictors.features import step_work
+from predictors.precision import get_precision
+from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
+from predictors.trace import OpRecord, Trace
+
+H100 = get_device("h100-80gb")
+LLAMA = TransformerSpec("llama", 4, 256, 4, 256, 1024, num_query_groups=2, swiglu=True,
+                        tied_embeddings=False)  # fmt: skip
+
+
+def _record(phase: str, op_class: str, flops: float) -> OpRecord:
+    return OpRecord("k", phase, op_class, "bfloat16", "bf16", (), (), flops, 1e6, True)
+
+
+def _toy_work() -> StepWork:
+    fwd = [_record("forward", "matmul", 4e12), _record("forward", "attention", 1e12),
+           _record("forward", "elementwise", 0.0)]  # fmt: skip
+    bwd = [_record("backward", "matmul", 8e12), _record("backward", "attention", 2e12)]
+    return StepWork(Trace(fwd * 3 + bwd * 3), Trace(), pp_bytes=8e6)
+
+
+@pytest.mark.parametrize("vp", [1, 2, 4])
+def test_interleaved_bubble_is_p_minus_1_over_v_m_and_p2p_grows_with_v(vp):
+    s = ParallelStrategy(1, 1, 4, 1, 8)  # m = 8 micro-batches on 4 stages
+    b = iteration_time(_toy_work(), s, H100, TrainingOptions(virtual_pipeline=vp))
+    one = iteration_time(_toy_work(), s, H100, TrainingOptions())
+    m, p = s.num_microbatches, s.pp
+    slot = b.compute_mb + b.tp_comm_mb + b.pp_p2p_mb
+    assert b.bubble / (m * slot) == pytest.approx((p - 1) / (vp * m))
+    # every model chunk boundary is a send, forward and backward: 2 v sends per micro-batch
+    assert b.pp_p2p_mb == pytest.approx(vp * one.pp_p2p_mb)
+
+
+def test_recompute_full_reruns_forward_selective_only_the_non_gemm_part():
+    s = ParallelStrategy(1, 1, 1, 1, 1)
+    work = _toy_work()
+    none = iteration_time(work, s, H100)
+    full = iteration_time(work, s, H100, TrainingOptions(recompute="full"))
+    sel = iteration_time(work, s, H100, TrainingOptions(recompute="selective"))
+    fwd = iteration_time(StepWork(Trace(work.fwd_bwd.records[:3] * 3), Trace()), s, H100)
+    fwd_gemm = iteration_time(StepWork(Trace([work.fwd_bwd.records[0]] * 3), Trace()), s, H100)
+    assert full.recompute_mb == pytest.approx(fwd.compute_mb)
+    assert sel.recompute_mb == pytest.approx(fwd.compute_mb - fwd_gemm.compute_mb)
+    assert full.compute_mb == pytest.approx(none.compute_mb + full.recompute_mb)
+    with pytest.raises(StrategyError, match="recompute='partial'"):
+        TrainingOptions(recompute="partial")
+
+
+def test_compiled_scales_only_the_elementwise_kernels():
+    s = ParallelStrategy(1, 1, 1, 1, 1)
+    work = _toy_work()
+    dev = replace(H100, efficiency={"compiled": 0.5})
+    eager = iteration_time(work, s, dev)
+    comp = iteration_time(work, s, dev, TrainingOptions(compiled=True))
+    # GEMMs and the fused attention kernel are already single kernels: compile leaves them
+    fused = iteration_time(StepWork(Trace([r for r in work.fwd_bwd.records
+                                           if r.op_class != "elementwise"]), Trace()), s, dev)  # fmt: skip
+    rest = eager.compute_mb - fused.compute_mb
+    assert rest > 0
+    assert comp.compute_mb == pytest.approx(fused.compute_mb + 0.5 * rest)
+
+
+def _op_flops(work: StepWork, op_class: str) -> float:
+    return sum(r.flops for r in work.fwd_bwd.records if r.op_class == op_class)
+
+
+def test_context_parallel_splits_gemms_by_cp_and_attention_by_cp_with_full_context():
+    p = get_precision("bf16-mixed")
+    one = step_work(LLAMA, ParallelStrategy(1, 1, 1, 1, 1), p, H100)
+    cp4 = step_work(LLAMA, ParallelStrategy(1, 1, 1, 1, 1, cp=4), p, H100)
+    # each rank: a quarter of the tokens through every GEMM; its quarter of the queries
+    # against all keys: a quarter of the attention FLOPs, not a sixteenth
+    layer_gemm = _op_flops(one, "matmul")
+    assert _op_flops(cp4, "matmul") == pytest.approx(layer_gemm / 4, rel=1e-6)
+    assert _op_flops(cp4, "attention") == pytest.approx(_op_flops(one, "attention") / 4,
+                                                        rel=1e-6)  # fmt: skip
+    head_dim = LLAMA.hidden_size // LLAMA.num_attention_heads
+    kv_block = 2 * (LLAMA.seq_length // 4) * LLAMA.kv_heads * head_dim * 2  # K,V in bf16
+    assert cp4.cp_sends == 3 * 3 * LLAMA.num_layers  # (cp-1) K,V fwd; K,V + dK,dV bwd
+    assert cp4.cp_bytes == pytest.approx(cp4.cp_sends * kv_block)
+    assert one.cp_bytes == 0
+
+
+def test_context_parallel_ring_and_gradient_group():
+    s = ParallelStrategy(2, 1, 1, 1, 2, cp=4)
+    assert s.world_size == 8 and s.name == "dp2tp1pp1cp4mb1gb2"
+    assert ParallelStrategy.parse(s.name) == s
+    work = step_work(LLAMA, s, get_precision("bf16-mixed"), H100)
+    zero1 = TrainingOptions(distributed_optimizer=True)
+    b = iteration_time(work, s, H100, zero1)
+    plain = iteration_time(work, ParallelStrategy(8, 1, 1, 1, 8), H100, zero1)
+    assert b.cp_comm_mb >= 0 and b.intra_bytes > 0
+    # the optimizer state is sharded over DP x CP = 8 ranks, as with DP = 8
+    assert b.optimizer == pytest.approx(plain.optimizer * _opt(work) / _opt(
+        step_work(LLAMA, ParallelStrategy(8, 1, 1, 1, 8), get_precision("bf16-mixed"), H100)))
+
+
+def _opt(work: StepWork) -> float:
+    return sum(r.bytes for r in work.optimizer.records)
+
+
+def test_context_parallel_bad_input_names_the_field():
+    with pytest.raises(StrategyError, match="cp=3 needs 2\\*cp dividing seq_length=256"):
+        ParallelStrategy(1, 1, 1, 1, 1, cp=3).check(3, LLAMA)
+    unfused = replace(LLAMA, attention="unfused")
+    with pytest.raises(StrategyError, match="cp=2 needs attention='flash'"):
+        ParallelStrategy(1, 1, 1, 1, 1, cp=2).check(2, unfused)
+    with pytest.raises(StrategyError, match="cp=0"):
+        ParallelStrategy(1, 1, 1, cp=0)
