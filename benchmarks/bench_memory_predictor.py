@@ -115,40 +115,49 @@ def _load_cache(path: Path) -> dict[int, dict]:
         return {int(r["index"]): r for r in csv.DictReader(f)}
 
 
-def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float,
-                  last_batch: bool) -> list[dict]:
+def resumable(cache: Path, fields: list[str], todo: list[int], desc: str, minutes: float,
+              predict) -> dict[int, dict]:
+    """Every cached prediction, after ``predict(i)`` of the indices in ``todo`` not cached yet
+    (each row written as it comes, so a killed run resumes); stops after ``minutes``."""
     from tqdm import tqdm
 
-    rows = load_mlp_rows()
     done = _load_cache(cache)
-    todo = [i for i in range(0, len(rows), every) if i not in done]
     cache.parent.mkdir(parents=True, exist_ok=True)
     new = not cache.exists()
     deadline = time.monotonic() + minutes * 60
     with cache.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=fields)
         if new:
             w.writeheader()
-        for i in tqdm(todo, desc="GPUMemNet MLPs", unit="net"):
+        for i in tqdm([i for i in todo if i not in done], desc=desc, unit="net"):
             if time.monotonic() > deadline:
                 print(f"stopped after --minutes {minutes}; rerun to resume", file=sys.stderr)
                 break
-            p = _predict(rows[i], "adam", last_batch)
-            fused = (_predict(rows[i], "adam:fused", last_batch) if i % ablation_every == 0
-                     else None)
-            rec = {"index": i, "measured_mib": rows[i].measured_mib,
-                   "device_used_mib": p.device_used / MiB,
-                   "reserved_mib": p.max_memory_reserved / MiB,
-                   "allocated_mib": p.max_memory_allocated / MiB,
-                   "context_mib": p.outside_allocator["cuda_context"] / MiB,
-                   "margin_mib": p.margin_bytes / MiB,
-                   "fused_reserved_mib": "" if fused is None else fused.max_memory_reserved / MiB}
+            rec = {"index": i, **predict(i)}
             w.writerow(rec)
             f.flush()
             done[i] = rec
-    picked = set(range(0, len(rows), every))
-    return [{k: (float(v) if v not in ("", None) else None) for k, v in r.items()}
-            for i, r in sorted(done.items()) if i in picked]
+    return done
+
+
+def run_gpumemnet(every: int, ablation_every: int, cache: Path, minutes: float,
+                  last_batch: bool) -> list[dict]:
+    rows = load_mlp_rows()
+
+    def predict(i: int) -> dict:
+        p = _predict(rows[i], "adam", last_batch)
+        fused = _predict(rows[i], "adam:fused", last_batch) if i % ablation_every == 0 else None
+        return {"measured_mib": rows[i].measured_mib, "device_used_mib": p.device_used / MiB,
+                "reserved_mib": p.max_memory_reserved / MiB,
+                "allocated_mib": p.max_memory_allocated / MiB,
+                "context_mib": p.outside_allocator["cuda_context"] / MiB,
+                "margin_mib": p.margin_bytes / MiB,
+                "fused_reserved_mib": "" if fused is None else fused.max_memory_reserved / MiB}
+
+    picked = list(range(0, len(rows), every))
+    done = resumable(cache, FIELDS, picked, "GPUMemNet MLPs", minutes, predict)
+    return [{k: (float(v) if v not in ("", None) else None) for k, v in done[i].items()}
+            for i in picked if i in done]
 
 
 def _pct(a: float, b: float) -> float:
@@ -228,33 +237,20 @@ def _predict_cnn(row: CnnRow):
 
 
 def run_cnn(every: int, cache: Path, minutes: float) -> list[dict]:
-    from tqdm import tqdm
-
     rows = load_cnn_rows()
-    done = _load_cache(cache)
+
+    def predict(i: int) -> dict:
+        p = _predict_cnn(rows[i])
+        outside = p.outside_allocator
+        return {"arch": rows[i].arch, "oom": int(rows[i].oom),
+                "measured_mib": rows[i].measured_mib, "device_used_mib": p.device_used / MiB,
+                "reserved_mib": p.max_memory_reserved / MiB,
+                "context_mib": (outside["cuda_context"] + outside.get("cudnn", 0)) / MiB,
+                "margin_mib": p.margin_bytes / MiB}
+
     picked = [i for i in range(0, len(rows), every)
               if rows[i].runs and i != CNN_CALIBRATION_ROW]
-    todo = [i for i in picked if i not in done]
-    new = not cache.exists()
-    deadline = time.monotonic() + minutes * 60
-    with cache.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CNN_FIELDS)
-        if new:
-            w.writeheader()
-        for i in tqdm(todo, desc="GPUMemNet CNNs", unit="net"):
-            if time.monotonic() > deadline:
-                print(f"stopped after --minutes {minutes}; rerun to resume", file=sys.stderr)
-                break
-            p = _predict_cnn(rows[i])
-            outside = p.outside_allocator
-            rec = {"index": i, "arch": rows[i].arch, "oom": int(rows[i].oom),
-                   "measured_mib": rows[i].measured_mib, "device_used_mib": p.device_used / MiB,
-                   "reserved_mib": p.max_memory_reserved / MiB,
-                   "context_mib": (outside["cuda_context"] + outside.get("cudnn", 0)) / MiB,
-                   "margin_mib": p.margin_bytes / MiB}
-            w.writerow(rec)
-            f.flush()
-            done[i] = rec
+    done = resumable(cache, CNN_FIELDS, picked, "GPUMemNet CNNs", minutes, predict)
     return [{k: (v if k == "arch" else float(v)) for k, v in done[i].items()}
             for i in picked if i in done]
 

@@ -19,6 +19,7 @@ import csv
 from dataclasses import dataclass
 
 from predictors.devices import get_device
+from predictors.public import PublicRow
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
 from predictors.vtrain import data_path
 
@@ -43,16 +44,11 @@ class FleetDataError(ValueError):
 
 
 @dataclass(frozen=True)
-class FleetRow:
-    name: str
+class FleetRow(PublicRow):
+    """A public measurement with where it comes from and what it may be used for."""
+
     source: str  # data file
     model: str  # the leave-one-model-out group
-    spec: TransformerSpec
-    strategy: ParallelStrategy
-    precision: str
-    device: str
-    options: TrainingOptions
-    seconds: float  # measured seconds per iteration
     use: str
 
     @property
@@ -119,9 +115,10 @@ def load_torchtitan() -> list[FleetRow]:
         tags = ("compile" if options.compiled else "eager") + ("-asynctp" if options.tp_comm_overlap
                                                                else "")  # fmt: skip
         out.append(FleetRow(f"tt{r['table']}-{r['model']}-{strategy.name}-{r['precision']}-{tags}"
-                            f"-vp{options.virtual_pipeline}", TORCHTITAN_CSV, r["model"], spec,
-                            strategy, _precision(r["precision"], TORCHTITAN_CSV), r["device"],
-                            options, seconds, _use(r["use"], TORCHTITAN_CSV)))  # fmt: skip
+                            f"-vp{options.virtual_pipeline}", spec, strategy,
+                            _precision(r["precision"], TORCHTITAN_CSV), r["device"], options,
+                            seconds, source=TORCHTITAN_CSV, model=r["model"],
+                            use=_use(r["use"], TORCHTITAN_CSV)))  # fmt: skip
     return out
 
 
@@ -152,9 +149,10 @@ def load_llm_foundry() -> list[FleetRow]:
         tokens = strategy.global_batch_size * spec.seq_length
         seconds = tokens / (float(r["tokens_per_s_per_gpu"]) * strategy.world_size)
         out.append(FleetRow(f"foundry-{r['model']}-s{r['seq_len']}-{strategy.name}-"
-                            f"{r['precision']}", FOUNDRY_CSV, r["model"], spec, strategy,
+                            f"{r['precision']}", spec, strategy,
                             _precision(r["precision"], FOUNDRY_CSV), "h100-80gb", options,
-                            seconds, _use(r["use"], FOUNDRY_CSV)))  # fmt: skip
+                            seconds, source=FOUNDRY_CSV, model=r["model"],
+                            use=_use(r["use"], FOUNDRY_CSV)))  # fmt: skip
     return out
 
 
@@ -179,10 +177,10 @@ def load_narayanan() -> list[FleetRow]:
             raise FleetDataError(f"{NARAYANAN_CSV}: {r['params_billion']}B: tp*pp does not "
                                  "divide gpus")  # fmt: skip
         seconds = narayanan_flops(spec, gb) / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
-        out.append(FleetRow(f"narayanan-{r['params_billion']}b", NARAYANAN_CSV,
-                            f"gpt-{r['params_billion']}b", spec, strategy, "fp16-mixed",
+        out.append(FleetRow(f"narayanan-{r['params_billion']}b", spec, strategy, "fp16-mixed",
                             "a100-80gb", TrainingOptions(recompute="full"), seconds,
-                            "develop"))  # fmt: skip
+                            source=NARAYANAN_CSV, model=f"gpt-{r['params_billion']}b",
+                            use="develop"))  # fmt: skip
     return out
 
 
