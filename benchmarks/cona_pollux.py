@@ -25,8 +25,12 @@ from __future__ import annotations
 import math
 
 from megatron_cona.gns import GradientNoiseScale
+from megatron_cona.lawsim.chains import READINGS, Chain, run_chain
+from megatron_cona.lawsim.chains import Driver as SimDriver
+from megatron_cona.lawsim.chains import register as register_sim
 from megatron_cona.ttp.baselines import Baseline, CaseInputs, register
 from megatron_cona.ttp.chains import ChainResult, Driver, Point, replay_chain
+from predictors.devices import get_device
 from predictors.spec import ParallelStrategy
 
 
@@ -47,25 +51,28 @@ def split_time(clock, strategy: ParallelStrategy, seconds: float) -> tuple[float
     return seconds / n, seconds / n
 
 
-def perf_observations(seen: dict[ParallelStrategy, tuple[float, float]]) -> dict:
+def perf_observations(seen: dict[ParallelStrategy, tuple[float, float]],
+                      gpus_per_node: int = 0) -> dict:
     """fit_perf_params' arguments from the (accumulation, optimizer) step times of the
-    strategies run, on one node."""
+    strategies run; nodes = GPUs / ``gpus_per_node`` (0: all on one node)."""
     import numpy as np
 
     strategies = sorted(seen, key=lambda s: s.name)
-    return {"num_nodes": np.ones(len(strategies), dtype=int),
+    nodes = [max(1, -(-s.world_size // gpus_per_node)) if gpus_per_node else 1
+             for s in strategies]
+    return {"num_nodes": np.array(nodes, dtype=int),
             "num_replicas": np.array([s.dp for s in strategies]),
             "atomic_bsz": np.array([s.micro_batch for s in strategies]),
             "accum_step_time": np.array([seen[s][0] for s in strategies]),
             "optim_step_time": np.array([seen[s][1] for s in strategies])}
 
 
-def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int
+def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int, nodes: int = 1
            ) -> tuple[ParallelStrategy, dict]:
     """adaptdl's ``optimize`` -> the candidate of that global batch and micro-batch."""
     max_batch = max(s.global_batch_size for s in candidates)
     max_micro = max(s.micro_batch for s in candidates)
-    goodput, atomic, accum = goodput_fn.optimize(1, replicas, max_batch_size=max_batch,
+    goodput, atomic, accum = goodput_fn.optimize(nodes, replicas, max_batch_size=max_batch,
                                                  atomic_bsz_range=(1, max_micro),
                                                  accumulation=True)
     want = replicas * int(atomic) * (int(accum) + 1)
@@ -126,8 +133,65 @@ def run_pollux(case: CaseInputs) -> ChainResult:
     return result
 
 
+class PolluxSimDriver(SimDriver):
+    """Pollux in the law-based simulation: the same adaptdl calls as :class:`PolluxDriver`,
+    fed the simulated probe's readings and the clock's times (all-DP layout, any node count)."""
+
+    observes = True
+
+    def __init__(self, case, candidates: list[ParallelStrategy], init_batch: int,
+                 gpus_per_node: int) -> None:
+        self.case, self.candidates, self.init_batch = case, candidates, init_batch
+        self.gpus_per_node = gpus_per_node
+        self.gns = GradientNoiseScale(0.5 ** (1 / READINGS))
+        self.seen: dict[ParallelStrategy, tuple[float, float]] = {}
+        self.choices: list[dict] = []
+        self._fitted: tuple = ((), None)
+
+    def observe(self, seconds, stats, iterations) -> None:
+        s = self.executor.strategy
+        self.seen[s] = split_time(self.case.clock, s, seconds)
+        sample = stats.sample() if stats is not None else None
+        if sample is not None:
+            self.gns.observe(sample)
+
+    def at_boundary(self, tokens: float) -> None:
+        from adaptdl.goodput import GoodputFunction, fit_perf_params
+
+        if not self.gns.ready:
+            return
+        key = tuple(sorted((s.name, t) for s, t in self.seen.items()))
+        if key != self._fitted[0]:
+            self._fitted = (key, fit_perf_params(**perf_observations(self.seen,
+                                                                     self.gpus_per_node)))
+        fn = GoodputFunction(self._fitted[1], grad_params(self.gns, self.init_batch),
+                             self.init_batch)
+        dp = self.candidates[0].dp
+        target, info = choose(fn, self.candidates, dp, max(1, dp // self.gpus_per_node))
+        self.choices.append({"tokens": tokens, "to": target.name, **info})
+        if target != self.executor.strategy:
+            self.executor.switch(target)
+
+
+def run_pollux_sim(case) -> list:
+    """Pollux on the all-DP layout from its smallest feasible batch (adaptdl's initial batch,
+    the floor ``optimize`` never goes below)."""
+    pool = [s for s in case.candidates if s.layout == (case.gpus, 1, 1)]
+    if not pool:
+        return []
+    init = min(s.global_batch_size for s in pool)
+    start = case.fastest(init, pool)
+    driver = PolluxSimDriver(case, pool, init, get_device(case.extra.get("device", "a100-80gb"))
+                             .devices_per_node)
+    result = run_chain(case, "pollux", {"start": start.name, "init_batch_size": init}, start,
+                       driver)
+    result.settings["adaptdl_choices"] = driver.choices[-20:]
+    return [result]
+
+
 def register_pollux() -> str:
-    """Register the ``pollux`` baseline when adaptdl imports; say what happened."""
+    """Register the ``pollux`` baseline (TTP evaluation and law simulation) when adaptdl
+    imports; say what happened."""
     try:
         from importlib.metadata import version
 
@@ -137,4 +201,6 @@ def register_pollux() -> str:
                 ".venv-bench/bin/python after `make bench-env` (speedup_vs_pollux is nan)")
     register(Baseline("pollux", run_pollux, "tab:purple",
                       doc="Pollux: adaptdl's GoodputFunction + fit_perf_params on the DP layout"))
+    register_sim(Chain("pollux", run_pollux_sim, "tab:purple",
+                       doc="Pollux: adaptdl's GoodputFunction + fit_perf_params, all-DP"))
     return f"adaptdl {version('adaptdl')} (GoodputFunction, fit_perf_params)"

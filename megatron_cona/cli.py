@@ -4,6 +4,7 @@
               --seq-length 1024 --global-batch-range 16,128 --device a100-80gb
     torchrun --nproc-per-node 8 -m megatron_cona.cli run <Megatron-LM flags> --cona ...
     cona ttp --out out                # GPUs; CPU: python scripts/cona_cpu.py ttp
+    cona scale --switch-costs 0.5,0.01 --out out/cona_scale   # law-based simulation at scale
     cona plot --log cona.jsonl --out out/cona_timeline.png
 
 Errors print one line naming the problem and exit with status 2.
@@ -169,6 +170,63 @@ def _ttp(rest: list[str]) -> None:
     print_ttp(run_ttp(opts, print))
 
 
+# ------------------------------------------------------------------------------------ scale
+
+
+def _switch_costs(text: str) -> tuple[float, float]:
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) != 2 or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH seconds >= 0")
+    return parts[0], parts[1]
+
+
+def scale_parser() -> argparse.ArgumentParser:
+    from megatron_cona.lawsim.evaluate import SimOptions
+
+    d = SimOptions()
+    p = argparse.ArgumentParser(prog="cona scale", description="CONA at the paper's scale: a "
+                                "SIMULATED training law (Kaplan 2020, McCandlish 2018) driving "
+                                "the real controller, every rival and a lower bound.")
+    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--families", type=_str_list, default=d.families)
+    p.add_argument("--gpus", type=_int_list, default=d.gpus)
+    p.add_argument("--variants", type=_str_list, default=d.variants,
+                   help="law variants: kaplan, bstar_x0.5, bstar_x2, data_d0.47")
+    p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)
+    p.add_argument("--pipeline", type=_int_list, default=d.pipeline)
+    p.add_argument("--min-gain", type=float, default=d.min_gain)
+    p.add_argument("--noise-z", type=float, default=d.noise_z)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--exact-bound", action="store_true",
+                   help="the exact DP with the chains' cadence and switch costs (slow)")
+    p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
+    return p
+
+
+def print_scale(report: dict, law_r2: float = math.nan) -> None:
+    """The sensitivity variants' lines, then one line per GPU count of the main law (Kaplan's),
+    the largest scale last."""
+    from megatron_cona.lawsim.evaluate import result_line
+
+    checks = report["checks_line"]
+    for variant, summary in report["summary"].items():
+        if variant == "kaplan":
+            continue
+        for gpus in summary:
+            print(f"[sensitivity {variant}] {result_line(summary, gpus, checks, law_r2)}")
+    main = report["summary"].get("kaplan", {})
+    for gpus in sorted(main):
+        print(result_line(main, gpus, checks, law_r2))
+
+
+def _scale(args: argparse.Namespace, switch_costs: tuple[float, float]) -> None:
+    from megatron_cona.lawsim.evaluate import SimOptions, run_sim
+
+    opts = SimOptions(**{k: v for k, v in vars(args).items()
+                         if k in SimOptions.__dataclass_fields__})
+    print_scale(run_sim(opts, switch_costs))
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -195,6 +253,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="train: megatron_cona.pretrain_gpt flags (use under torchrun)",
                    add_help=False)
     sub.add_parser("ttp", help="time-to-perplexity evaluation (cona ttp --help)", add_help=False)
+    p = sub.add_parser("scale", help="law-based simulation at the paper's scale",
+                       parents=[scale_parser()], add_help=False, conflict_handler="resolve")
+    p.add_argument("--switch-costs", type=_switch_costs, required=True,
+                   help="FIXED,BATCH: measured seconds of a layout switch's fixed part and of "
+                   "a batch switch (benchmarks/bench_cona_scale.py measures them)")
     p = sub.add_parser("plot", help="plot a run's strategy timeline or a TTP report")
     p.add_argument("--log", type=Path, help="--cona-log file of a run")
     p.add_argument("--ttp", type=Path, help="ttp.json written by cona ttp (one plot per case "
@@ -221,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "plan":
             _plan(args)
+        elif args.command == "scale":
+            _scale(args, args.switch_costs)
         else:
             from megatron_cona.plot import plot_run_timeline, plot_ttp
 

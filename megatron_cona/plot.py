@@ -72,6 +72,41 @@ def plot_ttp(case: dict, note: str, path: Path) -> Path:
     return path
 
 
+def plot_sim(case: dict, note: str, path: Path) -> Path:
+    """One law-simulation case: loss vs time of every chain (its best run for the far target)
+    and the strategy timelines of CONA and of the exact bound."""
+    from megatron_cona.lawsim.chains import CHAINS
+
+    far = list(case["targets"])[-1]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    for name, per in case["chains"].items():
+        pts = [p for p in per[far]["points"] if not math.isnan(p["loss"])]
+        if pts:
+            top.plot([p["time"] for p in pts], [p["loss"] for p in pts],
+                     color=CHAINS[name].color if name in CHAINS else None,
+                     label=f"{name} ({per[far]['time_s']:.4g}s, {per[far]['switches']} switches)")
+    for name, target in case["targets"].items():
+        top.axhline(target["loss"], color="k", ls=":", lw=0.8, label=f"target {name}")
+    top.set_ylabel("loss (law)")
+    top.set_xscale("log")
+    top.set_title(f"{case['tag']} [{case['clock']}]", fontsize=10)
+    top.legend(fontsize=7)
+    palette: dict[str, tuple] = {}
+    shown = [n for n in ("cona", "bound") if n in case["chains"]]
+    for row, name in enumerate(shown):
+        pts = case["chains"][name][far]["points"]
+        _timeline(bottom, _segments([p["time"] for p in pts], [p["strategy"] for p in pts]),
+                  row, palette)
+    bottom.set_yticks(range(len(shown)), shown)
+    bottom.set_xlabel("SIMULATED time (s)")
+    fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def read_decisions(log_path: Path) -> list[dict]:
     with open(log_path) as fh:
         return [json.loads(line) for line in fh if line.strip()]

@@ -136,10 +136,13 @@ class ConaSession:
         self._lr = config.batch_lr()
 
     # ----------------------------------------------------------------------------- observe
-    def observe(self, seconds: float, stats: GradStats | None = None) -> None:
-        """One finished iteration of the running strategy that took ``seconds``."""
+    def observe(self, seconds: float, stats: GradStats | None = None,
+                iterations: float = 1.0) -> None:
+        """One finished iteration of the running strategy that took ``seconds``; with
+        ``iterations`` > 1 the reading stands for that many such iterations (a loop that reads
+        the probe on every k-th iteration only)."""
         self.times.record(self.executor.strategy, seconds)
-        self._interval_time += seconds
+        self._interval_time += seconds * iterations
         sample = stats.sample() if stats is not None else None
         if sample is not None:
             self.gns.observe(sample)

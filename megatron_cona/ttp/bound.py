@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_cona.lawsim.bound import fastest_micro_batches
 from megatron_cona.ttp.stitch import CurveSet, crossing
 from predictors.spec import ParallelStrategy
 
@@ -36,23 +37,12 @@ class BoundResult:
         return sum(a[2] != b[2] for a, b in zip(self.path, self.path[1:], strict=False))
 
 
-def _useful(strategies: Sequence[ParallelStrategy], step_time) -> list[ParallelStrategy]:
-    """Per (layout, global batch) the fastest micro-batch: a micro-batch change within a layout
-    costs a batch switch like any batch change, so a slower micro-batch is never better."""
-    best: dict[tuple, ParallelStrategy] = {}
-    for s in strategies:
-        key = (s.layout, s.global_batch_size)
-        if key not in best or (step_time(s), s.name) < (step_time(best[key]), best[key].name):
-            best[key] = s
-    return sorted(best.values(), key=lambda s: s.name)
-
-
 def dp_bound(curves: CurveSet, strategies: Sequence[ParallelStrategy],
              step_time: Callable[[ParallelStrategy], float],
              switch_time: Callable[[ParallelStrategy, ParallelStrategy], float],
              target: float, snap: float = 0.0, max_time: float = math.inf) -> BoundResult:
     """Fastest simulated time to ``target`` over every strategy sequence (see module doc)."""
-    strats = [s for s in _useful(strategies, step_time) if s.global_batch_size in curves.tracks]
+    strats = [s for s in fastest_micro_batches(strategies, step_time) if s.global_batch_size in curves.tracks]
     if not strats:
         raise ValueError("strategies: none has a curve for its global batch")
     interval = curves.interval

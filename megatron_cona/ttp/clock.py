@@ -56,6 +56,10 @@ class VTrainTimes:
             raise ClockError(f"vTrain has no rows for {model} on {gpus} GPUs")
         self._lines: dict[tuple[int, int, int, int], tuple[float, float, int, int] | None] = {}
 
+    def lookup(self, s: ParallelStrategy) -> float | None:
+        """The measured time of exactly ``s`` (None: not measured)."""
+        return self.table.get(s)
+
     def line(self, s: ParallelStrategy) -> tuple[float, float] | None:
         """(intercept, slope per micro-batch) of this layout + micro-batch when >= 2 global
         batches were measured AND ``s`` lies between them (interpolation only: a line
@@ -83,7 +87,7 @@ class VTrainTimes:
 class SimulatedClock:
     """Charges iterations and switches (see module doc)."""
 
-    measured: VTrainTimes
+    measured: VTrainTimes  # or any object with model, gpus, lookup(s) and line(s)
     fixed_switch_s: float  # measured: build + plan + finalize of a real layout switch
     batch_switch_s: float  # measured: a real batch-only switch
     link_bytes_per_s: float  # per-GPU intra-node bandwidth of the target (NVLink)
@@ -93,7 +97,7 @@ class SimulatedClock:
     _bytes: dict[tuple[Layout, Layout], int] = field(default_factory=dict, repr=False)
 
     def iteration_time(self, s: ParallelStrategy) -> float:
-        seconds = self.measured.table.get(s)
+        seconds = self.measured.lookup(s)
         if seconds is not None:
             self.exact += 1
             return seconds
@@ -106,7 +110,7 @@ class SimulatedClock:
         return line[0] + line[1] * s.num_microbatches
 
     def has_time(self, s: ParallelStrategy) -> bool:
-        return s in self.measured.table or self.measured.line(s) is not None
+        return self.measured.lookup(s) is not None or self.measured.line(s) is not None
 
     def moved_bytes(self, old: Layout, new: Layout) -> int:
         """Bytes the busiest rank sends or receives when the reshard planner moves the target

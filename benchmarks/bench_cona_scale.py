@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""CONA at the paper's scale: the law-based simulation (``megatron_cona.lawsim``).
+
+Training progress is SIMULATED from published laws (Kaplan et al. 2020 L(N, S_min) and
+B_crit(L); McCandlish et al. 2018's dS_min = 1/(1 + B_crit/B)); every constant is cited in
+``megatron_cona/lawsim/constants.py`` and docs/cona.md. The clock is vTrain's measured 8x A100
+times (GPT-3 1.3B, 8 GPUs) or the project's time predictor (every other case, "predicted
+clock"). CONA's real ConaSession decides from simulated probe readings (GradStats) and the
+clock; rivals: the planner (paper's batch), hindsight-tuned static, Megatron's ramp-up (swept),
+Pollux (adaptdl's own GoodputFunction / fit_perf_params, when installed: .venv-bench), Seesaw
+(swept); references: the per-interval best with the law's state known (``oracle``) and a lower
+bound (continuous strategy changes, free switches) that no chain may beat.
+
+The switch costs' fixed parts are measured here on the real CONA runtime (2 CPU ranks), as the
+live TTP evaluation does. Results are written as each case finishes (``<out>/sim.json``, one
+plot per case). Default run: 3 families x 3 GPU counts x 4 law variants, a few minutes.
+
+Output: the sanity checks first; per case every chain's time; then the sensitivity variants'
+lines and, last, one line per GPU count of Kaplan's law (512 GPUs last):
+``gpus=G sim_checks=P/N ref_vs_best_static=R ref_switches=K speedup_vs_planner=A
+speedup_vs_tuned_static=B speedup_vs_rampup=C speedup_vs_pollux=D speedup_vs_seesaw=S
+gap_to_bound=E% law_r2=Q`` (law_r2: the live law check on the real Megatron-Core loop; nan while
+it is not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def measure_switch_costs() -> tuple[float, float]:
+    """Median seconds of a real in-memory layout switch's fixed part and of a batch switch of
+    the CONA runtime on 2 CPU ranks (the live TTP evaluation's measurement)."""
+    from megatron_cona.ttp.evaluate import TTPOptions, _switch_worker
+    from megatron_cpu.launch import run_distributed
+
+    return tuple(run_distributed(_switch_worker, 2, TTPOptions(), timeout=600, threads=1)[0])
+
+
+def main() -> None:
+    from cona_pollux import register_pollux
+    from rich.progress import Progress
+
+    from megatron_cona.cli import print_scale, scale_parser
+    from megatron_cona.lawsim.evaluate import SimOptions, run_sim
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     parents=[scale_parser()], add_help=False,
+                                     conflict_handler="resolve")
+    parser.add_argument("--switch-costs", type=lambda t: tuple(float(x) for x in t.split(",")),
+                        default=None, help="FIXED,BATCH seconds instead of measuring them")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one family, 64 GPUs, Kaplan's law only (a quick end-to-end check)")
+    args = vars(parser.parse_args())
+    costs, smoke = args.pop("switch_costs"), args.pop("smoke")
+    if smoke:
+        args.update(families=("gpt3-1.3b",), gpus=(64,), variants=("kaplan",))
+    opts = SimOptions(**{k: v for k, v in args.items() if k in SimOptions.__dataclass_fields__})
+    print(f"pollux: {register_pollux()}", flush=True)
+    t0 = time.time()
+    if costs is None:
+        costs = measure_switch_costs()
+        print(f"switch costs measured on the CONA runtime: layout fixed part {costs[0]:.3f} s, "
+              f"batch switch {costs[1]:.4f} s ({time.time() - t0:.0f}s)", flush=True)
+    with Progress(transient=True) as progress:
+        report = run_sim(opts, costs, progress,
+                         say=lambda m: progress.console.print(f"[{time.time() - t0:5.0f}s] {m}",
+                                                              markup=False, highlight=False))
+    print(f"wall time {time.time() - t0:.0f}s; report {opts.out / 'sim.json'}; plots "
+          f"{opts.out}/sim_<family>_<gpus>gpu_<variant>.png")
+    print("law_r2: nan -- the law check on the real Megatron-Core loop (issue 34 item 6) is not "
+          "implemented yet")
+    print_scale(report)
+
+
+if __name__ == "__main__":
+    main()

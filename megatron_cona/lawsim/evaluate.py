@@ -1,0 +1,293 @@
+"""Running the law-based simulation: build every case (family x GPU count x law variant), run
+every registered chain, check the bound, summarize per GPU count. Results are written as each
+case finishes (``sim.json``), with a plot per case."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_cona.lawsim.cases import (
+    FAMILIES,
+    MEASURED,
+    PREDICTED,
+    PredictedTimes,
+    SimCase,
+    boundaries,
+    dynamics_for,
+    targets,
+)
+from megatron_cona.lawsim.chains import CHAINS, SimResult
+from megatron_cona.lawsim.checks import run_checks
+from megatron_cona.lawsim.constants import value
+from megatron_cona.lawsim.law import VARIANTS, LawError
+from megatron_cona.policy import PolicyConfig
+from predictors.spec import ParallelStrategy
+
+NOTE = ("LAW-BASED SIMULATION: training progress from published laws (Kaplan et al. 2020, "
+        "McCandlish et al. 2018; every constant cited in docs/cona.md), clock {clock}; "
+        "agreement with this simulator is agreement, not accuracy")
+
+
+@dataclass
+class SimOptions:
+    out: Path = Path("out/cona_scale")
+    families: tuple[str, ...] = tuple(FAMILIES)
+    gpus: tuple[int, ...] = (8, 64, 512)
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    device: str = "a100-80gb"
+    micro_batches: tuple[int, ...] = (1, 2)
+    pipeline: tuple[int, ...] = (1, 2)
+    max_tp: int = 8
+    batch_span: tuple[float, float] = (1 / 64, 4.0)  # global batches / the paper's batch
+    first_interval_batches: int = 16  # the first decision interval: this many largest batches
+    growth: float = 0.05  # later intervals: this fraction of the tokens seen
+    end_factor: float = 8.0  # decision boundaries run to this x the compute-optimal tokens
+    min_gain: float = 0.01
+    patience: int = 1
+    cooldown: int = 0
+    horizon: float = 20.0
+    noise_z: float = 1.0
+    seed: int = 0
+    exact_bound: bool = False  # the exact DP (slow at scale) instead of the relaxation
+    skip: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in self.families:
+            if name not in FAMILIES:
+                raise LawError(f"families: {name!r} is unknown; choose from "
+                               f"{', '.join(FAMILIES)}")
+        for name in self.variants:
+            if name not in VARIANTS:
+                raise LawError(f"variants: {name!r} is unknown; choose from "
+                               f"{', '.join(VARIANTS)}")
+        if not self.gpus or any(g < 1 for g in self.gpus):
+            raise LawError(f"gpus={self.gpus} must be positive GPU counts")
+
+
+@dataclass
+class World:
+    """What one (family, GPU count) shares across law variants: clock, candidates, CONA's
+    time model."""
+
+    clock: object
+    label: str
+    candidates: list[ParallelStrategy]
+    predicted: Callable[[ParallelStrategy], float]
+    paper_batch: int
+    rejected: int
+
+
+def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tuple[float, float]
+                    ) -> World:
+    from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
+    from megatron_cona.ttp.clock import SimulatedClock
+    from predictors.devices import get_device
+    from predictors.precision import get_precision
+
+    fam = FAMILIES[family]
+    spec = fam.spec
+    device = get_device(opts.device)
+    paper = max(1, round(fam.paper_batch_tokens / spec.seq_length))
+    lo, hi = max(1, int(paper * opts.batch_span[0])), int(paper * opts.batch_span[1])
+    layouts = tuple((gpus // (tp * pp), tp, pp) for tp in (1, 2, 4, 8) for pp in opts.pipeline
+                    if tp <= opts.max_tp and gpus % (tp * pp) == 0)
+    found = enumerate_candidates(gpus, spec, CandidateSpec(
+        layouts=layouts, micro_batches=opts.micro_batches, global_batch_range=(lo, hi)),
+        precision=get_precision(fam.precision), memory_model=PredictorMemory(
+            device.memory_bytes / 2**30), memory_limit_bytes=device.memory_bytes)
+    times = PredictedTimes(spec, gpus, fam.precision, opts.device)
+    link = device.intra_bw if gpus <= device.devices_per_node else device.inter_bw
+    clock = SimulatedClock(times, switch_costs[0], switch_costs[1], link)
+    kept = found.kept
+    # layouts fastest at some batch, plus all-DP (Pollux's): keeps the exact bound tractable
+    useful = {min((s for s in kept if s.global_batch_size == b),
+                  key=lambda s: (clock.iteration_time(s), s.name)).layout
+              for b in {s.global_batch_size for s in kept}}
+    useful.add((gpus, 1, 1))
+    kept = [s for s in kept if s.layout in useful]
+    if paper not in {s.global_batch_size for s in kept}:
+        raise LawError(f"{family} on {gpus} GPUs: no feasible candidate at the paper's batch "
+                       f"{paper}")
+    return World(clock, PREDICTED, kept, times.iteration_time, paper, len(found.rejected))
+
+
+def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
+    """GPT-3 1.3B on 8 A100s as vTrain measured it (sequence 1,024); CONA ranks with the
+    predictor trained without that model-size group (as in the live TTP evaluation)."""
+    from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
+    from megatron_cona.ttp.clock import GPT_1_3B, HeldOutPredictor, SimulatedClock, VTrainTimes
+    from predictors.devices import get_device
+    from predictors.precision import get_precision
+
+    device = get_device(opts.device)
+    clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), switch_costs[0], switch_costs[1],
+                           device.intra_bw)
+    found = enumerate_candidates(8, GPT_1_3B, CandidateSpec(micro_batches=(1, 2, 4, 8)),
+                                 precision=get_precision("fp16-mixed"),
+                                 memory_model=PredictorMemory(device.memory_bytes / 2**30),
+                                 memory_limit_bytes=device.memory_bytes)
+    kept = [s for s in found.kept if clock.measured.lookup(s) is not None]
+    batches = sorted({s.global_batch_size for s in kept})
+    # the paper's 1M-token batch is beyond what vTrain measured: its largest batch instead
+    paper = min(max(batches), round(value("gpt3_1p3b_batch_tokens") / GPT_1_3B.seq_length))
+    predictor = HeldOutPredictor.train(GPT_1_3B, 8)
+    return World(clock, MEASURED, kept, predictor.iteration_time, paper, len(found.rejected))
+
+
+def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: World
+               ) -> SimCase:
+    fam = FAMILIES[family]
+    law = fam.law(fam.spec)
+    seq = world.clock.measured.model.seq_length
+    batch_tokens = world.paper_batch * seq
+    params = fam.spec.num_parameters()
+    dyn = dynamics_for(variant, law, batch_tokens, params)
+    far = value("tokens_per_param") * params
+    top = max(s.global_batch_size for s in world.candidates) * seq
+    bounds = boundaries(opts.first_interval_batches * top, opts.growth, opts.end_factor * far)
+    return SimCase(
+        f"{family}/{gpus}gpu/{variant}", fam, gpus, variant, law, dyn, world.clock, world.label,
+        world.candidates, world.predicted, world.paper_batch, bounds,
+        targets(dyn, law, batch_tokens, params),
+        PolicyConfig(min_gain=opts.min_gain, horizon_intervals=opts.horizon,
+                     patience=opts.patience, cooldown=opts.cooldown),
+        opts.noise_z, opts.seed, rejected=world.rejected, exact_bound=opts.exact_bound,
+        extra={"device": opts.device})
+
+
+def _best(runs: list[SimResult], target: str) -> SimResult:
+    return min(runs, key=lambda r: (r.time_to(target), r.name))
+
+
+def run_case(case: SimCase, skip: tuple[str, ...] = ()) -> dict:
+    """Every registered chain on ``case``: per target the (hindsight-best) time, its settings,
+    switches and path; bound violations fail the run (raised by the caller)."""
+    runs = {name: chain.run(case) for name, chain in CHAINS.items() if name not in skip}
+    out = {"tag": case.tag, "family": case.family.name, "gpus": case.gpus,
+           "variant": case.variant, "clock": case.clock_label, "seq": case.seq,
+           "candidates": len(case.candidates), "rejected_by_memory": case.rejected,
+           "paper_batch": case.paper_batch, "intervals": len(case.boundaries) - 1,
+           "targets": {n: {"loss": case.loss(g), "s_min": g} for n, g in case.goals.items()},
+           "chains": {}, "violations": []}
+    for name, results in runs.items():
+        per = {}
+        for target in case.goals:
+            best = _best(results, target) if name != "bound" else next(
+                r for r in results if r.settings["target"] == target)
+            per[target] = {"time_s": best.time_to(target), "settings": best.settings,
+                           "switches": len(best.switches), "path": best.path(),
+                           "swept": len(results) if name != "bound" else 1,
+                           "points": [asdict(p) for p in best.points]}
+        out["chains"][name] = per
+    for target in case.goals:
+        bound = out["chains"]["bound"][target]["time_s"]
+        for name, per in out["chains"].items():
+            t = per[target]["time_s"]
+            if name != "bound" and CHAINS[name].in_bound_space and t < bound * (1 - 1e-9):
+                out["violations"].append(f"{name} @ {target}: {t:.6g} s < bound {bound:.6g} s")
+    return out
+
+
+def ratios(case: dict, target: str) -> dict[str, float]:
+    """CONA's speedups over every rival, the reference's over the best static, the gap."""
+    c = case["chains"]
+    t = {name: per[target]["time_s"] for name, per in c.items()}
+    out = {"ref_vs_best_static": t["static"] / t["oracle"],
+           "ref_switches": c["oracle"][target]["switches"],
+           "gap_to_bound": 100.0 * (t["cona"] / t["bound"] - 1.0)}
+    for name, chain in CHAINS.items():
+        if chain.rival and name in t:
+            key = "tuned_static" if name == "static" else name
+            out[f"speedup_vs_{key}"] = t[name] / t["cona"]
+    return out
+
+
+KEYS = ("ref_vs_best_static", "ref_switches", "speedup_vs_planner", "speedup_vs_tuned_static",
+        "speedup_vs_rampup", "speedup_vs_pollux", "speedup_vs_seesaw", "gap_to_bound")
+
+
+def summarize(cases: list[dict], variant: str = "kaplan") -> dict[int, dict]:
+    """Per GPU count: medians and min-max over families x targets of ``variant``."""
+    out: dict[int, dict] = {}
+    for gpus in sorted({c["gpus"] for c in cases}):
+        rows = [ratios(c, t) for c in cases if c["gpus"] == gpus and c["variant"] == variant
+                for t in c["targets"]]
+        if not rows:
+            continue
+        out[gpus] = {}
+        for key in KEYS:
+            vals = [r.get(key, math.nan) for r in rows]
+            finite = [v for v in vals if math.isfinite(v)]
+            out[gpus][key] = {"median": statistics.median(finite) if finite else math.nan,
+                              "min": min(finite, default=math.nan),
+                              "max": max(finite, default=math.nan), "n": len(finite)}
+    return out
+
+
+def result_line(summary: dict, gpus: int, checks: str, law_r2: float) -> str:
+    s = summary[gpus]
+    parts = [f"gpus={gpus}", f"sim_checks={checks}"]
+    for key in KEYS:
+        v = s[key]["median"]
+        if key == "ref_switches":
+            parts.append(f"{key}={v:g}")
+        elif key == "gap_to_bound":
+            parts.append(f"{key}={v:.2f}%")
+        else:
+            parts.append(f"{key}={v:.3f}")
+    parts.append(f"law_r2={law_r2:.3f}")
+    return " ".join(parts)
+
+
+def run_sim(opts: SimOptions, switch_costs: tuple[float, float], progress=None,
+            say: Callable[[str], None] = print) -> dict:
+    """Checks first, then every case; ``sim.json`` rewritten after each case."""
+    from megatron_cona.plot import plot_sim
+
+    opts.out.mkdir(parents=True, exist_ok=True)
+    checks = run_checks()
+    for check in checks:
+        say(check.line())
+    report = {"options": {k: str(v) for k, v in asdict(opts).items()},
+              "switch_costs_s": {"layout_fixed": switch_costs[0], "batch": switch_costs[1]},
+              "checks": [asdict(c) for c in checks], "cases": []}
+    path = opts.out / "sim.json"
+    jobs = [(f, g) for g in opts.gpus for f in opts.families]
+    task = progress.add_task("cases", total=len(jobs) * len(opts.variants)) if progress else None
+    for family, gpus in jobs:
+        world = (vtrain_world(opts, switch_costs) if family == "gpt3-1.3b" and gpus == 8
+                 else predicted_world(opts, family, gpus, switch_costs))
+        for variant in opts.variants:
+            case = build_case(opts, family, gpus, variant, world)
+            result = run_case(case, opts.skip)
+            report["cases"].append(result)
+            path.write_text(json.dumps(report, indent=1, default=str))
+            plot_sim(result, NOTE.format(clock=result["clock"]),
+                     opts.out / f"sim_{case.tag.replace('/', '_')}.png")
+            say(case_line(result))
+            if result["violations"]:
+                raise LawError(f"{case.tag}: a chain beat the exact bound (a bug): "
+                               f"{'; '.join(result['violations'])}")
+            if progress:
+                progress.advance(task)
+    passed = sum(c.passed for c in checks)
+    report["checks_line"] = f"{passed}/{len(checks)}"
+    report["summary"] = {v: summarize(report["cases"], v) for v in opts.variants}
+    path.write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def case_line(case: dict) -> str:
+    parts = [f"{case['tag']} [{case['clock']}]"]
+    for target in case["targets"]:
+        c = case["chains"]
+        times = " ".join(f"{n}={c[n][target]['time_s']:.4g}s" for n in c)
+        parts.append(f"  {target}: {times}; oracle switches "
+                     f"{c['oracle'][target]['switches']}; CONA path "
+                     f"{' > '.join(c['cona'][target]['path'][:6])}")
+    return "\n".join(parts)

@@ -1,0 +1,159 @@
+"""The law-based simulator (megatron_cona.lawsim): its constants against their cited values, the
+law's step and McCandlish's identity, the exact DP against brute force, the relaxed bound below
+it, the simulated probe unbiased for B_noise, and CONA's controller seeing nothing private."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from megatron_cona.gns import GradStats, unbiased_estimates
+from megatron_cona.lawsim.bound import exact_bound, relaxed_bound
+from megatron_cona.lawsim.checks import critical_batch_identity, doubling_per_loss_drop
+from megatron_cona.lawsim.constants import CONSTANTS, value
+from megatron_cona.lawsim.law import (
+    DataCriticalBatch,
+    LawError,
+    LossCriticalBatch,
+    ModelLaw,
+    kaplan_bcrit,
+)
+from megatron_cona.lawsim.probe import SimulatedProbe
+from megatron_cona.lawsim.schedules import rampup_batch, seesaw_batch
+from predictors.spec import ParallelStrategy
+
+CITED = {  # name: (value, words the source must name)
+    "alpha_N": (0.077, ("Kaplan", "Eq 1.6")), "alpha_S": (0.76, ("Kaplan", "Eq 1.6")),
+    "N_c": (6.5e13, ("Kaplan", "Eq 1.6")), "S_c": (2.1e3, ("Kaplan", "Eq 1.6")),
+    "B_star": (2e8, ("Kaplan", "Eq 5.3")), "alpha_B": (0.21, ("Kaplan", "Eq 5.3")),
+    "crit_batch_data_exponent": (0.47, ("Zhang", "2024")),
+    "tokens_per_param": (20.0, ("Hoffmann", "2022")),
+    "gpt3_1p3b_batch_tokens": (2**20, ("Brown", "Table 2.1")),
+    "bert_batch_seqs": (256, ("Devlin",)), "roberta_ppl": (3.68, ("Liu", "Table 3")),
+}
+
+
+def test_constants_table_holds_the_cited_values_with_sources():
+    for name, (want, words) in CITED.items():
+        const = CONSTANTS[name]
+        assert const.value == pytest.approx(want), name
+        assert all(w in const.source for w in words), (name, const.source)
+    for name, const in CONSTANTS.items():
+        assert const.source and const.kind in ("law", "recipe", "check", "model"), name
+    with pytest.raises(KeyError, match="'nope' is not in the lawsim constants table"):
+        value("nope")
+
+
+LAW = ModelLaw("kaplan", 1.2e9, value("B_star"))
+
+
+@pytest.mark.parametrize("dyn", [LossCriticalBatch(LAW, value("B_star")),
+                                 DataCriticalBatch(LAW, 2.6e10, 1.5e6)])
+def test_one_step_advances_s_min_by_mccandlish(dyn):
+    """dS_min = 1 / (1 + B_crit / B) per step (McCandlish Eq 2.11-2.12)."""
+    s, d = LAW.s_min(4.0), 3e9
+    for batch in (2048.0, 2**17, 2**21):
+        step = dyn.advance(s, d, batch, batch) - s
+        want = 1.0 / (1.0 + dyn.b_crit(s, d) / batch)
+        assert step == pytest.approx(want, rel=2e-3)
+        assert dyn.tokens_to(s, d, batch, s + step) == pytest.approx(batch, rel=1e-6)
+
+
+def test_critical_batch_identity_and_doubling():
+    assert critical_batch_identity().passed
+    assert doubling_per_loss_drop().passed
+    assert kaplan_bcrit(3.0, 2e8) == pytest.approx(2e8 / 3.0 ** (1 / 0.21))
+
+
+def test_bad_law_input_names_the_field():
+    with pytest.raises(LawError, match="b_star=-1"):
+        ModelLaw("x", 1e9, -1)
+    with pytest.raises(LawError, match="anchor_bcrit=0"):
+        DataCriticalBatch(LAW, 1e9, 0.0)
+
+
+def _brute_force(dyn, bounds, strategies, seq, step, switch, goal, s0):
+    best = math.inf
+    for seq_choice in itertools.product(strategies, repeat=len(bounds) - 1):
+        s, t, prev = s0, 0.0, None
+        for (d, d2), x in zip(zip(bounds, bounds[1:], strict=False), seq_choice, strict=False):
+            t += switch(prev, x) if prev is not None else 0.0
+            b = x.global_batch_size * seq
+            s2 = dyn.advance(s, d, b, d2 - d)
+            if s < goal <= s2:
+                best = min(best, t + dyn.tokens_to(s, d, b, goal) / b * step(x))
+                break
+            s, t, prev = s2, t + (d2 - d) / b * step(x), x
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["loss", "data"])
+def test_exact_dp_equals_brute_force_and_relaxation_is_below(seed, kind):
+    rng = np.random.default_rng(seed)
+    law = ModelLaw("t", 1e8, 2e8)
+    dyn = LossCriticalBatch(law, 2e8) if kind == "loss" else DataCriticalBatch(law, 1e8, 2e5)
+    seq = 1024
+    strategies = [ParallelStrategy(dp, 8 // dp, 1, 1, b) for dp in (2, 4, 8)
+                  for b in (8, 32, 128) if b % dp == 0]
+    times = {s: float(rng.uniform(0.2, 1.0)) * s.global_batch_size ** 0.5 * (1 + s.tp / 8)
+             for s in strategies}
+    cost = {(a.layout, b.layout): float(rng.uniform(0, 3)) for a in strategies
+            for b in strategies}
+
+    def switch(a, b):
+        if a == b:
+            return 0.0
+        return 0.05 if a.layout == b.layout else cost[(a.layout, b.layout)]
+
+    bounds = list(np.cumsum([0.0, *rng.uniform(2e5, 2e6, 4)]))
+    s0 = law.s0
+    reach = dyn.advance(s0, 0.0, 32 * seq, bounds[-1])
+    goal = s0 + 0.8 * (reach - s0)
+    brute = _brute_force(dyn, bounds, strategies, seq, times.__getitem__, switch, goal, s0)
+    dp = exact_bound(dyn, bounds, strategies, seq, times.__getitem__, switch, [goal], s0)[0]
+    assert dp.time == pytest.approx(brute, rel=1e-9)
+    relaxed = relaxed_bound(dyn, strategies, seq, times.__getitem__, [goal], s0)[0]
+    assert relaxed <= dp.time * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("strategy", [ParallelStrategy(4, 1, 1, 2, 64),
+                                      ParallelStrategy(1, 4, 1, 2, 16)])
+def test_probe_readings_are_unbiased_for_b_noise(strategy):
+    """Averaged over many iterations the unbiased estimators give |G|^2 = 1 and tr(S) =
+    B_noise, whatever replicas or micro-batches carry the small batch."""
+    probe = SimulatedProbe(np.random.default_rng(0), 200)
+    noise = 37.0
+    g2, tr = [], []
+    for _ in range(20000):
+        stats = probe.read(strategy, noise)
+        assert isinstance(stats, GradStats)
+        sample = stats.sample()
+        a, b = unbiased_estimates(sum(sample.small_sq) / len(sample.small_sq), sample.big_sq,
+                                  sample.small_batch, sample.big_batch)
+        g2.append(a)
+        tr.append(b)
+    for values, want in ((g2, 1.0), (tr, noise)):
+        mean, se = np.mean(values), np.std(values) / math.sqrt(len(values))
+        assert abs(mean - want) < 5 * se
+
+
+def test_probe_reads_nothing_where_the_runtime_measures_nothing():
+    probe = SimulatedProbe(np.random.default_rng(0), 100)
+    assert probe.read(ParallelStrategy(1, 2, 2, 1, 8), 10.0) is None  # PP > 1, one replica
+    assert probe.read(ParallelStrategy(1, 4, 1, 4, 4), 10.0) is None  # one micro-batch
+    with pytest.raises(ValueError, match="noise_scale=nan"):
+        probe.read(ParallelStrategy(2, 2, 1, 1, 4), math.nan)
+
+
+def test_schedules():
+    # Megatron: start 16, +16 every (ramp samples / 3) samples to 64
+    seq = 1000
+    assert [rampup_batch(t, seq, 16, 64, 3e6) for t in (0, 0.99e6, 1e6, 2.5e6, 3e6)] == \
+        [16, 16, 32, 48, 64]
+    # Seesaw: cosine halves at 1/2, quarters at 2/3 of the budget
+    assert [seesaw_batch(x * 100, 8, 100, 1024) for x in (0.0, 0.49, 0.51, 0.68, 1.0)] == \
+        [8, 8, 16, 32, 1024]
