@@ -53,7 +53,10 @@ def main() -> None:
     pollux = register_pollux()
     print(f"pollux: {pollux}", flush=True)
     t0 = time.time()
-    report = run_ttp(opts, lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
+    from megatron_cpu.launch import run_distributed
+
+    report = run_ttp(opts, run_distributed,
+                     lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
     if opts.build_only:
         print(f"curve cache built in {time.time() - t0:.0f}s: {opts.cache}")
         return

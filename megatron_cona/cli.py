@@ -3,7 +3,7 @@
     cona plan --world 8 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
               --seq-length 1024 --global-batch-range 16,128 --device a100-80gb
     torchrun --nproc-per-node 8 -m megatron_cona.cli run <Megatron-LM flags> --cona ...
-    cona ttp --out out                # GPUs; CPU: python scripts/cona_cpu.py ttp
+    python scripts/cona_cpu.py ttp -- --out out   # TTP on real curves (repository launcher)
     cona scale --switch-costs 0.5,0.01 --out out/cona_scale   # law-based simulation at scale
     cona plot --log cona.jsonl --out out/cona_timeline.png
 
@@ -160,14 +160,10 @@ def print_ttp(report: dict) -> None:
 
 
 def _ttp(rest: list[str]) -> None:
-    import torch
-
-    opts = ttp_options(rest)  # parses first, so --help works everywhere
-    if not torch.cuda.is_available():
-        raise CliError(CPU_HINT.format(cmd="ttp " + " ".join(rest)))
-    from megatron_cona.ttp import run_ttp
-
-    print_ttp(run_ttp(opts, print))
+    ttp_options(rest)  # parses first, so --help works everywhere
+    raise CliError("cona ttp trains its curves on CPU ranks through the repository's launcher "
+                   "(megatron_cpu, not installed with the plugin): run `python "
+                   f"scripts/cona_cpu.py ttp -- {' '.join(rest)}` from the repository")
 
 
 # ------------------------------------------------------------------------------------ scale

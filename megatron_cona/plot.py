@@ -74,7 +74,7 @@ def plot_ttp(case: dict, note: str, path: Path) -> Path:
 
 def plot_sim(case: dict, note: str, path: Path) -> Path:
     """One law-simulation case: loss vs time of every chain (its best run for the far target)
-    and the strategy timelines of CONA and of the exact bound."""
+    and the strategy timelines of CONA and of the per-interval oracle."""
     from megatron_cona.lawsim.chains import CHAINS
 
     far = list(case["targets"])[-1]
@@ -93,7 +93,7 @@ def plot_sim(case: dict, note: str, path: Path) -> Path:
     top.set_title(f"{case['tag']} [{case['clock']}]", fontsize=10)
     top.legend(fontsize=7)
     palette: dict[str, tuple] = {}
-    shown = [n for n in ("cona", "bound") if n in case["chains"]]
+    shown = [n for n in ("cona", "oracle") if n in case["chains"]]
     for row, name in enumerate(shown):
         pts = case["chains"][name][far]["points"]
         _timeline(bottom, _segments([p["time"] for p in pts], [p["strategy"] for p in pts]),

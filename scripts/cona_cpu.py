@@ -10,7 +10,7 @@ itself; this launcher, outside the plugin, does.
     python scripts/cona_cpu.py ttp --out out --families gpt --seeds 1234   # curves: 1-rank runs
     python scripts/cona_cpu.py demo --out out
 
-On GPUs use ``torchrun --nproc-per-node N -m megatron_cona.pretrain_gpt ...`` and ``cona ttp``.
+On GPUs use ``torchrun --nproc-per-node N -m megatron_cona.pretrain_gpt ...``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_cona.ttp import run_ttp
 
         rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-        print_ttp(run_ttp(ttp_options(rest), print))  # spawns its own CPU ranks
+        from megatron_cpu.launch import run_distributed
+
+        print_ttp(run_ttp(ttp_options(rest), run_distributed, print))
     else:
         demo(args.out)
     return 0

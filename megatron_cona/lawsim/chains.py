@@ -199,10 +199,13 @@ class ScheduleDriver(Driver):
 
 def _ramp_place(case: SimCase, start: int) -> Callable[[int], ParallelStrategy] | None:
     """Megatron keeps one layout and micro-batch for the whole ramp: the fastest one at the
-    final batch whose DP x micro divides the start batch."""
+    final batch whose DP x micro divides the start batch and whose every ramp batch the clock
+    can charge."""
     final = case.paper_batch
     options = [s for s in case.candidates if s.global_batch_size == final
-               and start % (s.dp * s.micro_batch) == 0]
+               and start % (s.dp * s.micro_batch) == 0
+               and all(case.clock.has_time(ParallelStrategy(*s.layout, s.micro_batch, b))
+                       for b in range(start, final + 1, start))]
     if not options:
         return None
     s = min(options, key=lambda x: (case.clock.iteration_time(x), x.name))

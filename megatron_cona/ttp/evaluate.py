@@ -22,6 +22,7 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,9 @@ from megatron_cona.ttp.stitch import CurveSet
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 VARIANTS = ("sqrt", "table")
+# ``launch(fn, world_size, *args, timeout=, threads=)``: fn(rank, world_size, *args) on
+# world_size ranks, results by rank (megatron_cpu.launch.run_distributed's signature)
+Launcher = Callable[..., list]
 CLOCK_NOTE = ("clock is SIMULATED ({cluster}, GPT-3 1.3B as measured by vTrain); training "
               "progress (validation loss) is REAL (cached curves of small {families} models on "
               "CPython stdlib sources, 1 CPU rank each), stitched at batch changes by loss")
@@ -139,11 +143,10 @@ def _switch_worker(rank: int, world: int, opts: TTPOptions) -> tuple[float, floa
     return measure_switch_costs(opts)
 
 
-def build_clock(opts: TTPOptions) -> SimulatedClock:
-    from megatron_cpu.launch import run_distributed
+def build_clock(opts: TTPOptions, launch: Launcher) -> SimulatedClock:
     from predictors.devices import get_device
 
-    fixed, batch = run_distributed(_switch_worker, 2, opts, timeout=600, threads=1)[0]
+    fixed, batch = launch(_switch_worker, 2, opts, timeout=600, threads=1)[0]
     return SimulatedClock(VTrainTimes(GPT_1_3B, opts.target_gpus), fixed, batch,
                           get_device(opts.target_device).intra_bw)
 
@@ -187,8 +190,8 @@ class CurveBuilder:
     """Loads cached curves and trains the missing ones, ``workers`` 1-rank processes at a
     time; each curve is written to the cache as soon as it exists."""
 
-    def __init__(self, opts: TTPOptions, progress=None) -> None:
-        self.opts = opts
+    def __init__(self, opts: TTPOptions, launch: Launcher, progress=None) -> None:
+        self.opts, self.launch = opts, launch
         self.cache = CurveCache(opts.cache)
         self.code = code_hash()
         self.engines = engine_versions()
@@ -226,10 +229,8 @@ class CurveBuilder:
 
             def run(share):
                 try:
-                    from megatron_cpu.launch import run_distributed
-
-                    run_distributed(_curve_worker, 1, self.opts, share,
-                                    [self.provenance(j) for j in share], timeout=6 * 3600)
+                    self.launch(_curve_worker, 1, self.opts, share,
+                                [self.provenance(j) for j in share], timeout=6 * 3600)
                 except BaseException as err:  # noqa: BLE001 - re-raised below
                     errors.append(err)
             threads = [threading.Thread(target=run, args=(s,)) for s in shares if s]
@@ -249,10 +250,8 @@ class CurveBuilder:
 
     def retrain(self, job: CurveJob) -> Curve:
         """Train ``job`` again without touching the cache (the bit-exact check)."""
-        from megatron_cpu.launch import run_distributed
-
-        return run_distributed(_curve_worker, 1, self.opts, [job], [self.provenance(job)],
-                               False, timeout=3600)[0][0]
+        return self.launch(_curve_worker, 1, self.opts, [job], [self.provenance(job)], False,
+                           timeout=3600)[0][0]
 
 
 def _curve_worker(rank: int, world: int, opts: TTPOptions, jobs: list[CurveJob],
@@ -458,9 +457,11 @@ def result_line(summary: dict, variant: str) -> str:
     return " ".join(parts)
 
 
-def run_ttp(opts: TTPOptions, progress=None) -> dict:
+def run_ttp(opts: TTPOptions, launch: Launcher, progress=None) -> dict:
     """Build/load the curves, run every case, write ``out/ttp.json`` (after every case) and
-    one plot per case; raise :class:`TTPError` when a chain beats the bound."""
+    one plot per case; raise :class:`TTPError` when a chain beats the bound. ``launch`` starts
+    the training and switch-measuring processes (the repository's CPU launcher,
+    ``megatron_cpu.launch.run_distributed``, which the plugin does not ship)."""
     from megatron_cona.plot import plot_ttp
     from megatron_cona.ttp.clock import HeldOutPredictor
 
@@ -468,12 +469,12 @@ def run_ttp(opts: TTPOptions, progress=None) -> dict:
     t0 = time.perf_counter()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    clock = build_clock(opts)
+    clock = build_clock(opts, launch)
     say(f"switch costs: layout fixed {clock.fixed_switch_s:.3f}s, batch {clock.batch_switch_s:.4f}s")
     candidates = candidate_set(opts, clock)
     predictor = HeldOutPredictor.train(GPT_1_3B, opts.target_gpus)
     predicted = {s: predictor.iteration_time(s) for s in candidates}
-    builder = CurveBuilder(opts, say)
+    builder = CurveBuilder(opts, launch, say)
     families = {f: build_family(opts, f, builder) for f in opts.families}
     if opts.build_only:
         return {"curves": {"cache": str(opts.cache), "loaded": builder.loaded,

@@ -157,3 +157,105 @@ def test_schedules():
     # Seesaw: cosine halves at 1/2, quarters at 2/3 of the budget
     assert [seesaw_batch(x * 100, 8, 100, 1024) for x in (0.0, 0.49, 0.51, 0.68, 1.0)] == \
         [8, 8, 16, 32, 1024]
+
+
+class _Times:
+    """A tiny measured-time table for a 4-GPU clock."""
+
+    def __init__(self, model, table):
+        self.model, self.gpus, self.table = model, 4, table
+
+    def lookup(self, s):
+        return self.table.get(s)
+
+    def line(self, s):
+        return None
+
+
+def _small_case():
+    from megatron_cona.lawsim.cases import FAMILIES, SimCase, boundaries, dynamics_for, targets
+    from megatron_cona.policy import PolicyConfig
+    from megatron_cona.ttp.clock import SimulatedClock
+    from predictors.spec import TransformerSpec
+
+    model = TransformerSpec("gpt", 2, 64, 4, 256, 512)
+    cands = [ParallelStrategy(dp, 4 // dp, 1, 1, b) for dp in (2, 4) for b in (8, 16, 32, 64)]
+    table = {s: 0.05 * (1 + s.global_batch_size / (8 * s.dp)) * (1.1 if s.tp > 1 else 1.0)
+             for s in cands}
+    clock = SimulatedClock(_Times(model, table), 0.3, 0.01, 1e9)
+    law = ModelLaw("kaplan", 2e7, value("B_star"))
+    params = 2e7
+    dyn = dynamics_for("kaplan", law, 16 * 256, params)
+    return SimCase("small/4gpu/kaplan", FAMILIES["gpt3-1.3b"], 4, "kaplan", law, dyn, clock,
+                   "test clock", cands, table.__getitem__, 16,
+                   boundaries(16 * 64 * 256, 0.1, 4 * 20 * params),
+                   targets(dyn, law, 16 * 256, params), PolicyConfig(0.01, 20, 1, 0))
+
+
+def _reachable(root, seen=None):
+    """Every object reachable from ``root`` through attributes and containers."""
+    seen = set() if seen is None else seen
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type(None))):
+            continue
+        seen.add(id(obj))
+        yield obj
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+
+
+def test_cona_sees_readings_and_clock_never_the_law(monkeypatch):
+    """What reaches CONA's session (its arguments and everything its objects hold) contains
+    no law object (B_crit, the loss state): only GradStats, seconds and the clock."""
+    from megatron_cona.lawsim import chains
+    from megatron_cona.lawsim.law import CriticalBatch
+    from megatron_cona.session import ConaSession
+
+    case = _small_case()
+    received = []
+    real_observe = ConaSession.observe
+
+    def spy(self, seconds, stats=None, iterations=1.0):
+        received.append((seconds, stats, iterations))
+        return real_observe(self, seconds, stats, iterations)
+
+    monkeypatch.setattr(ConaSession, "observe", spy)
+    sessions = []
+    real_make = chains.cona_session
+    monkeypatch.setattr(chains, "cona_session",
+                        lambda *a, **k: sessions.append(real_make(*a, **k)) or sessions[-1])
+    result = chains.run_cona(case)[0]
+    assert received and sessions and result.hits  # it ran, read the probe, reached targets
+    assert all(isinstance(st, (GradStats, type(None))) and isinstance(sec, float)
+               for sec, st, _ in received)
+    leaked = [o for o in _reachable(sessions[0]) if isinstance(o, (CriticalBatch, ModelLaw))]
+    assert leaked == []
+    # the readings carry the noise scale only through the norms a probe reports
+    assert {f for f in vars(received[-1][1])} == set(GradStats.__dataclass_fields__)
+
+
+def test_no_chain_beats_the_bound_and_a_cheat_is_caught(monkeypatch):
+    from megatron_cona.lawsim import chains
+    from megatron_cona.lawsim.evaluate import ratios, run_case
+
+    case = _small_case()
+    result = run_case(case)
+    assert result["violations"] == []
+    for target in case.goals:
+        bound = result["chains"]["bound"][target]["time_s"]
+        assert all(per[target]["time_s"] >= bound for per in result["chains"].values())
+        r = ratios(result, target)
+        assert r["gap_to_bound"] >= 0 and r["ref_vs_best_static"] > 0
+
+    def cheat(c):
+        return [chains.SimResult("cheat", {}, hits={t: 1e-9 for t in c.goals})]
+
+    monkeypatch.setitem(chains.CHAINS, "cheat", chains.Chain("cheat", cheat, "k"))
+    assert any(v.startswith("cheat @") for v in run_case(case)["violations"])

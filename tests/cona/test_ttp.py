@@ -129,7 +129,7 @@ def _ttp_opts(tmp_path):
 def test_ttp_cases_on_cached_curves(tmp_path):
     from megatron_cona.ttp import run_ttp
 
-    report = run_ttp(_ttp_opts(tmp_path))
+    report = run_ttp(_ttp_opts(tmp_path), run_distributed)
     assert report["curves"]["bit_exact_check"]["bit_exact"]
     assert "SIMULATED" in report["note"] and "REAL" in report["note"]
     pred = report["predictor"]
@@ -147,7 +147,7 @@ def test_ttp_cases_on_cached_curves(tmp_path):
     assert set(saved["summary"]) == {"sqrt", "table"}
     assert (tmp_path / "out" / "ttp_gpt_s1234_table.png").stat().st_size > 10_000
     # a second run loads every curve from the cache
-    again = run_ttp(_ttp_opts(tmp_path))
+    again = run_ttp(_ttp_opts(tmp_path), run_distributed)
     assert again["curves"]["trained"] == 0 and again["curves"]["loaded"] > 0
     # switch costs are measured anew each run; chains without switches are identical
     for name in ("planner", "static"):

@@ -1,0 +1,41 @@
+"""megatron_cona works when installed from a wheel: nothing in it imports the repository's
+CPU launcher (megatron_cpu, which setup.py does not package), and its TTP and law-simulation
+modules import from the installed copy with the repository NOT on the path."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), str(ROOT)], check=True, env=env, cwd=tmp_path)
+    wheel = next(wheels.glob("llm_sys_plugins-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True, cwd=tmp_path)
+    assert not (target / "megatron_cpu").exists()  # not packaged: nothing may need it
+    for path in (target / "megatron_cona").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "megatron_cpu" for n in names), path
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "sys.path[:] = [p for p in sys.path if not p.startswith(sys.argv[2])]; "
+            "import megatron_cona.ttp, megatron_cona.ttp.evaluate, megatron_cona.lawsim.evaluate; "
+            "import megatron_cona.cli; "
+            "print(megatron_cona.ttp.evaluate.__file__, megatron_cona.lawsim.evaluate.__file__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code, str(target), str(ROOT)], check=True,
+                         capture_output=True, text=True, cwd=tmp_path, env=env).stdout
+    assert all(f.startswith(str(target)) for f in out.split()), out
