@@ -146,8 +146,8 @@ class SimCase:
 
     @property
     def seq(self) -> int:
-        return self.family.spec.seq_length if self.clock_label == PREDICTED \
-            else self.clock.measured.model.seq_length
+        """The sequence length of the model the clock times."""
+        return self.clock.measured.model.seq_length
 
     def fastest(self, batch: int, pool: list[ParallelStrategy] | None = None
                 ) -> ParallelStrategy:

@@ -31,6 +31,7 @@ from megatron_cona.lawsim.probe import SimulatedProbe
 from megatron_cona.lawsim.schedules import rampup_batch, seesaw_batch
 from megatron_cona.policy import DecisionLog, SwitchPolicy
 from megatron_cona.session import ConaSession, SessionConfig, SwitchOutcome
+from megatron_cona.ttp.clock import TableThroughput
 from predictors.spec import ParallelStrategy
 
 READINGS = 8  # probe readings reported per interval (each stands for 1/8 of its iterations)
@@ -276,17 +277,9 @@ def cona_session(case: SimCase, executor: SimExecutor, log_path=None) -> ConaSes
     table = {s: case.predicted(s) for s in case.candidates}
     config = SessionConfig(interval=1, base_batch=case.paper_batch, lr_rule="adascale",
                            noise_z=case.noise_z)
-    return ConaSession(case.candidates, CalibratedThroughput(_Table(table)),
+    return ConaSession(case.candidates, CalibratedThroughput(TableThroughput(table)),
                        SwitchPolicy(case.policy), GradientNoiseScale(0.5 ** (1 / READINGS)),
                        config, executor, DecisionLog(log_path))
-
-
-class _Table:
-    def __init__(self, table: dict[ParallelStrategy, float]) -> None:
-        self.table = table
-
-    def iteration_time(self, strategy: ParallelStrategy) -> float:
-        return self.table[strategy]
 
 
 def run_cona(case: SimCase) -> list[SimResult]:

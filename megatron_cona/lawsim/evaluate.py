@@ -157,7 +157,8 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
         PolicyConfig(min_gain=opts.min_gain, horizon_intervals=opts.horizon,
                      patience=opts.patience, cooldown=opts.cooldown),
         opts.noise_z, opts.seed, rejected=world.rejected, exact_bound=opts.exact_bound,
-        extra={"device": opts.device})
+        extra={"device": opts.device,
+               "cona_log": opts.out / f"cona_{family}_{gpus}gpu_{variant}_decisions.jsonl"})
 
 
 def _best(runs: list[SimResult], target: str) -> SimResult:

@@ -259,3 +259,17 @@ def test_no_chain_beats_the_bound_and_a_cheat_is_caught(monkeypatch):
 
     monkeypatch.setitem(chains.CHAINS, "cheat", chains.Chain("cheat", cheat, "k"))
     assert any(v.startswith("cheat @") for v in run_case(case)["violations"])
+
+
+def test_receive_side_switch_bytes_match_the_planner_where_both_run():
+    """Beyond 64 GPUs the clock charges the bytes the busiest rank must receive; on 8 GPUs,
+    where the full reshard plan is built, that never exceeds the plan's busiest rank and stays
+    within 10% of it (the gap: a few replicas sending to many, e.g. dp2tp2pp2 -> dp8)."""
+    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+
+    clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.5, 0.01, 300e9)
+    layouts = [(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2)]
+    for old, new in itertools.permutations(layouts, 2):
+        planned, received = clock.moved_bytes(old, new), clock._received_bytes(old, new)
+        assert received <= planned
+        assert received >= 0.9 * planned, (old, new)
