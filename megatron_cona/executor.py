@@ -1,14 +1,49 @@
-"""What every real :class:`~megatron_cona.session.Executor` shares: rank 0's choice agreed on
-every rank, the base learning rate captured from the scheduler once, and the LR scale applied
+"""How a :class:`~megatron_cona.session.ConaSession` acts on a job: the :class:`Executor`
+protocol, what a switch returns (:class:`SwitchOutcome`) or raises (:class:`SwitchUnsupported`),
+and :class:`ExecutorBase`, what every real executor shares: rank 0's choice agreed on every
+rank, the base learning rate captured from the scheduler once, and the LR scale applied
 through the one LR rule (:func:`~megatron_cona.lr_scaling.apply_lr_scale`). Subclasses say how
 a switch happens (``strategy`` and ``switch``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch.distributed as dist
 
 from megatron_cona.lr_scaling import apply_lr_scale
 from predictors.spec import ParallelStrategy
+
+
+class SwitchUnsupported(RuntimeError):
+    """The executor cannot perform this kind of switch; the message says why."""
+
+
+@dataclass
+class SwitchOutcome:
+    switched: bool
+    seconds: float  # cost of the switch (measured, or charged by a simulated clock)
+    moved_tensors: bool = False
+    error: str | None = None  # why a switch was rolled back
+
+
+class Executor(Protocol):
+    """How a session acts on a training job."""
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        """The strategy running now."""
+
+    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
+        """The same choice on every rank (rank 0's)."""
+
+    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
+        """Run ``target`` from now on (layout and/or micro/global batch); raises
+        :class:`SwitchUnsupported` when this executor cannot."""
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the base peak/floor learning rate by ``scale``."""
 
 
 class ExecutorBase:

@@ -1,5 +1,8 @@
 """The one gradient probe: the squared norm of a model's current gradient, with the norm
-convention every CONA loop shares (the runtime's pre-reduction hook and the Megatron-LM hook).
+convention every CONA loop shares (the runtime's pre-reduction hook and the Megatron-LM hook);
+:class:`GradProbe` holds one iteration's readings (the local, first-micro-batch and squared-norm
+values) and :func:`gather_grad_stats` turns them into :class:`~megatron_cona.gns.GradStats` for
+both loops.
 
 Convention (Megatron's own grad-norm convention): ``main_grad`` of every parameter, unscaled by
 the fp16 loss scale; tensor-parallel duplicates (parameters not split across TP) counted once
@@ -11,11 +14,14 @@ counted. Collective over the model-parallel group (and the embedding group when 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron_cona.gns import GradStats
+from predictors.spec import ParallelStrategy
 
 TIED_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -65,3 +71,47 @@ def grad_sq_norm(named_params: Iterable[tuple[str, torch.Tensor]], groups: Probe
     total = total.to(device())
     dist.all_reduce(total, group=groups.mp_group)
     return float(total) / float(loss_scale) ** 2
+
+
+@dataclass
+class GradProbe:
+    """One iteration's gradient readings of this rank: the local (pre-reduction) squared norm
+    and, with one stage and >= 2 micro-batches, the first micro-batch's (the small batch when
+    DP = 1). A loop calls :meth:`start` before the iteration, :meth:`before_forward` before every
+    micro-batch's forward and :meth:`before_reduction` before the DP reduction."""
+
+    local: bool = False  # measure the local norm this iteration
+    first_micro: bool = False  # measure the first micro-batch's norm this iteration
+    local_sq: float | None = None
+    first_micro_sq: float | None = None
+    forwards: int = 0
+
+    def start(self, measure: bool, strategy: ParallelStrategy) -> None:
+        self.local = measure
+        self.first_micro = measure and strategy.pp == 1 and strategy.num_microbatches > 1
+        self.local_sq = self.first_micro_sq = None
+        self.forwards = 0
+
+    def before_forward(self, sq_norm: Callable[[], float], num_microbatches: int) -> None:
+        # the second forward starts after the first micro-batch's backward (PP = 1): the
+        # accumulated gradient is then that micro-batch's, scaled by 1/num_microbatches
+        if self.first_micro and self.forwards == 1:
+            self.first_micro_sq = sq_norm() * num_microbatches**2
+        self.forwards += 1
+
+    def before_reduction(self, sq_norm: Callable[[], float]) -> None:
+        if self.local:
+            self.local_sq = sq_norm()
+
+
+def gather_grad_stats(local_sq: float, global_sq: float, strategy: ParallelStrategy, dp_group,
+                      first_micro_sq: float | None = None) -> GradStats:
+    """Every replica's local squared norm gathered over ``dp_group`` (collective) with the
+    reduced one: the iteration's :class:`GradStats`, as every CONA loop reports it."""
+    mine = torch.tensor([local_sq], dtype=torch.float64, device=device())
+    gathered = [torch.zeros_like(mine) for _ in range(strategy.dp)]
+    dist.all_gather(gathered, mine, group=dp_group)
+    local_batch = strategy.micro_batch * strategy.num_microbatches
+    return GradStats([float(x) for x in gathered], local_batch, global_sq,
+                     strategy.global_batch_size, first_microbatch_sq_norm=first_micro_sq,
+                     micro_batch=strategy.micro_batch)

@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
 
 from megatron_cona.arguments import precision_from_args, static_strategy, validate_cona_args
-from megatron_cona.executor import ExecutorBase
+from megatron_cona.executor import ExecutorBase, SwitchOutcome, SwitchUnsupported
 from megatron_cona.gns import GradStats
-from megatron_cona.grad_probe import ProbeGroups, grad_sq_norm
+from megatron_cona.grad_probe import ProbeGroups, gather_grad_stats, grad_sq_norm
 from megatron_cona.policy import Decision
-from megatron_cona.session import ConaSession, SwitchOutcome, SwitchUnsupported, session_from_args
+from megatron_cona.session import ConaSession, session_from_args
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 log = logging.getLogger("megatron_cona.hook")
@@ -110,14 +109,8 @@ class ConaHook:
             out = inner(chunks, *a, **k)
             global_sq = grad_sq_norm(_named_grads(chunks), groups, loss_scale=self.loss_scale(),
                                      reduced=True)
-            mine = torch.tensor([local], dtype=torch.float64, device=(
-                "cuda" if torch.cuda.is_available() else "cpu"))
-            gathered = [torch.zeros_like(mine) for _ in range(ps.get_data_parallel_world_size())]
-            dist.all_gather(gathered, mine, group=ps.get_data_parallel_group())
-            s = self.executor.strategy
-            local_batch = s.micro_batch * s.num_microbatches
-            self._stats = GradStats([float(x) for x in gathered], local_batch, global_sq,
-                                    local_batch * len(gathered))
+            self._stats = gather_grad_stats(local, global_sq, self.executor.strategy,
+                                            ps.get_data_parallel_group())
             return out
 
         config.finalize_model_grads_func = finalize

@@ -24,12 +24,12 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from megatron_cona.arguments import ConaSettings
 from megatron_cona.candidates import PredictorMemory, enumerate_candidates
+from megatron_cona.executor import Executor, SwitchOutcome, SwitchUnsupported
 from megatron_cona.gns import GradientNoiseScale, GradStats
 from megatron_cona.goodput import (
     AnalyticalThroughput,
@@ -46,36 +46,6 @@ from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 log = logging.getLogger("megatron_cona.session")
-
-
-class SwitchUnsupported(RuntimeError):
-    """The executor cannot perform this kind of switch; the message says why."""
-
-
-@dataclass
-class SwitchOutcome:
-    switched: bool
-    seconds: float  # cost of the switch (measured, or charged by a simulated clock)
-    moved_tensors: bool = False
-    error: str | None = None  # why a switch was rolled back
-
-
-class Executor(Protocol):
-    """How a session acts on a training job."""
-
-    @property
-    def strategy(self) -> ParallelStrategy:
-        """The strategy running now."""
-
-    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
-        """The same choice on every rank (rank 0's)."""
-
-    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
-        """Run ``target`` from now on (layout and/or micro/global batch); raises
-        :class:`SwitchUnsupported` when this executor cannot."""
-
-    def set_lr_scale(self, scale: float) -> None:
-        """Scale the base peak/floor learning rate by ``scale``."""
 
 
 @dataclass

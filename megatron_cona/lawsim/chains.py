@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron_cona.executor import SwitchOutcome
 from megatron_cona.gns import GradientNoiseScale, GradStats
 from megatron_cona.goodput import CalibratedThroughput
 from megatron_cona.lawsim.bound import exact_bound, relaxed_bound
@@ -30,7 +31,7 @@ from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.probe import SimulatedProbe
 from megatron_cona.lawsim.schedules import rampup_batch, seesaw_batch
 from megatron_cona.policy import DecisionLog, SwitchPolicy
-from megatron_cona.session import ConaSession, SessionConfig, SwitchOutcome
+from megatron_cona.session import ConaSession, SessionConfig
 from megatron_cona.ttp.clock import TableThroughput
 from predictors.spec import ParallelStrategy
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_cona.executor import ExecutorBase
+from megatron_cona.executor import ExecutorBase, SwitchOutcome
 from megatron_cona.runtime.state import TrainState
 from megatron_cona.runtime.switch import DEFAULT_BUCKET_BYTES, switch_strategy
-from megatron_cona.session import SwitchOutcome
 from predictors.spec import ParallelStrategy
 
 

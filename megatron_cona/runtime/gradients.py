@@ -22,8 +22,7 @@ def finalize_with_hooks(state: TrainState, model_chunks, num_tokens, pg_collecti
                          force_all_reduce=False):
     for hook in state.pre_reduction_hooks:
         hook(state, model_chunks)
-    if state._collect.get("local"):
-        state._collect["local_sq"] = replica_grad_sq_norm(state)
+    state.probe.before_reduction(lambda: replica_grad_sq_norm(state))
     finalize_model_grads(model_chunks, num_tokens, pg_collection=pg_collection,
                          force_all_reduce=force_all_reduce)
 

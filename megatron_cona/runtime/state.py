@@ -29,6 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
+from megatron_cona.grad_probe import GradProbe
 from megatron_cona.parallel import ParallelGroups, build_groups
 from megatron_cona.runtime.config import TrainConfig
 from megatron_cona.runtime.gradients import finalize_with_hooks
@@ -50,7 +51,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     pre_reduction_hooks: list[Callable[[TrainState, list], None]] = field(default_factory=list)
-    _collect: dict = field(default_factory=dict, repr=False)
+    probe: GradProbe = field(default_factory=GradProbe, repr=False)  # this iteration's norms
 
     @property
     def core_model(self) -> GPTModel:

@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_cona.gns import GradStats
 from megatron_cona.grad_probe import device as _device
+from megatron_cona.grad_probe import gather_grad_stats
 from megatron_cona.parallel import megatron_globals
 from megatron_cona.runtime.config import TokenDataset
 from megatron_cona.runtime.gradients import replica_grad_sq_norm
@@ -70,11 +71,8 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(state: TrainState, data_iterator, model):
     batch = next(data_iterator)
-    collect = state._collect
-    if collect.get("first_mb") and collect.setdefault("calls", 0) == 1:
-        collect["first_mb_sq"] = replica_grad_sq_norm(state) * state.strategy.num_microbatches**2
-    if "calls" in collect:
-        collect["calls"] += 1
+    state.probe.before_forward(lambda: replica_grad_sq_norm(state),
+                               state.strategy.num_microbatches)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
@@ -94,8 +92,7 @@ def _train_step(state: TrainState, dataset: TokenDataset, grad_stats: bool) -> S
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    state._collect = {"local": grad_stats,
-                      "first_mb": grad_stats and s.pp == 1 and s.num_microbatches > 1}
+    state.probe.start(grad_stats, s)
     fwd_bwd = get_forward_backward_func(pp_size=s.pp, vp_size=None)
     losses = fwd_bwd(
         forward_step_func=partial(_forward_step, state),
@@ -116,19 +113,10 @@ def _train_step(state: TrainState, dataset: TokenDataset, grad_stats: bool) -> S
     state.consumed_samples += s.global_batch_size
     stats = None
     if grad_stats:
-        local = torch.tensor([state._collect["local_sq"]], dtype=torch.float64,
-                             device=_device())
-        gathered = [torch.zeros_like(local) for _ in range(s.dp)]
-        dist.all_gather(gathered, local, group=state.groups.pg.dp)
-        stats = GradStats(
-            local_sq_norms=[float(x) for x in gathered],
-            local_batch=s.micro_batch * s.num_microbatches,
-            global_sq_norm=float(grad_norm) ** 2 if grad_norm is not None else float("nan"),
-            global_batch=s.global_batch_size,
-            first_microbatch_sq_norm=state._collect.get("first_mb_sq"),
-            micro_batch=s.micro_batch,
-        )
-    state._collect = {}
+        stats = gather_grad_stats(
+            state.probe.local_sq,
+            float(grad_norm) ** 2 if grad_norm is not None else float("nan"), s,
+            state.groups.pg.dp, state.probe.first_micro_sq)
     return StepResult(
         iteration=state.iteration, consumed_samples=state.consumed_samples, loss=loss,
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),

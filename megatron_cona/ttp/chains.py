@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_cona.executor import SwitchOutcome
 from megatron_cona.gns import GradStats, unbiased_estimates
 from megatron_cona.lr_scaling import BatchLR
-from megatron_cona.session import SwitchOutcome
 from megatron_cona.ttp.clock import SimulatedClock
 from megatron_cona.ttp.curves import Curve
 from megatron_cona.ttp.stitch import CurveSet

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_cona.executor import SwitchUnsupported
 from megatron_cona.gns import GradStats
 from megatron_cona.hook import LAYOUT_UNSUPPORTED, MegatronLMExecutor
-from megatron_cona.session import SwitchUnsupported
 from megatron_cpu.launch import run_distributed
 from predictors.spec import ParallelStrategy
 
