@@ -30,8 +30,10 @@ def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "megatron_cpu" for n in names), path
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "sys.path[:] = [p for p in sys.path if not p.startswith(sys.argv[2])]; "
+    # the checkout itself leaves the path (its .venv, which may sit inside it, stays)
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
+            "sys.path[:] = [p for p in sys.path "
+            "if os.path.realpath(p or '.') != os.path.realpath(sys.argv[2])]; "
             "import megatron_cona.ttp, megatron_cona.ttp.evaluate, megatron_cona.lawsim.evaluate; "
             "import megatron_cona.cli; "
             "print(megatron_cona.ttp.evaluate.__file__, megatron_cona.lawsim.evaluate.__file__)")
