@@ -46,6 +46,22 @@ class Executor(Protocol):
         """Scale the base peak/floor learning rate by ``scale``."""
 
 
+class SingleProcessExecutor:
+    """Base of the executors of a simulated cluster: one process decides, and each switch is
+    charged later by the simulation (``pending``: (old, new, cost) per switch)."""
+
+    def __init__(self, start: ParallelStrategy) -> None:
+        self._strategy = start
+        self.pending: list[tuple[ParallelStrategy, ParallelStrategy, float]] = []
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        return self._strategy
+
+    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
+        return strategy  # one process decides
+
+
 class ExecutorBase:
     """Subclasses provide ``scheduler`` (the live megatron ``OptimizerParamScheduler``) and call
     :meth:`capture_lr` once it exists."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_cona.executor import SwitchOutcome
+from megatron_cona.executor import SingleProcessExecutor, SwitchOutcome
 from megatron_cona.gns import GradientNoiseScale, GradStats
 from megatron_cona.goodput import CalibratedThroughput
 from megatron_cona.lawsim.bound import exact_bound, relaxed_bound
@@ -66,22 +66,14 @@ class SimResult:
         return out
 
 
-class SimExecutor:
+class SimExecutor(SingleProcessExecutor):
     """A :class:`~megatron_cona.session.Executor` on the simulated cluster: a switch is charged
     by the clock at the next boundary."""
 
     def __init__(self, clock, start: ParallelStrategy) -> None:
+        super().__init__(start)
         self.clock = clock  # the executor knows the cluster, never the law
-        self._strategy = start
-        self.pending: list[tuple[ParallelStrategy, ParallelStrategy, float]] = []
         self.lr_scales: list[float] = []
-
-    @property
-    def strategy(self) -> ParallelStrategy:
-        return self._strategy
-
-    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
-        return strategy  # one process decides
 
     def switch(self, target: ParallelStrategy) -> SwitchOutcome:
         if not self.clock.has_time(target):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_cona.executor import SwitchOutcome
+from megatron_cona.executor import SingleProcessExecutor, SwitchOutcome
 from megatron_cona.gns import GradStats, unbiased_estimates
 from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.ttp.clock import SimulatedClock
@@ -79,24 +79,16 @@ def interval_noise(stats) -> float:
     return max(tr, 0.0) / g2 if g2 > 0 else math.nan
 
 
-class ReplayExecutor:
+class ReplayExecutor(SingleProcessExecutor):
     """A :class:`~megatron_cona.session.Executor` in the stitched model: a switch moves the
     chain onto the new batch's curve at its current loss and is charged by the clock."""
 
     def __init__(self, clock: SimulatedClock, curves: CurveSet, lr: BatchLR,
                  start: ParallelStrategy) -> None:
+        super().__init__(start)
         self.clock, self.curves, self.lr = clock, curves, lr
-        self._strategy = start
         self.position = 0.0
         self.loss = curves.initial_loss
-        self.pending: list[tuple[ParallelStrategy, ParallelStrategy, float]] = []
-
-    @property
-    def strategy(self) -> ParallelStrategy:
-        return self._strategy
-
-    def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
-        return strategy  # one process decides
 
     def switch(self, target: ParallelStrategy) -> SwitchOutcome:
         old = self._strategy
