@@ -41,8 +41,9 @@ core); predictions are cached in ``--cache`` so a long run can be resumed. The d
 name carries a hash of the code that makes a prediction, so a cache written by older code is
 never reused. Last line:
 ``mape_dev_convnets=C mape_dynamic=D false_fits_sweep=F false_oom_rate=O mape_mlp_dynamic=M
-mape_h200_convnets=H`` (goals C <= 5, D <= 5, F = 0 over both sweeps, O <= 5%); LLaVA's
-published outcomes (issue #37 item 3) are not scored yet. The agreement with the simulator is
+mape_h200_convnets=H llava_outcomes=K/N`` (goals C <= 5, D <= 5, F = 0 over both sweeps, O <= 5%,
+K = N); LLaVA's published outcomes (``predictors/data/llava_outcomes.csv``, LoRA rows listed
+but not scored) go through ``predict_peak_memory`` as a user describes the job. The agreement with the simulator is
 printed above it, apart.
 """
 
@@ -354,6 +355,36 @@ def allocator_on_real_streams() -> tuple[float, float] | None:
     return out
 
 
+LLAVA_OUTCOMES = ROOT / "predictors" / "data" / "llava_outcomes.csv"
+
+
+def llava_outcomes(path: Path = LLAVA_OUTCOMES) -> tuple[int, int]:
+    """Published LLaVA-1.5 training outcomes (README configurations that trained, issues that
+    report OOM; sources in the file) through one call, as a user describes the job: the
+    preset, batch, sequence, image size, ZeRO stage over the GPUs, checkpointing, the frozen
+    vision tower and the card. LoRA rows are listed but not scored (not modelled)."""
+    from predictors.memory.api import predict_peak_memory
+
+    right = scored = 0
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    print(f"LLaVA-1.5 published outcomes ({len(rows)} rows, {LLAVA_OUTCOMES.name}; DEVELOPMENT):")
+    for r in rows:
+        if r["lora"] == "1":
+            print(f"  {r['name']:34s} {r['outcome']:4s} not scored: LoRA is not modelled")
+            continue
+        p = predict_peak_memory(r["model"], batch=int(r["batch"]), seq=int(r["seq"]),
+                                image_res=int(r["image_res"]), precision="bf16",
+                                zero=int(r["zero"]), dp=int(r["gpus"]),
+                                checkpointing=r["checkpointing"], frozen=("vision",),
+                                capacity_gib=r["capacity_gib"])
+        ok = p.fits == (r["outcome"] == "fits")
+        right, scored = right + ok, scored + 1
+        print(f"  {r['name']:34s} {r['outcome']:4s} predicted {'fits' if p.fits else 'OOM':4s} "
+              f"({p.peak_reserved / GiB:.1f} GiB of {r['capacity_gib']}) {'ok' if ok else 'WRONG'}")
+    return right, scored
+
+
 def simulator_agreement() -> float:
     from predictors.memory.collect import GROUND_TRUTH_CSV
     from predictors.memory.evaluate import evaluate, format_report
@@ -402,6 +433,7 @@ def main() -> None:
     c_mape, c_dyn, c_false_fits, false_oom = report_cnn(cnn)
     h200 = h200_convnets()
     allocator_on_real_streams()
+    k, n = llava_outcomes()
     sim = simulator_agreement()
     print(f"agreement with the simulator (not accuracy): {sim:.2f}%")
     print(f"MLP set (development): device-level MAPE {mape:.2f}%")
@@ -409,7 +441,7 @@ def main() -> None:
     print(f"mape_dev_convnets={c_mape:.2f} mape_dynamic={c_dyn:.2f} "
           f"false_fits_sweep={false_fits + c_false_fits} false_oom_rate={false_oom:.1f} "
           f"mape_mlp_dynamic={mape_dyn:.2f} "
-          f"mape_h200_convnets={'n/a' if h200 is None else f'{h200:.2f}'}")
+          f"mape_h200_convnets={'n/a' if h200 is None else f'{h200:.2f}'} llava_outcomes={k}/{n}")
 
 
 if __name__ == "__main__":
