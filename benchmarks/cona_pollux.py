@@ -85,35 +85,57 @@ def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int, nodes:
                   "accum_steps": int(accum), "adaptdl_batch": want}
 
 
-class PolluxDriver(Driver):
-    def __init__(self, case: CaseInputs, candidates: list[ParallelStrategy],
-                 init_batch: int) -> None:
-        self.case, self.candidates, self.init_batch = case, candidates, init_batch
-        self.gns = GradientNoiseScale(0.5, per_samples=case.interval)
+class Pollux:
+    """adaptdl's side of a Pollux chain, shared by the TTP and the law-simulation drivers: the
+    step times and gradient statistics seen, adaptdl's performance fit (redone only when the
+    observations change) and its choice of batch. ``gpus_per_node`` 0: one node."""
+
+    def __init__(self, clock, candidates: list[ParallelStrategy], init_batch: int,
+                 gns: GradientNoiseScale, gpus_per_node: int = 0) -> None:
+        self.clock, self.candidates, self.init_batch = clock, candidates, init_batch
+        self.gns, self.gpus_per_node = gns, gpus_per_node
         self.seen: dict[ParallelStrategy, tuple[float, float]] = {}
         self.choices: list[dict] = []
         self._fitted: tuple = ((), None)
 
-    def after_step(self, seconds, stats) -> None:
-        s = self.executor.strategy
-        self.seen[s] = split_time(self.case.clock, s, seconds)
+    def record(self, strategy: ParallelStrategy, seconds: float, stats) -> None:
+        self.seen[strategy] = split_time(self.clock, strategy, seconds)
         sample = stats.sample() if stats is not None else None
         if sample is not None:
             self.gns.observe(sample)
 
-    def at_interval(self, point: Point) -> None:
+    def choose(self, where: dict) -> ParallelStrategy | None:
+        """adaptdl's choice (None until the noise scale is ready); ``where`` goes into the
+        recorded choice."""
         from adaptdl.goodput import GoodputFunction, fit_perf_params
 
         if not self.gns.ready:
-            return
+            return None
         key = tuple(sorted((s.name, t) for s, t in self.seen.items()))
         if key != self._fitted[0]:  # same observations, same (deterministic) fit: reuse it
-            self._fitted = (key, fit_perf_params(**perf_observations(self.seen)))
-        perf = self._fitted[1]
-        fn = GoodputFunction(perf, grad_params(self.gns, self.init_batch), self.init_batch)
-        target, info = choose(fn, self.candidates, self.candidates[0].dp)
-        self.choices.append({"samples": point.samples, "to": target.name, **info})
-        if target != self.executor.strategy:
+            self._fitted = (key, fit_perf_params(**perf_observations(self.seen,
+                                                                     self.gpus_per_node)))
+        fn = GoodputFunction(self._fitted[1], grad_params(self.gns, self.init_batch),
+                             self.init_batch)
+        dp = self.candidates[0].dp
+        nodes = max(1, dp // self.gpus_per_node) if self.gpus_per_node else 1
+        target, info = choose(fn, self.candidates, dp, nodes)
+        self.choices.append({**where, "to": target.name, **info})
+        return target
+
+
+class PolluxDriver(Driver):
+    def __init__(self, case: CaseInputs, candidates: list[ParallelStrategy],
+                 init_batch: int) -> None:
+        self.pollux = Pollux(case.clock, candidates, init_batch,
+                             GradientNoiseScale(0.5, per_samples=case.interval))
+
+    def after_step(self, seconds, stats) -> None:
+        self.pollux.record(self.executor.strategy, seconds, stats)
+
+    def at_interval(self, point: Point) -> None:
+        target = self.pollux.choose({"samples": point.samples})
+        if target is not None and target != self.executor.strategy:
             self.executor.switch(target)
 
 
@@ -129,7 +151,7 @@ def run_pollux(case: CaseInputs) -> ChainResult:
     result = replay_chain("pollux", {"start": start.name, "lr": case.lr.name,
                                      "init_batch_size": init}, case.curves, case.clock,
                           case.lr, start, driver, case.target, case.max_time)
-    result.settings["adaptdl_choices"] = driver.choices
+    result.settings["adaptdl_choices"] = driver.pollux.choices
     return result
 
 
@@ -141,35 +163,15 @@ class PolluxSimDriver(SimDriver):
 
     def __init__(self, case, candidates: list[ParallelStrategy], init_batch: int,
                  gpus_per_node: int) -> None:
-        self.case, self.candidates, self.init_batch = case, candidates, init_batch
-        self.gpus_per_node = gpus_per_node
-        self.gns = GradientNoiseScale(0.5 ** (1 / READINGS))
-        self.seen: dict[ParallelStrategy, tuple[float, float]] = {}
-        self.choices: list[dict] = []
-        self._fitted: tuple = ((), None)
+        self.pollux = Pollux(case.clock, candidates, init_batch,
+                             GradientNoiseScale(0.5 ** (1 / READINGS)), gpus_per_node)
 
     def observe(self, seconds, stats, iterations) -> None:
-        s = self.executor.strategy
-        self.seen[s] = split_time(self.case.clock, s, seconds)
-        sample = stats.sample() if stats is not None else None
-        if sample is not None:
-            self.gns.observe(sample)
+        self.pollux.record(self.executor.strategy, seconds, stats)
 
     def at_boundary(self, tokens: float) -> None:
-        from adaptdl.goodput import GoodputFunction, fit_perf_params
-
-        if not self.gns.ready:
-            return
-        key = tuple(sorted((s.name, t) for s, t in self.seen.items()))
-        if key != self._fitted[0]:
-            self._fitted = (key, fit_perf_params(**perf_observations(self.seen,
-                                                                     self.gpus_per_node)))
-        fn = GoodputFunction(self._fitted[1], grad_params(self.gns, self.init_batch),
-                             self.init_batch)
-        dp = self.candidates[0].dp
-        target, info = choose(fn, self.candidates, dp, max(1, dp // self.gpus_per_node))
-        self.choices.append({"tokens": tokens, "to": target.name, **info})
-        if target != self.executor.strategy:
+        target = self.pollux.choose({"tokens": tokens})
+        if target is not None and target != self.executor.strategy:
             self.executor.switch(target)
 
 
@@ -185,7 +187,7 @@ def run_pollux_sim(case) -> list:
                              .devices_per_node)
     result = run_chain(case, "pollux", {"start": start.name, "init_batch_size": init}, start,
                        driver)
-    result.settings["adaptdl_choices"] = driver.choices[-20:]
+    result.settings["adaptdl_choices"] = driver.pollux.choices[-20:]
     return [result]
 
 

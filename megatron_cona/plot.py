@@ -34,6 +34,22 @@ def _timeline(ax, segments, row: float, palette: dict[str, tuple]) -> None:
                     va="center", fontsize=6)
 
 
+def _timelines_and_save(fig, bottom, rows: dict[str, tuple[list, list]], note: str,
+                        path: Path, dpi: int) -> Path:
+    """The strategy timelines of ``rows`` (name -> (times, strategies)) under a chain plot,
+    the note below, saved."""
+    palette: dict[str, tuple] = {}
+    for row, (times, strategies) in enumerate(rows.values()):
+        _timeline(bottom, _segments(times, strategies), row, palette)
+    bottom.set_yticks(range(len(rows)), list(rows))
+    bottom.set_xlabel("SIMULATED time (s)")
+    fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_ttp(case: dict, note: str, path: Path) -> Path:
     """One TTP case: validation loss vs simulated time of every chain (colors from the
     baseline registry), and the strategy timelines of CONA and of the DP bound."""
@@ -57,19 +73,10 @@ def plot_ttp(case: dict, note: str, path: Path) -> Path:
                   f"{t.get('bound', math.nan):.1f}s (CONA gap "
                   f"{100 * (t['cona'] / t.get('bound', math.nan) - 1):.1f}%)", fontsize=10)
     top.legend(fontsize=7)
-    palette: dict[str, tuple] = {}
-    shown = [n for n in ("cona", "bound") if n in runs]
-    for row, name in enumerate(shown):
-        pts = runs[name]["points"]
-        _timeline(bottom, _segments([p["sim_time"] for p in pts],
-                                    [p["strategy"] for p in pts]), row, palette)
-    bottom.set_yticks(range(len(shown)), shown)
-    bottom.set_xlabel("SIMULATED time (s)")
-    fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    rows = {n: ([p["sim_time"] for p in runs[n]["points"]],
+                [p["strategy"] for p in runs[n]["points"]])
+            for n in ("cona", "bound") if n in runs}
+    return _timelines_and_save(fig, bottom, rows, note, path, 120)
 
 
 def plot_sim(case: dict, note: str, path: Path) -> Path:
@@ -92,19 +99,11 @@ def plot_sim(case: dict, note: str, path: Path) -> Path:
     top.set_xscale("log")
     top.set_title(f"{case['tag']} [{case['clock']}]", fontsize=10)
     top.legend(fontsize=7)
-    palette: dict[str, tuple] = {}
-    shown = [n for n in ("cona", "oracle") if n in case["chains"]]
-    for row, name in enumerate(shown):
-        pts = case["chains"][name][far]["points"]
-        _timeline(bottom, _segments([p["time"] for p in pts], [p["strategy"] for p in pts]),
-                  row, palette)
-    bottom.set_yticks(range(len(shown)), shown)
-    bottom.set_xlabel("SIMULATED time (s)")
-    fig.text(0.01, 0.005, textwrap.fill(note, 160), fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    chains = case["chains"]
+    rows = {n: ([p["time"] for p in chains[n][far]["points"]],
+                [p["strategy"] for p in chains[n][far]["points"]])
+            for n in ("cona", "oracle") if n in chains}
+    return _timelines_and_save(fig, bottom, rows, note, path, 110)
 
 
 def read_decisions(log_path: Path) -> list[dict]:
