@@ -300,6 +300,7 @@ def h200_convnets() -> float | None:
     """The GPU kit's conv-net rows through ``predict_module_memory`` (DEVELOPMENT)."""
     import torch
 
+    from gpucheck.parts.memory import VISION
     from support import convnets
 
     paths = sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory.csv"))
@@ -316,7 +317,7 @@ def h200_convnets() -> float | None:
         name, batch = model.rsplit("-b", 1)
         with torch.device("meta"):
             net = convnets.build(name)
-        x, y = convnets.batch(name, int(batch), 256 if name == "unet" else 224, "meta")
+        x, y = convnets.batch(name, int(batch), VISION["gpu"][name][0], "meta")
         p = predict_module_memory(net, [x], y, optimizer="adamw:foreach", precision=precision,
                                   device="h200")
         errs.append(100 * (p.max_memory_reserved / float(r["peak_reserved"]) - 1))

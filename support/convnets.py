@@ -27,14 +27,13 @@ def _conv_bn(cin: int, cout: int, k: int, stride: int = 1) -> list[nn.Module]:
     return [nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout)]
 
 
-class _Basic(nn.Module):
-    expansion = 1
+class _Residual(nn.Module):
+    """A residual block: ``body`` plus the input (through a 1x1 conv + BN where the shape
+    changes), summed in place as torchvision does, then ReLU."""
 
-    def __init__(self, cin: int, width: int, stride: int) -> None:
+    def __init__(self, body: list[nn.Module], cin: int, cout: int, stride: int) -> None:
         super().__init__()
-        cout = width * self.expansion
-        self.body = nn.Sequential(*_conv_bn(cin, width, 3, stride), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, cout, 3))
+        self.body = nn.Sequential(*body)
         self.down = (nn.Sequential(*_conv_bn(cin, cout, 1, stride))
                      if stride != 1 or cin != cout else None)
         self.relu = nn.ReLU(inplace=True)
@@ -42,26 +41,25 @@ class _Basic(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.down is None else self.down(x)
         out = self.body(x)
-        out += identity  # in place, as torchvision does
+        out += identity
         return self.relu(out)
 
 
-class _Bottleneck(_Basic):
-    expansion = 4
+def _basic(cin: int, width: int, stride: int) -> _Residual:
+    return _Residual([*_conv_bn(cin, width, 3, stride), nn.ReLU(inplace=True),
+                      *_conv_bn(width, width, 3)], cin, width, stride)
 
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        nn.Module.__init__(self)
-        cout = width * self.expansion
-        self.body = nn.Sequential(*_conv_bn(cin, width, 1), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, width, 3, stride), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, cout, 1))
-        self.down = (nn.Sequential(*_conv_bn(cin, cout, 1, stride))
-                     if stride != 1 or cin != cout else None)
-        self.relu = nn.ReLU(inplace=True)
+
+def _bottleneck(cin: int, width: int, stride: int) -> _Residual:
+    """v1.5: the stride on the 3x3 conv; output 4 x width."""
+    return _Residual([*_conv_bn(cin, width, 1), nn.ReLU(inplace=True),
+                      *_conv_bn(width, width, 3, stride), nn.ReLU(inplace=True),
+                      *_conv_bn(width, 4 * width, 1)], cin, 4 * width, stride)
 
 
 class ResNet(nn.Module):
-    def __init__(self, block: type[_Basic], layers: tuple[int, ...], classes: int = 1000) -> None:
+    def __init__(self, block: Callable[[int, int, int], _Residual], expansion: int,
+                 layers: tuple[int, ...], classes: int = 1000) -> None:
         super().__init__()
         mods: list[nn.Module] = [*_conv_bn(3, 64, 7, 2), nn.ReLU(inplace=True),
                                  nn.MaxPool2d(3, 2, 1)]
@@ -70,7 +68,7 @@ class ResNet(nn.Module):
             width = 64 * 2 ** i
             for j in range(n):
                 mods.append(block(cin, width, 2 if (i > 0 and j == 0) else 1))
-                cin = width * block.expansion
+                cin = width * expansion
         self.features = nn.Sequential(*mods)
         self.fc = nn.Linear(cin, classes)
 
@@ -181,8 +179,8 @@ class UNet(nn.Module):
 
 
 BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "resnet18": lambda: ResNet(_Basic, (2, 2, 2, 2)),
-    "resnet50": lambda: ResNet(_Bottleneck, (3, 4, 6, 3)),
+    "resnet18": lambda: ResNet(_basic, 1, (2, 2, 2, 2)),
+    "resnet50": lambda: ResNet(_bottleneck, 4, (3, 4, 6, 3)),
     "densenet121": lambda: DenseNet(),
     "vgg16": lambda: VGG((64, 64, "M", 128, 128, "M", 256, 256, 256, "M",
                           512, 512, 512, "M", 512, 512, 512, "M")),

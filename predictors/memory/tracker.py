@@ -207,17 +207,18 @@ class MemoryTracker(TorchDispatchMode):
         trace without workspaces, while the lowered-matrix size overshot it by up to 50%."""
         if not self.overheads.cudnn_workspaces or self.tf32:
             return None
+        x = args[1] if name == "convolution_backward" else args[0]
+        if x.dtype != torch.float32:
+            return None
         if name == "convolution_backward":
-            out, x, w = args[0], args[1], args[2]
+            out, w = args[0], args[2]
             out_pixels = math.prod(int(d) for d in out.shape[2:])
         else:
-            x, w, stride, padding, dilation = args[0], args[1], args[3], args[4], args[5]
+            w, stride, padding, dilation = args[1], args[3], args[4], args[5]
             out_pixels = 1
             for i, (n, k) in enumerate(zip(x.shape[2:], w.shape[2:], strict=True)):
                 s, p, d = (v[i] if len(v) > 1 else v[0] for v in (stride, padding, dilation))
                 out_pixels *= max((int(n) + 2 * p - d * (int(k) - 1) - 1) // s + 1, 1)
-        if x.dtype != torch.float32:
-            return None
         nbytes = int(x.shape[0]) * out_pixels * int(w[0].numel()) * x.element_size()
         if nbytes == 0:
             return None
