@@ -4,8 +4,10 @@ Megatron-LM keeps model and optimizer as locals of ``train()``, so an in-memory 
 happen from outside it. The hook does what fits into that loop:
 
 * measures the gradient noise scale (squared norms of each data-parallel replica's gradient
-  before the reduction and of the reduced one, by wrapping ``config.finalize_model_grads_func``;
-  norms by :mod:`megatron_cona.grad_probe`, the same probe and convention as the runtime),
+  before the reduction and of the reduced one, by wrapping ``config.finalize_model_grads_func``,
+  and of the first micro-batch's gradient on every stage, by a forward hook on the first model
+  chunk; the same :class:`~megatron_cona.grad_probe.GradProbe` and convention as the runtime,
+  so DP = 1 is measured whenever there are >= 2 micro-batches, at any PP),
 * ranks candidates every ``--cona-interval`` iterations and logs every decision (``--cona-log``),
 * acts through the same :class:`~megatron_cona.session.ConaSession` as ``pretrain_gpt``, with
   :class:`MegatronLMExecutor`: a new global batch with the same layout and micro-batch is applied
@@ -32,13 +34,25 @@ import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
 
-from megatron_cona.arguments import precision_from_args, static_strategy, validate_cona_args
+from megatron_cona.arguments import (
+    model_spec_from_args,
+    precision_from_args,
+    static_strategy,
+    validate_cona_args,
+)
 from megatron_cona.executor import ExecutorBase, SwitchOutcome, SwitchUnsupported
 from megatron_cona.gns import GradStats
-from megatron_cona.grad_probe import ProbeGroups, gather_grad_stats, grad_sq_norm
+from megatron_cona.grad_probe import (
+    GradProbe,
+    ProbeGroups,
+    gather_grad_stats,
+    grad_sq_norm,
+    local_grad_sq,
+    reduce_grad_sq,
+)
 from megatron_cona.policy import Decision
 from megatron_cona.session import ConaSession, session_from_args
-from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec import ParallelStrategy
 
 log = logging.getLogger("megatron_cona.hook")
 
@@ -89,9 +103,7 @@ class ConaHook:
     def __init__(self, args, model_chunks, opt_param_scheduler, *, loss_scale=lambda: 1.0,
                  session: ConaSession | None = None) -> None:
         world = dist.get_world_size()
-        model = TransformerSpec("gpt", args.num_layers, args.hidden_size,
-                                args.num_attention_heads, args.seq_length,
-                                getattr(args, "padded_vocab_size", None) or 50304)
+        model = model_spec_from_args(args, getattr(args, "padded_vocab_size", None) or 50304)
         settings = validate_cona_args(args, world, model)
         self.args = args
         self.executor = MegatronLMExecutor(static_strategy(args, world), opt_param_scheduler)
@@ -100,17 +112,37 @@ class ConaHook:
             write_log=dist.get_rank() == 0)
         self.loss_scale = loss_scale
         self._stats: GradStats | None = None
+        self.probe = GradProbe()
+        # with a virtual pipeline the chunks' backwards interleave: no first-micro reading
+        single_chunk = len(model_chunks) == 1
+
+        def next_iteration():
+            self.probe.start(True, self.executor.strategy)
+            self.probe.first_micro &= single_chunk
+
+        next_iteration()
+
+        def parts():
+            return local_grad_sq(_named_grads(model_chunks), _probe_groups())
+
+        def reduce(local, tied):
+            return reduce_grad_sq(local, tied, _probe_groups(), loss_scale=self.loss_scale())
+
+        if single_chunk:
+            self.probe.attach(model_chunks[0], parts)
         config = model_chunks[0].config
         inner = config.finalize_model_grads_func
 
         def finalize(chunks, *a, **k):
-            groups = _probe_groups()
-            local = grad_sq_norm(_named_grads(chunks), groups, loss_scale=self.loss_scale())
+            self.probe.before_reduction(parts, reduce)
             out = inner(chunks, *a, **k)
-            global_sq = grad_sq_norm(_named_grads(chunks), groups, loss_scale=self.loss_scale(),
-                                     reduced=True)
-            self._stats = gather_grad_stats(local, global_sq, self.executor.strategy,
-                                            ps.get_data_parallel_group())
+            global_sq = grad_sq_norm(_named_grads(chunks), _probe_groups(),
+                                     loss_scale=self.loss_scale(), reduced=True)
+            self._stats = gather_grad_stats(self.probe.local_sq, global_sq,
+                                            self.executor.strategy,
+                                            ps.get_data_parallel_group(),
+                                            self.probe.first_micro_sq)
+            next_iteration()
             return out
 
         config.finalize_model_grads_func = finalize
@@ -124,7 +156,10 @@ class ConaHook:
         """The last strategy CONA chose that Megatron-LM's loop cannot switch to."""
         return self.session.unsupported[-1].target if self.session.unsupported else None
 
-    def on_step(self, iteration: int, seconds: float) -> Decision | None:
-        """Call after every training step; returns the decision on ranking iterations."""
+    def on_step(self, iteration: int, seconds: float, loss: float | None = None
+                ) -> Decision | None:
+        """Call after every training step (``loss``: its training loss, which lets CONA check
+        each batch switch against measured progress); returns the decision on ranking
+        iterations."""
         stats, self._stats = self._stats, None
-        return self.session.after_step(iteration, seconds, stats)
+        return self.session.after_step(iteration, seconds, stats, loss=loss)

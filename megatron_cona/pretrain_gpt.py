@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_cona.arguments import (
     ConaArgumentError,
     add_cona_args,
+    model_spec_from_args,
     precision_from_args,
     static_strategy,
 )
@@ -124,10 +125,7 @@ def model_spec(args: argparse.Namespace) -> TransformerSpec:
                                 f"{args.max_position_embeddings} != --seq-length {args.seq_length}")
     if args.bf16 and args.fp16:
         raise ConaArgumentError("--fp16", "cannot be combined with --bf16")
-    return TransformerSpec("gpt", args.num_layers, args.hidden_size, args.num_attention_heads,
-                           args.seq_length, VOCAB_SIZE, ffn_hidden_size=args.ffn_hidden_size,
-                           num_query_groups=args.num_query_groups, swiglu=args.swiglu,
-                           tied_embeddings=not args.untie_embeddings_and_output_weights)
+    return model_spec_from_args(args, VOCAB_SIZE)
 
 
 def init_distributed(backend: str | None) -> None:
@@ -211,7 +209,8 @@ def train(args: argparse.Namespace) -> RunSummary:
         if session is None:
             continue
         switches = len(session.switches)
-        session.after_step(it, seconds, result.grad_stats, final=it == args.train_iters)
+        session.after_step(it, seconds, result.grad_stats, final=it == args.train_iters,
+                           loss=result.loss)
         for record in session.switches[switches:]:
             if record.outcome.switched:
                 summary.timeline.append((it, record.new.name))

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from megatron_cona.gns import GradStats
+from megatron_cona.gns import GradStats, measures_noise
 from predictors.spec import ParallelStrategy
 
 
@@ -28,7 +28,9 @@ class SimulatedProbe:
 
     def read(self, strategy: ParallelStrategy, noise_scale: float) -> GradStats | None:
         """One iteration's readings under ``strategy`` when ``B_noise = noise_scale`` samples;
-        None where the runtime measures nothing (one replica, one micro-batch or PP > 1)."""
+        None where the runtime measures nothing (one replica and one micro-batch). With
+        PP > 1 the runtime sums every stage's first-micro-batch reading over the pipeline, which
+        is the whole model's first-micro-batch norm: the same draw as PP = 1."""
         if not noise_scale >= 0 or math.isinf(noise_scale):
             raise ValueError(f"noise_scale={noise_scale} must be finite and >= 0")
         s = strategy
@@ -36,7 +38,7 @@ class SimulatedProbe:
         if s.dp >= 2:
             small, big = self._replicas(s.dp, local, noise_scale)
             return GradStats([small] * s.dp, local, big, local * s.dp)
-        if s.num_microbatches < 2 or s.pp > 1:
+        if not measures_noise(s.dp, s.num_microbatches):
             return None
         small, big = self._first_micro(s.num_microbatches, s.micro_batch, noise_scale)
         return GradStats([big], s.global_batch_size, big, s.global_batch_size,

@@ -7,8 +7,7 @@ must replace in one object, :class:`TrainState`. By concern:
 
 * :mod:`~megatron_cona.runtime.config` -- :class:`TrainConfig` (strategy-independent), datasets;
 * :mod:`~megatron_cona.runtime.state` -- :func:`build_state` (groups, GPTModel, DDP, optimizer,
-  scheduler, RNG, micro-batch calculator);
-* :mod:`~megatron_cona.runtime.gradients` -- the pre-reduction gradient hooks and norms;
+  scheduler, RNG, micro-batch calculator) and the pre-reduction gradient hooks and norms;
 * :mod:`~megatron_cona.runtime.step` -- :func:`train_step`, :func:`evaluate`,
   :func:`forward_logits`;
 * :mod:`~megatron_cona.runtime.switch` -- :func:`switch_strategy`, atomic over the world (the

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -29,10 +30,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
-from megatron_cona.grad_probe import GradProbe
+from megatron_cona.grad_probe import GradProbe, ProbeGroups, local_grad_sq, reduce_grad_sq
 from megatron_cona.parallel import ParallelGroups, build_groups
 from megatron_cona.runtime.config import TrainConfig
-from megatron_cona.runtime.gradients import finalize_with_hooks
 from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, StrategyError
 
@@ -73,6 +73,34 @@ class TrainState:
     def destroy(self) -> None:
         """Release the process groups of this state (the tensors go with the object)."""
         self.groups.destroy()
+
+    # the gradient probe's view of this state (megatron_cona.grad_probe's convention)
+    def probe_groups(self) -> ProbeGroups:
+        tied = self.core_model.share_embeddings_and_output_weights and self.strategy.pp > 1
+        return ProbeGroups(self.groups.coord.tp, self.groups.pg.mp,
+                           self.groups.pg.embd if tied else None, self.groups.is_first_stage)
+
+    def grad_parts(self) -> tuple[float, torch.Tensor | None]:
+        """This rank's part of its replica's current gradient's squared norm (no collective)."""
+        return local_grad_sq(self.core_model.named_parameters(), self.probe_groups())
+
+    def reduce_grad_parts(self, local: float, tied: torch.Tensor | None) -> float:
+        """The replica's whole squared norm from every rank's parts, unscaled (collective)."""
+        return reduce_grad_sq(local, tied, self.probe_groups(),
+                              loss_scale=float(self.optimizer.get_loss_scale()))
+
+
+def finalize_with_hooks(state: TrainState, model_chunks, num_tokens, pg_collection=None,
+                        force_all_reduce=False):
+    """megatron's ``finalize_model_grads`` with the probe and ``state.pre_reduction_hooks``
+    (callables ``hook(state, model_chunks)``) run first: after the last backward and BEFORE
+    the data-parallel reduction, when ``param.main_grad`` holds this replica's gradient of its
+    local mean loss."""
+    for hook in state.pre_reduction_hooks:
+        hook(state, model_chunks)
+    state.probe.before_reduction(state.grad_parts, state.reduce_grad_parts)
+    finalize_model_grads(model_chunks, num_tokens, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
 
 
 

@@ -7,8 +7,8 @@ has to carry the integer.
 
 ``train_step(..., grad_stats=True)`` fills ``StepResult.grad_stats`` (:class:`GradStats`): every
 replica's squared norm of its local gradient (batch ``mb * num_microbatches``), the global squared
-norm after reduction (batch ``global_batch``) and, when PP == 1 and there are >= 2 micro-batches,
-the squared norm of the first micro-batch's gradient (batch ``mb``: the estimate for DP == 1).
+norm after reduction (batch ``global_batch``) and, with >= 2 micro-batches (any PP), the squared
+norm of the first micro-batch's gradient (batch ``mb``: the estimate for DP == 1).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from megatron_cona.grad_probe import device as _device
 from megatron_cona.grad_probe import gather_grad_stats
 from megatron_cona.parallel import megatron_globals
 from megatron_cona.runtime.config import TokenDataset
-from megatron_cona.runtime.gradients import replica_grad_sq_norm
 from megatron_cona.runtime.state import TrainState
 
 
@@ -71,10 +70,9 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(state: TrainState, data_iterator, model):
     batch = next(data_iterator)
-    state.probe.before_forward(lambda: replica_grad_sq_norm(state),
-                               state.strategy.num_microbatches)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"])
+    state.probe.after_forward(output, state.grad_parts)
     return output, partial(_loss_func, batch["loss_mask"])
 
 

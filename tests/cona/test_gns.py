@@ -115,3 +115,46 @@ def test_noise_scale_range_from_measured_spread():
     lo, hi = noisy.noise_scale_range()
     assert lo < noisy.noise_scale < hi
     assert all(math.isnan(x) for x in GradientNoiseScale(0.9).noise_scale_range())
+
+
+def test_probe_reads_the_first_micro_batch_in_pipeline_order():
+    """GradProbe.attach on a module run in 1F1B's order on a middle stage (two forwards in
+    flight, then the backwards in order): the reading is the first micro-batch's gradient
+    alone, as accumulated into ``main_grad`` (Megatron's DDP), whatever came after it."""
+    import torch
+
+    from megatron_cona.grad_probe import GradProbe
+    from predictors.spec import ParallelStrategy
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    def accumulate(p):
+        p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in layer.parameters():
+        p.main_grad = torch.zeros_like(p)
+        p.register_post_accumulate_grad_hook(accumulate)
+    xs = [torch.randn(2, 4) for _ in range(3)]
+
+    def parts():  # this rank's part: the squared norm of main_grad
+        return sum(float(p.main_grad.pow(2).sum()) for p in layer.parameters()), None
+
+    probe = GradProbe()
+    probe.attach(layer, parts)
+    probe.start(True, ParallelStrategy(1, 1, 2, 2, 6))  # PP = 2, three micro-batches
+    outs = [layer(x) for x in xs[:2]]  # warm-up: two forwards before the first backward
+    outs[0].pow(2).sum().backward()
+    outs.append(layer(xs[2]))
+    outs[1].pow(2).sum().backward()
+    outs[2].pow(2).sum().backward()
+    probe.before_reduction(parts, lambda local, tied: local)
+
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(layer.state_dict())
+    ref(xs[0]).pow(2).sum().backward()
+    first = sum(float(p.grad.pow(2).sum()) for p in ref.parameters())
+    assert probe.first_micro_sq == pytest.approx(first * 3**2, rel=1e-6)
+    assert probe.local_sq == pytest.approx(parts()[0], rel=1e-9) and probe.local_sq > first
+    probe.start(True, ParallelStrategy(1, 1, 1, 6, 6))  # one micro-batch: nothing to read
+    assert not probe.first_micro

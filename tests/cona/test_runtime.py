@@ -102,7 +102,25 @@ def _world(rank, world):
                      r.grad_stats.first_microbatch_sq_norm, math.isfinite(r.loss))
         st.destroy()
 
-    # 3. bad input, named
+    # 3. the first micro-batch's gradient read on every layout: PP = 2 (each stage reads after
+    # its first backward, the stages summed, the tied embedding's two copies combined) gives
+    # the same number as PP = 1 from the same weights (moved by the in-memory switch) and data
+    from megatron_cona.runtime import switch_strategy
+
+    one = ParallelStrategy.parse("dp1tp2pp1mb1gb4")
+    a = build_state(TrainConfig(SPEC), one)
+    first = train_step(a, data, grad_stats=True).grad_stats
+    a.destroy()
+    b = build_state(TrainConfig(SPEC), one)
+    moved = switch_strategy(b, ParallelStrategy.parse("dp1tp1pp2mb1gb4"))
+    assert moved.switched, moved.error
+    second = train_step(moved.state, data, grad_stats=True).grad_stats
+    moved.state.destroy()
+    out["first_mb_layouts"] = [(g.first_microbatch_sq_norm, g.global_sq_norm)
+                               for g in (first, second)]
+    out["first_mb_sample"] = second.sample().small_batch, second.sample().big_batch
+
+    # 4. bad input, named
     errors = {}
     for text, spec in (("dp4tp1pp1", SPEC),
                        ("dp1tp2pp1", TransformerSpec("gpt", 2, 30, 3, 16, 64)),
@@ -137,7 +155,13 @@ def test_runtime_on_two_ranks():
         local, glob, first_mb, finite = res["dp1tp2pp1mb1gb2"]
         assert finite and local == pytest.approx(glob, rel=1e-5) and first_mb > 0
         local, glob, first_mb, finite = res["dp1tp1pp2mb1gb2"]
-        assert finite and local == pytest.approx(glob, rel=1e-5) and first_mb is None
+        # two micro-batches on two stages: the first one's gradient read as with PP = 1
+        assert finite and local == pytest.approx(glob, rel=1e-5) and first_mb > 0
+        (pp1_first, pp1_global), (pp2_first, pp2_global) = res["first_mb_layouts"]
+        assert pp2_global == pytest.approx(pp1_global, rel=1e-5)
+        assert pp2_first == pytest.approx(pp1_first, rel=1e-5)
+        assert pp2_first > 1.5 * pp2_global  # one micro-batch's gradient is the noisier one
+        assert res["first_mb_sample"] == (1, 4)
         assert "world_size=2" in res["errors"]["dp4tp1pp1"]
         assert "num_attention_heads=3" in res["errors"]["dp1tp2pp1"]
         assert "num_layers=3" in res["errors"]["dp1tp1pp2"]
