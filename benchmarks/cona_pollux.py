@@ -166,7 +166,7 @@ class PolluxSimDriver(SimDriver):
         self.pollux = Pollux(case.clock, candidates, init_batch,
                              GradientNoiseScale(0.5 ** (1 / READINGS)), gpus_per_node)
 
-    def observe(self, seconds, stats, iterations) -> None:
+    def observe(self, seconds, stats, iterations, loss) -> None:
         self.pollux.record(self.executor.strategy, seconds, stats)
 
     def at_boundary(self, tokens: float) -> None:

@@ -187,11 +187,13 @@ def scale_parser() -> argparse.ArgumentParser:
     p.add_argument("--families", type=_str_list, default=d.families)
     p.add_argument("--gpus", type=_int_list, default=d.gpus)
     p.add_argument("--variants", type=_str_list, default=d.variants,
-                   help="law variants: kaplan, bstar_x0.5, bstar_x2, data_d0.47")
+                   help=f"law variants: {', '.join(d.variants)}")
     p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)
     p.add_argument("--pipeline", type=_int_list, default=d.pipeline)
     p.add_argument("--min-gain", type=float, default=d.min_gain)
     p.add_argument("--noise-z", type=float, default=d.noise_z)
+    p.add_argument("--first-interval-iterations", type=int, default=d.first_interval_iterations,
+                   help="the first decision after this many iterations at the paper's batch")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--exact-bound", action="store_true",
                    help="the exact DP with the chains' cadence and switch costs (slow)")

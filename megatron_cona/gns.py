@@ -126,6 +126,14 @@ class GradStats:
         return None
 
 
+def measures_noise(dp: int, num_microbatches: int) -> bool:
+    """Whether a layout gives the probe a small/large gradient pair: two or more data-parallel
+    replicas, or two or more micro-batches whatever the pipeline depth (each stage reads its
+    gradient after the first micro-batch's backward). DP = 1 with one micro-batch is the one
+    blind layout: the noise scale is not measured while it runs."""
+    return dp >= 2 or num_microbatches >= 2
+
+
 class GradientNoiseScale:
     """Running estimate of ``|G|^2``, ``tr(S)`` and ``phi = tr(S)/|G|^2``."""
 
@@ -173,6 +181,15 @@ class GradientNoiseScale:
         low = max(tr - dt, 0.0) / max(g2 + dg, floor)
         high = math.inf if g2 - dg <= floor else (tr + dt) / (g2 - dg)
         return low, high
+
+    def converged(self, tolerance: float = 1.0, z: float = 1.0) -> bool:
+        """Whether ``phi`` is known within a factor ``1 + tolerance`` either way at ``z``
+        standard errors (the condition for entering a layout that cannot re-measure it)."""
+        phi = self.noise_scale
+        if self.samples < 2 or not phi > 0:
+            return False
+        low, high = self.noise_scale_range(z)
+        return high <= phi * (1 + tolerance) and low >= phi / (1 + tolerance)
 
     def efficiency(self, batch: float, base_batch: float) -> float:
         return statistical_efficiency(self.noise_scale, batch, base_batch)

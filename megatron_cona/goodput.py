@@ -44,6 +44,11 @@ class CalibratedThroughput:
     """
 
     base: ThroughputModel
+    # the time predictor's measured held-out relative error for this kind of job (a new model
+    # size, GPU count or framework): the margin an unmeasured strategy must win by at first.
+    # Default: the predictors' held-out development errors (docs/predictors-time.md: new
+    # model 7.9%, new GPU count 13.4%); a caller that knows its job's figure passes it
+    prior_error: float = 0.1
     decay: float = 0.7
     measured: dict[ParallelStrategy, float] = field(default_factory=dict)
     _predicted: dict[ParallelStrategy, float] = field(default_factory=dict, repr=False)
@@ -80,17 +85,18 @@ class CalibratedThroughput:
             return self.measured[strategy]
         return self.predicted(strategy) * self.ratio(strategy)
 
-    def uncertainty(self, strategy: ParallelStrategy, prior: float = 0.1) -> float:
-        """Relative error to expect from this strategy's time: 0 when measured, else the spread
-        (std of log measured/predicted) of the calibration so far, at least ``prior``."""
+    def uncertainty(self, strategy: ParallelStrategy) -> float:
+        """Relative error to expect from this strategy's time: 0 when measured; else the spread
+        (std of log measured/predicted) once three strategies calibrate it; before that
+        :attr:`prior_error`, the predictor's measured held-out error for this kind of job."""
         if strategy in self.measured:
             return 0.0
         logs = [r for rs in self._log_ratios().values() for r in rs]
-        if len(logs) < 2:
-            return prior
+        if len(logs) < 3:
+            return self.prior_error
         mean = sum(logs) / len(logs)
         spread = math.sqrt(sum((r - mean) ** 2 for r in logs) / (len(logs) - 1))
-        return max(prior, math.expm1(spread))
+        return math.expm1(spread)
 
     def source(self, strategy: ParallelStrategy) -> str:
         if strategy in self.measured:

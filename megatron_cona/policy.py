@@ -116,11 +116,22 @@ class SwitchPolicy:
         interval_s: float,
         noise_scale: float = math.nan,
         gain_low: float = math.nan,
+        must_leave: str | None = None,
     ) -> Decision:
         """``ranking`` best first; ``interval_s`` the running strategy's time per interval;
         ``gain_low`` the best candidate's gain at the pessimistic end of the noise scale's
-        measured uncertainty (nan: none measured): the switch must win there too."""
+        measured uncertainty (nan: none measured): the switch must win there too.
+        ``must_leave``: why the running strategy has to be left now (the best of ``ranking``
+        is taken whatever its gain, cooldown and patience aside)."""
         cfg = self.config
+        if must_leave and ranking:
+            self._streak, self._since_switch = 0, 0
+            best = ranking[0]
+            cost = self.costs.estimate(current.strategy, best.strategy)
+            return Decision(iteration, current, best, best.goodput / current.goodput - 1.0,
+                            cost, payback_time(current.goodput, best.goodput, cost),
+                            cfg.horizon_intervals * interval_s, 0, True, must_leave,
+                            noise_scale, tuple(ranking[:5]))
         best = ranking[0] if ranking and ranking[0].goodput > current.goodput else current
         gain = best.goodput / current.goodput - 1.0
         if best is not current and not math.isnan(gain_low):

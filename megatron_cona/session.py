@@ -30,7 +30,7 @@ import torch
 from megatron_cona.arguments import ConaSettings
 from megatron_cona.candidates import PredictorMemory, enumerate_candidates
 from megatron_cona.executor import Executor, SwitchOutcome, SwitchUnsupported
-from megatron_cona.gns import GradientNoiseScale, GradStats
+from megatron_cona.gns import GradientNoiseScale, GradStats, measures_noise
 from megatron_cona.goodput import (
     AnalyticalThroughput,
     CalibratedThroughput,
@@ -42,6 +42,7 @@ from megatron_cona.goodput import (
 )
 from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
+from megatron_cona.progress import ProgressMonitor, Verdict
 from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
 
@@ -56,6 +57,19 @@ class SessionConfig:
     warmup_iterations: int = 0  # no ranking before this many iterations (noisy start)
     lr_table: dict[int, float] | None = None  # per-batch LR (rule 'table'), else lr_rule
     noise_z: float = 1.0  # standard errors of the noise scale a switch must survive
+    # a layout blind to the noise scale (DP = 1, one micro-batch) is entered only once the
+    # estimate is within this factor (1 + tolerance) either way, and left after
+    # ``blind_decisions`` rankings so that the estimate is measured again
+    converged_tolerance: float = 1.0
+    blind_decisions: int = 8
+    # check every batch switch against the measured loss progress (roll back what did not pay,
+    # correct the probe's noise scale by what the progress implies): megatron_cona.progress
+    confirm: bool = True
+    # while measured progress has not pinned down the probe's bias, after this many rankings on
+    # one global batch CONA tries the best strategy at twice that batch for one interval (the
+    # probe's noise scale may sit 10-100x below the critical batch: Merrill et al. 2025), the
+    # wait doubling after every experiment; 0: never
+    explore_after: int = 4
 
     def batch_lr(self) -> BatchLR:
         """The LR rule as multipliers of the base batch's LR."""
@@ -104,18 +118,41 @@ class ConaSession:
         self.unsupported: list[Unsupported] = []
         self._interval_time = 0.0
         self._lr = config.batch_lr()
+        self._blind_rankings = 0  # rankings made in a row on a layout blind to the noise scale
+        self.progress = ProgressMonitor()
+        self._elapsed = 0.0  # training seconds observed
+        self._judging: tuple[ParallelStrategy, ParallelStrategy] | None = None
+        self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
+        self._same_batch = 0  # rankings in a row on the running global batch
+        self._explore_wait = config.explore_after  # doubles after every experiment
 
     # ----------------------------------------------------------------------------- observe
     def observe(self, seconds: float, stats: GradStats | None = None,
-                iterations: float = 1.0) -> None:
+                iterations: float = 1.0, loss: float | None = None) -> None:
         """One finished iteration of the running strategy that took ``seconds``; with
         ``iterations`` > 1 the reading stands for that many such iterations (a loop that reads
-        the probe on every k-th iteration only)."""
-        self.times.record(self.executor.strategy, seconds)
-        self._interval_time += seconds * iterations
+        the probe on every k-th iteration only). ``loss``: the iteration's training loss (the
+        mean over the iterations it stands for)."""
+        strategy = self.executor.strategy
+        self.times.record(strategy, seconds)
+        span = seconds * iterations
+        self._interval_time += span
+        if loss is not None:
+            self.progress.observe(self._elapsed + span / 2, loss, span,
+                                  iterations * strategy.global_batch_size)
+        self._elapsed += span
         sample = stats.sample() if stats is not None else None
         if sample is not None:
             self.gns.observe(sample)
+
+    @property
+    def noise_scale(self) -> float:
+        """The probe's noise scale corrected by the bias measured progress implies."""
+        return self.gns.noise_scale * self.progress.bias
+
+    def noise_scale_range(self) -> tuple[float, float]:
+        low, high = self.gns.noise_scale_range(self.config.noise_z)
+        return low * self.progress.bias, high * self.progress.bias
 
     def due(self, iteration: int) -> bool:
         return iteration >= self.config.warmup_iterations and iteration % self.config.interval == 0
@@ -123,7 +160,7 @@ class ConaSession:
     # ------------------------------------------------------------------------ rank, decide
     def current_estimate(self, strategy: ParallelStrategy, phi: float | None = None,
                          uncertainty: float = 0.0) -> GoodputEstimate:
-        phi = self.gns.noise_scale if phi is None else phi
+        phi = self.noise_scale if phi is None else phi
         return estimate(strategy, self.times.iteration_time(strategy), phi,
                         self.config.base_batch, self.times.source(strategy), uncertainty,
                         self._efficiency_lr_scale(strategy, phi))
@@ -138,7 +175,7 @@ class ConaSession:
         """The best candidate's smallest gain over the running one with the noise scale
         anywhere within ``noise_z`` standard errors of its estimate (measured uncertainty)."""
         gains = []
-        phis = (self.gns.noise_scale, *self.gns.noise_scale_range(self.config.noise_z))
+        phis = (self.noise_scale, *self.noise_scale_range())
         for phi in phis:
             if math.isnan(phi):
                 continue
@@ -147,20 +184,91 @@ class ConaSession:
                          / self.current_estimate(current, phi).goodput - 1.0)
         return min(gains) if gains else math.nan
 
+    def _pool(self, strategy: ParallelStrategy) -> tuple[list[ParallelStrategy], str | None]:
+        """The candidates this ranking may choose from, and why the running strategy must be
+        left (None: it need not). Blind layouts (:func:`~megatron_cona.gns.measures_noise`)
+        are open only while the noise scale has converged; after ``blind_decisions`` rankings on
+        one, the session leaves it to measure again."""
+        blind = not measures_noise(strategy.dp, strategy.num_microbatches)
+        self._blind_rankings = self._blind_rankings + 1 if blind else 0
+        stale = self._blind_rankings > self.config.blind_decisions
+        phi = self.noise_scale
+        # a strategy rolled back is not tried again until the noise scale moved 2x since
+        candidates = [s for s in self.candidates if s == strategy or s not in self.tried
+                      or not 0.5 < phi / self.tried[s] < 2.0]
+        if self.gns.converged(self.config.converged_tolerance) and not stale:
+            return candidates, None
+        pool = [s for s in candidates if measures_noise(s.dp, s.num_microbatches)]
+        if stale and pool:
+            return pool, (f"noise scale not measured for {self._blind_rankings - 1} rankings "
+                          "on a blind layout (DP = 1, one micro-batch): leaving to re-measure")
+        return pool + ([strategy] if blind else []), None
+
+    def _check_last_switch(self, strategy: ParallelStrategy) -> Verdict | None:
+        """Close the interval's progress rate; after one interval on a new global batch, judge
+        the switch (it updates the noise-scale bias); a verdict to roll back is remembered."""
+        self.progress.close_interval(strategy)
+        if not self.config.confirm or self._judging is None:
+            return None
+        old, new = self._judging
+        self._judging = None
+        verdict = self.progress.judge(old, new, self.gns.noise_scale)
+        if verdict is not None:
+            log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's, "
+                     "efficiency ratio %.3f, implied noise scale %.4g, probe bias now x%.3g%s",
+                     old.name, new.name, verdict.observed, verdict.stderr,
+                     verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
+                     ": rolled back" if verdict.rollback else "")
+        if verdict is not None and verdict.rollback:
+            self.tried[new] = self.noise_scale
+        elif verdict is not None and verdict.confident and verdict.observed >= 1.0:
+            self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
+        return verdict
+
+    def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
+        """The estimates to try for one interval when the probe's bias is still unmeasured
+        and the batch has not changed for ``explore_after`` rankings: the best at twice the
+        running global batch (empty: no experiment now)."""
+        cfg = self.config
+        if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
+                or self._same_batch < self._explore_wait:
+            return []
+        double = [e for e in ranking if e.strategy.global_batch_size
+                  == 2 * strategy.global_batch_size]
+        if double:  # each experiment costs an interval: they get rarer (bounded cost)
+            self._explore_wait *= 2
+        return double[:1]
+
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
         strategy = self.executor.strategy
-        phi = self.gns.noise_scale
-        ranking = rank(self.candidates, self.times, phi, self.config.base_batch,
+        verdict = self._check_last_switch(strategy)
+        phi = self.noise_scale
+        pool, must_leave = self._pool(strategy)
+        ranking = rank(pool, self.times, phi, self.config.base_batch,
                        lambda s: self._efficiency_lr_scale(s, phi))
-        current = next((e for e in ranking if e.strategy == strategy), None) or (
-            self.current_estimate(strategy))
+        if verdict is not None and verdict.rollback:
+            must_leave = (f"switch {verdict.old.name} -> {strategy.name} lost progress "
+                          f"(x{verdict.observed:.3f} +- {verdict.stderr:.3f} of the old "
+                          "strategy's rate): rolled back")
+            ranking = [e for e in ranking if e.strategy == verdict.old] or [
+                self.current_estimate(verdict.old, phi, self.times.uncertainty(verdict.old))]
+        elif must_leave:
+            ranking = [e for e in ranking if e.strategy != strategy]
+        elif experiment := self._experiment(strategy, ranking):
+            must_leave = (f"the probe's noise scale is not yet checked against measured "
+                          f"progress: trying {experiment[0].strategy.name} for one interval")
+            ranking = experiment
+        current = self.current_estimate(strategy, uncertainty=0.0)
         # training time since the last ranking: the policy's horizon is counted in these
         interval_s = self._interval_time or (self.times.iteration_time(strategy)
                                              * self.config.interval)
         low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
-        decision = self.policy.decide(iteration, current, ranking, interval_s, phi, low)
+        decision = self.policy.decide(iteration, current, ranking, interval_s, phi, low,
+                                      must_leave=must_leave)
         self._interval_time = 0.0
+        self._same_batch = 0 if decision.target.global_batch_size != \
+            strategy.global_batch_size else self._same_batch + 1
         self.decisions.append(decision)
         self.log.write(decision, **log_extra)
         return decision
@@ -186,14 +294,17 @@ class ConaSession:
                         outcome.error)
             return outcome
         self.policy.costs.record(old, target, outcome.seconds)
+        if old.global_batch_size != target.global_batch_size:
+            self._judging = (old, target)
         self.executor.set_lr_scale(self.lr_scale(target))
         return outcome
 
     def after_step(self, iteration: int, seconds: float, stats: GradStats | None = None, *,
-                   final: bool = False, **log_extra) -> Decision | None:
+                   final: bool = False, loss: float | None = None,
+                   **log_extra) -> Decision | None:
         """The loop's one call per iteration: observe; on ranking iterations (not the
         ``final`` one) decide and act. Returns the decision when one was made."""
-        self.observe(seconds, stats)
+        self.observe(seconds, stats, loss=loss)
         if final or not self.due(iteration):
             return None
         decision = self.decide(iteration, **log_extra)
@@ -201,7 +312,7 @@ class ConaSession:
         return decision
 
     def lr_scale(self, strategy: ParallelStrategy) -> float:
-        return self._lr.scale(strategy.global_batch_size, self.gns.noise_scale)
+        return self._lr.scale(strategy.global_batch_size, self.noise_scale)
 
 
 def base_throughput(model: TransformerSpec, precision: str, device: str) -> ThroughputModel:

@@ -142,6 +142,8 @@ class SimCase:
     bound_snap: float = 0.0
     exact_bound: bool = False  # the exact DP instead of the relaxation (slow at scale)
     rejected: int = 0
+    prediction_error: float = 0.0  # held-out relative error of CONA's time model (``predicted``)
+    probe_bias: float = 1.0  # the probe reads B_crit / probe_bias (the variant's k)
     extra: dict = field(default_factory=dict)
 
     @property

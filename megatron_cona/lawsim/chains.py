@@ -95,8 +95,10 @@ class Driver:
     def bind(self, executor: SimExecutor) -> None:
         self.executor = executor
 
-    def observe(self, seconds: float, stats: GradStats | None, iterations: float) -> None:
-        """A reading standing for ``iterations`` iterations of ``seconds`` each."""
+    def observe(self, seconds: float, stats: GradStats | None, iterations: float,
+                loss: float) -> None:
+        """A reading standing for ``iterations`` iterations of ``seconds`` each, with their
+        mean training loss (noisy, as a real loop reads it)."""
 
     def at_boundary(self, tokens: float) -> None:
         """Called at every decision boundary (after ``tokens`` tokens), not the last."""
@@ -112,6 +114,7 @@ def run_chain(case: SimCase, name: str, settings: dict, start: ParallelStrategy,
     driver.bind(ex)
     probe = SimulatedProbe(np.random.default_rng(case.seed + seed_offset),
                            value("probe_effective_dims"))
+    loss_rng = np.random.default_rng([case.seed + seed_offset, 1])
     s, t = case.law.s0, 0.0
     result.points.append(SimPoint(0.0, 0.0, case.loss(s), start.name))
     for d, d_next in zip(case.boundaries, case.boundaries[1:], strict=False):
@@ -125,10 +128,15 @@ def run_chain(case: SimCase, name: str, settings: dict, start: ParallelStrategy,
         if driver.observes:
             iterations = tokens / batch
             n = max(1, min(READINGS, int(iterations)))
+            # a reading's loss: the mean over its iterations, each step's noise of the size
+            # the project's real loop shows (constants: loss_noise_per_token)
+            sd = value("loss_noise_per_token") / math.sqrt(batch * iterations / n)
             for i in range(n):
                 part = (i + 0.5) / n * tokens
-                noise = dyn.b_crit(dyn.advance(s, d, batch, part), d + part) / seq
-                driver.observe(iter_s, probe.read(strategy, noise), iterations / n)
+                s_part = dyn.advance(s, d, batch, part)
+                noise = dyn.b_crit(s_part, d + part) / seq / case.probe_bias
+                driver.observe(iter_s, probe.read(strategy, noise), iterations / n,
+                               case.loss(s_part) + sd * loss_rng.normal())
         s, t = s2, t + tokens / batch * iter_s
         result.points.append(SimPoint(d_next, t, case.loss(s), strategy.name))
         if len(result.hits) == len(case.goals):
@@ -255,8 +263,8 @@ class SessionDriver(Driver):
         super().bind(executor)
         self.session = self.make(executor)
 
-    def observe(self, seconds, stats, iterations) -> None:
-        self.session.observe(seconds, stats, iterations)
+    def observe(self, seconds, stats, iterations, loss) -> None:
+        self.session.observe(seconds, stats, iterations, loss=loss)
 
     def at_boundary(self, tokens: float) -> None:
         decision = self.session.decide(int(tokens), tokens=tokens)
@@ -270,7 +278,8 @@ def cona_session(case: SimCase, executor: SimExecutor, log_path=None) -> ConaSes
     table = {s: case.predicted(s) for s in case.candidates}
     config = SessionConfig(interval=1, base_batch=case.paper_batch, lr_rule="adascale",
                            noise_z=case.noise_z)
-    return ConaSession(case.candidates, CalibratedThroughput(TableThroughput(table)),
+    times = CalibratedThroughput(TableThroughput(table), prior_error=case.prediction_error)
+    return ConaSession(case.candidates, times,
                        SwitchPolicy(case.policy), GradientNoiseScale(0.5 ** (1 / READINGS)),
                        config, executor, DecisionLog(log_path))
 

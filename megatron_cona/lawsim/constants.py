@@ -2,8 +2,9 @@
 
 Values are the papers' own; nothing here is fitted to this project's results. ``kind`` says how
 a value enters: ``law`` (a fitted law), ``recipe`` (what a paper trained with), ``check`` (a
-published result the sanity checks compare against) or ``model`` (a modelling choice of this
-simulator, not a paper's figure, stated as such).
+published result the sanity checks compare against), ``measured`` (measured by this project
+on its own real loop, with the command) or ``model`` (a modelling choice of this simulator, not
+a paper's figure, stated as such).
 """
 
 from __future__ import annotations
@@ -61,6 +62,31 @@ CONSTANTS: dict[str, Constant] = {
                             "held-out MLM perplexity)", "recipe"),
     "bert_base_nonembedding_params": Constant(85e6, "params", "Devlin et al. 2019: BERT-base "
                                               "12 layers x 12 h^2, h = 768", "recipe"),
+    # OLMo-1B as measured by branched training (the noise-bias and plateau variants); the
+    # numbers as read from a summary of the paper ([secondary] in shared/notes/field.md)
+    "olmo_bcrit_anchor_tokens": Constant(
+        50e9, "tokens", "Merrill et al. 2025 (arXiv 2505.23971), OLMo-1B: critical batch "
+        "~2,048 documents after ~50B tokens [secondary]"),
+    "olmo_bcrit_anchor_docs": Constant(2048, "documents", "Merrill et al. 2025, OLMo-1B "
+                                       "[secondary]"),
+    "olmo_bcrit_plateau_docs": Constant(4096, "documents", "Merrill et al. 2025, OLMo-1B: "
+                                        "plateau near 4,096 documents (~16.8M tokens) from "
+                                        "~200-400B tokens [secondary]"),
+    "olmo_seq": Constant(4096, "tokens", "Merrill et al. 2025: 4,096 documents = ~16.8M "
+                         "tokens, i.e. 4,096-token documents [secondary]", "recipe"),
+    "noise_scale_bias_lo": Constant(10.0, "x", "Merrill et al. 2025: McCandlish's simple noise "
+                                    "scale (~5-50 sequences) lies 10-100x below the branched "
+                                    "critical batch [secondary]: the low end"),
+    "noise_scale_bias_hi": Constant(100.0, "x", "Merrill et al. 2025 [secondary]: the high "
+                                    "end"),
+    # the loss a controller reads is noisy: the per-step noise our real loop shows
+    "loss_noise_per_token": Constant(
+        3.7, "nats x sqrt(tokens)", "measured by this project (2026-12-04) on its real "
+        "Megatron-Core CPU loop: scripts/cona_cpu.py pretrain --nproc 1 (2 layers, hidden 64, "
+        "4 heads, seq 64, micro 8, global batch 16, lr 2e-3 constant, 300 iterations): the "
+        "training loss's residual around a local quadratic trend (21-step windows, iterations "
+        "60-290) has std 0.116 nats at 1,024 tokens per step; a step of T tokens is given "
+        "3.7 / sqrt(T) (tokens taken as independent)", "measured"),
     # sanity checks
     "bcrit_doubling_loss_drop": Constant(0.13, "fraction", "issue 34 from Kaplan Eq 5.3: "
                                          "B_crit doubles per ~13% loss decrease", "check"),

@@ -44,7 +44,9 @@ class SimOptions:
     pipeline: tuple[int, ...] = (1, 2)
     max_tp: int = 8
     batch_span: tuple[float, float] = (1 / 64, 4.0)  # global batches / the paper's batch
-    first_interval_batches: int = 16  # the first decision interval: this many largest batches
+    # the first decision after this many iterations at the paper's batch (a real job decides
+    # after its first --cona-interval); later intervals: max(that, growth x tokens seen)
+    first_interval_iterations: int = 2
     growth: float = 0.05  # later intervals: this fraction of the tokens seen
     end_factor: float = 8.0  # decision boundaries run to this x the compute-optimal tokens
     min_gain: float = 0.01
@@ -80,6 +82,7 @@ class World:
     predicted: Callable[[ParallelStrategy], float]
     paper_batch: int
     rejected: int
+    prediction_error: float  # the held-out relative error of CONA's time model here
 
 
 def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tuple[float, float]
@@ -113,7 +116,8 @@ def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tupl
     if paper not in {s.global_batch_size for s in kept}:
         raise LawError(f"{family} on {gpus} GPUs: no feasible candidate at the paper's batch "
                        f"{paper}")
-    return World(clock, PREDICTED, kept, times.iteration_time, paper, len(found.rejected))
+    # CONA's time model is the clock itself here: no prediction error (labelled everywhere)
+    return World(clock, PREDICTED, kept, times.iteration_time, paper, len(found.rejected), 0.0)
 
 
 def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
@@ -136,7 +140,8 @@ def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
     # the paper's 1M-token batch is beyond what vTrain measured: its largest batch instead
     paper = min(max(batches), round(value("gpt3_1p3b_batch_tokens") / GPT_1_3B.seq_length))
     predictor = HeldOutPredictor.train(GPT_1_3B, 8)
-    return World(clock, MEASURED, kept, predictor.iteration_time, paper, len(found.rejected))
+    return World(clock, MEASURED, kept, predictor.iteration_time, paper, len(found.rejected),
+                 predictor.held_out_mape / 100.0)
 
 
 def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: World
@@ -148,8 +153,8 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
     params = fam.spec.num_parameters()
     dyn = dynamics_for(variant, law, batch_tokens, params)
     far = value("tokens_per_param") * params
-    top = max(s.global_batch_size for s in world.candidates) * seq
-    bounds = boundaries(opts.first_interval_batches * top, opts.growth, opts.end_factor * far)
+    first = opts.first_interval_iterations * batch_tokens
+    bounds = boundaries(first, opts.growth, opts.end_factor * far)
     return SimCase(
         f"{family}/{gpus}gpu/{variant}", fam, gpus, variant, law, dyn, world.clock, world.label,
         world.candidates, world.predicted, world.paper_batch, bounds,
@@ -157,6 +162,7 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
         PolicyConfig(min_gain=opts.min_gain, horizon_intervals=opts.horizon,
                      patience=opts.patience, cooldown=opts.cooldown),
         opts.noise_z, opts.seed, rejected=world.rejected, exact_bound=opts.exact_bound,
+        prediction_error=world.prediction_error, probe_bias=VARIANTS[variant].probe_bias,
         extra={"device": opts.device,
                "cona_log": opts.out / f"cona_{family}_{gpus}gpu_{variant}_decisions.jsonl"})
 

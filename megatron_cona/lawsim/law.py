@@ -170,6 +170,7 @@ class DataCriticalBatch(CriticalBatch):
     law: ModelLaw
     anchor_tokens: float
     anchor_bcrit: float
+    plateau: float = math.inf  # B_crit stops growing here (tokens)
     points: int = 40000
     _grid: np.ndarray = field(init=False, repr=False)
     _tables: dict = field(default_factory=dict, init=False, repr=False)
@@ -185,11 +186,13 @@ class DataCriticalBatch(CriticalBatch):
         return value("crit_batch_data_exponent")
 
     def b_crit(self, s: float, d: float) -> float:
-        return self.anchor_bcrit * (max(d, 0.0) / self.anchor_tokens) ** self.exponent
+        return min(self.plateau,
+                   self.anchor_bcrit * (max(d, 0.0) / self.anchor_tokens) ** self.exponent)
 
     def _table(self, batch: float) -> np.ndarray:
         if batch not in self._tables:
-            bc = self.anchor_bcrit * (self._grid / self.anchor_tokens) ** self.exponent
+            bc = np.minimum(self.plateau, self.anchor_bcrit
+                            * (self._grid / self.anchor_tokens) ** self.exponent)
             self._tables[batch] = _cumulative(self._grid, 1.0 / (batch + bc))
         return self._tables[batch]
 
@@ -210,11 +213,23 @@ class DataCriticalBatch(CriticalBatch):
 # ------------------------------------------------------------------------ the law variants
 
 LawFactory = Callable[[ModelLaw, Callable[[CriticalBatch], tuple[float, float]]], CriticalBatch]
-VARIANTS: dict[str, tuple[str, LawFactory]] = {}
 
 
-def register_variant(name: str, doc: str, factory: LawFactory) -> None:
-    VARIANTS[name] = (doc, factory)
+@dataclass(frozen=True)
+class Variant:
+    """A registered law: its critical-batch dynamics and how far the probe's noise scale sits
+    below the critical batch (``probe_bias`` k: the probe reads ``B_crit / k``)."""
+
+    doc: str
+    factory: LawFactory
+    probe_bias: float = 1.0
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(name: str, doc: str, factory: LawFactory, probe_bias: float = 1.0) -> None:
+    VARIANTS[name] = Variant(doc, factory, probe_bias)
 
 
 def make_law(variant: str, law: ModelLaw,
@@ -224,15 +239,22 @@ def make_law(variant: str, law: ModelLaw,
     if variant not in VARIANTS:
         raise LawError(f"law variant {variant!r} is unknown; choose one of "
                        f"{', '.join(VARIANTS)}")
-    return VARIANTS[variant][1](law, anchor)
+    return VARIANTS[variant].factory(law, anchor)
 
 
-register_variant("kaplan", "B_crit(L) = B*/L^(1/a_B), Kaplan's B*",
-                 lambda law, anchor: LossCriticalBatch(law, law.b_star))
+def _kaplan(law: ModelLaw, anchor) -> CriticalBatch:
+    return LossCriticalBatch(law, law.b_star)
+
+
+register_variant("kaplan", "B_crit(L) = B*/L^(1/a_B), Kaplan's B*", _kaplan)
 register_variant("bstar_x0.5", "Kaplan's form, B* x 0.5",
                  lambda law, anchor: LossCriticalBatch(law, 0.5 * law.b_star))
 register_variant("bstar_x2", "Kaplan's form, B* x 2",
                  lambda law, anchor: LossCriticalBatch(law, 2.0 * law.b_star))
+for _k in ("noise_scale_bias_lo", "noise_scale_bias_hi"):
+    register_variant(f"noise_k{value(_k):g}", f"Kaplan's law, the probe reading B_crit / "
+                     f"{value(_k):g} (Merrill et al. 2025's OLMo gap)", _kaplan,
+                     probe_bias=value(_k))
 
 
 def _data_law(law: ModelLaw, anchor) -> CriticalBatch:
@@ -242,3 +264,14 @@ def _data_law(law: ModelLaw, anchor) -> CriticalBatch:
 
 register_variant("data_d0.47", "B_crit ~ D^0.47, equal to Kaplan's where the paper's batch "
                  "reaches the compute-optimal data", _data_law)
+
+
+def _olmo_plateau(law: ModelLaw, anchor) -> CriticalBatch:
+    seq = value("olmo_seq")
+    return DataCriticalBatch(law, value("olmo_bcrit_anchor_tokens"),
+                             value("olmo_bcrit_anchor_docs") * seq,
+                             plateau=value("olmo_bcrit_plateau_docs") * seq)
+
+
+register_variant("plateau", "OLMo-1B's measured B_crit (Merrill et al. 2025): ~D^0.47 through "
+                 "2,048 documents at 50B tokens, flat at 4,096 documents", _olmo_plateau)

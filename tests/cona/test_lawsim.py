@@ -42,7 +42,8 @@ def test_constants_table_holds_the_cited_values_with_sources():
         assert const.value == pytest.approx(want), name
         assert all(w in const.source for w in words), (name, const.source)
     for name, const in CONSTANTS.items():
-        assert const.source and const.kind in ("law", "recipe", "check", "model"), name
+        assert const.source and const.kind in ("law", "recipe", "check", "model", "measured"), \
+            name
     with pytest.raises(KeyError, match="'nope' is not in the lawsim constants table"):
         value("nope")
 
@@ -121,7 +122,8 @@ def test_exact_dp_equals_brute_force_and_relaxation_is_below(seed, kind):
 
 
 @pytest.mark.parametrize("strategy", [ParallelStrategy(4, 1, 1, 2, 64),
-                                      ParallelStrategy(1, 4, 1, 2, 16)])
+                                      ParallelStrategy(1, 4, 1, 2, 16),
+                                      ParallelStrategy(1, 2, 2, 2, 16)])
 def test_probe_readings_are_unbiased_for_b_noise(strategy):
     """Averaged over many iterations the unbiased estimators give |G|^2 = 1 and tr(S) =
     B_noise, whatever replicas or micro-batches carry the small batch."""
@@ -143,8 +145,11 @@ def test_probe_readings_are_unbiased_for_b_noise(strategy):
 
 def test_probe_reads_nothing_where_the_runtime_measures_nothing():
     probe = SimulatedProbe(np.random.default_rng(0), 100)
-    assert probe.read(ParallelStrategy(1, 2, 2, 1, 8), 10.0) is None  # PP > 1, one replica
     assert probe.read(ParallelStrategy(1, 4, 1, 4, 4), 10.0) is None  # one micro-batch
+    assert probe.read(ParallelStrategy(1, 2, 2, 4, 4), 10.0) is None  # and PP > 1
+    # PP > 1 with >= 2 micro-batches reads the first micro-batch, as the runtime's stages do
+    stats = probe.read(ParallelStrategy(1, 2, 2, 1, 8), 10.0)
+    assert stats.first_microbatch_sq_norm is not None and stats.sample().small_batch == 1
     with pytest.raises(ValueError, match="noise_scale=nan"):
         probe.read(ParallelStrategy(2, 2, 1, 1, 4), math.nan)
 
@@ -222,9 +227,9 @@ def test_cona_sees_readings_and_clock_never_the_law(monkeypatch):
     received = []
     real_observe = ConaSession.observe
 
-    def spy(self, seconds, stats=None, iterations=1.0):
-        received.append((seconds, stats, iterations))
-        return real_observe(self, seconds, stats, iterations)
+    def spy(self, seconds, stats=None, iterations=1.0, loss=None):
+        received.append((seconds, stats, iterations, loss))
+        return real_observe(self, seconds, stats, iterations, loss)
 
     monkeypatch.setattr(ConaSession, "observe", spy)
     sessions = []
@@ -234,7 +239,7 @@ def test_cona_sees_readings_and_clock_never_the_law(monkeypatch):
     result = chains.run_cona(case)[0]
     assert received and sessions and result.hits  # it ran, read the probe, reached targets
     assert all(isinstance(st, (GradStats, type(None))) and isinstance(sec, float)
-               for sec, st, _ in received)
+               and isinstance(loss, float) for sec, st, _, loss in received)
     leaked = [o for o in _reachable(sessions[0]) if isinstance(o, (CriticalBatch, ModelLaw))]
     assert leaked == []
     # the readings carry the noise scale only through the norms a probe reports

@@ -127,10 +127,19 @@ def test_predicted_candidate_must_beat_its_uncertainty():
     assert policy.decide(2, cur, [sure, cur], interval_s=100.0).switch
 
 
-def test_uncertainty_is_the_calibration_spread():
-    times = CalibratedThroughput(Linear())
-    assert times.uncertainty(B) == 0.1  # prior until two strategies were measured
+def test_uncertainty_is_the_prior_then_the_calibration_spread_without_a_floor():
+    times = CalibratedThroughput(Linear(), prior_error=0.07)
+    assert times.uncertainty(B) == 0.07  # the predictor's held-out error until 3 measured
     times.record(A, 0.06)  # 2x the prediction
     times.record(C, 0.05)  # 1x the prediction
+    assert times.uncertainty(B) == 0.07
     assert times.uncertainty(A) == 0.0
-    assert times.uncertainty(B) == pytest.approx(np.expm1(np.std(np.log([2.0, 1.0]), ddof=1)))
+    d = ParallelStrategy.parse("dp4tp1pp1mb1gb16")
+    times.record(d, 0.05 * 1.5)  # 1.5x
+    ratios = [times.measured[s] / times.predicted(s) for s in (A, C, d)]
+    assert times.uncertainty(B) == pytest.approx(np.expm1(np.std(np.log(ratios), ddof=1)))
+    # an exact predictor calibrates to no uncertainty (no fixed floor)
+    exact = CalibratedThroughput(Linear(), prior_error=0.07)
+    for s in (A, C, d):
+        exact.record(s, exact.predicted(s))
+    assert exact.uncertainty(B) == pytest.approx(0.0, abs=1e-12)

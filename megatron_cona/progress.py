@@ -1,0 +1,191 @@
+"""Did a batch switch pay? Loss progress per second measured before and after it, checked
+against what the noise scale predicted -- and what the comparison says about the noise scale.
+
+Progress per second is throughput x statistical efficiency (McCandlish et al. 2018; Pollux's
+goodput). Across a change of global batch from ``B_a`` to ``B_b`` the throughput of both sides
+is measured, so the observed ratio of progress rates measures the efficiency ratio
+``e = (phi + B_a) / (phi + B_b)`` and hence the noise scale the training really has:
+``phi = (B_a - e B_b) / (e - 1)``. The probe's noise scale can be biased: on OLMo, Merrill et al.
+2025 found McCandlish's simple estimate 10-100x below the critical batch that branched training
+measures. :class:`ProgressMonitor` keeps the bias as a geometric running mean over confident
+comparisons (the session multiplies the probe's estimate by it), and says when a switch lost
+progress beyond the readings' noise so that the session rolls it back and remembers it.
+
+Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so the rate the old
+strategy would have had after the switch is extrapolated from its last two intervals (a power
+law in training time); loss readings are unbiased with independent noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictors.spec import ParallelStrategy
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Loss decrease per second over one interval on one strategy (least squares over its
+    readings), with its standard error, at the interval's mid time."""
+
+    strategy: ParallelStrategy
+    value: float
+    stderr: float
+    mid_time: float
+    mid_loss: float  # the loss level the rate belongs to (mean of the readings)
+    seconds_per_sample: float  # measured: the throughput side of the ratio
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The comparison across one batch switch."""
+
+    old: ParallelStrategy
+    new: ParallelStrategy
+    observed: float  # progress-rate ratio new / old (the old one extrapolated)
+    stderr: float
+    efficiency_ratio: float  # observed / throughput ratio
+    noise_scale: float  # the phi the comparison implies (nan: not identifiable)
+    paid: bool
+    rollback: bool
+    confident: bool  # consistent with the efficiency model and precise enough to act on
+
+
+def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float]:
+    """The loss decrease per second at the readings' mean time, and its standard error:
+    least squares of a quadratic in time (a line with fewer than five readings), so that a
+    curve's bend within an interval is not mistaken for noise; (nan, inf) with fewer than
+    three readings."""
+    n = len(times)
+    if n < 3:
+        return math.nan, math.inf
+    t = np.asarray(times, dtype=float)
+    t = t - t.mean()
+    if not np.ptp(t) > 0:
+        return math.nan, math.inf
+    degree = 2 if n >= 5 else 1
+    x = np.vander(t / np.abs(t).max(), degree + 1)  # columns t^2, t, 1 (scaled)
+    coef, _, _, _ = np.linalg.lstsq(x, np.asarray(losses, dtype=float), rcond=None)
+    resid = np.asarray(losses) - x @ coef
+    cov = np.linalg.pinv(x.T @ x) * float(resid @ resid) / (n - degree - 1)
+    scale = np.abs(t).max()
+    return float(-coef[-2] / scale), float(math.sqrt(max(cov[-2, -2], 0.0)) / scale)
+
+
+def implied_noise_scale(efficiency_ratio: float, batch_old: float, batch_new: float) -> float:
+    """``phi`` with ``(phi + B_old) / (phi + B_new) = e``; nan where ``e`` is outside the open
+    range the model allows (between 1 and ``B_old / B_new``)."""
+    e, lo, hi = efficiency_ratio, min(1.0, batch_old / batch_new), max(1.0, batch_old / batch_new)
+    if not lo < e < hi:
+        return math.nan
+    return (batch_old - e * batch_new) / (e - 1.0)
+
+
+@dataclass
+class ProgressMonitor:
+    """Per-interval progress rates; a verdict on each batch switch; the probe's bias."""
+
+    z: float = 2.0  # standard errors a rollback needs (and a calibration must be within)
+    max_relative_error: float = 0.25  # comparisons noisier than this teach nothing
+    # prior on the probe's bias k (phi_true = k phi_probe): log-normal around 1 with this sd
+    # of ln k; ln 10 puts Merrill et al.'s 10-100x gap at one to two standard deviations
+    prior_sd: float = math.log(10.0)
+    calibrated_sd: float = math.log(2.0) / 2  # the bias counts as measured below this sd
+    _times: list[float] = field(default_factory=list)
+    _losses: list[float] = field(default_factory=list)
+    _seconds: float = 0.0
+    _samples: float = 0.0
+    rates: list[Rate] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    _evidence: list[tuple[float, float, float, float, float, float]] = field(
+        default_factory=list)  # (throughput ratio, B_old, B_new, probe phi, ratio, stderr)
+    _posterior: tuple[float, float] = (0.0, math.log(10.0))  # mean, sd of ln k
+
+    def observe(self, elapsed: float, loss: float, seconds: float, samples: float) -> None:
+        """A loss reading at ``elapsed`` training seconds; ``seconds`` and ``samples`` the
+        training time and samples the reading stands for."""
+        if math.isfinite(loss):
+            self._times.append(elapsed)
+            self._losses.append(loss)
+        self._seconds += seconds
+        self._samples += samples
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether measured progress has pinned the probe's bias down (posterior sd)."""
+        return self._posterior[1] < self.calibrated_sd
+
+    @property
+    def bias(self) -> float:
+        """The factor the probe's noise scale is multiplied by: the posterior mean of ln k
+        given every comparison so far (1 before any)."""
+        return math.exp(self._posterior[0])
+
+    def _update_posterior(self) -> None:
+        """ln k on a grid: the log-normal prior times each comparison's Gaussian likelihood of
+        its observed progress ratio under ``throughput x (k phi + B_old) / (k phi + B_new)``."""
+        grid = np.linspace(math.log(1e-2), math.log(1e4), 601)
+        log_post = -0.5 * (grid / self.prior_sd) ** 2
+        k = np.exp(grid)
+        for throughput, b_old, b_new, phi, observed, stderr in self._evidence:
+            predicted = throughput * (k * phi + b_old) / (k * phi + b_new)
+            log_post -= 0.5 * ((observed - predicted) / stderr) ** 2
+        w = np.exp(log_post - log_post.max())
+        w /= w.sum()
+        mean = float((w * grid).sum())
+        self._posterior = (mean, float(math.sqrt(max((w * (grid - mean) ** 2).sum(), 0.0))))
+
+    def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
+        """The interval's rate on ``strategy`` (None without enough readings); starts the
+        next interval."""
+        value, stderr = fit_rate(self._times, self._losses)
+        rate = None
+        if math.isfinite(value) and self._samples > 0:
+            rate = Rate(strategy, value, stderr, (self._times[0] + self._times[-1]) / 2,
+                        sum(self._losses) / len(self._losses), self._seconds / self._samples)
+            self.rates.append(rate)
+        self._times, self._losses, self._seconds, self._samples = [], [], 0.0, 0.0
+        return rate
+
+    def judge(self, old: ParallelStrategy, new: ParallelStrategy, probe_phi: float
+              ) -> Verdict | None:
+        """After one interval on ``new`` (batch switch from ``old``): did it pay? Needs the
+        last interval on ``new`` and the two before it on ``old`` (the old rate's trend: early
+        in training the rate falls fast, and a comparison without it would blame the switch)."""
+        if len(self.rates) < 3:
+            return None
+        a2, a1, b = self.rates[-3:]
+        if (a2.strategy, a1.strategy, b.strategy) != (old, old, new) or \
+                min(a2.value, a1.value, b.value) <= 0 or not a2.mid_loss > a1.mid_loss:
+            return None
+        # the old strategy's rate at the loss level the new one reached: log-rate linear in the
+        # loss through its two last intervals (the rate falls as the loss does). Comparing at
+        # equal loss, not equal time: a faster strategy reaches lower losses sooner, and a
+        # time extrapolation would charge it the old one's slowdown at those losses.
+        slope = max(0.0, math.log(a2.value / a1.value) / (a2.mid_loss - a1.mid_loss))
+        expected = a1.value * math.exp(slope * (b.mid_loss - a1.mid_loss))
+        observed = b.value / expected
+        rel = math.sqrt(sum((r.stderr / r.value) ** 2 for r in (a2, a1, b)))
+        stderr = observed * rel
+        throughput = a1.seconds_per_sample / b.seconds_per_sample
+        efficiency = observed / throughput
+        # the efficiency ratio a change of batch can give lies between 1 and B_old / B_new;
+        # a reading outside (beyond its noise) says the comparison itself failed: no verdict
+        ratio = old.global_batch_size / new.global_batch_size
+        slack = self.z * efficiency * rel
+        consistent = min(1.0, ratio) - slack <= efficiency <= max(1.0, ratio) + slack
+        phi = implied_noise_scale(efficiency, old.global_batch_size, new.global_batch_size)
+        confident = consistent and rel <= self.max_relative_error
+        paid = observed >= 1.0 - self.z * stderr
+        verdict = Verdict(old, new, observed, stderr, efficiency, phi, paid,
+                          rollback=confident and not paid, confident=confident)
+        if consistent and probe_phi > 0:
+            # a noiseless comparison (a test's) still gets a finite likelihood
+            self._evidence.append((throughput, old.global_batch_size, new.global_batch_size,
+                                   probe_phi, observed, max(stderr, 1e-3 * observed)))
+            self._update_posterior()
+        self.verdicts.append(verdict)
+        return verdict

@@ -1,0 +1,140 @@
+"""The progress check of batch switches (megatron_cona.progress) and the session's use of it:
+scripted loss readings on known dynamics, so every expected number follows from the law."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_cona.executor import SingleProcessExecutor, SwitchOutcome
+from megatron_cona.gns import GradientNoiseScale, measures_noise
+from megatron_cona.goodput import CalibratedThroughput
+from megatron_cona.policy import PolicyConfig, SwitchPolicy
+from megatron_cona.progress import ProgressMonitor, fit_rate, implied_noise_scale
+from megatron_cona.session import ConaSession, SessionConfig
+from megatron_cona.ttp.clock import TableThroughput
+from predictors.spec import ParallelStrategy
+
+P = ParallelStrategy.parse
+
+
+def test_fit_rate_recovers_a_slope_and_its_error():
+    rng = np.random.default_rng(0)
+    t = np.linspace(0, 10, 200)
+    loss = 5.0 - 0.3 * t + rng.normal(0, 0.05, t.size)
+    rate, se = fit_rate(list(t), list(loss))
+    assert abs(rate - 0.3) < 4 * se and 0 < se < 0.01
+    assert math.isnan(fit_rate([0.0, 1.0], [1.0, 0.9])[0])
+
+
+def test_implied_noise_scale_inverts_the_efficiency_ratio():
+    phi, b_old, b_new = 300.0, 64, 16
+    e = (phi + b_old) / (phi + b_new)
+    assert implied_noise_scale(e, b_old, b_new) == pytest.approx(phi)
+    assert implied_noise_scale(e * 10, b_old, b_new) != implied_noise_scale(e * 10, b_old, b_new)
+
+
+def _feed(monitor, strategy, rate_at, t0, t1, seconds_per_sample, n=40, noise=0.0, rng=None):
+    """Readings of a loss falling at ``rate_at(t)`` per second between t0 and t1."""
+    ts = np.linspace(t0, t1, n)
+    loss = 10.0 - np.array([rate_at(t) for t in ts]) * ts
+    if noise:
+        loss = loss + rng.normal(0, noise, n)
+    for t, v in zip(ts, loss, strict=True):
+        monitor.observe(float(t), float(v), (t1 - t0) / n, (t1 - t0) / n / seconds_per_sample)
+    return monitor.close_interval(strategy)
+
+
+def test_a_switch_that_lost_progress_is_rolled_back_and_teaches_the_bias():
+    """Old batch 64 at 1 s/sample-unit, new batch 16 twice as fast per sample but the true
+    noise scale is 300 (the probe said 3: bias 100): efficiency (300+64)/(300+16) = 1.152, so
+    progress per second is 1.152 x 0.5 of the old one's -- the switch lost."""
+    old, new = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb1gb16")
+    m = ProgressMonitor()
+    _feed(m, old, lambda t: 0.01, 0, 100, 1.0)
+    _feed(m, old, lambda t: 0.01, 100, 200, 1.0)
+    e = (300 + 64) / (300 + 16)
+    _feed(m, new, lambda t: 0.01 * 0.5 * e, 200, 300, 2.0)
+    v = m.judge(old, new, probe_phi=3.0)
+    assert v.rollback and not v.paid
+    assert v.observed == pytest.approx(0.5 * e, rel=1e-6)
+    assert v.noise_scale == pytest.approx(300, rel=1e-3)
+    assert m.bias == pytest.approx(100, rel=0.05) and m.calibrated
+
+
+def test_a_switch_as_predicted_is_kept_and_leaves_the_bias_near_one():
+    """Batch 64 -> 128 at 1.6x the throughput per sample with the probe's phi = 50 right:
+    progress x 1.6 (50+64)/(50+128) = 1.02, read through noisy losses."""
+    rng = np.random.default_rng(1)
+    old, new = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb4gb128")
+    m = ProgressMonitor()
+    for k in range(2):
+        _feed(m, old, lambda t: 0.01, 100 * k, 100 * (k + 1), 1.0, noise=0.02, rng=rng)
+    _feed(m, new, lambda t: 0.01 * 1.6 * 114 / 178, 200, 300, 1 / 1.6, noise=0.02, rng=rng)
+    v = m.judge(old, new, probe_phi=50.0)
+    assert v.paid and not v.rollback
+    assert 0.3 < m.bias < 3
+
+
+class _Exec(SingleProcessExecutor):
+    def switch(self, target):
+        self._strategy = target
+        return SwitchOutcome(True, 0.0, moved_tensors=False)
+
+    def set_lr_scale(self, scale):
+        self.lr_scale = scale
+
+
+def _session(candidates, times, **config):
+    table = {s: times[s] for s in candidates}
+    return ConaSession(candidates, CalibratedThroughput(TableThroughput(table), prior_error=0.0),
+                       SwitchPolicy(PolicyConfig(min_gain=0.01, patience=1, cooldown=0)),
+                       GradientNoiseScale(0.9), SessionConfig(interval=1, base_batch=64,
+                                                              lr_rule="adascale", **config),
+                       _Exec(candidates[0]))
+
+
+def test_session_rolls_back_a_switch_that_did_not_pay_and_does_not_retry_it():
+    """Scripted readings: the probe's noise scale says 3, so batch 16 (half the throughput of
+    batch 64) looks 1.8x better; the true noise scale is 300, so progress per second on batch
+    16 is 0.5 x (300+64)/(300+16) = 0.58 of batch 64's: the session rolls back, learns the
+    probe's bias from the comparison and does not try batch 16 again."""
+    from megatron_cona.gns import GradStats
+
+    big, small = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb1gb16")
+    secs = {big: 1.0, small: 0.5}
+    s = _session([big, small], secs, explore_after=0)
+
+    def stats(batch):  # replicas reading phi = 3 exactly: |G|^2 = 1, tr(S) = 3
+        local = batch // 4
+        return GradStats([1 + 3 / local] * 4, local, 1 + 3 / batch, batch)
+
+    rate = {big: 0.01, small: 0.01 * 0.5 * (300 + 64) / (300 + 16)}
+    t, loss, path = 0.0, 10.0, []
+    for k in range(7):
+        now = s.executor.strategy
+        for _ in range(20):
+            t += secs[now]
+            loss -= rate[now] * secs[now]
+            # no probe reading in the first two intervals: the old rate's trend is measured
+            s.observe(secs[now], stats(now.global_batch_size) if k >= 2 else None, loss=loss)
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+    assert path[:2] == [big, big]
+    assert path[2] == small  # the probe's estimate sent it there
+    assert path[3] == big  # the progress check brought it back
+    assert all(p == big for p in path[4:])
+    v = s.progress.verdicts[0]
+    assert v.rollback and v.noise_scale == pytest.approx(300, rel=1e-3)
+    assert s.progress.bias == pytest.approx(100, rel=0.05) and small in s.tried
+
+
+def test_blind_layouts_wait_for_a_converged_estimate():
+    assert not measures_noise(1, 1) and measures_noise(1, 2) and measures_noise(2, 1)
+    run, blind = P("dp2tp1pp1mb2gb8"), P("dp1tp1pp2mb4gb4")
+    assert not measures_noise(blind.dp, blind.num_microbatches)
+    s = _session([run, blind], {run: 1.0, blind: 0.1})
+    s.act(0, s.decide(0))  # no estimate at all: the blind layout is not open
+    assert s.executor.strategy == run
