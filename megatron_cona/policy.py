@@ -117,13 +117,21 @@ class SwitchPolicy:
         noise_scale: float = math.nan,
         gain_low: float = math.nan,
         must_leave: str | None = None,
+        hold: str | None = None,
     ) -> Decision:
         """``ranking`` best first; ``interval_s`` the running strategy's time per interval;
         ``gain_low`` the best candidate's gain at the pessimistic end of the noise scale's
         measured uncertainty (nan: none measured): the switch must win there too.
         ``must_leave``: why the running strategy has to be left now (the best of ``ranking``
-        is taken whatever its gain, cooldown and patience aside)."""
+        is taken whatever its gain, cooldown and patience aside). ``hold``: why the running
+        strategy must be kept now (no switch, whatever the ranking)."""
         cfg = self.config
+        if hold:
+            self._streak = 0
+            self._since_switch += 1
+            return Decision(iteration, current, current, 0.0, 0.0, math.inf,
+                            cfg.horizon_intervals * interval_s, 0, False, hold, noise_scale,
+                            tuple(ranking[:5]))
         if must_leave and ranking:
             self._streak, self._since_switch = 0, 0
             best = ranking[0]

@@ -37,6 +37,7 @@ class Rate:
     mid_time: float
     mid_loss: float  # the loss level the rate belongs to (mean of the readings)
     seconds_per_sample: float  # measured: the throughput side of the ratio
+    readings: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # (times, losses)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class ProgressMonitor:
     _evidence: list[tuple[float, float, float, float, float, float]] = field(
         default_factory=list)  # (throughput ratio, B_old, B_new, probe phi, ratio, stderr)
     _posterior: tuple[float, float] = (0.0, math.log(10.0))  # mean, sd of ln k
+    _pending: tuple[float, float, float, float, float, float] | None = None
 
     def observe(self, elapsed: float, loss: float, seconds: float, samples: float) -> None:
         """A loss reading at ``elapsed`` training seconds; ``seconds`` and ``samples`` the
@@ -145,21 +147,28 @@ class ProgressMonitor:
         rate = None
         if math.isfinite(value) and self._samples > 0:
             rate = Rate(strategy, value, stderr, (self._times[0] + self._times[-1]) / 2,
-                        sum(self._losses) / len(self._losses), self._seconds / self._samples)
+                        sum(self._losses) / len(self._losses), self._seconds / self._samples,
+                        (tuple(self._times), tuple(self._losses)))
             self.rates.append(rate)
         self._times, self._losses, self._seconds, self._samples = [], [], 0.0, 0.0
         return rate
 
-    def judge(self, old: ParallelStrategy, new: ParallelStrategy, probe_phi: float
-              ) -> Verdict | None:
-        """After one interval on ``new`` (batch switch from ``old``): did it pay? Needs the
-        last interval on ``new`` and the two before it on ``old`` (the old rate's trend: early
-        in training the rate falls fast, and a comparison without it would blame the switch)."""
-        if len(self.rates) < 3:
+    def judge(self, old: ParallelStrategy, new: ParallelStrategy, probe_phi: float,
+              intervals: int = 1) -> Verdict | None:
+        """After ``intervals`` intervals on ``new`` (a batch switch from ``old``): did it pay?
+        Their readings are pooled into one rate; the two intervals before them on ``old`` give
+        the old rate's trend (early in training the rate falls fast, and a comparison without
+        it would blame the switch). The evidence about the probe's bias is counted once per
+        switch: call with growing ``intervals`` and only the final verdict's counts
+        (``learn``)."""
+        if len(self.rates) < intervals + 2:
             return None
-        a2, a1, b = self.rates[-3:]
-        if (a2.strategy, a1.strategy, b.strategy) != (old, old, new) or \
-                min(a2.value, a1.value, b.value) <= 0 or not a2.mid_loss > a1.mid_loss:
+        a2, a1 = self.rates[-intervals - 2:-intervals]
+        news = self.rates[-intervals:]
+        if (a2.strategy, a1.strategy) != (old, old) or any(r.strategy != new for r in news):
+            return None
+        b = news[0] if intervals == 1 else self._pooled(news)
+        if b is None or min(a2.value, a1.value, b.value) <= 0 or not a2.mid_loss > a1.mid_loss:
             return None
         # the old strategy's rate at the loss level the new one reached: log-rate linear in the
         # loss through its two last intervals (the rate falls as the loss does). Comparing at
@@ -182,10 +191,30 @@ class ProgressMonitor:
         paid = observed >= 1.0 - self.z * stderr
         verdict = Verdict(old, new, observed, stderr, efficiency, phi, paid,
                           rollback=confident and not paid, confident=confident)
+        self._pending = None
         if consistent and probe_phi > 0:
             # a noiseless comparison (a test's) still gets a finite likelihood
-            self._evidence.append((throughput, old.global_batch_size, new.global_batch_size,
-                                   probe_phi, observed, max(stderr, 1e-3 * observed)))
-            self._update_posterior()
-        self.verdicts.append(verdict)
+            self._pending = (throughput, old.global_batch_size, new.global_batch_size,
+                             probe_phi, observed, max(stderr, 1e-3 * observed))
         return verdict
+
+    def learn(self, verdict: Verdict) -> None:
+        """Keep ``verdict`` (the last :meth:`judge` result) and count its evidence about the
+        probe's bias."""
+        self.verdicts.append(verdict)
+        if self._pending is not None:
+            self._evidence.append(self._pending)
+            self._pending = None
+            self._update_posterior()
+
+    @staticmethod
+    def _pooled(rates: list[Rate]) -> Rate | None:
+        times = [t for r in rates for t in r.readings[0]]
+        losses = [v for r in rates for v in r.readings[1]]
+        value, stderr = fit_rate(times, losses)
+        if not math.isfinite(value):
+            return None
+        weight = [len(r.readings[0]) for r in rates]
+        per = sum(r.seconds_per_sample * w for r, w in zip(rates, weight, strict=True))
+        return Rate(rates[0].strategy, value, stderr, (times[0] + times[-1]) / 2,
+                    sum(losses) / len(losses), per / sum(weight), (tuple(times), tuple(losses)))

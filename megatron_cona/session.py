@@ -47,6 +47,7 @@ from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 log = logging.getLogger("megatron_cona.session")
+EXPERIMENT = "the probe's noise scale is not yet checked against measured progress"
 
 
 @dataclass
@@ -70,6 +71,7 @@ class SessionConfig:
     # probe's noise scale may sit 10-100x below the critical batch: Merrill et al. 2025), the
     # wait doubling after every experiment; 0: never
     explore_after: int = 4
+    judge_intervals: int = 4  # an experiment runs at most this many intervals
 
     def batch_lr(self) -> BatchLR:
         """The LR rule as multipliers of the base batch's LR."""
@@ -121,7 +123,8 @@ class ConaSession:
         self._blind_rankings = 0  # rankings made in a row on a layout blind to the noise scale
         self.progress = ProgressMonitor()
         self._elapsed = 0.0  # training seconds observed
-        self._judging: tuple[ParallelStrategy, ParallelStrategy] | None = None
+        # the batch switch being judged: (old, new, experiment, intervals on new so far)
+        self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
         self._same_batch = 0  # rankings in a row on the running global batch
         self._explore_wait = config.explore_after  # doubles after every experiment
@@ -204,26 +207,35 @@ class ConaSession:
                           "on a blind layout (DP = 1, one micro-batch): leaving to re-measure")
         return pool + ([strategy] if blind else []), None
 
-    def _check_last_switch(self, strategy: ParallelStrategy) -> Verdict | None:
-        """Close the interval's progress rate; after one interval on a new global batch, judge
-        the switch (it updates the noise-scale bias); a verdict to roll back is remembered."""
+    def _check_last_switch(self, strategy: ParallelStrategy) -> tuple[Verdict | None, bool]:
+        """Close the interval's progress rate; judge the last batch switch on the intervals
+        since it (it updates the noise-scale bias); a verdict to roll back is remembered. An
+        experiment is held (True) until its verdict is confident or ``judge_intervals`` passed;
+        an ordinary switch is judged on its first interval."""
         self.progress.close_interval(strategy)
         if not self.config.confirm or self._judging is None:
-            return None
-        old, new = self._judging
+            return None, False
+        old, new, experiment, seen = self._judging
+        seen += 1
+        verdict = self.progress.judge(old, new, self.gns.noise_scale, seen)
+        if experiment and seen < self.config.judge_intervals and (
+                verdict is None or not verdict.confident):
+            self._judging = (old, new, experiment, seen)
+            return None, True
         self._judging = None
-        verdict = self.progress.judge(old, new, self.gns.noise_scale)
-        if verdict is not None:
-            log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's, "
-                     "efficiency ratio %.3f, implied noise scale %.4g, probe bias now x%.3g%s",
-                     old.name, new.name, verdict.observed, verdict.stderr,
-                     verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
-                     ": rolled back" if verdict.rollback else "")
-        if verdict is not None and verdict.rollback:
+        if verdict is None:
+            return None, False
+        self.progress.learn(verdict)
+        log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
+                 "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
+                 "x%.3g%s", old.name, new.name, verdict.observed, verdict.stderr, seen,
+                 verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
+                 ": rolled back" if verdict.rollback else "")
+        if verdict.rollback:
             self.tried[new] = self.noise_scale
-        elif verdict is not None and verdict.confident and verdict.observed >= 1.0:
+        elif verdict.confident and verdict.observed >= 1.0:
             self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
-        return verdict
+        return verdict, False
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
         """The estimates to try for one interval when the probe's bias is still unmeasured
@@ -242,12 +254,14 @@ class ConaSession:
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
         strategy = self.executor.strategy
-        verdict = self._check_last_switch(strategy)
+        verdict, hold = self._check_last_switch(strategy)
         phi = self.noise_scale
         pool, must_leave = self._pool(strategy)
         ranking = rank(pool, self.times, phi, self.config.base_batch,
                        lambda s: self._efficiency_lr_scale(s, phi))
-        if verdict is not None and verdict.rollback:
+        if hold:
+            must_leave = None
+        elif verdict is not None and verdict.rollback:
             must_leave = (f"switch {verdict.old.name} -> {strategy.name} lost progress "
                           f"(x{verdict.observed:.3f} +- {verdict.stderr:.3f} of the old "
                           "strategy's rate): rolled back")
@@ -256,16 +270,17 @@ class ConaSession:
         elif must_leave:
             ranking = [e for e in ranking if e.strategy != strategy]
         elif experiment := self._experiment(strategy, ranking):
-            must_leave = (f"the probe's noise scale is not yet checked against measured "
-                          f"progress: trying {experiment[0].strategy.name} for one interval")
+            must_leave = (f"{EXPERIMENT}: trying {experiment[0].strategy.name} until measured "
+                          "progress says whether it pays")
             ranking = experiment
         current = self.current_estimate(strategy, uncertainty=0.0)
         # training time since the last ranking: the policy's horizon is counted in these
         interval_s = self._interval_time or (self.times.iteration_time(strategy)
                                              * self.config.interval)
         low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
-        decision = self.policy.decide(iteration, current, ranking, interval_s, phi, low,
-                                      must_leave=must_leave)
+        decision = self.policy.decide(
+            iteration, current, ranking, interval_s, phi, low, must_leave=must_leave,
+            hold="an experiment is still measuring whether its batch pays" if hold else None)
         self._interval_time = 0.0
         self._same_batch = 0 if decision.target.global_batch_size != \
             strategy.global_batch_size else self._same_batch + 1
@@ -295,7 +310,7 @@ class ConaSession:
             return outcome
         self.policy.costs.record(old, target, outcome.seconds)
         if old.global_batch_size != target.global_batch_size:
-            self._judging = (old, target)
+            self._judging = (old, target, decision.reason.startswith(EXPERIMENT), 0)
         self.executor.set_lr_scale(self.lr_scale(target))
         return outcome
 

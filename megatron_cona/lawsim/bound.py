@@ -8,17 +8,18 @@ is Markov in S); for ``B_crit(D)`` Lagrangian duality over the tokens seen (weak
 it a lower bound).
 
 :func:`exact_bound`: the exact dynamic program with the chains' decision cadence and switch
-costs (tested equal to brute force); exact but slow at the paper's scales.
+costs (tested equal to brute force), vectorised over Pareto fronts.
 
 The exact DP runs over the decision boundaries every chain uses (token positions
 ``boundaries``): at each boundary any strategy may follow (switch cost charged; the first choice
 is free); one interval advances the law's state exactly (:class:`~megatron_cona.lawsim.law.
-CriticalBatch`). A state is dropped when another at the same boundary is at least as far along and early
-enough to copy its every continuation (:func:`_prune`: the law's flow is monotone in ``S`` and
-the future depends only on (S, D, strategy), D being fixed by the boundary), so the search is
-exact;
-``snap > 0`` rounds ``S`` UP to a log grid of that relative step (optimistic: still a bound).
-The target is hit inside an interval at the exact token count (``tokens_to``).
+CriticalBatch`). A state is dropped when another of the same strategy at the same boundary is at
+least as far along and no later (:func:`_pareto`: the law's flow is monotone in ``S`` and the
+future depends only on (S, D, strategy), D being fixed by the boundary), so the search is exact;
+every front is advanced for every next strategy at once (numpy), fast enough for the paper's
+scales inside the benchmark. ``snap > 0`` rounds ``S`` UP to a log grid of that relative step
+(optimistic: still a bound). The target is hit inside an interval at the exact token count
+(``tokens_to``).
 """
 
 from __future__ import annotations
@@ -58,26 +59,27 @@ def fastest_micro_batches(strategies: Sequence[ParallelStrategy],
     return sorted(best.values(), key=lambda s: s.name)
 
 
-def _snap(s: float, snap: float) -> float:
-    return math.exp(math.ceil(math.log(s) / snap) * snap) if snap > 0 else s
+def _pareto(t: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Indices of the states no other state beats (at least as far along in ``S`` and no
+    later): the law's flow is monotone in ``S`` and the future depends only on (S, D, strategy),
+    so a dominated state's every continuation is matched by its dominator's."""
+    order = np.lexsort((t, -s))  # furthest along first, earliest first among equals
+    running = np.minimum.accumulate(t[order])
+    keep = np.ones(order.size, dtype=bool)
+    keep[1:] = t[order][1:] < running[:-1]
+    return order[keep]
 
 
-def _prune(new: dict[int, list], lead: list[list[float]], limit: float
-           ) -> dict[int, list]:
-    """Drop every state another one dominates: A (strategy i) dominates B (strategy j) when A
-    is at least as far along and ``t_A + lead[i][j] <= t_B``, ``lead[i][j]`` the most that
-    leaving i can cost more than leaving j for any next strategy: A follows B's every
-    continuation, no later and no less far along (the flow is monotone in S)."""
-    states = sorted(((st[1], st[0], j, st) for j, sts in new.items() for st in sts),
-                    key=lambda x: (-x[0], x[1]))
-    fastest: dict[int, float] = {}  # per strategy, the fastest state kept so far (further along)
-    kept: dict[int, list] = {}
-    for _, t, j, st in states:
-        if t >= limit or any(tf + lead[i][j] <= t for i, tf in fastest.items()):
-            continue
-        kept.setdefault(j, []).append(st)
-        fastest[j] = min(fastest.get(j, math.inf), t)
-    return kept
+@dataclass
+class _Layer:
+    """The decisions kept at one boundary: strategy, start time and parent (an index into the
+    previous layer), with the state each reaches at the next boundary."""
+
+    strategy: np.ndarray
+    start: np.ndarray
+    parent: np.ndarray
+    end_time: np.ndarray
+    end_s: np.ndarray
 
 
 def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
@@ -86,60 +88,76 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
                 switch_time: Callable[[ParallelStrategy, ParallelStrategy], float],
                 goals: Sequence[float], s0: float, snap: float = 0.0,
                 upper: Sequence[float] | None = None) -> list[BoundPath]:
-    """The fastest time to reach each ``S`` in ``goals`` from ``s0`` (see module doc).
-    ``upper``: a time per goal some path in this space achieves (e.g. a static chain's);
-    states no faster than every one of them are pruned (exactness unchanged)."""
+    """The fastest time to reach each ``S`` in ``goals`` from ``s0`` (see module doc): a
+    dynamic program over the boundaries whose states are kept as one Pareto front of
+    (time, S) per strategy, advanced for every next strategy at once (numpy). ``snap > 0``
+    rounds ``S`` up to a log grid of that relative step (fewer states, still a bound).
+    ``upper``: a time per goal some path achieves; states no faster are dropped."""
     strats = fastest_micro_batches(strategies, step_time)
     if not strats:
         raise ValueError("strategies: empty")
     n = len(strats)
-    batch = [s.global_batch_size * seq_length for s in strats]
-    iter_s = [step_time(s) for s in strats]
-    switch = [[switch_time(a, b) for b in strats] for a in strats]
-    lead = [[max(switch[i][x] - switch[j][x] for x in range(n)) for j in range(n)]
-            for i in range(n)]
-    best = [math.inf] * len(goals)
-    cap = list(upper) if upper is not None else [math.inf] * len(goals)
-    best_node: list = [None] * len(goals)
-    # a node: (strategy index, start time, start tokens, parent node)
-    fronts: dict[int, list[tuple[float, float, object]]] = {j: [(0.0, s0, None)]
-                                                           for j in range(n)}
-    first = True
+    batch = np.array([x.global_batch_size * seq_length for x in strats], dtype=float)
+    iter_s = np.array([step_time(x) for x in strats])
+    switch = np.array([[0.0 if a == b else switch_time(a, b) for b in strats] for a in strats])
+    cap = np.array(list(upper) if upper is not None else [math.inf] * len(goals))
+    best = np.full(len(goals), math.inf)
+    best_node: list[tuple[int, int, float, int] | None] = [None] * len(goals)
+    layers: list[_Layer] = []
+    # the states entering boundary k: strategy run before, time, S, index in the last layer
+    cur_j, cur_t = np.arange(n), np.zeros(n)
+    cur_s, cur_id = np.full(n, s0), np.full(n, -1)
     for k in range(len(boundaries) - 1):
         d, tokens = boundaries[k], boundaries[k + 1] - boundaries[k]
-        new: dict[int, list[tuple[float, float, object]]] = {}
-        limit = max(min(b, c) * (1 + 1e-12) for b, c in zip(best, cap, strict=True))
-        for j, front in fronts.items():
-            for t, s, node in front:
-                advanced: dict[float, float] = {}
-                for j2 in ([j] if first else range(n)):
-                    t0 = t + (0.0 if first or j2 == j else switch[j][j2])
-                    if t0 >= limit:
-                        continue
-                    b = batch[j2]
-                    if b not in advanced:
-                        advanced[b] = dynamics.advance(s, d, b, tokens)
-                    s2 = advanced[b]
-                    here = (j2, t0, d, node)
-                    for g, goal in enumerate(goals):
-                        if s < goal <= s2:
-                            hit = t0 + dynamics.tokens_to(s, d, b, goal) / b * iter_s[j2]
-                            if hit < best[g]:
-                                best[g], best_node[g] = hit, here
-                    t1 = t0 + tokens / b * iter_s[j2]
-                    new.setdefault(j2, []).append((t1, _snap(s2, snap), here))
-        first = False
-        limit = max(min(b, c) * (1 + 1e-12) for b, c in zip(best, cap, strict=True))
-        fronts = _prune(new, lead, limit)
-        if not fronts:
+        limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
+        parts = []
+        for j2 in range(n):
+            # the first choice is free: at k = 0 every strategy starts on its own
+            t0 = cur_t + (0.0 if k == 0 else switch[cur_j, j2])
+            use = t0 < limit if k else cur_j == j2
+            if not use.any():
+                continue
+            t0, s, parent = t0[use], cur_s[use], cur_id[use]
+            s2 = dynamics.advance_many(s, d, batch[j2], tokens)
+            for g, goal in enumerate(goals):
+                hit = (s < goal) & (goal <= s2)
+                if hit.any():
+                    when = t0[hit] + dynamics.tokens_to_many(s[hit], d, batch[j2], goal) \
+                        / batch[j2] * iter_s[j2]
+                    i = int(np.argmin(when))
+                    if when[i] < best[g]:
+                        best[g] = when[i]
+                        best_node[g] = (k, j2, float(t0[hit][i]), int(parent[hit][i]))
+            t1 = t0 + tokens / batch[j2] * iter_s[j2]
+            if snap > 0:
+                s2 = np.exp(np.ceil(np.log(s2) / snap) * snap)
+            keep = _pareto(t1, s2)
+            parts.append((np.full(keep.size, j2), t0[keep], parent[keep], t1[keep], s2[keep]))
+        limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
+        if not parts:
             break
+        layer = _Layer(*(np.concatenate(x) for x in zip(*parts, strict=True)))
+        alive = layer.end_time < limit
+        layers.append(layer)
+        if not alive.any():
+            break
+        idx = np.flatnonzero(alive)
+        cur_j, cur_t, cur_s, cur_id = (layer.strategy[idx], layer.end_time[idx],
+                                       layer.end_s[idx], idx)
     out = []
     for g in range(len(goals)):
-        path, node = [], best_node[g]
-        while node is not None:
-            j, t0, d, node = node
-            path.append((t0, d, strats[j]))
-        out.append(BoundPath(best[g], path[::-1]))
+        path: list[tuple[float, float, ParallelStrategy]] = []
+        node = best_node[g]
+        if node is not None:
+            k, j, t0, parent = node
+            path.append((t0, boundaries[k], strats[j]))
+            while parent >= 0:
+                k -= 1
+                layer = layers[k]
+                path.append((float(layer.start[parent]), boundaries[k],
+                             strats[int(layer.strategy[parent])]))
+                parent = int(layer.parent[parent])
+        out.append(BoundPath(float(best[g]), path[::-1]))
     return out
 
 

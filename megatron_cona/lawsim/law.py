@@ -105,6 +105,15 @@ class CriticalBatch:
         """Tokens from (S, D) at ``batch`` until ``S`` reaches ``s_goal`` (0 when already)."""
         raise NotImplementedError
 
+    def advance_many(self, s: np.ndarray, d: float, batch: float, tokens: float) -> np.ndarray:
+        """:meth:`advance` of many states at the same ``D`` (the exact bound's fronts)."""
+        raise NotImplementedError
+
+    def tokens_to_many(self, s: np.ndarray, d: float, batch: float, s_goal: float
+                       ) -> np.ndarray:
+        """:meth:`tokens_to` of many states at the same ``D``."""
+        raise NotImplementedError
+
 
 def _cumulative(grid: np.ndarray, f: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(0.5 * (f[1:] + f[:-1]) * np.diff(grid))))
@@ -146,15 +155,22 @@ class LossCriticalBatch(CriticalBatch):
 
     def advance(self, s: float, d: float, batch: float, tokens: float) -> float:
         self._check(s)
+        return float(self.advance_many(np.asarray(s), d, batch, tokens))
+
+    def advance_many(self, s: np.ndarray, d: float, batch: float, tokens: float) -> np.ndarray:
         t = self._table(batch)
-        return float(np.interp(np.interp(s, self._grid, t) + tokens, t, self._grid))
+        return np.interp(np.interp(s, self._grid, t) + tokens, t, self._grid)
 
     def tokens_to(self, s: float, d: float, batch: float, s_goal: float) -> float:
         if s_goal <= s:
             return 0.0
         self._check(s_goal)
+        return float(self.tokens_to_many(np.asarray(s), d, batch, s_goal))
+
+    def tokens_to_many(self, s: np.ndarray, d: float, batch: float, s_goal: float
+                       ) -> np.ndarray:
         t = self._table(batch)
-        return float(np.interp(s_goal, self._grid, t) - np.interp(s, self._grid, t))
+        return np.maximum(np.interp(s_goal, self._grid, t) - np.interp(s, self._grid, t), 0.0)
 
     def e_min(self, s1: float, s2: float) -> float:
         """McCandlish's E_min between two states: tokens at an infinitesimal batch."""
@@ -197,17 +213,23 @@ class DataCriticalBatch(CriticalBatch):
         return self._tables[batch]
 
     def advance(self, s: float, d: float, batch: float, tokens: float) -> float:
+        return float(self.advance_many(np.asarray(s), d, batch, tokens))
+
+    def advance_many(self, s: np.ndarray, d: float, batch: float, tokens: float) -> np.ndarray:
         g = self._table(batch)
         return s + float(np.interp(d + tokens, self._grid, g) - np.interp(d, self._grid, g))
 
     def tokens_to(self, s: float, d: float, batch: float, s_goal: float) -> float:
         if s_goal <= s:
             return 0.0
+        return float(self.tokens_to_many(np.asarray(s), d, batch, s_goal))
+
+    def tokens_to_many(self, s: np.ndarray, d: float, batch: float, s_goal: float
+                       ) -> np.ndarray:
         g = self._table(batch)
-        want = float(np.interp(d, self._grid, g)) + (s_goal - s)
-        if want > g[-1]:
-            return math.inf
-        return float(np.interp(want, g, self._grid)) - d
+        want = float(np.interp(d, self._grid, g)) + np.maximum(s_goal - s, 0.0)
+        out = np.interp(want, g, self._grid) - d
+        return np.where(want > g[-1], math.inf, out)
 
 
 # ------------------------------------------------------------------------ the law variants

@@ -58,6 +58,7 @@ def test_a_switch_that_lost_progress_is_rolled_back_and_teaches_the_bias():
     e = (300 + 64) / (300 + 16)
     _feed(m, new, lambda t: 0.01 * 0.5 * e, 200, 300, 2.0)
     v = m.judge(old, new, probe_phi=3.0)
+    m.learn(v)
     assert v.rollback and not v.paid
     assert v.observed == pytest.approx(0.5 * e, rel=1e-6)
     assert v.noise_scale == pytest.approx(300, rel=1e-3)
@@ -74,6 +75,7 @@ def test_a_switch_as_predicted_is_kept_and_leaves_the_bias_near_one():
         _feed(m, old, lambda t: 0.01, 100 * k, 100 * (k + 1), 1.0, noise=0.02, rng=rng)
     _feed(m, new, lambda t: 0.01 * 1.6 * 114 / 178, 200, 300, 1 / 1.6, noise=0.02, rng=rng)
     v = m.judge(old, new, probe_phi=50.0)
+    m.learn(v)
     assert v.paid and not v.rollback
     assert 0.3 < m.bias < 3
 
