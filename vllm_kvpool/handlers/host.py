@@ -41,6 +41,14 @@ class HostMemoryHandler(MediumHandler):
         if self.pool.note:
             logger.info("kvpool: host pool %s: %s", cfg.name, self.pool.note)
         self._bytes = torch.frombuffer(self.pool, dtype=torch.uint8)
+        self._retired: list[Any] = []
+
+    def adopt(self, pool: Any) -> None:
+        """Serve from another (attached) pool from now on: the pool service restarted with new
+        shared memory. The old mapping stays alive: a copy in flight may still read it."""
+        self._retired.append(self.pool)
+        self.pool = pool
+        self._bytes = torch.frombuffer(self.pool, dtype=torch.uint8)
 
     def address(self, slot: int) -> int:
         return self.pool.address + slot * self.slot_bytes
@@ -88,6 +96,7 @@ class HostMemoryHandler(MediumHandler):
     def close(self) -> None:
         self._bytes = None
         self.pool = None
+        self._retired = []
 
 
 class HostMedium(Medium):

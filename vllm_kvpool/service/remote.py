@@ -76,19 +76,23 @@ class ServiceClient:
             raise ServiceError(f"kvpool service {self.service.socket}: {exc}") from None
 
     def _connect(self) -> None:
+        """Dial (starting the daemon first when none answers and ``autostart``), waiting up to
+        ``start_timeout`` for a service that is starting or restarting, then attach."""
         sock = self._dial()
+        proc = None
         if sock is None and self.service.autostart:
             os.makedirs(os.path.dirname(self.service.socket) or ".", mode=0o700, exist_ok=True)
             proc = start_daemon(self.config, self.service.socket)
-            deadline = time.monotonic() + self.service.start_timeout
-            while sock is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                sock = self._dial()
-                if sock is None and proc.poll() is not None and proc.returncode != 0:
-                    raise ServiceError(f"kvpool daemon for {self.service.socket} exited with "
-                                       f"{proc.returncode} (see {self.service.socket}.log)")  # fmt: skip
+        deadline = time.monotonic() + self.service.start_timeout
+        while sock is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            sock = self._dial()
+            if sock is None and proc is not None and proc.poll() not in (None, 0):
+                raise ServiceError(f"kvpool daemon for {self.service.socket} exited with "
+                                   f"{proc.returncode} (see {self.service.socket}.log)")  # fmt: skip
         if sock is None:
-            raise ServiceError(f"no kvpool service answers at {self.service.socket}"
+            raise ServiceError(f"no kvpool service answers at {self.service.socket} after "
+                               f"{self.service.start_timeout:g} s"
                                + ("" if self.service.autostart else " (autostart is off)"))
         wire.send(sock, self.attach_msg)
         reply, fds = wire.recv(sock, with_fds=True)
@@ -122,6 +126,14 @@ class ServiceClient:
             if not reply.get("ok"):
                 raise ServiceError(f"kvpool service: {msg.get('op')}: {reply.get('error')}")
             return reply
+
+    def follow(self, epoch: str) -> None:
+        """Attach again when the pool's other side already runs under a newer service (it
+        restarted: its host memory is new), before touching any chunk planned there."""
+        if epoch and epoch != self.epoch:
+            with self._lock:
+                self._drop()
+                self._connect()
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -243,20 +255,26 @@ def attach_handlers(config: PoolConfig, layout: ChunkLayout, rank: int, world_si
     assert config.service is not None
     handlers: list[Any] = []
 
+    def mapped(reply: dict[str, Any], fds: list[int]) -> dict[int, Any]:
+        return {h["device"]: kvio().HostPool.attach(fd, h["capacity"], name=f"host.rank{rank}")
+                for h, fd in zip(reply["host"], fds, strict=True)}  # fmt: skip
+
     def build(reply: dict[str, Any], fds: list[int]) -> None:
         pool_config = parse_pool_config(reply["config"])
-        host = {h["device"]: (fd, h["capacity"]) for h, fd in zip(reply["host"], fds, strict=True)}
+        host = mapped(reply, fds)
         suffix = f".rank{rank}" if world_size > 1 else ""
         for d, cfg in enumerate(pool_config.devices):
             if d in host:
-                fd, capacity = host[d]
-                shared = kvio().HostPool.attach(fd, capacity, name=f"{cfg.name}.rank{rank}")
                 handlers.append(HostMemoryHandler(cfg, layout.slot_bytes, layout.num_slots(cfg),
-                                                  pool=shared))  # fmt: skip
+                                                  pool=host[d]))  # fmt: skip
             else:
                 handlers.append(open_handler(cfg, pool_config, layout, suffix))
 
+    def rebind(reply: dict[str, Any], fds: list[int]) -> None:
+        for d, pool in mapped(reply, fds).items():
+            handlers[d].adopt(pool)
+
     client = ServiceClient(config.service, config,
                            _attach_fields(layout, "worker", engine, rank, world_size), build)
-    client.on_attach = None  # a re-attach (service restarted) must not rebuild the handlers
+    client.on_attach = rebind  # a later attach (the service restarted) maps its new memory
     return client, handlers

@@ -1,0 +1,212 @@
+"""A node's pool service with engines as real processes, for the tests and the node benchmark.
+
+``Daemon`` runs ``kvpool daemon`` as a child (stopped by its pid, or killed with SIGKILL).
+``EngineProcess`` runs ``python -m support.kvpool_node`` as a child: one engine, a ``LocalPool``
+over the service (the same ``RemotePool`` and shared host pools a vLLM engine uses), its KV
+tensors filled with a pattern that names (sequence, block, layer), driven by JSON lines on
+stdin. A fetch reports how many bytes differ from the pattern of the sequence it asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16
+LAYERS = 2
+NUM_BLOCKS = 64
+PAGE_SHAPE = (2, BLOCK_SIZE, 2, 32)  # K/V, tokens, heads, head dim (int32: 8 KiB a block)
+
+
+def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str = "2MiB",
+                chunk_tokens: int = 32, autostart: bool = False) -> dict[str, Any]:  # fmt: skip
+    devices: list[dict[str, Any]] = []
+    if host:
+        devices.append({"host": {"capacity": host, "bandwidth_gbps": 2.0}})
+    if ssd:
+        devices.append({"ssd": {"path": str(workdir / "ssd.bin"), "capacity": ssd,
+                                "backend": "posix", "bandwidth_gbps": 1.0}})  # fmt: skip
+    return {"chunk_tokens": chunk_tokens, "devices": devices, "staging": "1MiB",
+            "service": {"socket": str(socket_path), "autostart": autostart,
+                        "start_timeout": 60}}  # fmt: skip
+
+
+def block_hashes(seq: int, blocks: int, prefix_of: int | None = None) -> list[bytes]:
+    """A chained block-hash list; sequences share their first ``blocks`` hashes when built
+    from the same ``prefix_of`` seed."""
+    out, h = [], hashlib.sha256(f"seq{seq if prefix_of is None else prefix_of}".encode()).digest()
+    for b in range(blocks):
+        h = hashlib.sha256(h + b.to_bytes(4, "little")).digest()
+        out.append(h)
+    return out
+
+
+def pattern(seq: int, block: int, layer: int) -> torch.Tensor:
+    n = 1
+    for d in PAGE_SHAPE:
+        n *= d
+    base = (seq * 1_000_003 + block * 7_919 + layer * 104_729) % (2**31 - n)
+    return (torch.arange(n, dtype=torch.int32) + base).view(PAGE_SHAPE)
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+def daemon_pids(socket_path: Path) -> list[int]:
+    """Processes running ``kvpool daemon`` on this socket (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"daemon" in args and str(socket_path).encode() in args and d.name.isdigit():
+            out.append(int(d.name))
+    return out
+
+
+class Daemon:
+    def __init__(self, config: dict[str, Any], socket_path: Path, log: Path) -> None:
+        self.socket_path = socket_path
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_kvpool.cli", "daemon", "--socket", str(socket_path),
+                 "--config", json.dumps(config)], cwd=REPO, stdout=f, stderr=f)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not _answers(socket_path):  # a dead daemon's socket file may still be there
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvpool daemon did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        self.proc.wait(timeout=30)
+
+
+class EngineProcess:
+    def __init__(self, config: dict[str, Any], log: Path, wait: bool = True) -> None:
+        """``wait`` False: return at once (engines started together race to attach);
+        ``attached()`` waits."""
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "support.kvpool_node",
+                                      json.dumps(config)], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
+        self.ready: dict[str, Any] = {}
+        if wait:
+            self.attached()
+
+    def attached(self) -> dict[str, Any]:
+        """The engine's first line: its attach time (ms) and pid."""
+        if not self.ready:
+            self.ready = self._read()
+        return self.ready
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine process exited ({self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _engine_main(config: dict[str, Any]) -> None:
+    from vllm_kvpool.local import LocalPool
+
+    kv = {f"layer{i}": torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.int32)
+          for i in range(LAYERS)}  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        pool = LocalPool(config, kv, NUM_BLOCKS, BLOCK_SIZE, layout_id="node-test")
+    except Exception as exc:  # the parent reads why (a refused attach, ...)
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return
+    print(json.dumps({"attach_ms": (time.perf_counter() - t0) * 1e3, "pid": os.getpid()}),
+          flush=True)  # fmt: skip
+    held = []
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, seq, blocks = cmd["op"], cmd.get("seq", 0), cmd.get("blocks", 0)
+        hashes = block_hashes(seq, blocks, cmd.get("prefix_of"))
+        ids = list(range(blocks))
+        if op == "save":
+            for name, t in kv.items():
+                layer = int(name.removeprefix("layer"))
+                for b in ids:
+                    t[b] = pattern(cmd.get("prefix_of", seq), b, layer)
+            out: dict[str, Any] = {"committed": pool.save(hashes, ids)}
+        elif op == "fetch":
+            for t in kv.values():
+                t.zero_()
+            r = pool.fetch(hashes, ids)
+            wrong = 0
+            for name, t in kv.items():
+                layer = int(name.removeprefix("layer"))
+                for b in range(r.blocks):
+                    want = pattern(cmd.get("prefix_of", seq), b, layer)
+                    wrong += int((t[b] != want).sum()) * 4
+            out = {"hit_blocks": r.blocks, "ok": r.ok, "seconds": r.seconds, "wrong_bytes": wrong}
+        elif op == "pin":  # hold leases on the stored prefix (as a load in flight does)
+            entries = [h.entry for h in pool.pool.lookup(hashes)]
+            pool.pool.pin(entries)
+            held += entries
+            out = {"pinned": len(entries)}
+        elif op == "plan":  # reserve slots and leave the chunks unwritten (a save in flight)
+            bpc = pool.layout.blocks_per_chunk
+            jobs = pool.pool.save_jobs("inflight", [(f, hashes[f : f + bpc])
+                                                    for f in range(0, blocks, bpc)], [ids])  # fmt: skip
+            for job in jobs if cmd.get("scribble") else ():  # half a gather's bytes, then death
+                handler = pool.handlers[job.device]
+                if handler.resident:
+                    view = handler.view(job.slot, pool.layout.nbytes(job.num_blocks))
+                    view[: view.numel() // 2] = 0xAB
+            out = {"planned": len(jobs)}
+        elif op == "status":
+            out = pool.status().to_dict()
+        else:
+            out = {"error": f"unknown op {op}"}
+        print(json.dumps(out), flush=True)
+    pool.pool.unpin(held)
+    pool.close()
+
+
+if __name__ == "__main__":
+    _engine_main(json.loads(sys.argv[1]))
