@@ -9,9 +9,11 @@ stdin. A fetch reports how many bytes differ from the pattern of the sequence it
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -102,12 +104,16 @@ class Daemon:
 
 
 class EngineProcess:
-    def __init__(self, config: dict[str, Any], log: Path, wait: bool = True) -> None:
+    def __init__(self, config: dict[str, Any], log: Path, wait: bool = True,
+                 rank: tuple[dict[str, Any], int, int] | None = None) -> None:  # fmt: skip
         """``wait`` False: return at once (engines started together race to attach);
-        ``attached()`` waits."""
+        ``attached()`` waits. ``rank``: (layout on the wire, rank, world size): one TP rank's
+        worker role instead of a whole engine (``TPRank``)."""
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "support.kvpool_node",
-                                      json.dumps(config)], cwd=REPO, stdin=subprocess.PIPE,
+        args = [json.dumps(config)] if rank is None else [
+            "rank", json.dumps(config), json.dumps(rank[0]), str(rank[1]), str(rank[2])]
+        self.proc = subprocess.Popen([sys.executable, "-m", "support.kvpool_node", *args],
+                                     cwd=REPO, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
         self.ready: dict[str, Any] = {}
         if wait:
@@ -134,6 +140,14 @@ class EngineProcess:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def step(self, op: str, meta: Any = None, **args: Any) -> dict[str, Any]:
+        """A rank's step: ``meta`` (``PoolStepMetadata``) pickled down, its report back."""
+        if meta is not None:
+            args["meta"] = base64.b64encode(pickle.dumps(meta)).decode()
+        out = self.call(op, **args)
+        out["report"] = pickle.loads(base64.b64decode(out["report"]))
+        return out
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -208,5 +222,53 @@ def _engine_main(config: dict[str, Any]) -> None:
     pool.close()
 
 
+def _rank_main(config: dict[str, Any], layout: dict[str, Any], rank: int, world: int) -> None:
+    """One tensor-parallel rank: vLLM's worker-side role (``PoolWorker``) over this process's KV,
+    stepped by the parent (the scheduler side) with pickled step metadata."""
+    from vllm_kvpool.config import load_pool_config
+    from vllm_kvpool.service.codec import layout_from_wire
+    from vllm_kvpool.worker import PoolWorker
+
+    kv = {f"layer{i}": torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.int32)
+          for i in range(LAYERS)}  # fmt: skip
+    worker = PoolWorker(load_pool_config(config), layout_from_wire(layout), rank, world, "tp")
+    worker.register_kv_caches(kv, NUM_BLOCKS)
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, seq, blocks = cmd["op"], cmd.get("seq", 0), cmd.get("blocks", 0)
+        meta = pickle.loads(base64.b64decode(cmd["meta"])) if "meta" in cmd else None
+        out: dict[str, Any] = {}
+        if op == "fill":  # MLA: every rank computed the same latents
+            for name, t in kv.items():
+                for b in range(blocks):
+                    t[b] = pattern(seq, b, int(name.removeprefix("layer")))
+        elif op == "save":
+            for name in kv:
+                worker.save_layer(meta, name)
+            worker.finish_step(meta)
+            worker.drain()
+        elif op == "load":
+            for t in kv.values():
+                t.zero_()
+            worker.start_load(meta)
+            want = {r.req_id for r in meta.loads}
+            deadline = time.monotonic() + 60
+            while want and time.monotonic() < deadline:
+                want -= worker.transfer_results(meta)[1]
+                time.sleep(0.001)
+            out["wrong_bytes"] = sum(
+                int((t[b] != pattern(seq, b, int(name.removeprefix("layer")))).sum()) * 4
+                for name, t in kv.items() for b in range(blocks))  # fmt: skip
+        report = worker.worker_meta()
+        out["report"] = base64.b64encode(pickle.dumps(report.report if report else None)).decode()
+        print(json.dumps(out), flush=True)
+    worker.close()
+
+
 if __name__ == "__main__":
-    _engine_main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "rank":
+        _rank_main(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]),
+                   int(sys.argv[5]))  # fmt: skip
+    else:
+        _engine_main(json.loads(sys.argv[1]))

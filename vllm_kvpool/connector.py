@@ -33,6 +33,7 @@ from vllm_kvpool.identity import engine_identity
 from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import default_status_path
 from vllm_kvpool.pool import UnifiedPool
+from vllm_kvpool.pools import shards
 from vllm_kvpool.service.remote import RemotePool
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             hash_block = kv_cache_config.hash_block_size or block_size
             self.scheduler = PoolScheduler(
-                self.pool_config, self.layout, block_size, world_size,
+                self.pool_config, self.layout, block_size,
+                shards(self.pool_config, self.layout, world_size),
                 extra.get("status_file") or str(default_status_path()),
                 hash_scale=block_size // hash_block,
                 engine=_engine_id(vllm_config))  # fmt: skip

@@ -330,7 +330,7 @@ class UnifiedPool:
                                            self.weights.failed, strict=True)  # fmt: skip
         ]
         return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,
-                          self.config.chunk_tokens)  # fmt: skip
+                          self.config.chunk_tokens, copies=self.world_size)  # fmt: skip
 
     def _free_slots(self) -> list[int]:
         return [0 if failed else a.num_free

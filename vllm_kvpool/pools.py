@@ -19,6 +19,14 @@ from vllm_kvpool.service.remote import RemotePool, ServiceClient, attach_handler
 logger = logging.getLogger("vllm_kvpool")
 
 
+def shards(config: PoolConfig, layout: ChunkLayout, world_size: int) -> int:
+    """Copies of each chunk the pool keeps, one per rank that holds distinct KV: one for a
+    replicated (MLA) layout when the ranks share the service's memory (rank 0 saves, every rank
+    loads: 1/TP of the bytes), else one shard per rank (GQA heads are split over the ranks; an
+    in-process pool's host memory is private to each rank)."""
+    return 1 if layout.replicated and config.service is not None else world_size
+
+
 def open_pool(config: PoolConfig, layout: ChunkLayout, world_size: int, engine: str,
               bandwidths: Sequence[float] | None = None) -> UnifiedPool | RemotePool:  # fmt: skip
     """The scheduler side's pool. In process: probed (or ``bandwidths``) placement weights and

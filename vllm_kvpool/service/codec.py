@@ -18,7 +18,7 @@ def layout_to_wire(layout: ChunkLayout) -> dict[str, Any]:
     return {"groups": [[g.group_id, list(g.layer_names), g.page_bytes, g.block_size,
                         g.window_blocks, g.sliding_window] for g in layout.groups],
             "blocks_per_chunk": layout.blocks_per_chunk,
-            "layout_version": layout.layout_version}  # fmt: skip
+            "layout_version": layout.layout_version, "replicated": layout.replicated}  # fmt: skip
 
 
 def layout_from_wire(msg: Mapping[str, Any]) -> ChunkLayout:
@@ -37,7 +37,8 @@ def layout_from_wire(msg: Mapping[str, Any]) -> ChunkLayout:
         groups.append(GroupLayout(g[0], tuple(g[1]), g[2], g[3], g[4], g[5]))
     bpc = field(msg, "blocks_per_chunk", int)
     try:
-        return ChunkLayout(tuple(groups), bpc, field(msg, "layout_version", int))
+        return ChunkLayout(tuple(groups), bpc, field(msg, "layout_version", int),
+                           field(msg, "replicated", bool))  # fmt: skip
     except ValueError as exc:
         raise WireError(f"field 'layout': {exc}") from None
 
