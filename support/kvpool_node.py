@@ -29,6 +29,7 @@ BLOCK_SIZE = 16
 LAYERS = 2
 NUM_BLOCKS = 64
 PAGE_SHAPE = (2, BLOCK_SIZE, 2, 32)  # K/V, tokens, heads, head dim (int32: 8 KiB a block)
+PAGE_BYTES = 4 * PAGE_SHAPE[0] * PAGE_SHAPE[1] * PAGE_SHAPE[2] * PAGE_SHAPE[3]
 
 
 def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str = "2MiB",
@@ -44,14 +45,23 @@ def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str =
                         "start_timeout": 60}}  # fmt: skip
 
 
-def block_hashes(seq: int, blocks: int, prefix_of: int | None = None) -> list[bytes]:
-    """A chained block-hash list; sequences share their first ``blocks`` hashes when built
-    from the same ``prefix_of`` seed."""
+def block_hashes(seq: int, blocks: int, prefix_of: int | None = None,
+                 shared: int | None = None) -> list[bytes]:  # fmt: skip
+    """A chained block-hash list (as vLLM's): sequences built from the same ``prefix_of`` seed
+    share their first ``shared`` blocks (default all), then go on as ``seq``'s own."""
     out, h = [], hashlib.sha256(f"seq{seq if prefix_of is None else prefix_of}".encode()).digest()
     for b in range(blocks):
+        if b == shared:
+            h = hashlib.sha256(h + f"own{seq}".encode()).digest()
         h = hashlib.sha256(h + b.to_bytes(4, "little")).digest()
         out.append(h)
     return out
+
+
+def block_seed(cmd: dict[str, Any], block: int) -> int:
+    """Whose content a block holds: the shared prefix's seed, then the sequence's own."""
+    seq = cmd.get("seq", 0)
+    return cmd.get("prefix_of", seq) if block < cmd.get("shared", 1 << 30) else seq
 
 
 def pattern(seq: int, block: int, layer: int) -> torch.Tensor:
@@ -105,12 +115,13 @@ class Daemon:
 
 class EngineProcess:
     def __init__(self, config: dict[str, Any], log: Path, wait: bool = True,
-                 rank: tuple[dict[str, Any], int, int] | None = None) -> None:  # fmt: skip
+                 rank: tuple[dict[str, Any], int, int] | None = None,
+                 kv: tuple[int, int] = (LAYERS, NUM_BLOCKS)) -> None:  # fmt: skip
         """``wait`` False: return at once (engines started together race to attach);
         ``attached()`` waits. ``rank``: (layout on the wire, rank, world size): one TP rank's
-        worker role instead of a whole engine (``TPRank``)."""
+        worker role instead of a whole engine. ``kv``: (layers, blocks) of an engine's KV."""
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        args = [json.dumps(config)] if rank is None else [
+        args = [json.dumps(config), str(kv[0]), str(kv[1])] if rank is None else [
             "rank", json.dumps(config), json.dumps(rank[0]), str(rank[1]), str(rank[2])]
         self.proc = subprocess.Popen([sys.executable, "-m", "support.kvpool_node", *args],
                                      cwd=REPO, stdin=subprocess.PIPE,
@@ -162,14 +173,69 @@ class EngineProcess:
         self.log.close()
 
 
-def _engine_main(config: dict[str, Any]) -> None:
+def start_tp(tmp_path: Path, replicated: bool, tp: int) -> tuple[Daemon, dict[str, Any], Any, list]:
+    """A daemon and ``tp`` rank processes over an MLA-like (``replicated``) or a per-rank
+    layout; the ranks are not waited for (several runs' ranks start together)."""
+    from vllm_kvpool.layout import ChunkLayout, GroupLayout
+    from vllm_kvpool.service import codec
+
+    tmp_path.mkdir()
+    sock = tmp_path / "run" / "pool.sock"
+    cfg = pool_config(tmp_path, sock)
+    daemon = Daemon(cfg, sock, tmp_path / "daemon.log")
+    layout = ChunkLayout((GroupLayout(0, tuple(f"layer{i}" for i in range(LAYERS)), PAGE_BYTES,
+                                      BLOCK_SIZE),), 2, layout_version=4343, replicated=replicated)  # fmt: skip
+    ranks = [EngineProcess(cfg, tmp_path / f"rank{r}.log", wait=False,
+                           rank=(codec.layout_to_wire(layout), r, tp)) for r in range(tp)]  # fmt: skip
+    return daemon, cfg, layout, ranks
+
+
+def run_tp(daemon: Daemon, cfg: dict[str, Any], layout: Any, ranks: list) -> tuple[list, int, list]:
+    """Save 12 blocks through the TP ranks, load them back on both: (wrong bytes per rank,
+    stored bytes, chunks each rank committed)."""
+    from vllm_kvpool.config import load_pool_config
+    from vllm_kvpool.connector_meta import PoolStepMetadata
+    from vllm_kvpool.protocol import LoadRequest, WorkerReport
+    from vllm_kvpool.service.remote import RemotePool
+
+    try:
+        for r in ranks:
+            r.attached()
+        pool = RemotePool(load_pool_config(cfg), layout, 1 if layout.replicated else len(ranks), "tp")
+        hashes, ids = block_hashes(5, 12), list(range(12))
+        for r in ranks:
+            r.step("fill", seq=5, blocks=12)
+        jobs = pool.save_jobs("req", [(f, hashes[f:f + 2]) for f in range(0, 12, 2)], [ids])
+        report = WorkerReport()
+        committed = []
+        for r in ranks:
+            got = r.step("save", PoolStepMetadata(saves=jobs))["report"]
+            committed.append(len(got.committed) if got else 0)
+            if got:
+                report.merge(got)
+        pool.apply_report(report)
+        hits = pool.lookup(hashes)
+        assert sum(h.num_blocks for h in hits) == 12
+        reads = pool.load_jobs(hits, [ids])
+        meta = PoolStepMetadata(loads=[LoadRequest("load", tuple(j for j, _ in reads), True)])
+        wrong = [r.step("load", meta, seq=5, blocks=12)["wrong_bytes"] for r in ranks]
+        stored = pool.status().stored_bytes
+        pool.close()
+        return wrong, stored, committed
+    finally:
+        for r in ranks:
+            r.stop()
+        daemon.stop()
+
+
+def _engine_main(config: dict[str, Any], layers: int, num_blocks: int) -> None:
     from vllm_kvpool.local import LocalPool
 
-    kv = {f"layer{i}": torch.zeros((NUM_BLOCKS, *PAGE_SHAPE), dtype=torch.int32)
-          for i in range(LAYERS)}  # fmt: skip
+    kv = {f"layer{i}": torch.zeros((num_blocks, *PAGE_SHAPE), dtype=torch.int32)
+          for i in range(layers)}  # fmt: skip
     t0 = time.perf_counter()
     try:
-        pool = LocalPool(config, kv, NUM_BLOCKS, BLOCK_SIZE, layout_id="node-test")
+        pool = LocalPool(config, kv, num_blocks, BLOCK_SIZE, layout_id="node-test")
     except Exception as exc:  # the parent reads why (a refused attach, ...)
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return
@@ -179,13 +245,13 @@ def _engine_main(config: dict[str, Any]) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         op, seq, blocks = cmd["op"], cmd.get("seq", 0), cmd.get("blocks", 0)
-        hashes = block_hashes(seq, blocks, cmd.get("prefix_of"))
+        hashes = block_hashes(seq, blocks, cmd.get("prefix_of"), cmd.get("shared"))
         ids = list(range(blocks))
         if op == "save":
             for name, t in kv.items():
                 layer = int(name.removeprefix("layer"))
                 for b in ids:
-                    t[b] = pattern(cmd.get("prefix_of", seq), b, layer)
+                    t[b] = pattern(block_seed(cmd, b), b, layer)
             out: dict[str, Any] = {"committed": pool.save(hashes, ids)}
         elif op == "fetch":
             for t in kv.values():
@@ -195,7 +261,7 @@ def _engine_main(config: dict[str, Any]) -> None:
             for name, t in kv.items():
                 layer = int(name.removeprefix("layer"))
                 for b in range(r.blocks):
-                    want = pattern(cmd.get("prefix_of", seq), b, layer)
+                    want = pattern(block_seed(cmd, b), b, layer)
                     wrong += int((t[b] != want).sum()) * 4
             out = {"hit_blocks": r.blocks, "ok": r.ok, "seconds": r.seconds, "wrong_bytes": wrong}
         elif op == "pin":  # hold leases on the stored prefix (as a load in flight does)
@@ -213,6 +279,21 @@ def _engine_main(config: dict[str, Any]) -> None:
                     view = handler.view(job.slot, pool.layout.nbytes(job.num_blocks))
                     view[: view.numel() // 2] = 0xAB
             out = {"planned": len(jobs)}
+        elif op == "attach":  # what attaching costs an engine: both sides' connections
+            from vllm_kvpool.pools import open_media, open_pool
+
+            ms = []
+            for i in range(cmd.get("times", 5)):
+                t = time.perf_counter()
+                name = f"probe-{os.getpid()}-{i}"
+                other = open_pool(pool.config, pool.layout, 1, name)
+                client, handlers = open_media(pool.config, pool.layout, 0, 1, name)
+                ms.append((time.perf_counter() - t) * 1e3)
+                for h in handlers:
+                    h.close()
+                client.close()
+                other.close()
+            out = {"attach_ms": sorted(ms)[len(ms) // 2]}
         elif op == "status":
             out = pool.status().to_dict()
         else:
@@ -271,4 +352,4 @@ if __name__ == "__main__":
         _rank_main(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]),
                    int(sys.argv[5]))  # fmt: skip
     else:
-        _engine_main(json.loads(sys.argv[1]))
+        _engine_main(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

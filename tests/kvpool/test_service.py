@@ -26,6 +26,7 @@ from support.kvpool_node import (  # noqa: E402
 )
 from vllm_kvpool.config import load_pool_config  # noqa: E402
 from vllm_kvpool.layout import ChunkLayout, GroupLayout  # noqa: E402
+from vllm_kvpool.protocol import WorkerReport  # noqa: E402
 from vllm_kvpool.service import codec, wire  # noqa: E402
 from vllm_kvpool.service.daemon import AlreadyServing, PoolService, ServiceServer  # noqa: E402
 from vllm_kvpool.service.remote import RemotePool  # noqa: E402
@@ -306,3 +307,27 @@ def test_a_peer_of_another_uid_is_refused(served, monkeypatch):
     msg, _ = wire.recv(s)
     assert msg["ok"] is False and "uid 4242 may not use this pool" in msg["error"]
     assert struct.calcsize("3i") == 12
+
+
+def test_a_lookup_holds_its_hits_until_the_load_pins_them(served):
+    service, server = served
+    cfg = load_pool_config({**service.config.to_dict(),
+                            "service": {"socket": str(server.path), "autostart": False}})
+    a, b = RemotePool(cfg, LAYOUT, 1, "a"), RemotePool(cfg, LAYOUT, 1, "b")
+    slots = service.pool.slots[0].total if service.pool else 0
+    hs = block_hashes(1, 2 * slots)
+
+    def fill(pool: RemotePool, hashes: list[bytes]) -> int:
+        planned = pool.plan_saves("r", [(f, hashes[f:f + 2]) for f in range(0, len(hashes), 2)])
+        report = WorkerReport(committed=[(p.entry.key, 0, 1) for p in planned])
+        pool.apply_report(report)
+        return len(planned)
+
+    assert fill(a, hs) == slots  # the pool is full
+    hits = a.lookup(hs[:4])  # a request of a's matched two chunks...
+    assert len(hits) == 2
+    assert fill(b, block_hashes(2, 2 * slots)) == slots - 2  # ...b's saves evict all but them
+    a.pin([h.entry for h in hits])  # the load's pin finds them where the lookup saw them
+    assert [h.entry.location for h in a.lookup(hs[:4])] == [h.entry.location for h in hits]
+    a.close()
+    b.close()

@@ -66,6 +66,9 @@ class Session:
     engine: str = ""
     rank: int = 0
     leases: dict[bytes, list[ChunkEntry]] = field(default_factory=dict)  # pinned chunks
+    # The last lookup's hits, pinned until this session's next lookup: another engine cannot
+    # evict them between the lookup and the pin of the load that follows it.
+    tentative: list[ChunkEntry] = field(default_factory=list)
     writing: dict[bytes, ChunkEntry] = field(default_factory=dict)  # planned, not settled
 
 
@@ -104,7 +107,7 @@ class PoolService:
             s = self.sessions.pop(sid, None)
             if s is None or self.pool is None:
                 return
-            for entries in s.leases.values():
+            for entries in [*s.leases.values(), s.tentative]:
                 self.pool.unpin(entries, completed=False)
             withdrawn = [e for e in s.writing.values() if self.pool.withdraw(e)]
             if withdrawn:
@@ -134,6 +137,9 @@ class PoolService:
                 return {"ok": True, **handler(s, msg)}, []
         except WireError as exc:
             return {"ok": False, "error": exc.reason}, []
+        except Exception as exc:  # a bug must not take the service down: say so, go on
+            logger.exception("kvpool daemon: request %r failed", msg.get("op"))
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}, []
 
     # -- attach ----------------------------------------------------------------------------
     def _attach(self, sid: int, s: Session, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -207,7 +213,12 @@ class PoolService:
     # -- the pool's methods ----------------------------------------------------------------
     def _lookup(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.pool is not None
-        return {"hits": codec.hits_to_wire(self.pool.lookup(wire.hashes(msg, "hashes")))}
+        hs = wire.hashes(msg, "hashes")
+        self.pool.unpin(s.tentative, completed=False)
+        hits = self.pool.lookup(hs)
+        s.tentative = [h.entry for h in hits]
+        self.pool.pin(s.tentative)
+        return {"hits": codec.hits_to_wire(hits)}
 
     def _is_stored(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.pool is not None
@@ -238,22 +249,24 @@ class PoolService:
         return {"planned": [{"entry": codec.entry_to_wire(p.entry), "first": p.first_block}
                             for p in planned]}  # fmt: skip
 
-    def _entries(self, msg: dict[str, Any]) -> list[ChunkEntry]:
-        assert self.pool is not None
-        out = []
-        for key in wire.hashes(msg, "keys"):
-            entry = self.pool.index.get(key)
-            if entry is None:
-                raise WireError(f"chunk {key.hex()[:16]} is not in the pool")
-            out.append(entry)
-        return out
-
     def _pin(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
+        """Lease chunks of this session's last lookup (already pinned by it) or, failing that,
+        chunks in the index now; all of them or none."""
         assert self.pool is not None
-        entries = self._entries(msg)  # all found, or nothing pinned
-        self.pool.pin(entries)
-        for e in entries:
-            s.leases.setdefault(e.key, []).append(e)
+        held = {e.key: e for e in s.tentative}
+        entries, fresh = [], []
+        for key in wire.hashes(msg, "keys"):
+            entry = held.pop(key, None)
+            if entry is None:
+                entry = self.pool.index.get(key)
+                if entry is None:
+                    raise WireError(f"chunk {key.hex()[:16]} is not in the pool")
+                fresh.append(entry)
+            entries.append(entry)
+        self.pool.pin(fresh)
+        for entry in entries:
+            s.leases.setdefault(entry.key, []).append(entry)
+        s.tentative = list(held.values())
         return {}
 
     def _unpin(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
