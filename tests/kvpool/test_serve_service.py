@@ -53,7 +53,7 @@ def test_two_serve_instances_share_prefix_hits_through_one_daemon(tmp_path):
     servers = [Server(f"kvpool serve {i}", model, tmp_path / f"serve{i}.log", pool=pool,
                       status_file=tmp_path / f"status{i}.json", flags=flags)
                for i in range(2)]  # fmt: skip
-    prompt = "one pool per node for every engine " * 60  # ~360 tokens: several chunks
+    prompt = "one pool per node for every engine " * 20  # several chunks of 64 tokens
     try:
         for s in servers:
             s.start()
