@@ -331,3 +331,17 @@ def test_a_lookup_holds_its_hits_until_the_load_pins_them(served):
     assert [h.entry.location for h in a.lookup(hs[:4])] == [h.entry.location for h in hits]
     a.close()
     b.close()
+
+
+def test_the_service_field_is_one_config_field_away_and_checked():
+    base = {"devices": [{"host": {"capacity": "1MiB"}}]}
+    assert load_pool_config(base).service is None  # in process: the default
+    on = load_pool_config({**base, "service": True})
+    assert on.service is not None and on.service.socket.endswith("pool.sock")
+    assert load_pool_config(on.to_dict()) == on
+    with pytest.raises(ValueError, match="service.sock: unknown field"):
+        load_pool_config({**base, "service": {"sock": "/x"}})
+    with pytest.raises(ValueError, match="service.socket: expected a Unix socket path"):
+        load_pool_config({**base, "service": {"socket": "/" + "x" * 200}})
+    with pytest.raises(ValueError, match="service.start_timeout"):
+        load_pool_config({**base, "service": {"start_timeout": -1}})

@@ -32,18 +32,16 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_kvpool.config import PoolConfig
-from vllm_kvpool.handlers import restorable_chunks
 from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.native import kvio
-from vllm_kvpool.placement import DeviceWeights
 from vllm_kvpool.pool import UnifiedPool
-from vllm_kvpool.probe import probe_bandwidths
+from vllm_kvpool.pools import open_pool
 from vllm_kvpool.service import codec, wire
 from vllm_kvpool.service.wire import WireError
 from vllm_kvpool.service.wire import field as wfield
@@ -76,7 +74,7 @@ class PoolService:
     """The pool behind the socket; ``handle`` is the whole protocol (tests drive it directly)."""
 
     def __init__(self, config: PoolConfig) -> None:
-        self.config = config
+        self.config = replace(config, service=None)  # the daemon's pool is in its process
         self.epoch = secrets.token_hex(8)  # a restarted service is a new epoch: engines re-attach
         self.pool: UnifiedPool | None = None
         self.layout_wire: dict[str, Any] | None = None
@@ -182,9 +180,8 @@ class PoolService:
             layout.check_capacity(self.config)
         except ValueError as exc:
             raise WireError(f"layout: {exc}") from None
-        gbps = probe_bandwidths(self.config, layout)
-        pool = UnifiedPool(self.config, layout,
-                           DeviceWeights(gbps, self.config.probe.drift_threshold), world)
+        pool = open_pool(self.config, layout, world, "daemon")  # SSD chunks restored
+        assert isinstance(pool, UnifiedPool)
         io = kvio()
         for d, cfg in enumerate(self.config.devices):
             if cfg.kind == "host":
@@ -192,10 +189,6 @@ class PoolService:
                                                   numa_node=cfg.numa_node, shared=True,
                                                   name=f"{cfg.name}.rank{r}")
                                       for r in range(world)]  # fmt: skip
-        for device, chunks in restorable_chunks(self.config, layout, world).items():
-            if n := pool.restore(device, chunks):
-                logger.info("kvpool daemon: %s: %d chunks of a previous run restored",
-                            self.config.devices[device].name, n)  # fmt: skip
         self.pool, self.layout_wire, self.world_size = pool, layout_msg, world
 
     def _check_same(self, layout: ChunkLayout, layout_msg: dict[str, Any], world: int) -> None:
