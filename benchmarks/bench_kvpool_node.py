@@ -9,8 +9,9 @@ the service, i.e. the ``RemotePool`` and shared host pools a vLLM engine uses).
           from the first's chunks); every fetched block checked against its content. For
           context (results file): two engines with a private pool each, as before the service.
   fetch   one long prefix from host memory into the KV, in-process pool vs the daemon's shared
-          memory mapped in place, repetitions alternating: ``fetch_ratio_vs_in_process`` =
-          median in-process time / median daemon time (1.0: no cost for sharing).
+          memory mapped in place, repetitions alternating, both with one copy thread per core:
+          ``fetch_ratio_vs_in_process`` = median in-process time / median daemon time (1.0: no
+          cost for sharing).
   attach  ms for an engine to connect its scheduler and worker sides to a running daemon,
           present its fingerprint, get the host pools' fds and map them (median of 7).
   mla     TP=2 rank processes (vLLM's worker role), an MLA layout (the same latents on every
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -127,7 +129,8 @@ def bench_fetch(work: Path, res: Results, reps: int, layers: int,
     sock = d / "run" / "pool.sock"
     chunk_bytes = 2 * layers * 8192
     host = f"{(blocks // 2 + 8) * chunk_bytes // 2**20 + 2}MiB"
-    cfg = pool_config(d, sock, host=host, ssd="")
+    # The same copy threads for both (each engine's probe could pick differently): the cores.
+    cfg = pool_config(d, sock, host=host, ssd="", copy_threads=min(8, os.cpu_count() or 1))
     daemon = Daemon(cfg, sock, d / "daemon.log")
     try:
         local = EngineProcess(in_process(cfg), d / "local.log", kv=(layers, blocks))

@@ -33,7 +33,8 @@ PAGE_BYTES = 4 * PAGE_SHAPE[0] * PAGE_SHAPE[1] * PAGE_SHAPE[2] * PAGE_SHAPE[3]
 
 
 def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str = "2MiB",
-                chunk_tokens: int = 32, autostart: bool = False) -> dict[str, Any]:  # fmt: skip
+                chunk_tokens: int = 32, autostart: bool = False,
+                copy_threads: int = 0) -> dict[str, Any]:  # fmt: skip
     devices: list[dict[str, Any]] = []
     if host:
         devices.append({"host": {"capacity": host, "bandwidth_gbps": 2.0}})
@@ -41,6 +42,7 @@ def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str =
         devices.append({"ssd": {"path": str(workdir / "ssd.bin"), "capacity": ssd,
                                 "backend": "posix", "bandwidth_gbps": 1.0}})  # fmt: skip
     return {"chunk_tokens": chunk_tokens, "devices": devices, "staging": "1MiB",
+            "copy_threads": copy_threads,
             "service": {"socket": str(socket_path), "autostart": autostart,
                         "start_timeout": 60}}  # fmt: skip
 
