@@ -12,6 +12,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 
 import pytest
 
@@ -345,3 +346,19 @@ def test_the_service_field_is_one_config_field_away_and_checked():
         load_pool_config({**base, "service": {"socket": "/" + "x" * 200}})
     with pytest.raises(ValueError, match="service.start_timeout"):
         load_pool_config({**base, "service": {"start_timeout": -1}})
+
+
+def test_an_engine_serves_on_while_the_daemon_is_down_and_reattaches(node):
+    tmp_path, sock, daemons, engines = node
+    cfg = start(tmp_path, sock, daemons, host="", ssd="2MiB")
+    a = EngineProcess(cfg, tmp_path / "a.log")
+    engines.append(a)
+    assert a.call("save", seq=3, blocks=4)["committed"] == 2
+    daemons[0].stop(9)
+    down = a.call("fetch", seq=3, blocks=4)  # no daemon: a miss, not an error
+    assert down["hit_blocks"] == 0 and down["ok"]
+    assert a.call("save", seq=4, blocks=4)["committed"] == 0  # nothing saved meanwhile
+    start(tmp_path, sock, daemons, host="", ssd="2MiB")
+    time.sleep(1.1)  # the engine dials a down service again once a second
+    got = a.call("fetch", seq=3, blocks=4)  # back: the SSD chunks restored, a re-attached
+    assert got["hit_blocks"] == 4 and got["wrong_bytes"] == 0, got

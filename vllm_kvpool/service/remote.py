@@ -24,7 +24,7 @@ from typing import Any
 from vllm_kvpool.config import PoolConfig, PoolConfigError, ServiceConfig, parse_pool_config
 from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit
 from vllm_kvpool.layout import ChunkLayout
-from vllm_kvpool.metrics import PoolStatus
+from vllm_kvpool.metrics import LookupCounters, PoolStatus, TransferCounters
 from vllm_kvpool.pool import GroupBlockIds, PlannedSave, read_jobs, save_job
 from vllm_kvpool.protocol import ChunkRead, ChunkSave, WorkerReport
 from vllm_kvpool.service import codec, wire
@@ -34,6 +34,13 @@ logger = logging.getLogger("vllm_kvpool")
 
 class ServiceError(RuntimeError):
     """The pool service refused a request or cannot be reached."""
+
+
+class ServiceUnavailable(ServiceError):
+    """No pool service answers (it is down or restarting)."""
+
+
+RETRY_INTERVAL_S = 1.0  # while the service is down, dial it again at most this often
 
 
 def start_daemon(config: PoolConfig, socket_path: str) -> subprocess.Popen:
@@ -62,7 +69,8 @@ class ServiceClient:
         self.reply: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self._connect()
+        self._down_until = 0.0
+        self._connect(self.service.start_timeout)
 
     def _dial(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -75,15 +83,16 @@ class ServiceClient:
                 return None
             raise ServiceError(f"kvpool service {self.service.socket}: {exc}") from None
 
-    def _connect(self) -> None:
-        """Dial (starting the daemon first when none answers and ``autostart``), waiting up to
-        ``start_timeout`` for a service that is starting or restarting, then attach."""
+    def _connect(self, wait: float) -> None:
+        """Dial (starting the daemon first when none answers and ``autostart``: then waiting up
+        to ``start_timeout`` for it), else waiting up to ``wait`` s, then attach."""
         sock = self._dial()
         proc = None
         if sock is None and self.service.autostart:
             os.makedirs(os.path.dirname(self.service.socket) or ".", mode=0o700, exist_ok=True)
             proc = start_daemon(self.config, self.service.socket)
-        deadline = time.monotonic() + self.service.start_timeout
+            wait = self.service.start_timeout
+        deadline = time.monotonic() + wait
         while sock is None and time.monotonic() < deadline:
             time.sleep(0.05)
             sock = self._dial()
@@ -91,9 +100,9 @@ class ServiceClient:
                 raise ServiceError(f"kvpool daemon for {self.service.socket} exited with "
                                    f"{proc.returncode} (see {self.service.socket}.log)")  # fmt: skip
         if sock is None:
-            raise ServiceError(f"no kvpool service answers at {self.service.socket} after "
-                               f"{self.service.start_timeout:g} s"
-                               + ("" if self.service.autostart else " (autostart is off)"))
+            raise ServiceUnavailable(f"no kvpool service answers at {self.service.socket} after "
+                                     f"{wait:g} s"
+                                     + ("" if self.service.autostart else " (autostart is off)"))
         wire.send(sock, self.attach_msg)
         reply, fds = wire.recv(sock, with_fds=True)
         if not reply.get("ok"):
@@ -109,11 +118,20 @@ class ServiceClient:
             wire.close_fds(fds)
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The service's reply; ``ServiceUnavailable`` at once while it is down (dialled again
+        every ``RETRY_INTERVAL_S``), ``ServiceError`` when it refuses the request."""
         with self._lock:
             for attempt in (0, 1):
                 try:
                     if self._sock is None:
-                        self._connect()
+                        if time.monotonic() < self._down_until:
+                            raise ServiceUnavailable(f"kvpool service {self.service.socket} is "
+                                                     "down")  # fmt: skip
+                        try:
+                            self._connect(0.0)
+                        except ServiceUnavailable:
+                            self._down_until = time.monotonic() + RETRY_INTERVAL_S
+                            raise
                     assert self._sock is not None
                     wire.send(self._sock, msg)
                     reply, _ = wire.recv(self._sock)
@@ -121,7 +139,8 @@ class ServiceClient:
                 except (OSError, EOFError, wire.WireError) as exc:
                     self._drop()
                     if attempt:
-                        raise ServiceError(f"kvpool service {self.service.socket}: {exc}") from None
+                        raise ServiceUnavailable(f"kvpool service {self.service.socket}: "
+                                                 f"{exc}") from None  # fmt: skip
                     logger.warning("kvpool: lost the pool service (%s); attaching again", exc)
             if not reply.get("ok"):
                 raise ServiceError(f"kvpool service: {msg.get('op')}: {reply.get('error')}")
@@ -133,7 +152,7 @@ class ServiceClient:
         if epoch and epoch != self.epoch:
             with self._lock:
                 self._drop()
-                self._connect()
+                self._connect(self.service.start_timeout)
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -165,25 +184,41 @@ class RemotePool:
                                     _attach_fields(layout, "scheduler", engine, 0, world_size))
         self.config = parse_pool_config(self.client.reply["config"])
 
+        self._down = False
+        self._last_status: PoolStatus | None = None
+
     @property
     def epoch(self) -> str:
         return self.client.epoch
 
-    def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        return self.client.request({"op": op, **fields})
+    def _call(self, op: str, fallback: Any = None, **fields: Any) -> Any:
+        """The reply, or ``fallback`` while the service is down: the engine serves on without
+        the pool (lookups miss, nothing is saved) until it answers again."""
+        try:
+            reply = self.client.request({"op": op, **fields})
+        except ServiceUnavailable as exc:
+            if not self._down:
+                logger.error("kvpool: %s; serving without the pool until it answers", exc)
+                self._down = True
+            return fallback
+        if self._down:
+            logger.warning("kvpool: the pool service answers again (epoch %s)", self.epoch)
+            self._down = False
+        return reply
 
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
         if not hashes:
             return []
-        return codec.hits_from_wire(self._call("lookup", hashes=wire.hexes(hashes))["hits"])
+        reply = self._call("lookup", {"hits": []}, hashes=wire.hexes(hashes))
+        return codec.hits_from_wire(reply["hits"])
 
     def load_jobs(self, hits: Sequence[ChunkHit], group_ids: GroupBlockIds, load_from: int = 0,
                   hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip
         return read_jobs(self.layout, hits, group_ids, load_from, hit_end)
 
     def is_stored(self, hashes: Sequence[BlockHash]) -> bool:
-        return bool(self._call("is_stored", hashes=wire.hexes(hashes))["value"])
+        return bool(self._call("is_stored", {"value": False}, hashes=wire.hexes(hashes))["value"])
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self._call("record_lookup", query_tokens=query_tokens, hit_tokens=hit_tokens)
@@ -201,13 +236,14 @@ class RemotePool:
 
     # -- saves -----------------------------------------------------------------------------
     def shorter_copy_unsettled(self, hashes: Sequence[BlockHash]) -> bool:
-        return bool(self._call("shorter_copy_unsettled", hashes=wire.hexes(hashes))["value"])
+        return bool(self._call("shorter_copy_unsettled", {"value": False},
+                               hashes=wire.hexes(hashes))["value"])  # fmt: skip
 
     def plan_saves(self, req_id: str,
                    chunks: Sequence[tuple[int, Sequence[BlockHash]]]) -> list[PlannedSave]:  # fmt: skip
         if not chunks:
             return []
-        reply = self._call("plan_saves", req_id=req_id, chunks=[
+        reply = self._call("plan_saves", {"planned": []}, req_id=req_id, chunks=[
             {"first": first, "hashes": wire.hexes(hs)} for first, hs in chunks])  # fmt: skip
         out = []
         for p in reply["planned"]:
@@ -229,14 +265,23 @@ class RemotePool:
     def apply_report(self, report: WorkerReport) -> list[BlockHash]:
         if report.is_empty():
             return []
-        reply = self._call("apply_report", report=codec.report_to_wire(report))
+        # Down: every save the workers report is settled (nothing will index it any more).
+        down = {"settled": wire.hexes([k for k, _, _ in report.committed] + report.failed_saves)}
+        reply = self._call("apply_report", down, report=codec.report_to_wire(report))
         return [bytes.fromhex(k) for k in reply["settled"]]
 
     def clear(self) -> None:
         self._call("clear")
 
     def status(self) -> PoolStatus:
-        return PoolStatus.from_dict(self._call("status")["status"])
+        """The node's pool (the last one seen while the service is down)."""
+        reply = self._call("status")
+        if reply is not None:
+            self._last_status = PoolStatus.from_dict(reply["status"])
+        elif self._last_status is None:
+            return PoolStatus([], LookupCounters(), TransferCounters(), self.config.placement,
+                              self.config.chunk_tokens)  # fmt: skip
+        return self._last_status
 
     def close(self) -> None:
         self.client.close()
