@@ -437,17 +437,33 @@ PYBIND11_MODULE(_kvio, m) {
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool", py::buffer_protocol())
       .def(py::init([](uint64_t capacity, int numa_node, bool hugepages, bool mlock,
-                       std::string name) {
+                       std::string name, bool shared) {
              std::shared_ptr<HostPool> p;
              {
                py::gil_scoped_release nogil;
-               p = std::make_shared<HostPool>(capacity, numa_node, hugepages, mlock, name);
+               p = std::make_shared<HostPool>(capacity, numa_node, hugepages, mlock, name,
+                                              shared);
              }
              log_note("host pool '" + p->name() + "'", p->note());
              return p;
            }),
            py::arg("capacity"), py::arg("numa_node") = -1, py::arg("hugepages") = true,
-           py::arg("mlock") = false, py::arg("name") = "")
+           py::arg("mlock") = false, py::arg("name") = "", py::arg("shared") = false)
+      .def_static(
+          "attach",
+          [](int fd, uint64_t capacity, bool mlock, std::string name) {
+            std::shared_ptr<HostPool> p;
+            {
+              py::gil_scoped_release nogil;
+              p = HostPool::attach(fd, capacity, mlock, name);
+            }
+            log_note("host pool '" + p->name() + "'", p->note());
+            return p;
+          },
+          py::arg("fd"), py::arg("capacity"), py::arg("mlock") = false, py::arg("name") = "",
+          "Map a shared pool another process created (its memfd, received over a Unix socket).")
+      .def_property_readonly("fd", &HostPool::fd)
+      .def_property_readonly("shared", &HostPool::shared)
       .def_buffer([](HostPool& p) {
         return py::buffer_info(p.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(p.capacity())}, {1}, false);

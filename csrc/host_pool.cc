@@ -1,6 +1,8 @@
 #include "host_pool.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -18,6 +20,18 @@
 #endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
+#endif
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_HUGETLB
+#define MFD_HUGETLB 0x0004U
+#endif
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB (21U << 26)
 #endif
 
 namespace kvio {
@@ -67,10 +81,11 @@ std::vector<int> numa_nodes() {
 }
 
 HostPool::HostPool(uint64_t capacity, int numa_node, bool hugepages, bool want_mlock,
-                   std::string name)
+                   std::string name, bool shared)
     : name_(name.empty() ? (numa_node >= 0 ? "numa" + std::to_string(numa_node) : "host")
                          : std::move(name)),
       capacity_(round_up(capacity, kHugePage)),
+      shared_(shared),
       alloc_("host pool", name_, capacity_, 512) {
   if (capacity == 0) {
     throw Error(ErrorKind::Value, name_, -1, EINVAL, pool_label(name_) + ": capacity must be > 0");
@@ -86,44 +101,48 @@ HostPool::HostPool(uint64_t capacity, int numa_node, bool hugepages, bool want_m
     }
   }
 
-  if (hugepages) {
-    const uint64_t avail = free_hugepages_bytes();
-    if (avail >= capacity_) {
-      void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB, -1, 0);
-      if (p != MAP_FAILED) {
-        map_base_ = base_ = static_cast<uint8_t*>(p);
-        map_len_ = capacity_;
-        hugetlb_ = true;
+  if (shared_) {
+    map_shared(hugepages);
+  } else {
+    if (hugepages) {
+      const uint64_t avail = free_hugepages_bytes();
+      if (avail >= capacity_) {
+        void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB, -1, 0);
+        if (p != MAP_FAILED) {
+          map_base_ = base_ = static_cast<uint8_t*>(p);
+          map_len_ = capacity_;
+          hugetlb_ = true;
+        } else {
+          add_note(note_, "MAP_HUGETLB failed (" + errno_text(errno) + "), using THP");
+        }
       } else {
-        add_note(note_, "MAP_HUGETLB failed (" + errno_text(errno) + "), using THP");
+        add_note(note_, "huge pages unavailable (/proc/sys/vm/nr_hugepages free " +
+                            std::to_string(avail / kHugePage) + " x 2 MiB < " +
+                            std::to_string(capacity_ / kHugePage) +
+                            " needed), using transparent huge pages");
       }
-    } else {
-      add_note(note_, "huge pages unavailable (/proc/sys/vm/nr_hugepages free " +
-                          std::to_string(avail / kHugePage) + " x 2 MiB < " +
-                          std::to_string(capacity_ / kHugePage) +
-                          " needed), using transparent huge pages");
     }
-  }
-  if (!base_) {
-    // Over-map by 2 MiB and trim so the pool starts on a 2 MiB boundary (THP friendly).
-    map_len_ = capacity_ + kHugePage;
-    void* p = mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      const int err = errno;
-      throw Error(ErrorKind::PoolFull, name_, -1, err,
-                  pool_label(name_) + ": cannot map " + std::to_string(capacity_) +
-                      " bytes: " + errno_text(err));
+    if (!base_) {
+      // Over-map by 2 MiB and trim so the pool starts on a 2 MiB boundary (THP friendly).
+      map_len_ = capacity_ + kHugePage;
+      void* p = mmap(nullptr, map_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) {
+        const int err = errno;
+        throw Error(ErrorKind::PoolFull, name_, -1, err,
+                    pool_label(name_) + ": cannot map " + std::to_string(capacity_) +
+                        " bytes: " + errno_text(err));
+      }
+      map_base_ = static_cast<uint8_t*>(p);
+      base_ = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uint64_t>(p), kHugePage));
+      const uint64_t head = base_ - map_base_;
+      if (head) munmap(map_base_, head);
+      const uint64_t tail = map_len_ - head - capacity_;
+      if (tail) munmap(base_ + capacity_, tail);
+      map_base_ = base_;
+      map_len_ = capacity_;
+      if (hugepages) madvise(base_, capacity_, MADV_HUGEPAGE);
     }
-    map_base_ = static_cast<uint8_t*>(p);
-    base_ = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uint64_t>(p), kHugePage));
-    const uint64_t head = base_ - map_base_;
-    if (head) munmap(map_base_, head);
-    const uint64_t tail = map_len_ - head - capacity_;
-    if (tail) munmap(base_ + capacity_, tail);
-    map_base_ = base_;
-    map_len_ = capacity_;
-    if (hugepages) madvise(base_, capacity_, MADV_HUGEPAGE);
   }
 
   // Bind before the first touch so pages are faulted on the requested node.
@@ -146,18 +165,97 @@ HostPool::HostPool(uint64_t capacity, int numa_node, bool hugepages, bool want_m
     for (uint64_t off = 0; off < capacity_; off += 4096) base_[off] = 0;
   }
 
-  if (want_mlock) {
-    if (::mlock(base_, capacity_) == 0) {
-      mlocked_ = true;
-    } else {
-      add_note(note_, "mlock failed (" + errno_text(errno) + "), pool is not locked");
+  lock_memory(want_mlock);
+}
+
+void HostPool::map_shared(bool hugepages) {
+  // hugetlbfs-backed when enough 2 MiB pages are free, else shmem (THP when the kernel's
+  // shmem_enabled allows it). MFD_CLOEXEC: the fd reaches other processes only by SCM_RIGHTS.
+  const std::string label = "kvpool-" + name_;
+  if (hugepages && free_hugepages_bytes() >= capacity_) {
+    fd_ = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB);
+    if (fd_ >= 0 && ftruncate(fd_, static_cast<off_t>(capacity_)) != 0) {
+      add_note(note_, "hugetlb memfd of " + std::to_string(capacity_) + " bytes failed (" +
+                          errno_text(errno) + "), using shmem");
+      close(fd_);
+      fd_ = -1;
     }
+    hugetlb_ = fd_ >= 0;
+  } else if (hugepages) {
+    add_note(note_, "huge pages unavailable for a shared pool, using shmem");
+  }
+  if (fd_ < 0) fd_ = memfd_create(label.c_str(), MFD_CLOEXEC);
+  if (fd_ < 0 || (!hugetlb_ && ftruncate(fd_, static_cast<off_t>(capacity_)) != 0)) {
+    const int err = errno;
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+    throw Error(ErrorKind::PoolFull, name_, -1, err,
+                pool_label(name_) + ": cannot create a shared memfd of " +
+                    std::to_string(capacity_) + " bytes: " + errno_text(err));
+  }
+  fchmod(fd_, 0600);
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    close(fd_);
+    fd_ = -1;
+    throw Error(ErrorKind::PoolFull, name_, -1, err,
+                pool_label(name_) + ": cannot map its shared memfd: " + errno_text(err));
+  }
+  map_base_ = base_ = static_cast<uint8_t*>(p);
+  map_len_ = capacity_;
+  if (hugepages && !hugetlb_) madvise(base_, capacity_, MADV_HUGEPAGE);
+}
+
+std::shared_ptr<HostPool> HostPool::attach(int fd, uint64_t capacity, bool mlock,
+                                           std::string name) {
+  return std::shared_ptr<HostPool>(new HostPool(AttachTag{}, fd, capacity, mlock, std::move(name)));
+}
+
+HostPool::HostPool(AttachTag, int fd, uint64_t capacity, bool want_mlock, std::string name)
+    : name_(name.empty() ? "host" : std::move(name)),
+      capacity_(capacity),
+      shared_(true),
+      alloc_("host pool", name_, capacity == 0 ? 1 : capacity, 512) {
+  struct stat st {};
+  if (capacity == 0 || fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < capacity) {
+    throw Error(ErrorKind::Value, name_, -1, EINVAL,
+                pool_label(name_) + ": fd " + std::to_string(fd) + " is not a shared pool of " +
+                    std::to_string(capacity) + " bytes");
+  }
+  fd_ = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (fd_ < 0) {
+    const int err = errno;
+    throw Error(ErrorKind::Value, name_, -1, err, pool_label(name_) + ": dup: " + errno_text(err));
+  }
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    close(fd_);
+    fd_ = -1;
+    throw Error(ErrorKind::PoolFull, name_, -1, err,
+                pool_label(name_) + ": cannot map the shared pool: " + errno_text(err));
+  }
+  map_base_ = base_ = static_cast<uint8_t*>(p);
+  map_len_ = capacity_;
+  // Fault the page tables in without writing: the bytes belong to the pool service.
+  madvise(base_, capacity_, MADV_POPULATE_READ);
+  lock_memory(want_mlock);
+}
+
+void HostPool::lock_memory(bool want_mlock) {
+  if (!want_mlock) return;
+  if (::mlock(base_, capacity_) == 0) {
+    mlocked_ = true;
+  } else {
+    add_note(note_, "mlock failed (" + errno_text(errno) + "), pool is not locked");
   }
 }
 
 HostPool::~HostPool() {
   if (mlocked_) munlock(base_, capacity_);
   if (map_base_) munmap(map_base_, map_len_);
+  if (fd_ >= 0) close(fd_);
 }
 
 }  // namespace kvio

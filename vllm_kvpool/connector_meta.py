@@ -23,6 +23,7 @@ class PoolStepMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     deferred_free: list[str] = field(default_factory=list)  # finished, blocks kept for saves
+    service_epoch: str = ""  # the pool service's run this step's jobs belong to ("": in process)
 
 
 @dataclass

@@ -18,6 +18,7 @@ comes from the tensors (every layer full attention), or from a model's geometry
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -27,13 +28,13 @@ import torch
 
 from vllm_kvpool.config import PoolConfig, load_pool_config
 from vllm_kvpool.engine import TransferEngine
-from vllm_kvpool.handlers import MediumHandler, open_handlers, restorable_chunks
+from vllm_kvpool.handlers import MediumHandler
 from vllm_kvpool.layout import ChunkKV, ChunkLayout
 from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import PoolStatus
-from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import UnifiedPool, prefix_blocks
-from vllm_kvpool.probe import probe_bandwidths, probe_copy_threads
+from vllm_kvpool.pool import prefix_blocks
+from vllm_kvpool.pools import open_media, open_pool
+from vllm_kvpool.probe import probe_copy_threads
 from vllm_kvpool.protocol import LoadRequest, WorkerReport
 
 
@@ -59,14 +60,10 @@ class LocalPool:
             self.config, kv_caches, num_blocks, block_size, [layout_id])
         self.layout.check_capacity(self.config)
         kv = ChunkKV.from_kv_caches(kv_caches, self.layout, num_blocks)
-        gbps = list(bandwidths) if bandwidths is not None else probe_bandwidths(self.config,
-                                                                                 self.layout)
-        self.pool = UnifiedPool(self.config, self.layout,
-                                DeviceWeights(gbps, self.config.probe.drift_threshold))
-        for device, chunks in restorable_chunks(self.config, self.layout).items():
-            self.pool.restore(device, chunks)  # a previous run's SSD chunks (same layout)
-        self.engine = TransferEngine(open_handlers(self.config, self.layout), kv,
-                                     verify_checksums=self.config.verify_checksums,
+        engine = f"local-{os.getpid()}-{id(self):x}"
+        self.pool = open_pool(self.config, self.layout, 1, engine, bandwidths)
+        self.service, handlers = open_media(self.config, self.layout, 0, 1, engine)
+        self.engine = TransferEngine(handlers, kv, verify_checksums=self.config.verify_checksums,
                                      retry_seconds=self.config.device_retry_seconds,
                                      copy_threads=probe_copy_threads(self.config))  # fmt: skip
         self._requests = 0
@@ -85,8 +82,9 @@ class LocalPool:
         req_id = f"local-{self._requests}"
         bpc = self.layout.blocks_per_chunk
         chunks = [(f, block_hashes[f : f + bpc]) for f in range(0, len(block_hashes), bpc)]
-        self.engine.finish_step_saves(self.pool.save_jobs(req_id, chunks,
-                                                          self._group_ids(block_ids)))  # fmt: skip
+        jobs = self.pool.save_jobs(req_id, chunks, self._group_ids(block_ids))
+        self._follow_service()
+        self.engine.finish_step_saves(jobs)
         self.engine.wait_all()
         self.pool.forget_request(req_id)
         return len(self._apply(self.engine.take_report()).committed)  # one rank: each commits
@@ -98,6 +96,7 @@ class LocalPool:
         only that prefix's chunks held on those devices (one share of the fetch alone: the
         blocks of the other chunks are left as they are)."""
         hits = self.pool.lookup(block_hashes)
+        self._follow_service()
         jobs = self.pool.load_jobs(hits, self._group_ids(block_ids))
         if devices is not None:
             hits = [h for h in hits if h.entry.location.device in devices]
@@ -127,6 +126,10 @@ class LocalPool:
         self._apply(self.engine.take_report())
         return FetchResult(sum(h.num_blocks for h in hits), seconds, not invalid)
 
+    def _follow_service(self) -> None:
+        if self.service is not None:
+            self.service.follow(self.pool.epoch)
+
     def _group_ids(self, block_ids: Sequence[int]) -> list[Sequence[int]]:
         """Every layer's tensor is indexed by the same block ids: one table per group."""
         return [block_ids] * self.layout.num_group_tables
@@ -142,6 +145,9 @@ class LocalPool:
 
     def close(self) -> None:
         self.engine.close()
+        if self.service is not None:
+            self.service.close()
+            self.pool.close()
 
     def __enter__(self) -> LocalPool:
         return self

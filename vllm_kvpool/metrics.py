@@ -124,6 +124,12 @@ class PoolStatus:
     placement: str
     chunk_tokens: int
     timestamp: float = field(default_factory=time.time)
+    copies: int = 1  # copies of every slot's chunk: one per rank shard (``pools.shards``)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the pool's chunks take on all devices and all ranks' copies."""
+        return sum(u.used_bytes for u in self.usage) * self.copies
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +140,7 @@ class PoolStatus:
             "lookups": asdict(self.lookups),
             "hit_rate": self.lookups.hit_rate,
             "transfers": self.transfers.to_dict(),
+            "copies": self.copies,
         }
 
     @classmethod
@@ -145,6 +152,7 @@ class PoolStatus:
             placement=data["placement"],
             chunk_tokens=data["chunk_tokens"],
             timestamp=data["timestamp"],
+            copies=data.get("copies", 1),
         )
 
     def write(self, path: str | os.PathLike) -> None:

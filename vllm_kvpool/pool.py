@@ -59,6 +59,46 @@ def prefix_blocks(hits: Sequence[ChunkHit]) -> int:
     return hits[-1].first_block + hits[-1].num_blocks if hits else 0
 
 
+def read_jobs(layout: ChunkLayout, hits: Sequence[ChunkHit], group_ids: GroupBlockIds,
+              load_from: int = 0,
+              hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip
+    """The reads that put ``hits`` back into a request's blocks (``group_ids``: its block
+    table per KV cache group), for a hit ending at block ``hit_end`` (default: where the
+    hits end) whose blocks before ``load_from`` vLLM already holds: every block of the
+    full-attention groups, the window at ``hit_end`` of the sliding-window ones. A chunk
+    restored after a restart is verified on its first read, whatever the config."""
+    end = prefix_blocks(hits) if hit_end is None else hit_end
+    out = []
+    for hit in hits:
+        entry, loc = hit.entry, hit.entry.location
+        wanted = {s.group.group_id: (lo, hi) for s, lo, hi
+                  in layout.loads(hit.first_block, loc.num_blocks, load_from, end)}  # fmt: skip
+        if not wanted:
+            continue  # nothing of this chunk is missing from vLLM's KV
+        ids: list[int] = []
+        sections = []
+        for s in layout.sections(loc.num_blocks):
+            lo, hi = wanted.get(s.group.group_id, (0, 0))
+            ids += group_ids[s.group.group_id][lo:hi]
+            sections.append((max(0, lo - hit.first_block - s.first), hi - lo))
+        out.append((ChunkRead(entry.key, loc.device, loc.slot, loc.num_blocks,
+                              dict(entry.checksums), tuple(ids), tuple(sections),
+                              verify=not entry.validated), entry))  # fmt: skip
+    return out
+
+
+def save_job(layout: ChunkLayout, req_id: str, planned: PlannedSave,
+             group_ids: GroupBlockIds) -> ChunkSave:
+    """The worker job of a planned save: the chunk's stored blocks of every section, from the
+    request's block table per KV cache group (``group_ids``)."""
+    loc, first = planned.entry.location, planned.first_block
+    ids = tuple(b for s in layout.sections(loc.num_blocks) for b in
+                group_ids[s.group.group_id][first + s.first : first + s.first
+                                            + s.num_blocks])  # fmt: skip
+    return ChunkSave(req_id, planned.entry.key, loc.device, loc.slot, ids, loc.num_blocks,
+                     tuple(planned.entry.block_hashes))  # fmt: skip
+
+
 class UnifiedPool:
     """Index + slots + placement + eviction over all devices of one pool config."""
 
@@ -100,29 +140,8 @@ class UnifiedPool:
 
     def load_jobs(self, hits: Sequence[ChunkHit], group_ids: GroupBlockIds, load_from: int = 0,
                   hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip
-        """The reads that put ``hits`` back into a request's blocks (``group_ids``: its block
-        table per KV cache group), for a hit ending at block ``hit_end`` (default: where the
-        hits end) whose blocks before ``load_from`` vLLM already holds: every block of the
-        full-attention groups, the window at ``hit_end`` of the sliding-window ones. A chunk
-        restored after a restart is verified on its first read, whatever the config."""
-        end = prefix_blocks(hits) if hit_end is None else hit_end
-        out = []
-        for hit in hits:
-            entry, loc = hit.entry, hit.entry.location
-            wanted = {s.group.group_id: (lo, hi) for s, lo, hi
-                      in self.layout.loads(hit.first_block, loc.num_blocks, load_from, end)}  # fmt: skip
-            if not wanted:
-                continue  # nothing of this chunk is missing from vLLM's KV
-            ids: list[int] = []
-            sections = []
-            for s in self.layout.sections(loc.num_blocks):
-                lo, hi = wanted.get(s.group.group_id, (0, 0))
-                ids += group_ids[s.group.group_id][lo:hi]
-                sections.append((max(0, lo - hit.first_block - s.first), hi - lo))
-            out.append((ChunkRead(entry.key, loc.device, loc.slot, loc.num_blocks,
-                                  dict(entry.checksums), tuple(ids), tuple(sections),
-                                  verify=not entry.validated), entry))  # fmt: skip
-        return out
+        """``read_jobs`` over this pool's layout."""
+        return read_jobs(self.layout, hits, group_ids, load_from, hit_end)
 
     def is_stored(self, hashes: Sequence[BlockHash]) -> bool:
         """Whether the pool holds (or is writing) this chunk at least this long."""
@@ -144,12 +163,13 @@ class UnifiedPool:
             e.readers += 1
             self.index.touch(e.key)
 
-    def unpin(self, entries: Sequence[ChunkEntry]) -> None:
+    def unpin(self, entries: Sequence[ChunkEntry], completed: bool = True) -> None:
         """A load finished; entries still indexed passed their checksum (corrupt ones were
-        invalidated by the same worker report), so a restored chunk counts as validated."""
+        invalidated by the same worker report), so a restored chunk counts as validated.
+        ``completed`` False: the reader went away (an engine died), nothing was verified."""
         for e in entries:
             e.readers -= 1
-            if not e.dead:
+            if completed and not e.dead:
                 e.validated = True
             if e.dead and e.readers == 0:
                 self._release(e)
@@ -220,17 +240,8 @@ class UnifiedPool:
 
     def save_jobs(self, req_id: str, chunks: Sequence[tuple[int, Sequence[BlockHash]]],
                   group_ids: GroupBlockIds) -> list[ChunkSave]:  # fmt: skip
-        """``plan_saves`` as the workers' jobs: each chunk's stored blocks of every section,
-        from the request's block table per KV cache group (``group_ids``)."""
-        jobs = []
-        for p in self.plan_saves(req_id, chunks):
-            loc, first = p.entry.location, p.first_block
-            ids = tuple(b for s in self.layout.sections(loc.num_blocks) for b in
-                        group_ids[s.group.group_id][first + s.first : first + s.first
-                                                    + s.num_blocks])  # fmt: skip
-            jobs.append(ChunkSave(req_id, p.entry.key, loc.device, loc.slot, ids, loc.num_blocks,
-                                  tuple(p.entry.block_hashes)))  # fmt: skip
-        return jobs
+        """``plan_saves`` as the workers' jobs (``save_job``)."""
+        return [save_job(self.layout, req_id, p, group_ids) for p in self.plan_saves(req_id, chunks)]
 
     def acknowledge_save(self, key: BlockHash, rank: int, checksum: int) -> None:
         self.index.acknowledge(key, rank, checksum, self.world_size)
@@ -249,6 +260,20 @@ class UnifiedPool:
             entry.dead = True
         else:
             self._release(entry)
+
+    def withdraw(self, entry: ChunkEntry) -> bool:
+        """Take a chunk whose writer died before it committed out of the index (never served);
+        its slot stays taken until ``free_slot``, once nothing of that writer can still write
+        into it. False when ``entry`` is no longer this pool's unsettled copy of its key."""
+        if self.index.get(entry.key) is not entry or entry.committed:
+            return False
+        self.index.remove(entry.key)
+        self.lookups.invalidated += 1
+        return True
+
+    def free_slot(self, entry: ChunkEntry) -> None:
+        """Give a withdrawn chunk's slot back."""
+        self._release(entry)
 
     def fail_device(self, device: int) -> None:
         """A device failed: its chunks become misses, it takes no new chunks, the pool serves."""
@@ -305,7 +330,7 @@ class UnifiedPool:
                                            self.weights.failed, strict=True)  # fmt: skip
         ]
         return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,
-                          self.config.chunk_tokens)  # fmt: skip
+                          self.config.chunk_tokens, copies=self.world_size)  # fmt: skip
 
     def _free_slots(self) -> list[int]:
         return [0 if failed else a.num_free

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata, PoolWorkerMetadata
-from vllm_kvpool.handlers import restorable_chunks
 from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.metrics import counter_delta, flat_counters
-from vllm_kvpool.placement import DeviceWeights
-from vllm_kvpool.pool import UnifiedPool, prefix_blocks
-from vllm_kvpool.probe import probe_bandwidths
+from vllm_kvpool.pool import prefix_blocks
+from vllm_kvpool.pools import open_pool
 from vllm_kvpool.protocol import LoadRequest, WorkerReport
+from vllm_kvpool.service.remote import RemotePool
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -51,21 +50,14 @@ class PoolScheduler:
     """The scheduler-side role of ``UnifiedKVPoolConnector``."""
 
     def __init__(self, config: PoolConfig, layout: ChunkLayout, block_size: int,
-                 world_size: int, status_path: str, hash_scale: int = 1) -> None:  # fmt: skip
+                 world_size: int, status_path: str, hash_scale: int = 1,
+                 engine: str = "engine") -> None:  # fmt: skip
         self.pool_config = config
         self.layout = layout
         self.block_size = block_size
         self.hash_scale = hash_scale  # vLLM hashes blocks of block_size / hash_scale tokens
         self.status_path = status_path
-        gbps = probe_bandwidths(config, layout)
-        logger.info("kvpool: placement weights (GB/s): %s", dict(
-            zip((d.name for d in config.devices), gbps, strict=True)))  # fmt: skip
-        weights = DeviceWeights(gbps, drift_threshold=config.probe.drift_threshold)
-        self.pool = UnifiedPool(config, layout, weights, world_size)
-        for device, chunks in restorable_chunks(config, layout, world_size).items():
-            if n := self.pool.restore(device, chunks):
-                logger.info("kvpool: %s: %d chunks of a previous run restored (each verified on "
-                            "its first read)", config.devices[device].name, n)  # fmt: skip
+        self.pool = open_pool(config, layout, world_size, engine)
         self._requests: dict[str, _RequestState] = {}
         self._lookups: dict[str, tuple[int, list]] = {}
         self._load_pins: dict[str, list[ChunkEntry]] = {}
@@ -118,6 +110,7 @@ class PoolScheduler:
     # -- saves -----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolStepMetadata:
         meta, self._next_meta = self._next_meta, PoolStepMetadata()
+        meta.service_epoch = getattr(self.pool, "epoch", "")
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -253,3 +246,5 @@ class PoolScheduler:
 
     def shutdown(self) -> None:
         self.write_status()
+        if isinstance(self.pool, RemotePool):
+            self.pool.close()  # this engine's leases drop at once

@@ -11,21 +11,29 @@ import torch
 from vllm_kvpool.config import PoolConfig, PoolConfigError
 from vllm_kvpool.connector_meta import PoolStepMetadata, PoolWorkerMetadata
 from vllm_kvpool.engine import TransferEngine
-from vllm_kvpool.handlers import open_handlers
 from vllm_kvpool.layout import ChunkKV, ChunkLayout
+from vllm_kvpool.pools import open_media, shards
 from vllm_kvpool.probe import probe_copy_threads
+from vllm_kvpool.service.remote import ServiceClient
 
 
 class PoolWorker:
     """The worker-side role of ``UnifiedKVPoolConnector``."""
 
     def __init__(self, config: PoolConfig, layout: ChunkLayout, rank: int,
-                 world_size: int) -> None:  # fmt: skip
+                 world_size: int, engine: str = "engine") -> None:  # fmt: skip
         self.pool_config = config
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
+        # The copy of each chunk this rank reads and (when it is the copy's owner) writes:
+        # its own shard, or with one copy for all ranks (``pools.shards``) rank 0's.
+        self.shards = shards(config, layout, world_size)
+        self.shard = rank if self.shards == world_size else 0
+        self.saves = self.shard == rank
+        self.engine_id = engine
         self.engine: TransferEngine | None = None
+        self.service: ServiceClient | None = None  # the pool service's connection, if any
         # vLLM maps block-level load errors back to requests only with one KV cache group;
         # with several, a failed load is reported per request (and recomputed whole).
         self.per_request_failures = layout.num_groups > 1
@@ -35,9 +43,9 @@ class PoolWorker:
             kv = ChunkKV.from_kv_caches(kv_caches, self.layout, num_blocks)
         except ValueError as exc:
             raise PoolConfigError("chunk layout", str(exc)) from exc
-        suffix = f".rank{self.rank}" if self.world_size > 1 else ""
-        handlers = open_handlers(self.pool_config, self.layout, suffix)
-        self.engine = TransferEngine(handlers, kv, self.rank, self.pool_config.verify_checksums,
+        self.service, handlers = open_media(self.pool_config, self.layout, self.shard,
+                                            self.shards, self.engine_id)  # fmt: skip
+        self.engine = TransferEngine(handlers, kv, self.shard, self.pool_config.verify_checksums,
                                      self.pool_config.device_retry_seconds,
                                      probe_copy_threads(self.pool_config))  # fmt: skip
 
@@ -47,20 +55,28 @@ class PoolWorker:
 
     def start_load(self, meta: PoolStepMetadata | None) -> None:
         if meta is not None and self.engine is not None:
+            self._follow_service(meta)
             self.engine.start_loads(meta.loads)
+
+    def _follow_service(self, meta: PoolStepMetadata) -> None:
+        """The scheduler side attached to a restarted pool service: map its new host memory
+        before running jobs planned there (the first hook of every step)."""
+        if self.service is not None:
+            self.service.follow(meta.service_epoch)
 
     def wait_layer(self, layer_name: str) -> None:
         if self.engine is not None:
             self.engine.wait_layer(layer_name)
 
     def save_layer(self, meta: PoolStepMetadata | None, layer_name: str) -> None:
-        if meta is not None and self.engine is not None:
+        if meta is not None and self.engine is not None and self.saves:
             self.engine.save_layer(meta.saves, layer_name)
 
     def finish_step(self, meta: PoolStepMetadata | None) -> None:
         if meta is None or self.engine is None:
             return
-        self.engine.finish_step_saves(meta.saves)
+        if self.saves:  # a rank reading another's copy has nothing to write
+            self.engine.finish_step_saves(meta.saves)
         self.engine.wait_sync_loads()
 
     def flush_saves(self) -> None:
@@ -90,3 +106,6 @@ class PoolWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.service is not None:
+            self.service.close()
+            self.service = None

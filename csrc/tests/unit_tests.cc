@@ -1,6 +1,7 @@
 // C++ unit tests of the I/O engine core (run by ctest). Usage: kvio_unit_tests <scratch-dir>
 // The scratch dir must be on a real filesystem (O_DIRECT), e.g. the CMake build dir.
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -141,6 +142,24 @@ static void test_host_pool() {
   CHECK(p.allocator().alloc(kMiB) == 0);
 }
 
+static void test_shared_host_pool() {
+  // A shared pool lives in a 0600 memfd; a second mapping of it (what an engine gets over the
+  // socket) sees the bytes in place and writes through, and attaching writes nothing.
+  HostPool p(3 * kMiB, -1, true, false, "shared", true);
+  CHECK(p.shared() && p.fd() >= 0 && p.capacity() == 4 * kMiB);
+  struct stat st {};
+  CHECK(fstat(p.fd(), &st) == 0 && (st.st_mode & 0777) == 0600);
+  std::memset(p.data(), 7, p.capacity());
+  auto a = HostPool::attach(p.fd(), p.capacity(), false, "a");
+  CHECK(a->data() != p.data() && a->data()[kMiB] == 7 && a->data()[p.capacity() - 1] == 7);
+  a->data()[123] = 42;
+  CHECK(p.data()[123] == 42);
+  CHECK(throws_kind(ErrorKind::Value, [&] { HostPool::attach(p.fd(), 2 * p.capacity(), false, "x"); }));
+  CHECK(throws_kind(ErrorKind::Value, [&] { HostPool::attach(-1, kMiB, false, "x"); }));
+  HostPool priv(kMiB, -1, false, false, "private");
+  CHECK(!priv.shared() && priv.fd() == -1);
+}
+
 static void test_copy() {
   std::vector<unsigned char> a(24 << 20), b(24 << 20, 0);
   std::mt19937 rng(1);
@@ -274,6 +293,7 @@ int main(int argc, char** argv) {
   test_xxh3();
   test_allocator();
   test_host_pool();
+  test_shared_host_pool();
   test_copy();
   test_rate_limited_log();
   roundtrip(dir + "/kvio_unit_uring.img", "uring");

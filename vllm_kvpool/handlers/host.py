@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,13 +27,27 @@ logger = logging.getLogger("vllm_kvpool")
 class HostMemoryHandler(MediumHandler):
     resident = True
 
-    def __init__(self, cfg: DeviceConfig, slot_bytes: int, num_slots: int) -> None:
+    def __init__(self, cfg: DeviceConfig, slot_bytes: int, num_slots: int,
+                 pool: Any = None) -> None:  # fmt: skip
+        """``pool``: an existing ``HostPool`` of at least ``num_slots`` slots (the pool
+        service's shared memory, attached); default a private one of this process."""
         super().__init__(cfg, slot_bytes)
         self.io = kvio()
-        self.pool = self.io.HostPool(num_slots * slot_bytes, numa_node=cfg.numa_node,
-                                     name=cfg.name)  # fmt: skip
+        self.pool = pool if pool is not None else self.io.HostPool(
+            num_slots * slot_bytes, numa_node=cfg.numa_node, name=cfg.name)  # fmt: skip
+        if self.pool.capacity < num_slots * slot_bytes:
+            raise ValueError(f"host pool {cfg.name}: {self.pool.capacity} bytes hold fewer than "
+                             f"{num_slots} slots of {slot_bytes}")  # fmt: skip
         if self.pool.note:
             logger.info("kvpool: host pool %s: %s", cfg.name, self.pool.note)
+        self._bytes = torch.frombuffer(self.pool, dtype=torch.uint8)
+        self._retired: list[Any] = []
+
+    def adopt(self, pool: Any) -> None:
+        """Serve from another (attached) pool from now on: the pool service restarted with new
+        shared memory. The old mapping stays alive: a copy in flight may still read it."""
+        self._retired.append(self.pool)
+        self.pool = pool
         self._bytes = torch.frombuffer(self.pool, dtype=torch.uint8)
 
     def address(self, slot: int) -> int:
@@ -81,6 +96,7 @@ class HostMemoryHandler(MediumHandler):
     def close(self) -> None:
         self._bytes = None
         self.pool = None
+        self._retired = []
 
 
 class HostMedium(Medium):

@@ -70,7 +70,8 @@ def from_vllm(config: PoolConfig, kv_cache_config: Any, block_size: int,
             if getattr(g, "enable_kv_transfer", True)]  # fmt: skip
     groups = [group_layout(i, g, block_size) for i, g in kept]
     dtypes = [(str(g.kv_cache_spec.dtype), type(g.kv_cache_spec).__name__) for _, g in kept]
-    return _build(config, groups, block_size, [dtypes, *identity])
+    layout = _build(config, groups, block_size, [dtypes, *identity])
+    return layout.with_replicated(all(kind.startswith("MLA") for _, kind in dtypes))
 
 
 # ----------------------------------------------------------------------------- a model

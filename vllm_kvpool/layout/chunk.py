@@ -25,7 +25,7 @@ Pure logic: no I/O, no vLLM.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -106,6 +106,9 @@ class ChunkLayout:
     groups: tuple[GroupLayout, ...]
     blocks_per_chunk: int
     layout_version: int = 0
+    # Every tensor-parallel rank holds the same KV (MLA's latent cache is not split over heads):
+    # one copy serves every rank when the ranks share the pool's memory (``pools.shards``).
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if not self.groups or self.blocks_per_chunk < 1:
@@ -121,6 +124,9 @@ class ChunkLayout:
         """Chunks of ``blocks_per_chunk`` blocks of ``block_bytes`` each, no model behind them
         (device probes, ``kvpool probe``)."""
         return cls((GroupLayout(0, ("*",), block_bytes, 1),), blocks_per_chunk, layout_version)
+
+    def with_replicated(self, replicated: bool) -> ChunkLayout:
+        return replace(self, replicated=replicated)
 
     @property
     def hybrid(self) -> bool:
