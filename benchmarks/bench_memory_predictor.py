@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import math
 import statistics
 import sys
@@ -84,14 +83,12 @@ FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated
 
 
 def prediction_code_version() -> str:
-    """Hash of the code a GPUMemNet prediction runs through (the memory package, the traced
-    step, the autocast emulation, the precision table and this benchmark's row handling)."""
-    h = hashlib.sha256()
-    files = sorted((ROOT / "predictors" / "memory").glob("*.py"))
-    files += [ROOT / "predictors" / n for n in ("step.py", "autocast.py", "precision.py")]
-    for path in files + [Path(__file__).resolve()]:
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
+    """Version of the code a GPUMemNet prediction runs through (every module the memory API and
+    the GPUMemNet rebuild can import) and this benchmark's row handling."""
+    from predictors.codegraph import code_version
+
+    return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
+                        extra=[Path(__file__).resolve()])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):

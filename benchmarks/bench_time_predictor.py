@@ -25,7 +25,7 @@ V  VALIDATION, not a test: Megatron-LM's H100 weak-scaling table (48-6,144 GPUs;
    on H100 has no development rows, so it is priced with the roofline's default efficiencies.
 M  DEVELOPMENT fleet (torchtitan, LLM Foundry H100; Narayanan et al. A100; ``develop`` rows of
    predictors/data, 99 runs): leave one model out, kernel efficiencies fitted per device family
-   and framework inside every fold (predictors/efficiency.py).
+   and framework inside every fold (predictors/time/efficiency.py).
 G  DEVELOPMENT fleet, leave one GPU count out (same fitting).
 F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 15 pairs from the
    leave-one-model-out predictions of both runs.
@@ -64,7 +64,7 @@ def _save(out: Path | None, name: str, blob: dict) -> None:
 
 def vtrain_splits(out: Path | None) -> tuple[float, float]:
     """(unseen hidden U, by depth D) on vTrain, constants fitted per fold."""
-    from predictors.evaluate import evaluate_vtrain
+    from predictors.time.evaluate import evaluate_vtrain
 
     vt = evaluate_vtrain()
     u, d = vt["unseen_hidden"], vt["by_depth"]
@@ -81,9 +81,9 @@ def vtrain_splits(out: Path | None) -> tuple[float, float]:
 
 
 def multinode_validation(out: Path | None) -> float:
-    from predictors.model import TimeModel, shipped_model_path
-    from predictors.public import evaluate_multinode
-    from predictors.time_predictor import predict_with_model
+    from predictors.time.evaluate import evaluate_multinode
+    from predictors.time.model import TimeModel, shipped_model_path
+    from predictors.time.predictor import predict_with_model
 
     res = evaluate_multinode()
     a100 = TimeModel.load(shipped_model_path("a100"))
@@ -100,7 +100,7 @@ def multinode_validation(out: Path | None) -> float:
 def fleet_splits(out: Path | None) -> tuple[float, float, float]:
     """(new model M, new GPU count G, bf16/fp8 pair error F) on the development fleet rows,
     efficiencies fitted inside every fold. DEVELOPMENT figures."""
-    from predictors.evaluate import evaluate_fleet
+    from predictors.time.evaluate import evaluate_fleet
 
     res = evaluate_fleet()
     m, g, f = res["new_model"], res["new_gpus"], res["pair_error"]
@@ -122,7 +122,7 @@ def fleet_splits(out: Path | None) -> tuple[float, float, float]:
 
 def fleet_final(out: Path | None) -> float:
     """The frozen final split, scored once per run of this benchmark (never tuned on)."""
-    from predictors.evaluate import evaluate_fleet_final
+    from predictors.time.evaluate import evaluate_fleet_final
 
     res = evaluate_fleet_final()
     print(f"FINAL (frozen before tuning, scored once) fleet rows ({len(res.rows)} runs: LLM "
@@ -135,7 +135,8 @@ def fleet_final(out: Path | None) -> float:
 
 
 def precision_pairs(out: Path | None) -> float:
-    from predictors.public import evaluate_precision_pairs, load_llm_foundry_pairs
+    from predictors.datasets.fleet import load_llm_foundry_pairs
+    from predictors.time.evaluate import evaluate_precision_pairs
 
     res = evaluate_precision_pairs()
     notes = {p.name: p.note for p in load_llm_foundry_pairs()}
@@ -151,9 +152,9 @@ def precision_pairs(out: Path | None) -> float:
 def cpu_heldout(data: Path) -> dict:
     """Held-out MAPEs of the precision-aware CPU model on ``data`` (unseen precision P, unseen
     sequence length, size tier, family; the precision-unaware ablation beside them)."""
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.evaluate import evaluate_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.evaluate import evaluate_measurements
 
     df = load_measurements(data)
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
@@ -170,7 +171,7 @@ def cpu_heldout(data: Path) -> dict:
 
 
 def fresh_cpu(repeats: int, rounds: int) -> list[float]:
-    from predictors.collect import collect_interleaved, default_grid
+    from predictors.time.collect import collect_interleaved, default_grid
 
     points = default_grid(FRESH_PRECISIONS, seqs=(32,), batches=(1, 4), models=FRESH_MODELS,
                           dp_sizes=(1,))  # fmt: skip
@@ -189,7 +190,7 @@ def fresh_cpu(repeats: int, rounds: int) -> list[float]:
 def latency() -> None:
     from predictors import predict_iteration_time
     from predictors.spec import ParallelStrategy, TransformerSpec
-    from predictors.time_predictor import _predict
+    from predictors.time.predictor import _predict
 
     spec = TransformerSpec("gpt", 24, 2048, 16, 2048, 50257)
     strategies = [ParallelStrategy(8 // (tp * pp), tp, pp, mb, 64)
@@ -216,7 +217,7 @@ def main() -> int:
                     help="directory for per-part JSON results (written as each part ends)")
     args = ap.parse_args()
 
-    from predictors.vtrain import data_path
+    from predictors.datasets import data_path
 
     t0 = time.time()
     u, d = vtrain_splits(args.out)

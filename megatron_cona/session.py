@@ -42,8 +42,8 @@ from megatron_cona.goodput import (
 )
 from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec.precision import get_precision
 
 log = logging.getLogger("megatron_cona.session")
 

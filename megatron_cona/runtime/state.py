@@ -33,8 +33,8 @@ from megatron_cona.grad_probe import GradProbe
 from megatron_cona.parallel import ParallelGroups, build_groups
 from megatron_cona.runtime.config import TrainConfig
 from megatron_cona.runtime.gradients import finalize_with_hooks
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, StrategyError
+from predictors.spec.precision import get_precision
 
 
 @dataclass

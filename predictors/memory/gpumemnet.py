@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .towers import MemorySpecError
+from ..spec.model import ModelSpecError
 
 DATA_ENV = "GPUMEMNET_DIR"
 SHIPPED_CSV = Path(__file__).resolve().parent.parent / "data" / "gpumemnet_mlp.csv"
@@ -46,7 +46,7 @@ _NAME = re.compile(
 _COUNTED = ("linear", "batch_normalization")  # the dataset lists PReLU's weight as 0
 
 
-class GpuMemNetFormatError(MemorySpecError):
+class GpuMemNetFormatError(ModelSpecError):
     """A row whose file name or layer list does not follow the generator's format."""
 
 

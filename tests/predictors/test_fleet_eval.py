@@ -6,11 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from predictors import evaluate, fleet
+from predictors.datasets import fleet
 from predictors.devices import get_device
-from predictors.efficiency import EfficiencyFit, for_precision
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.precision import get_precision
+from predictors.time import evaluate
+from predictors.time.efficiency import for_precision
+from predictors.time.efficiency_fit import EfficiencyFit
 
 
 class RecordingFitter:

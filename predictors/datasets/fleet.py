@@ -8,7 +8,7 @@ measured seconds per iteration.
 * ``megatron_narayanan2021_a100.csv``: Narayanan et al. 2021, Table 1 (A100, 32-3,072 GPUs).
 
 Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
-:mod:`predictors.evaluate`; ``final`` rows form the split frozen before any tuning and scored
+:mod:`predictors.time.evaluate`; ``final`` rows form the split frozen before any tuning and scored
 once. Sources, licences and the settings assumed where a table is silent:
 ``data/PUBLIC_SOURCES.md``. Nothing here fetches anything.
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 
+from predictors.datasets import data_path
+from predictors.datasets.public import PublicRow
 from predictors.devices import get_device
-from predictors.public import PublicRow
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.vtrain import data_path
 
 TORCHTITAN_CSV = "torchtitan_llama3.csv"
 FOUNDRY_CSV = "llm_foundry_h100.csv"
@@ -58,7 +58,7 @@ class FleetRow(PublicRow):
     @property
     def fit_group(self) -> str:
         """The device family and framework its efficiencies are fitted for."""
-        from predictors.efficiency import fit_group
+        from predictors.time.efficiency import fit_group
 
         return fit_group(get_device(self.device), self.options)
 
@@ -203,4 +203,32 @@ def precision_pairs(rows: list[FleetRow]) -> list[tuple[FleetRow, FleetRow]]:
         if ref is None:
             continue
         pairs.extend((ref, fast) for p, fast in sorted(runs.items()) if p != "bf16-mixed")
+    return pairs
+
+
+@dataclass(frozen=True)
+class PrecisionPair:
+    name: str
+    spec: TransformerSpec
+    strategy: ParallelStrategy
+    device: str
+    reference: str  # precision of the slower run
+    fast: str
+    measured_ratio: float  # t_reference / t_fast
+    note: str = ""
+    options: TrainingOptions = TrainingOptions()
+
+
+def load_llm_foundry_pairs() -> list[PrecisionPair]:
+    """bf16 vs fp8 on the same MPT run (:func:`precision_pairs` over LLM
+    Foundry's H100 rows). MPT stores fp32 weights under autocast in both runs; the closest
+    pair in our precision table that changes only the matmul dtype is ``bf16-mixed`` vs
+    ``fp8`` (both bf16 weights with fp32 masters). The runs use FSDP ``FULL_SHARD`` and, where
+    the table says so, full activation recomputation."""
+    pairs = []
+    for ref, fast in precision_pairs(load_llm_foundry()):
+        note = "activation checkpointing" if ref.options.recompute != "none" else ""
+        pairs.append(PrecisionPair(f"{ref.model}-s{ref.spec.seq_length}", ref.spec, ref.strategy,
+                                   ref.device, ref.precision, fast.precision,
+                                   ref.seconds / fast.seconds, note, ref.options))  # fmt: skip
     return pairs

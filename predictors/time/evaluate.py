@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.feature_sets import measurement_features, vtrain_features
-from predictors.model import mape, train_time_model
-from predictors.train import feature_names, train_vtrain_rows
+from predictors.time.feature_sets import measurement_features, vtrain_features
+from predictors.time.model import mape, train_time_model
+from predictors.time.train import feature_names, train_vtrain_rows
 
 
 @dataclass
@@ -35,18 +35,18 @@ class HeldOutResult:
 
 class _VTrainFolds:
     """Train/test folds on vTrain with the host constants fitted on each fold's training rows
-    (:mod:`predictors.calibrate`); feature rows are shared between folds that fit the same."""
+    (:mod:`predictors.time.calibrate`); feature rows are shared between folds that fit the same."""
 
     def __init__(self, rows) -> None:
+        from predictors.datasets.vtrain import VTRAIN_DEVICE
         from predictors.devices import get_device
-        from predictors.vtrain import VTRAIN_DEVICE
 
         self.rows = rows
         self.base = get_device(VTRAIN_DEVICE)
         self._feats: dict[tuple, list[dict]] = {}
 
     def features(self, constants: dict[str, float]) -> list[dict]:
-        from predictors.calibrate import with_constants
+        from predictors.time.calibrate import with_constants
 
         key = tuple(sorted(constants.items()))
         if key not in self._feats:
@@ -91,7 +91,7 @@ def evaluate_vtrain() -> dict[str, HeldOutResult]:
 
     vTrain has one sequence length (1024), one head count (16) and one precision: unseen
     sequence length, head count and precision are scored on the CPU measurements."""
-    from predictors.vtrain import load_vtrain
+    from predictors.datasets.vtrain import load_vtrain
 
     folds = _VTrainFolds(load_vtrain())
     rows = folds.rows
@@ -120,7 +120,7 @@ def size_tier(model: str) -> str:
 
 class _CpuFolds:
     """Train/test folds on measured CPU rows with the per-kernel cost fitted on each fold's
-    training rows (:func:`predictors.calibrate.fit_cpu_constants`)."""
+    training rows (:func:`predictors.time.calibrate.fit_cpu_constants`)."""
 
     def __init__(self, df, device, precision_aware: bool, cache: str | Path | None) -> None:
         self.df, self.device, self.aware, self.cache = df, device, precision_aware, cache
@@ -129,7 +129,7 @@ class _CpuFolds:
         self.names: list[str] | None = None
 
     def features(self, constants: dict[str, float]) -> list[dict]:
-        from predictors.calibrate import with_constants
+        from predictors.time.calibrate import with_constants
 
         key = tuple(sorted(constants.items()))
         if key not in self._feats:
@@ -142,7 +142,7 @@ class _CpuFolds:
 
     def fold(self, train: list[int], test: list[int], family: str
              ) -> tuple[np.ndarray, dict[str, float]]:  # fmt: skip
-        from predictors.calibrate import fit_cpu_constants
+        from predictors.time.calibrate import fit_cpu_constants
 
         constants = fit_cpu_constants(self.df.iloc[train], self.device, self.aware)
         feats = self.features(constants)
@@ -234,7 +234,7 @@ def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_d
 
 
 # ---------------------------------------------------------------------------------------------
-# Development fleet (published GPU runs; predictors.fleet)
+# Development fleet (published GPU runs; predictors.datasets.fleet)
 
 
 @dataclass
@@ -251,12 +251,12 @@ class FleetResult:
 
 class FleetFolds:
     """Held-out splits over fleet rows: per fit group (device family and framework), the kernel
-    efficiencies (:class:`predictors.efficiency.EfficiencyFit`) are fitted on the fold's
+    efficiencies (:class:`predictors.time.efficiency_fit.EfficiencyFit`) are fitted on the fold's
     training rows only and the held-out rows are priced with them. ``fitter(group_rows)``
     builds the fitter (a test passes one that records what it was fitted on)."""
 
     def __init__(self, rows, fitter=None) -> None:
-        from predictors.efficiency import EfficiencyFit
+        from predictors.time.efficiency_fit import EfficiencyFit
 
         self.rows = list(rows)
         by_family: dict[str, list[int]] = {}
@@ -308,7 +308,7 @@ class FleetFolds:
 def pair_error(result: FleetResult, rows) -> FleetResult:
     """Mean |predicted / measured - 1| (%) of the t_bf16 / t_fp8 ratio of every precision pair
     in ``rows``, from ``result``'s held-out predictions of both runs."""
-    from predictors.fleet import precision_pairs
+    from predictors.datasets.fleet import precision_pairs
 
     pred = {n: p for n, p, _ in result.rows}
     out = [(f"{a.name} / {b.precision}", pred[a.name] / pred[b.name], a.seconds / b.seconds)
@@ -325,7 +325,7 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
     * ``new_gpus``: leave one GPU count out;
     * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
       predictions (both runs of a pair belong to the held-out model)."""
-    from predictors.fleet import load_fleet
+    from predictors.datasets.fleet import load_fleet
 
     rows = load_fleet("develop")
     folds = FleetFolds(rows, fitter)
@@ -339,7 +339,7 @@ def evaluate_fleet_final(fitter=None) -> FleetResult:
     """The frozen final split (``use == "final"`` rows: chosen before any efficiency was
     fitted and never fitted or selected on), priced with efficiencies fitted on every
     development row. Score it once and report it as such."""
-    from predictors.fleet import load_fleet
+    from predictors.datasets.fleet import load_fleet
 
     dev, final = load_fleet("develop"), load_fleet("final")
     folds = FleetFolds(dev + final, fitter)
@@ -349,3 +349,47 @@ def evaluate_fleet_final(fitter=None) -> FleetResult:
                           [folds.rows[i].seconds for i in test
                            if folds.rows[i].source == r.source]) for r in final}  # fmt: skip
     return folds._result("fleet_final", pred, per, {"all_development": fitted})
+
+
+@dataclass
+class PublicResult:
+    name: str
+    error: float  # MAPE (%) of times, or mean absolute % error of ratios
+    rows: list[tuple[str, float, float]]  # (row, predicted, measured)
+
+    def per_row(self) -> list[tuple[str, float, float, float]]:
+        return [(n, p, m, 100.0 * (p - m) / m) for n, p, m in self.rows]
+
+
+def evaluate_multinode(predict_fn=None) -> PublicResult:
+    """Predicted vs measured seconds per iteration on Megatron's H100 weak-scaling runs.
+    ``predict_fn(row) -> seconds`` defaults to the shipped predictor."""
+    from predictors.datasets.public import PublicRow, load_megatron_weak_scaling
+    from predictors.time.predictor import predict_iteration_time
+
+    def default(r: PublicRow) -> float:
+        return predict_iteration_time(r.spec, r.strategy, r.precision, r.device, options=r.options)
+
+    fn = predict_fn or default
+    rows = [(r.name, fn(r), r.seconds) for r in load_megatron_weak_scaling()]
+    pred, true = np.array([p for _, p, _ in rows]), np.array([t for _, _, t in rows])
+    return PublicResult("megatron_h100_weak_scaling", float(np.mean(np.abs(pred - true) / true) * 100),
+                        rows)  # fmt: skip
+
+
+def evaluate_precision_pairs() -> PublicResult:
+    """Error of the predicted speed ratio of each bf16/fp8 pair against the measured one, priced
+    by the roofline with its default efficiencies: never fitted on these pairs. (The shipped
+    fleet-fitted efficiencies were fitted on these very rows; their held-out pair error is the
+    fleet split's, :func:`pair_error`.)"""
+    from predictors.datasets.fleet import load_llm_foundry_pairs
+    from predictors.time.predictor import predict_with_model
+
+    rows = []
+    for p in load_llm_foundry_pairs():
+        ref = predict_with_model(None, p.spec, p.strategy, p.reference, p.device, options=p.options)
+        fast = predict_with_model(None, p.spec, p.strategy, p.fast, p.device, options=p.options)
+        rows.append((p.name, ref / fast, p.measured_ratio))
+    pred, true = np.array([p for _, p, _ in rows]), np.array([t for _, _, t in rows])
+    return PublicResult("llm_foundry_bf16_fp8_ratio",
+                        float(np.mean(np.abs(pred - true) / true) * 100), rows)  # fmt: skip
