@@ -30,8 +30,11 @@ G  DEVELOPMENT fleet, leave one GPU count out (same fitting).
 F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 15 pairs from the
    leave-one-model-out predictions of both runs.
 FINAL  The split frozen before any efficiency was fitted (``final`` rows: LLM Foundry H100 at
-   128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows and
-   scored once: it is not to be tuned on.
+   128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows. It
+   is scored only with ``--score-final``, once: the scoring is recorded (commit, date, figure,
+   per-row errors) in ``benchmarks/final_split_scoring.json``, and a second ``--score-final``
+   is refused while that record exists; every other run prints the recorded figure (or
+   ``unscored``).
 
 Per-fold and per-row figures are written to ``--out`` (JSON, one file per part, as each part
 finishes) and printed. Last line: ``mape_unseen_hidden=U mape_unseen_precision=P
@@ -120,8 +123,43 @@ def fleet_splits(out: Path | None) -> tuple[float, float, float]:
     return m.mape, g.mape, f.mape
 
 
-def fleet_final(out: Path | None) -> float:
-    """The frozen final split, scored once per run of this benchmark (never tuned on)."""
+FINAL_RECORD = ROOT / "benchmarks" / "final_split_scoring.json"
+
+
+class FinalSplitAlreadyScored(RuntimeError):
+    """``--score-final`` on a checkout whose final split has been scored."""
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def refuse_second_scoring(record: Path) -> None:
+    if record.exists():
+        blob = json.loads(record.read_text())
+        raise FinalSplitAlreadyScored(
+            f"the final split was scored at commit {blob['commit'][:12]} on {blob['date']} "
+            f"({record}); it is scored once")
+
+
+def fleet_final(out: Path | None, score: bool, record: Path = FINAL_RECORD) -> str:
+    """The frozen final split: scored once, with ``score``, and recorded; otherwise the
+    recorded figure (``"unscored"`` without a record). Returns the figure for the last line."""
+    if not score:
+        if not record.exists():
+            print("FINAL not scored (the frozen split is scored once, with --score-final)")
+            return "unscored"
+        blob = json.loads(record.read_text())
+        print(f"FINAL recorded (scored once at commit {blob['commit'][:12]} on {blob['date']}): "
+              f"MAPE {blob['mape']:.2f}%")
+        return f"{blob['mape']:.2f}%"
+    refuse_second_scoring(record)
     from predictors.time.evaluate import evaluate_fleet_final
 
     res = evaluate_fleet_final()
@@ -129,9 +167,12 @@ def fleet_final(out: Path | None) -> float:
           f"Foundry H100 128-512 GPUs, torchtitan H200): MAPE {res.mape:.2f}%")
     for name, pred, meas, err in res.per_row():
         print(f"    {name:<60} measured {meas:8.3f} s  predicted {pred:8.3f} s  {err:+6.1f}%")
-    _save(out, "fleet_final", {"mape": res.mape, "per_group": res.per_group,
-                               "rows": res.per_row(), "efficiencies": res.efficiencies})  # fmt: skip
-    return res.mape
+    blob = {"commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "mape": res.mape, "per_group": res.per_group, "rows": res.per_row(),
+            "efficiencies": res.efficiencies}  # fmt: skip
+    record.write_text(json.dumps(blob, indent=2))
+    _save(out, "fleet_final", blob)
+    return f"{res.mape:.2f}%"
 
 
 def precision_pairs(out: Path | None) -> float:
@@ -213,9 +254,18 @@ def main() -> int:
                     help="independent fresh CPU collections (~3 min each on 2 quiet cores) "
                          "scored by unseen precision beside the shipped measurements")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per collection")
+    ap.add_argument("--score-final", action="store_true",
+                    help="score the frozen final split, once: recorded in "
+                         "benchmarks/final_split_scoring.json; refused when already recorded")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_time",
                     help="directory for per-part JSON results (written as each part ends)")
     args = ap.parse_args()
+    if args.score_final:  # refuse before minutes of other work
+        try:
+            refuse_second_scoring(FINAL_RECORD)
+        except FinalSplitAlreadyScored as exc:
+            print(f"error: --score-final: {exc}", file=sys.stderr)
+            return 2
 
     from predictors.datasets import data_path
 
@@ -233,13 +283,13 @@ def main() -> int:
     c = precision_pairs(args.out)
     v = multinode_validation(args.out)
     m, g, f = fleet_splits(args.out)
-    final = fleet_final(args.out)
+    final = fleet_final(args.out, args.score_final)
     latency()
     print(f"  total {time.time() - t0:.0f} s")
     print(f"mape_unseen_hidden={u:.2f}% mape_unseen_precision={p:.2f}% mape_by_depth={d:.2f}% "
           f"precision_pair_error={c:.2f}% mape_fleet_new_model={m:.2f}% "
           f"mape_fleet_new_gpus={g:.2f}% fleet_pair_error={f:.2f}% "
-          f"mape_fleet_final={final:.2f}% mape_multinode_validation={v:.2f}%")
+          f"mape_fleet_final={final} mape_multinode_validation={v:.2f}%")
     return 0
 
 
