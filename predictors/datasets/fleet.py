@@ -6,6 +6,7 @@ measured seconds per iteration.
   CP; bf16 and float8 pairs; 8-512 GPUs) and its async-TP and H200 benchmark files.
 * ``llm_foundry_h100.csv``: LLM Foundry's MPT runs on H100 (bf16 and fp8, 8-512 GPUs).
 * ``megatron_narayanan2021_a100.csv``: Narayanan et al. 2021, Table 1 (A100, 32-3,072 GPUs).
+* ``megatron_h100_weak_scaling.csv``: the Megatron-LM README's H100 table (48-6,144 GPUs).
 
 Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
 :mod:`predictors.time.evaluate`; ``final`` rows form the split frozen before any tuning and scored
@@ -19,14 +20,14 @@ import csv
 from dataclasses import dataclass
 
 from predictors.datasets import data_path
-from predictors.datasets.public import PublicRow
+from predictors.datasets.public import MEGATRON_CSV, PublicRow, load_megatron_weak_scaling
 from predictors.devices import get_device
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
 
 TORCHTITAN_CSV = "torchtitan_llama3.csv"
 FOUNDRY_CSV = "llm_foundry_h100.csv"
 NARAYANAN_CSV = "megatron_narayanan2021_a100.csv"
-FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV)
+FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV, MEGATRON_CSV)
 USES = ("develop", "final")
 # the tables' precision labels -> this package's precision table
 PRECISION_OF = {
@@ -184,11 +185,20 @@ def load_narayanan() -> list[FleetRow]:
     return out
 
 
+def load_megatron_h100() -> list[FleetRow]:
+    """Megatron-LM's H100 weak-scaling table (:func:`predictors.datasets.public.
+    load_megatron_weak_scaling`) as development rows: with Narayanan et al. on A100, the
+    public tables Megatron-Core's own efficiencies are fitted on."""
+    return [FleetRow(r.name, r.spec, r.strategy, r.precision, r.device, r.options, r.seconds,
+                     source=MEGATRON_CSV, model=r.name, use="develop")
+            for r in load_megatron_weak_scaling()]  # fmt: skip
+
+
 def load_fleet(use: str | None = None) -> list[FleetRow]:
     """Every fleet row (``use``: only ``develop`` or only ``final`` rows)."""
     if use is not None:
         _use(use, "load_fleet")
-    rows = load_torchtitan() + load_llm_foundry() + load_narayanan()
+    rows = load_torchtitan() + load_llm_foundry() + load_narayanan() + load_megatron_h100()
     return [r for r in rows if use is None or r.use == use]
 
 

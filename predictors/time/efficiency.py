@@ -80,6 +80,13 @@ def fit_group(device: Device, options: TrainingOptions) -> str:
     return f"{device.family}/{options.framework}"
 
 
+def device_group(group: str) -> str:
+    """``<device family>/*`` of a fit group: the family's efficiencies fitted on the rows of
+    every framework, for a framework with no fit of its own there (a device's kernels are the
+    same under every framework; what a framework changes is fitted where its rows show it)."""
+    return group.split("/")[0] + "/*"
+
+
 def apply(device: Device, fitted: dict[str, float]) -> Device:
     """``device`` with fitted values: the :data:`DEVICE_GRIDS` keys are the device's fields
     (``gemm_latency``), the rest its :attr:`Device.efficiency`."""
@@ -99,7 +106,9 @@ def shipped_efficiencies() -> dict[str, dict[str, float]]:
 
 def with_efficiency(device: Device, options: TrainingOptions,
                     fitted: dict[str, dict[str, float]]) -> tuple[Device, bool]:  # fmt: skip
-    """``device`` with the fitted values of its family under ``options.framework`` and
-    whether there were any (unchanged without a fit: the roofline's defaults)."""
-    own = fitted.get(fit_group(device, options))
+    """``device`` with the fitted values of its family under ``options.framework`` (else those
+    fitted on the family's rows of every framework) and whether there were any (unchanged
+    without a fit: the roofline's defaults)."""
+    group = fit_group(device, options)
+    own = fitted.get(group) or fitted.get(device_group(group))
     return (apply(device, own), True) if own else (device, False)

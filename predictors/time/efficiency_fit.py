@@ -14,6 +14,7 @@ from predictors.time.efficiency import (
     DEVICE_GRIDS,
     apply,
     attention_key,
+    device_group,
     fit_group,
     for_precision,
     gemm_key,
@@ -99,8 +100,12 @@ def _default(key: str, device: Device) -> float:
 
 
 def fit_by_group(rows: Sequence) -> dict[str, dict[str, float]]:
-    """{fit group: efficiencies} fitted on ``rows``."""
+    """{fit group: efficiencies} fitted on ``rows``, and per device family ``<family>/*``
+    fitted on its rows of every framework (what a framework without rows there is priced
+    with)."""
     groups: dict[str, list] = {}
     for r in rows:
-        groups.setdefault(fit_group(get_device(r.device), r.options), []).append(r)
+        group = fit_group(get_device(r.device), r.options)
+        groups.setdefault(group, []).append(r)
+        groups.setdefault(device_group(group), []).append(r)
     return {g: EfficiencyFit(rs).fit(range(len(rs))) for g, rs in sorted(groups.items())}
