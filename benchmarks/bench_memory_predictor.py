@@ -1,7 +1,7 @@
 """Benchmark: memory predictor against real GPU measurements, and, apart, against its simulator.
 
 1. GPUMemNet's MLP set (real A100-40GB, ``nvidia-smi memory.used`` peaks; development set,
-   CC BY 4.0, see ``predictors/memory/gpumemnet.py``), zero-shot: each network is rebuilt from
+   CC BY 4.0, see ``predictors/datasets/gpumemnet.py``), zero-shot: each network is rebuilt from
    the generator's rules (checked against the published parameter counts) and goes through the
    public API, ``predict_module_memory(model, inputs, target, optimizer="adam",
    device="a100-40gb", last_batch=4096 % batch)``, the code path users run (the generator's
@@ -59,18 +59,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
+from predictors.datasets.gpumemnet import CnnRow, MlpRow, load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import GiB, MiB
 from predictors.memory.gpumemnet import (
     NUM_SAMPLES,
-    CnnRow,
-    MlpRow,
     bce_loss,
     build_cnn,
     build_mlp,
     example_batch,
     example_cnn_batch,
-    load_cnn_rows,
-    load_mlp_rows,
     smallest_network,
 )
 from predictors.memory.module import predict_module_memory

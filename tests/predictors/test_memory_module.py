@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from predictors.datasets.gpumemnet import load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import MiB
 from predictors.memory.cli import main
 from predictors.memory.config import ShardingError, TrainConfig
@@ -19,8 +20,6 @@ from predictors.memory.gpumemnet import (
     build_cnn,
     build_mlp,
     example_batch,
-    load_cnn_rows,
-    load_mlp_rows,
     smallest_network,
 )
 from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory, predict_spec_memory
