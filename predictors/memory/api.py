@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..spec.model import ModelSpec, TransformerSpec
+from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
+from ..spec.options import TrainingOptions
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
-from .config import ShardingError, TrainConfig
+from .config import CHECKPOINTING, ShardingError, TrainConfig
 from .model import MemoryModel
 from .overheads import CARDS, HOPPER, PRE_HOPPER
 from .presets import PRESET_SEQ, as_memory_model
@@ -91,7 +92,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
                         margin: float | None = None, tp: int = 1, pp: int = 1,
                         num_microbatches: int | None = None,
                         sequence_parallel: bool = False,
-                        strategy: ParallelStrategy | None = None) -> MemoryPrediction:
+                        strategy: ParallelStrategy | None = None,
+                        options: TrainingOptions | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits ``capacity_gib``
     (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
     fixes the relative safety margin; by default it is the model's predicted uncertainty.
@@ -100,7 +102,15 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
     pipeline); ``batch`` is the micro-batch. ``model`` is a preset name, a model or a text tower
     alone (:func:`predictors.memory.presets.as_memory_model`); ``seq`` defaults to the text
     tower's ``seq_length``. ``strategy`` (the one :class:`ParallelStrategy`) gives ``batch``,
-    ``dp``, ``tp``, ``pp`` and ``num_microbatches`` in their place."""
+    ``dp``, ``tp``, ``pp`` and ``num_microbatches`` in their place; ``options`` (the one
+    :class:`TrainingOptions`) give ``zero`` (distributed optimizer: 1, FSDP: 3) and
+    ``checkpointing`` (its ``recompute``)."""
+    if options is not None:
+        if options.recompute not in CHECKPOINTING:
+            raise ModelSpecError(f"recompute={options.recompute!r} is not modelled by the memory "
+                                 f"predictor; choose one of {CHECKPOINTING}")
+        checkpointing = options.recompute
+        zero = 3 if options.fsdp else int(options.distributed_optimizer)
     if strategy is not None:
         if strategy.cp > 1:
             raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "

@@ -151,3 +151,18 @@ def test_memory_cli_takes_the_strategy_the_time_cli_takes(capsys):
     assert code in (0, 2) and "tp 2 pp 2" in out and "batch 1" in out
     assert main(["memory", "--model", "llama-7b-like", "--strategy", "dp2tp2"]) == 1
     assert "StrategyError" in capsys.readouterr().err
+
+
+def test_memory_predictor_takes_the_one_training_options():
+    from predictors.memory.api import predict_peak_memory
+
+    strategy = ParallelStrategy(4, 2, 1, micro_batch=2, global_batch=16)
+    for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
+                                 1, "full"), (TrainingOptions(fsdp=True), 3, "none")):  # fmt: skip
+        got = predict_peak_memory("llama-7b-like", strategy=strategy, options=options)
+        want = predict_peak_memory("llama-7b-like", batch=2, dp=4, tp=2, num_microbatches=2,
+                                   zero=zero, checkpointing=ckpt)
+        assert (got.config.zero, got.config.checkpointing) == (zero, ckpt)
+        assert got.device_total == want.device_total
+    with pytest.raises(ModelSpecError, match="recompute='selective'"):
+        predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
