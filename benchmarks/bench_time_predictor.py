@@ -110,8 +110,8 @@ def fleet_splits(out: Path | None) -> dict[str, float]:
     print(f"    the held-out framework at the roofline's default efficiencies instead: MAPE "
           f"{x0.mape:.2f}% (" + ", ".join(f"{k} {val:.1f}%" for k, val in x0.per_group.items())
           + ")")
-    print(f"V DEVELOPMENT (fitted on since #44) Megatron-LM H100 weak scaling ({len(mh.rows)} runs, "
-          f"leave-one-model-out): MAPE {mh.mape:.2f}%")
+    print(f"V DEVELOPMENT (fitted on since #44) Megatron-LM H100 weak scaling ({len(mh.rows)} "
+          f"runs, leave-one-model-out): MAPE {mh.mape:.2f}%")
     for name, pred, meas, err in mh.per_row():
         print(f"    {name:<16} measured {meas:7.3f} s  predicted {pred:7.3f} s  {err:+6.1f}%")
     print(f"F DEVELOPMENT fleet bf16/fp8 pair error ({len(f.rows)} pairs, leave-one-model-out "

@@ -181,6 +181,7 @@ def _activation_tp_share(spec: ModelSpec, cfg: TrainConfig, tp: int, sp: bool) -
     if t is None:
         return 1.0 / tp
     # flash attention keeps no s x s scores: the 5as/h term is absent
-    scores = 0.0 if cfg.attention == "flash" else 5 * t.num_attention_heads * cfg.seq / t.hidden_size
+    heads = t.num_attention_heads
+    scores = 0.0 if cfg.attention == "flash" else 5 * heads * cfg.seq / t.hidden_size
     full = 34 + scores
     return 1 / tp if sp else (10 + 24 / tp + scores / tp) / full

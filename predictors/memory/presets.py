@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..spec.engines import HF_TEXT_FAMILIES
 from ..spec.model import ModelSpec, TransformerSpec, UnknownModelError, VisionTowerSpec
 
-MEMORY_TEXT_FAMILIES = ("llama", "qwen2")  # the decoder layers the memory predictor walks
 PRESET_SEQ = 2048  # the presets' text seq_length (predict_peak_memory's seq replaces it)
 
 
@@ -76,10 +76,11 @@ def scaled(spec: ModelSpec, width: float, depth: int, vocab: int | None = None) 
 
 
 def memory_text_tower(t: TransformerSpec) -> TransformerSpec:
-    """The decoder the memory predictor walks for a text tower: Llama (RMSNorm, rotary, SwiGLU)
-    or Qwen2 (the same with q/k/v biases) layers as given; a tower of another family (GPT: GELU
-    MLP) as the Llama layer with the same MLP parameter count (SwiGLU width 2/3 of the FFN)."""
-    if t.family in MEMORY_TEXT_FAMILIES and t.swiglu:
+    """The decoder the memory predictor walks (and builds through its HF config) for a text
+    tower: Llama (RMSNorm, rotary, SwiGLU) or Qwen2 (the same with q/k/v biases) layers as
+    given; a tower of another family (GPT: GELU MLP) as the Llama layer with the same MLP
+    parameter count (SwiGLU width 2/3 of the FFN)."""
+    if t.family in HF_TEXT_FAMILIES and t.swiglu:
         return t
     return replace(t, family="llama", swiglu=True,
                    ffn_hidden_size=t.ffn if t.swiglu else 2 * t.ffn // 3)

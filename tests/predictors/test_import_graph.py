@@ -47,7 +47,8 @@ def test_a_deferred_relative_import_cycle_is_found(tmp_path):
     })
     graph = import_graph(root, "pkg")
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"}
-    assert find_cycle(graph) in (["pkg.a", "pkg.sub.b", "pkg.a"], ["pkg.sub.b", "pkg.a", "pkg.sub.b"])
+    assert find_cycle(graph) in (["pkg.a", "pkg.sub.b", "pkg.a"],
+                                 ["pkg.sub.b", "pkg.a", "pkg.sub.b"])
 
 
 def test_code_version_follows_the_import_closure(tmp_path):
