@@ -1,7 +1,7 @@
 """Benchmark: memory predictor against real GPU measurements, and, apart, against its simulator.
 
 1. GPUMemNet's MLP set (real A100-40GB, ``nvidia-smi memory.used`` peaks; development set,
-   CC BY 4.0, see ``predictors/memory/gpumemnet.py``), zero-shot: each network is rebuilt from
+   CC BY 4.0, see ``predictors/datasets/gpumemnet.py``), zero-shot: each network is rebuilt from
    the generator's rules (checked against the published parameter counts) and goes through the
    public API, ``predict_module_memory(model, inputs, target, optimizer="adam",
    device="a100-40gb", last_batch=4096 % batch)``, the code path users run (the generator's
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import math
 import statistics
 import sys
@@ -60,18 +59,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
+from predictors.datasets.gpumemnet import CnnRow, MlpRow, load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import GiB, MiB
 from predictors.memory.gpumemnet import (
     NUM_SAMPLES,
-    CnnRow,
-    MlpRow,
     bce_loss,
     build_cnn,
     build_mlp,
     example_batch,
     example_cnn_batch,
-    load_cnn_rows,
-    load_mlp_rows,
     smallest_network,
 )
 from predictors.memory.module import predict_module_memory
@@ -84,14 +80,12 @@ FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated
 
 
 def prediction_code_version() -> str:
-    """Hash of the code a GPUMemNet prediction runs through (the memory package, the traced
-    step, the autocast emulation, the precision table and this benchmark's row handling)."""
-    h = hashlib.sha256()
-    files = sorted((ROOT / "predictors" / "memory").glob("*.py"))
-    files += [ROOT / "predictors" / n for n in ("step.py", "autocast.py", "precision.py")]
-    for path in files + [Path(__file__).resolve()]:
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
+    """Version of the code a GPUMemNet prediction runs through (every module the memory API and
+    the GPUMemNet rebuild can import) and this benchmark's row handling."""
+    from predictors.codegraph import code_version
+
+    return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
+                        extra=[Path(__file__).resolve()])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):

@@ -19,24 +19,33 @@ C  Precision pairs, public: LLM Foundry's H100 bf16 vs fp8 rows (same model, bat
    mean |predicted ratio / measured ratio - 1| of t_bf16 / t_fp8, by the roofline with its
    default efficiencies, never fitted on them (the fleet-fitted efficiencies include these rows;
    their held-out pair error is F).
-V  VALIDATION, not a test: Megatron-LM's H100 weak-scaling table (48-6,144 GPUs; data/
-   PUBLIC_SOURCES.md). It was looked at while the network model was shaped, so it is labelled
-   a validation figure; the multi-node test data is held out from this repository. Megatron-Core
-   on H100 has no development rows, so it is priced with the roofline's default efficiencies.
-M  DEVELOPMENT fleet (torchtitan, LLM Foundry H100; Narayanan et al. A100; ``develop`` rows of
-   predictors/data, 99 runs): leave one model out, kernel efficiencies fitted per device family
-   and framework inside every fold (predictors/efficiency.py).
+V  DEVELOPMENT (was validation): Megatron-LM's H100 weak-scaling table (48-6,144 GPUs; data/
+   PUBLIC_SOURCES.md) is now a development fleet file, Megatron-Core's H100 efficiencies are
+   fitted on it; V is its 9 rows in M's leave-one-model-out predictions. The multi-node test
+   data is held out from this repository.
+M  DEVELOPMENT fleet (torchtitan, LLM Foundry H100; Narayanan et al. A100 and Megatron-LM's
+   H100 table; ``develop`` rows of predictors/data, 108 runs): leave one model out, kernel
+   efficiencies fitted per device family and framework inside every fold
+   (predictors/time/efficiency_fit.py).
 G  DEVELOPMENT fleet, leave one GPU count out (same fitting).
+X  DEVELOPMENT fleet, leave one framework out (Megatron-Core, torchtitan, LLM Foundry): the
+   held-out framework's rows are priced with their device family's efficiencies fitted on the
+   other frameworks' rows (the roofline's defaults where the family has no other framework:
+   Narayanan's A100 rows): how far a framework's efficiencies transfer to another.
 F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 15 pairs from the
    leave-one-model-out predictions of both runs.
 FINAL  The split frozen before any efficiency was fitted (``final`` rows: LLM Foundry H100 at
-   128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows and
-   scored once: it is not to be tuned on.
+   128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows. It
+   is scored only with ``--score-final``, once: the scoring is recorded (commit, date, figure,
+   per-row errors) in ``benchmarks/final_split_scoring.json``, and a second ``--score-final``
+   is refused while that record exists; every other run prints the recorded figure (or
+   ``unscored``).
 
 Per-fold and per-row figures are written to ``--out`` (JSON, one file per part, as each part
 finishes) and printed. Last line: ``mape_unseen_hidden=U mape_unseen_precision=P
 mape_by_depth=D precision_pair_error=C mape_fleet_new_model=M mape_fleet_new_gpus=G
-fleet_pair_error=F mape_fleet_final=FINAL mape_multinode_validation=V``.
+mape_fleet_new_framework=X fleet_pair_error=F mape_fleet_final=FINAL
+mape_multinode_validation=V``.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ def _save(out: Path | None, name: str, blob: dict) -> None:
 
 def vtrain_splits(out: Path | None) -> tuple[float, float]:
     """(unseen hidden U, by depth D) on vTrain, constants fitted per fold."""
-    from predictors.evaluate import evaluate_vtrain
+    from predictors.time.evaluate import evaluate_vtrain
 
     vt = evaluate_vtrain()
     u, d = vt["unseen_hidden"], vt["by_depth"]
@@ -80,30 +89,15 @@ def vtrain_splits(out: Path | None) -> tuple[float, float]:
     return u.mape, d.mape
 
 
-def multinode_validation(out: Path | None) -> float:
-    from predictors.model import TimeModel, shipped_model_path
-    from predictors.public import evaluate_multinode
-    from predictors.time_predictor import predict_with_model
-
-    res = evaluate_multinode()
-    a100 = TimeModel.load(shipped_model_path("a100"))
-    borrowed = evaluate_multinode(lambda r: predict_with_model(
-        a100, r.spec, r.strategy, r.precision, r.device, options=r.options))  # fmt: skip
-    print(f"V VALIDATION (not a test) Megatron-LM H100 weak scaling ({len(res.rows)} runs): "
-          f"MAPE {res.error:.2f}% (with the A100 correction borrowed: {borrowed.error:.2f}%)")
-    for name, pred, meas, err in res.per_row():
-        print(f"    {name:<16} measured {meas:7.3f} s  predicted {pred:7.3f} s  {err:+6.1f}%")
-    _save(out, "multinode_validation", {"mape": res.error, "rows": res.per_row()})
-    return res.error
-
-
-def fleet_splits(out: Path | None) -> tuple[float, float, float]:
-    """(new model M, new GPU count G, bf16/fp8 pair error F) on the development fleet rows,
-    efficiencies fitted inside every fold. DEVELOPMENT figures."""
-    from predictors.evaluate import evaluate_fleet
+def fleet_splits(out: Path | None) -> dict[str, float]:
+    """New model M, new GPU count G, new framework X, bf16/fp8 pair error F and the Megatron
+    H100 rows V on the development fleet rows, efficiencies fitted inside every fold.
+    DEVELOPMENT figures."""
+    from predictors.time.evaluate import evaluate_fleet
 
     res = evaluate_fleet()
     m, g, f = res["new_model"], res["new_gpus"], res["pair_error"]
+    x, mh, x0 = res["new_framework"], res["megatron_h100"], res["new_framework_defaults"]
     print(f"M DEVELOPMENT fleet, leave one model out ({len(m.rows)} runs): MAPE {m.mape:.2f}%")
     for name, v in m.per_group.items():
         print(f"    {name:<16} {v:6.2f}%")
@@ -111,31 +105,79 @@ def fleet_splits(out: Path | None) -> tuple[float, float, float]:
           + ", ".join(f"{k} GPUs {v:.1f}%" for k, v in sorted(g.per_group.items(),
                                                               key=lambda kv: int(kv[0])))
           + ")")  # fmt: skip
+    print(f"X DEVELOPMENT fleet, leave one framework out: MAPE {x.mape:.2f}% ("
+          + ", ".join(f"{k} {val:.1f}%" for k, val in x.per_group.items()) + ")")
+    print(f"    the held-out framework at the roofline's default efficiencies instead: MAPE "
+          f"{x0.mape:.2f}% (" + ", ".join(f"{k} {val:.1f}%" for k, val in x0.per_group.items())
+          + ")")
+    print(f"V DEVELOPMENT (fitted on since #44) Megatron-LM H100 weak scaling ({len(mh.rows)} "
+          f"runs, leave-one-model-out): MAPE {mh.mape:.2f}%")
+    for name, pred, meas, err in mh.per_row():
+        print(f"    {name:<16} measured {meas:7.3f} s  predicted {pred:7.3f} s  {err:+6.1f}%")
     print(f"F DEVELOPMENT fleet bf16/fp8 pair error ({len(f.rows)} pairs, leave-one-model-out "
           f"predictions): {f.mape:.2f}%")
     for name, pred, meas, err in f.per_row():
         print(f"    {name:<72} measured x{meas:.3f}  predicted x{pred:.3f}  {err:+6.1f}%")
     _save(out, "fleet", {k: {"mape": v.mape, "per_group": v.per_group, "rows": v.per_row(),
                              "efficiencies": v.efficiencies} for k, v in res.items()})  # fmt: skip
-    return m.mape, g.mape, f.mape
+    return {"M": m.mape, "G": g.mape, "X": x.mape, "F": f.mape, "V": mh.mape}
 
 
-def fleet_final(out: Path | None) -> float:
-    """The frozen final split, scored once per run of this benchmark (never tuned on)."""
-    from predictors.evaluate import evaluate_fleet_final
+FINAL_RECORD = ROOT / "benchmarks" / "final_split_scoring.json"
+
+
+class FinalSplitAlreadyScored(RuntimeError):
+    """``--score-final`` on a checkout whose final split has been scored."""
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def refuse_second_scoring(record: Path) -> None:
+    if record.exists():
+        blob = json.loads(record.read_text())
+        raise FinalSplitAlreadyScored(
+            f"the final split was scored at commit {blob['commit'][:12]} on {blob['date']} "
+            f"({record}); it is scored once")
+
+
+def fleet_final(out: Path | None, score: bool, record: Path = FINAL_RECORD) -> str:
+    """The frozen final split: scored once, with ``score``, and recorded; otherwise the
+    recorded figure (``"unscored"`` without a record). Returns the figure for the last line."""
+    if not score:
+        if not record.exists():
+            print("FINAL not scored (the frozen split is scored once, with --score-final)")
+            return "unscored"
+        blob = json.loads(record.read_text())
+        print(f"FINAL recorded (scored once at commit {blob['commit'][:12]} on {blob['date']}): "
+              f"MAPE {blob['mape']:.2f}%")
+        return f"{blob['mape']:.2f}%"
+    refuse_second_scoring(record)
+    from predictors.time.evaluate import evaluate_fleet_final
 
     res = evaluate_fleet_final()
     print(f"FINAL (frozen before tuning, scored once) fleet rows ({len(res.rows)} runs: LLM "
           f"Foundry H100 128-512 GPUs, torchtitan H200): MAPE {res.mape:.2f}%")
     for name, pred, meas, err in res.per_row():
         print(f"    {name:<60} measured {meas:8.3f} s  predicted {pred:8.3f} s  {err:+6.1f}%")
-    _save(out, "fleet_final", {"mape": res.mape, "per_group": res.per_group,
-                               "rows": res.per_row(), "efficiencies": res.efficiencies})  # fmt: skip
-    return res.mape
+    blob = {"commit": _commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "mape": res.mape, "per_group": res.per_group, "rows": res.per_row(),
+            "efficiencies": res.efficiencies}  # fmt: skip
+    record.write_text(json.dumps(blob, indent=2))
+    _save(out, "fleet_final", blob)
+    return f"{res.mape:.2f}%"
 
 
 def precision_pairs(out: Path | None) -> float:
-    from predictors.public import evaluate_precision_pairs, load_llm_foundry_pairs
+    from predictors.datasets.fleet import load_llm_foundry_pairs
+    from predictors.time.evaluate import evaluate_precision_pairs
 
     res = evaluate_precision_pairs()
     notes = {p.name: p.note for p in load_llm_foundry_pairs()}
@@ -151,9 +193,9 @@ def precision_pairs(out: Path | None) -> float:
 def cpu_heldout(data: Path) -> dict:
     """Held-out MAPEs of the precision-aware CPU model on ``data`` (unseen precision P, unseen
     sequence length, size tier, family; the precision-unaware ablation beside them)."""
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.evaluate import evaluate_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.evaluate import evaluate_measurements
 
     df = load_measurements(data)
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
@@ -170,7 +212,7 @@ def cpu_heldout(data: Path) -> dict:
 
 
 def fresh_cpu(repeats: int, rounds: int) -> list[float]:
-    from predictors.collect import collect_interleaved, default_grid
+    from predictors.time.collect import collect_interleaved, default_grid
 
     points = default_grid(FRESH_PRECISIONS, seqs=(32,), batches=(1, 4), models=FRESH_MODELS,
                           dp_sizes=(1,))  # fmt: skip
@@ -189,7 +231,7 @@ def fresh_cpu(repeats: int, rounds: int) -> list[float]:
 def latency() -> None:
     from predictors import predict_iteration_time
     from predictors.spec import ParallelStrategy, TransformerSpec
-    from predictors.time_predictor import _predict
+    from predictors.time.predictor import _predict
 
     spec = TransformerSpec("gpt", 24, 2048, 16, 2048, 50257)
     strategies = [ParallelStrategy(8 // (tp * pp), tp, pp, mb, 64)
@@ -212,11 +254,20 @@ def main() -> int:
                     help="independent fresh CPU collections (~3 min each on 2 quiet cores) "
                          "scored by unseen precision beside the shipped measurements")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per collection")
+    ap.add_argument("--score-final", action="store_true",
+                    help="score the frozen final split, once: recorded in "
+                         "benchmarks/final_split_scoring.json; refused when already recorded")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_time",
                     help="directory for per-part JSON results (written as each part ends)")
     args = ap.parse_args()
+    if args.score_final:  # refuse before minutes of other work
+        try:
+            refuse_second_scoring(FINAL_RECORD)
+        except FinalSplitAlreadyScored as exc:
+            print(f"error: --score-final: {exc}", file=sys.stderr)
+            return 2
 
-    from predictors.vtrain import data_path
+    from predictors.datasets import data_path
 
     t0 = time.time()
     u, d = vtrain_splits(args.out)
@@ -230,15 +281,15 @@ def main() -> int:
               f"(min {min(fresh):.2f}% max {max(fresh):.2f}%)")
         _save(args.out, "cpu_fresh", {"unseen_precision": fresh})
     c = precision_pairs(args.out)
-    v = multinode_validation(args.out)
-    m, g, f = fleet_splits(args.out)
-    final = fleet_final(args.out)
+    fl = fleet_splits(args.out)
+    final = fleet_final(args.out, args.score_final)
     latency()
     print(f"  total {time.time() - t0:.0f} s")
     print(f"mape_unseen_hidden={u:.2f}% mape_unseen_precision={p:.2f}% mape_by_depth={d:.2f}% "
-          f"precision_pair_error={c:.2f}% mape_fleet_new_model={m:.2f}% "
-          f"mape_fleet_new_gpus={g:.2f}% fleet_pair_error={f:.2f}% "
-          f"mape_fleet_final={final:.2f}% mape_multinode_validation={v:.2f}%")
+          f"precision_pair_error={c:.2f}% mape_fleet_new_model={fl['M']:.2f}% "
+          f"mape_fleet_new_gpus={fl['G']:.2f}% mape_fleet_new_framework={fl['X']:.2f}% "
+          f"fleet_pair_error={fl['F']:.2f}% mape_fleet_final={final} "
+          f"mape_multinode_validation={fl['V']:.2f}%")
     return 0
 
 

@@ -50,21 +50,21 @@ def transformer_spec(family: str, layers: int, hidden: int, heads: int, seq: int
 
 
 def build_time_model(spec: Any) -> Any:
-    from predictors.zoo import build
+    from predictors.time.zoo import build
 
     return build(spec)
 
 
 def time_batch(spec: Any, micro_batch: int) -> tuple[list, Any]:
     """(positional inputs, target) of one micro-batch, as ``predict collect`` feeds them."""
-    from predictors.zoo import make_batch
+    from predictors.time.zoo import make_batch
 
     b = make_batch(spec, micro_batch)
     return list(b.inputs), b.target
 
 
 def spec_row(spec: Any) -> tuple[str, str]:
-    from predictors.collect import spec_to_row
+    from predictors.time.collect import spec_to_row
 
     return spec_to_row(spec)
 
@@ -72,7 +72,7 @@ def spec_row(spec: Any) -> tuple[str, str]:
 def predict_time(spec: Any, micro_batch: int, precision: str, device: str) -> dict:
     """Seconds per iteration predicted for one GPU (dp1tp1pp1)."""
     from predictors.spec import ParallelStrategy
-    from predictors.time_predictor import predict
+    from predictors.time.predictor import predict
 
     res = predict(spec, ParallelStrategy(1, 1, 1, micro_batch, micro_batch), precision, device)
     return {"seconds": res.seconds, "analytical_s": res.analytical_seconds,
@@ -83,7 +83,7 @@ def write_device_profile(measurements_csv: Any, profile: dict) -> None:
     """The device a time-measurement CSV was taken on, where ``predict``'s loaders look."""
     import json
 
-    from predictors.collect import device_profile_path
+    from predictors.time.collect import device_profile_path
 
     device_profile_path(measurements_csv).write_text(json.dumps(profile, indent=2))
 
@@ -95,8 +95,8 @@ def train_time_family_model(measurements_csv: Any, models_dir: Any) -> str:
     import json
     from pathlib import Path
 
-    from predictors.collect import device_profile_path
-    from predictors.train import train_measurement_model
+    from predictors.time.collect import device_profile_path
+    from predictors.time.train import train_measurement_model
 
     path = Path(measurements_csv)
     family = json.loads(device_profile_path(path).read_text())["family"]
@@ -135,7 +135,7 @@ def memory_scaled(base: str, width: float, depth: int, vocab: int, image_res: in
 
 
 def memory_config(**kw) -> Any:
-    from predictors.memory.towers import TrainConfig
+    from predictors.memory.config import TrainConfig
 
     return TrainConfig(**kw)
 

@@ -5,7 +5,7 @@ The predictors trace their own ``TrainingStep``, which emulates CUDA autocast pe
 that emulation, so this step uses the real ``torch.autocast(device)``, a real
 ``torch.amp.GradScaler(device)``, the TF32 switch, and fused or foreach AdamW. The precision
 names and their storage rules (weights, fp32 master copies, loss scaling, fp8 GEMMs through
-``torch._scaled_mm``) are the predictors' (:mod:`predictors.precision`), so a row's precision
+``torch._scaled_mm``) are the predictors' (:mod:`predictors.spec.precision`), so a row's precision
 means the same thing on both sides.
 """
 
@@ -42,7 +42,7 @@ class RealStep:
     def __init__(self, model: nn.Module, precision: str, device: str,
                  optimizer: str = "fused") -> None:
         from predictors.autocast import emulation_mode
-        from predictors.precision import get_precision
+        from predictors.spec.precision import get_precision
 
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS}")

@@ -96,7 +96,7 @@ def precision_from_args(args: argparse.Namespace) -> str:
     """The Precision table's entry Megatron's precision flags select (``--bf16``: bf16-mixed,
     ``--fp16``: fp16-mixed, neither: the entry whose ``megatron_flag`` is empty, fp32); the
     table's ``megatron_flag`` owns the mapping, so a new entry with a flag is picked up here."""
-    from predictors.precision import PRECISIONS
+    from predictors.spec.precision import PRECISIONS
 
     chosen = [n for n, p in PRECISIONS.items()
               if p.megatron_flag and getattr(args, p.megatron_flag.lstrip("-").replace("-", "_"), False)]  # fmt: skip

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from predictors.precision import Precision
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.spec.precision import Precision
 
 log = logging.getLogger("megatron_cona.candidates")
 
@@ -186,9 +186,9 @@ def _memory_reason(
 class PredictorMemory:
     """Peak memory of one rank from the multimodal memory predictor of ``predictors.memory``.
 
-    Per rank, in Megatron-Core's layout (``predict_peak_memory(tp=, pp=)``): the first
-    pipeline stage's ``num_layers / pp`` layers (SwiGLU width chosen to keep the MLP's
-    parameter count), weights/gradients/states split ``tp`` ways, activations per Megatron's
+    Per rank, in Megatron-Core's layout (``predict_peak_memory(strategy=)``): the first
+    pipeline stage's ``num_layers / pp`` layers (a GELU tower as the SwiGLU layer with its
+    MLP's parameter count), weights/gradients/states split ``tp`` ways, activations per Megatron's
     TP split and held for ``min(pp, micro-batches)`` micro-batches in flight (1F1B), the
     micro-batch as the batch; the CUDA context is per process, not divided by ``tp``.
     """
@@ -199,16 +199,6 @@ class PredictorMemory:
     def peak_bytes(self, model: TransformerSpec, strategy: ParallelStrategy,
                    precision: Precision) -> float:
         from predictors.memory.api import predict_peak_memory
-        from predictors.memory.towers import ModelSpec, TextTowerSpec
 
-        mlp = model.ffn if model.swiglu else 2 * model.ffn // 3
-        text = TextTowerSpec("llama", model.num_layers, model.hidden_size,
-                             model.num_attention_heads, mlp, model.vocab_size,
-                             num_kv_heads=model.num_query_groups,
-                             tie_embeddings=model.tied_embeddings)
-        pred = predict_peak_memory(ModelSpec(f"{model.family}-stage", "llm", text=text),
-                                   batch=strategy.micro_batch, seq=model.seq_length,
-                                   precision=precision.name, dp=strategy.dp,
-                                   capacity_gib=self.capacity_gib, tp=strategy.tp,
-                                   pp=strategy.pp, num_microbatches=strategy.num_microbatches)
-        return pred.device_total
+        return predict_peak_memory(model, strategy=strategy, precision=precision.name,
+                                   capacity_gib=self.capacity_gib).device_total

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from megatron_cona.gns import statistical_efficiency
-from predictors.precision import Precision
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec.precision import Precision
 
 
 class ThroughputModel(Protocol):

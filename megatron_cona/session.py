@@ -43,8 +43,8 @@ from megatron_cona.goodput import (
 from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
 from megatron_cona.progress import ProgressMonitor, Verdict
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec.precision import get_precision
 
 log = logging.getLogger("megatron_cona.session")
 EXPERIMENT = "the probe's noise scale is not yet checked against measured progress"

@@ -12,7 +12,7 @@ __all__ = ["predict_iteration_time"]
 
 def __getattr__(name: str) -> Any:
     if name == "predict_iteration_time":
-        from predictors.time_predictor import predict_iteration_time
+        from predictors.time.predictor import predict_iteration_time
 
         return predict_iteration_time
     raise AttributeError(f"module 'predictors' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from predictors.precision import Fp8Recipe, Precision, get_precision
+from predictors.spec.precision import Fp8Recipe, Precision, get_precision
 
 # CUDA autocast op lists (names of the Python-visible torch functions / Tensor methods).
 CUDA_LOWER_PRECISION_OPS = frozenset(
@@ -163,7 +163,7 @@ class CudaAutocastEmulation(TorchFunctionMode):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8: Transformer Engine's te.Linear, per recipe (predictors.precision.Fp8Recipe).
+# fp8: Transformer Engine's te.Linear, per recipe (predictors.spec.precision.Fp8Recipe).
 
 FP8_FORWARD = torch.float8_e4m3fn
 FP8_BACKWARD = torch.float8_e5m2

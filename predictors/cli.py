@@ -43,11 +43,11 @@ def _add_time(sub) -> None:
 
 
 def cmd_time(args) -> int:
-    from predictors.collect import model_zoo
     from predictors.devices import UnsupportedPrecisionError, get_device
-    from predictors.precision import PRECISIONS
     from predictors.spec import ParallelStrategy, TransformerSpec
-    from predictors.time_predictor import predict
+    from predictors.spec.precision import PRECISIONS
+    from predictors.time.collect import model_zoo
+    from predictors.time.predictor import predict
 
     zoo = model_zoo(args.seq)
     if args.model in zoo:
@@ -127,8 +127,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_collect(args) -> int:
-    from predictors.collect import collect, default_grid
-    from predictors.precision import cpu_precisions, get_precision
+    from predictors.spec.precision import cpu_precisions, get_precision
+    from predictors.time.collect import collect, default_grid
 
     precisions = args.precisions.split(",") if args.precisions else cpu_precisions()
     for name in precisions:
@@ -155,7 +155,7 @@ def _add_train(sub) -> None:
 def cmd_train(args) -> int:
     out_dir = Path(args.out_dir)
     data = Path(args.data) if args.data else _shipped_measurements()
-    from predictors.train import train_shipped_models
+    from predictors.time.train import train_shipped_models
 
     for path in train_shipped_models(data, out_dir, vtrain=args.vtrain, fleet=args.fleet):
         print(f"wrote {path}")
@@ -171,9 +171,13 @@ def _add_eval(sub) -> None:
 
 
 def run_eval(data: Path, out: Path, vtrain: bool = True) -> dict[str, float]:
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.evaluate import evaluate_measurements, evaluate_vtrain, scatter_by_precision
+    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.evaluate import (
+        evaluate_measurements,
+        evaluate_vtrain,
+        scatter_by_precision,
+    )
 
     df = load_measurements(data)
     device = Device.from_dict(json.loads(device_profile_path(data).read_text()))
@@ -216,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError
-    from predictors.precision import UnknownPrecisionError
     from predictors.spec import StrategyError
+    from predictors.spec.precision import UnknownPrecisionError
 
     try:
         return int(args.func(args) or 0)

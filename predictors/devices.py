@@ -58,8 +58,8 @@ class Device:
     small_gemm: dict[str, float] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     # share of peak per "<op_class>:<dtype key>" (and torch.compile's "compiled" factor),
-    # fitted per device family on development rows (predictors.efficiency); empty: the
-    # roofline defaults of predictors.analytical
+    # fitted per device family on development rows (predictors.time.efficiency); empty: the
+    # roofline defaults of predictors.time.analytical
     efficiency: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -106,7 +106,7 @@ class Device:
 # Effective host-side cost per kernel of eager PyTorch/Megatron training (launch + Python
 # dispatch + stream sync points), and per collective step. Defaults for devices without a
 # correction; a trained correction carries the values fitted on its own training rows
-# (predictors.calibrate, meta["device_constants"]), and held-out evaluations refit per fold.
+# (predictors.time.calibrate, meta["device_constants"]), and held-out evaluations refit per fold.
 GPU_KERNEL_OVERHEAD = 40e-6
 GPU_COMM_LATENCY = 20e-6
 

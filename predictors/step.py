@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from predictors.autocast import autocast_context
-from predictors.precision import Precision, get_precision
+from predictors.spec.precision import Precision, get_precision
 
 
 def _is_float(x: Any) -> bool:

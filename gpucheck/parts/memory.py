@@ -143,7 +143,7 @@ def _build(point: Point, device: str):
             model = convnets.build(point.model)
         x, y = convnets.batch(point.model, point.batch, image, device)
         return model, [x], {}, y, None, point.batch
-    from predictors.zoo import ConvNetSpec
+    from predictors.time.zoo import ConvNetSpec
 
     widths, blocks, image, batch = CNN_SIZES[point.size]
     spec = ConvNetSpec("convnet", widths, blocks, image)

@@ -20,7 +20,7 @@ from gpucheck.common import Budget, BudgetExceeded, PartContext, RowWriter, erro
 from gpucheck.predictions import Predictions
 from gpucheck.steps import RealStep
 from predictors.devices import get_device
-from predictors.precision import PRECISIONS
+from predictors.spec.precision import PRECISIONS
 
 FILE = "time.csv"
 # (name, family, layers, hidden, heads, seq, micro-batch)

@@ -70,6 +70,26 @@ def _pareto(t: np.ndarray, s: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
+def _cross_prune(j: np.ndarray, t: np.ndarray, s: np.ndarray, lead: np.ndarray) -> np.ndarray:
+    """Mask of the states no state of ANOTHER strategy dominates: (i, t', S') beats (j, t, S)
+    when S' >= S and t' + lead[i, j] <= t, ``lead[i, j]`` the most that leaving i can cost more
+    than leaving j for any next strategy (so i's state can follow j's every continuation, no
+    later and no less far along). One suffix minimum per strategy, looked up by S."""
+    keep = np.ones(t.size, dtype=bool)
+    for i in np.unique(j):
+        mine = j == i
+        order = np.argsort(s[mine])
+        s_i = s[mine][order]
+        suffix = np.minimum.accumulate(t[mine][order][::-1])[::-1]  # min t' over S' >= S
+        others = np.flatnonzero(~mine)
+        pos = np.searchsorted(s_i, s[others], side="left")
+        inside = pos < s_i.size
+        best = np.full(others.size, math.inf)
+        best[inside] = suffix[pos[inside]]
+        keep[others[best + lead[i, j[others]] <= t[others]]] = False
+    return keep
+
+
 @dataclass
 class _Layer:
     """The decisions kept at one boundary: strategy, start time and parent (an index into the
@@ -100,6 +120,7 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
     batch = np.array([x.global_batch_size * seq_length for x in strats], dtype=float)
     iter_s = np.array([step_time(x) for x in strats])
     switch = np.array([[0.0 if a == b else switch_time(a, b) for b in strats] for a in strats])
+    lead = (switch[:, None, :] - switch[None, :, :]).max(axis=2)  # lead[i, j]
     cap = np.array(list(upper) if upper is not None else [math.inf] * len(goals))
     best = np.full(len(goals), math.inf)
     best_node: list[tuple[int, int, float, int] | None] = [None] * len(goals)
@@ -137,7 +158,8 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
         if not parts:
             break
         layer = _Layer(*(np.concatenate(x) for x in zip(*parts, strict=True)))
-        alive = layer.end_time < limit
+        alive = (layer.end_time < limit) & _cross_prune(layer.strategy, layer.end_time,
+                                                        layer.end_s, lead)
         layers.append(layer)
         if not alive.any():
             break

@@ -90,7 +90,7 @@ def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tupl
     from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
     from megatron_cona.ttp.clock import SimulatedClock
     from predictors.devices import get_device
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
 
     fam = FAMILIES[family]
     spec = fam.spec
@@ -126,7 +126,7 @@ def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
     from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
     from megatron_cona.ttp.clock import GPT_1_3B, HeldOutPredictor, SimulatedClock, VTrainTimes
     from predictors.devices import get_device
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
 
     device = get_device(opts.device)
     clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), switch_costs[0], switch_costs[1],

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from predictors.precision import get_precision, megatron_precisions
 from predictors.spec import TransformerSpec
+from predictors.spec.precision import get_precision, megatron_precisions
 
 SUPPORTED_PRECISIONS = megatron_precisions()  # entries of the Precision table with a Megatron flag
 
@@ -19,7 +19,7 @@ class TrainConfig:
     """Everything about a run that does not depend on the parallel strategy."""
 
     model: TransformerSpec
-    precision: str = "fp32"  # one of SUPPORTED_PRECISIONS (names of predictors.precision)
+    precision: str = "fp32"  # one of SUPPORTED_PRECISIONS (names of predictors.spec.precision)
     distributed_optimizer: bool = False
     lr: float = 1e-3
     min_lr: float = 0.0

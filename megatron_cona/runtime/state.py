@@ -33,8 +33,8 @@ from megatron.core.utils import unwrap_model
 from megatron_cona.grad_probe import GradProbe, ProbeGroups, local_grad_sq, reduce_grad_sq
 from megatron_cona.parallel import ParallelGroups, build_groups
 from megatron_cona.runtime.config import TrainConfig
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, StrategyError
+from predictors.spec.precision import get_precision
 
 
 @dataclass

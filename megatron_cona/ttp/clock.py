@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from megatron_cona.parallel import coord_of
 from megatron_cona.reshard.boxes import full_box, intersect, volume
 from megatron_cona.reshard.plan import SegmentMeta, build_plan
+from predictors.datasets.vtrain import GPT2_VOCAB, VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
 from predictors.spec import ParallelStrategy, TransformerSpec
-from predictors.vtrain import GPT2_VOCAB, VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
 
 # GPT-3 1.3B as vTrain measured it (its rows use the GPT-2 vocabulary and Megatron-DeepSpeed's
-# unfused core attention, as predictors.vtrain traces them)
+# unfused core attention, as predictors.datasets.vtrain traces them)
 GPT_1_3B = TransformerSpec("gpt", num_layers=24, hidden_size=2048, num_attention_heads=16,
                            seq_length=1024, vocab_size=GPT2_VOCAB, attention="unfused")
 Layout = tuple[int, int, int]
@@ -230,10 +230,10 @@ class HeldOutPredictor:
     @classmethod
     def train(cls, model: TransformerSpec, gpus: int) -> HeldOutPredictor:
         """By the predictors' one trainer of the held-out vTrain model
-        (:func:`predictors.train.train_vtrain_model`: host constants fitted on the kept rows)."""
-        from predictors.model import mape
-        from predictors.time_predictor import predict_with_model
-        from predictors.train import train_vtrain_model
+        (:func:`predictors.time.train.train_vtrain_model`: host constants fitted on the kept rows)."""
+        from predictors.time.model import mape
+        from predictors.time.predictor import predict_with_model
+        from predictors.time.train import train_vtrain_model
 
         rows = load_vtrain()
         group = f"h{model.hidden_size}-l{model.num_layers}"
@@ -247,7 +247,7 @@ class HeldOutPredictor:
                    mape(pred, [r.seconds for r in test]), tm)  # fmt: skip
 
     def iteration_time(self, strategy: ParallelStrategy) -> float:
-        from predictors.time_predictor import predict_with_model
+        from predictors.time.predictor import predict_with_model
 
         return predict_with_model(self._time_model, self.model, strategy, VTRAIN_PRECISION,
                                   VTRAIN_DEVICE)  # fmt: skip

@@ -156,7 +156,7 @@ def candidate_set(opts: TTPOptions, clock: SimulatedClock) -> list[ParallelStrat
     curves' global batches, memory-filtered."""
     from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
     from predictors.devices import get_device
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
 
     capacity = get_device(opts.target_device).memory_bytes
     spec = CandidateSpec(micro_batches=opts.micro_batches,

@@ -16,11 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
+from ..spec.options import TrainingOptions
+from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
+from .config import CHECKPOINTING, ShardingError, TrainConfig
 from .model import MemoryModel
 from .overheads import CARDS, HOPPER, PRE_HOPPER
-from .presets import get_preset
-from .towers import ModelSpec, ShardingError, TrainConfig
+from .presets import PRESET_SEQ, as_memory_model
 
 
 @dataclass
@@ -80,21 +83,43 @@ def _shipped_model() -> MemoryModel:
     return MemoryModel.load()
 
 
-def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 2048,
+def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int = 1,
+                        seq: int | None = None,
                         image_res: int | None = None, images_per_sample: int = 1,
                         precision: str = "bf16", zero: int = 0, dp: int = 1,
                         checkpointing: str = "none", attention: str = "flash",
                         frozen: tuple[str, ...] | None = None, capacity_gib: float | str = 80,
                         margin: float | None = None, tp: int = 1, pp: int = 1,
                         num_microbatches: int | None = None,
-                        sequence_parallel: bool = False) -> MemoryPrediction:
+                        sequence_parallel: bool = False,
+                        strategy: ParallelStrategy | None = None,
+                        options: TrainingOptions | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits ``capacity_gib``
     (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
     fixes the relative safety margin; by default it is the model's predicted uncertainty.
     ``tp``/``pp``: Megatron-Core tensor/pipeline parallel sizes (the prediction is the first
     pipeline stage's rank); ``num_microbatches`` per iteration (default: ``pp``, a full
-    pipeline); ``batch`` is the micro-batch."""
-    spec = get_preset(model) if isinstance(model, str) else model
+    pipeline); ``batch`` is the micro-batch. ``model`` is a preset name, a model or a text tower
+    alone (:func:`predictors.memory.presets.as_memory_model`); ``seq`` defaults to the text
+    tower's ``seq_length``. ``strategy`` (the one :class:`ParallelStrategy`) gives ``batch``,
+    ``dp``, ``tp``, ``pp`` and ``num_microbatches`` in their place; ``options`` (the one
+    :class:`TrainingOptions`) give ``zero`` (distributed optimizer: 1, FSDP: 3) and
+    ``checkpointing`` (its ``recompute``)."""
+    if options is not None:
+        if options.recompute not in CHECKPOINTING:
+            raise ModelSpecError(f"recompute={options.recompute!r} is not modelled by the memory "
+                                 f"predictor; choose one of {CHECKPOINTING}")
+        checkpointing = options.recompute
+        zero = 3 if options.fsdp else int(options.distributed_optimizer)
+    if strategy is not None:
+        if strategy.cp > 1:
+            raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
+                                "the memory predictor (context parallelism)")
+        batch, dp, tp, pp = strategy.micro_batch, strategy.dp, strategy.tp, strategy.pp
+        num_microbatches = strategy.num_microbatches
+    spec = as_memory_model(model)
+    if seq is None:
+        seq = spec.text.seq_length if spec.text is not None else PRESET_SEQ
     if tp < 1 or pp < 1:
         raise ShardingError(f"tp={tp}, pp={pp} must be >= 1")
     if pp > 1:
@@ -102,9 +127,11 @@ def predict_peak_memory(model: str | ModelSpec, *, batch: int = 1, seq: int = 20
             layers = spec.text.num_layers if spec.text else 0
             raise ShardingError(f"pp={pp} must divide the text tower's num_layers={layers}")
         spec = spec.with_layers(None, spec.text.num_layers // pp)
-    if spec.text is not None and tp > 1 and (spec.text.num_heads % tp or spec.text.kv_heads % tp):
-        raise ShardingError(f"tp={tp} must divide num_heads={spec.text.num_heads} and "
-                            f"num_kv_heads={spec.text.kv_heads}")
+    if spec.text is not None and tp > 1 and (spec.text.num_attention_heads % tp
+                                                or spec.text.kv_heads % tp):
+        raise ShardingError(f"tp={tp} must divide num_attention_heads="
+                            f"{spec.text.num_attention_heads} and num_query_groups="
+                            f"{spec.text.kv_heads}")
     cfg = TrainConfig(batch=batch, seq=seq, image_res=image_res,
                       images_per_sample=images_per_sample, precision=precision, zero=zero,
                       dp=dp, checkpointing=checkpointing, attention=attention, frozen=frozen)
@@ -154,6 +181,7 @@ def _activation_tp_share(spec: ModelSpec, cfg: TrainConfig, tp: int, sp: bool) -
     if t is None:
         return 1.0 / tp
     # flash attention keeps no s x s scores: the 5as/h term is absent
-    scores = 0.0 if cfg.attention == "flash" else 5 * t.num_heads * cfg.seq / t.hidden_size
+    heads = t.num_attention_heads
+    scores = 0.0 if cfg.attention == "flash" else 5 * heads * cfg.seq / t.hidden_size
     full = 34 + scores
     return 1 / tp if sp else (10 + 24 / tp + scores / tp) / full

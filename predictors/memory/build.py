@@ -7,43 +7,23 @@ import types
 import torch
 from torch import nn
 
+from ..spec.engines import hf_text_config, hf_vision_config
+from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
 from . import kernels
-from .towers import ModelSpec, TextTowerSpec, VisionTowerSpec
 
 _ATTN_IMPL = {"flash": kernels.ATTN_IMPL, "eager": "eager", "sdpa": "sdpa"}
 
 
 def vision_config(v: VisionTowerSpec, attention: str = "flash"):
-    from transformers import CLIPVisionConfig, SiglipVisionConfig
-
-    cls = CLIPVisionConfig if v.kind == "clip" else SiglipVisionConfig
-    cfg = cls(
-        hidden_size=v.hidden_size,
-        intermediate_size=v.intermediate_size,
-        num_hidden_layers=v.num_layers,
-        num_attention_heads=v.num_heads,
-        image_size=v.image_size,
-        patch_size=v.patch_size,
-    )
+    cfg = hf_vision_config(v)
     cfg._attn_implementation = _ATTN_IMPL[attention]
     return cfg
 
 
-def text_config(t: TextTowerSpec, attention: str = "flash"):
-    from transformers import LlamaConfig, Qwen2Config
-
-    cls = LlamaConfig if t.kind == "llama" else Qwen2Config
-    cfg = cls(
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=t.kv_heads,
-        vocab_size=t.vocab_size,
-        tie_word_embeddings=t.tie_embeddings,
-        max_position_embeddings=32768,
-        use_cache=False,  # training: no KV cache (HF keeps its tensors alive otherwise)
-    )
+def text_config(t: TransformerSpec, attention: str = "flash"):
+    # training: no KV cache (HF keeps its tensors alive otherwise); a position range long
+    # enough for every traced step, whatever the spec's seq_length
+    cfg = hf_text_config(t, max_position_embeddings=32768, use_cache=False)
     cfg._attn_implementation = _ATTN_IMPL[attention]
     return cfg
 
@@ -103,7 +83,7 @@ def _build(spec: ModelSpec, attention: str) -> nn.Module:
             vision_feature_select_strategy="default" if v.has_cls else "full",
             image_seq_length=v.num_patches(),
             multimodal_projector_bias=True,
-            tie_word_embeddings=t.tie_embeddings,
+            tie_word_embeddings=t.tied_embeddings,
         )
         cfg._attn_implementation = _ATTN_IMPL[attention]
         model = LlavaForConditionalGeneration(cfg)
@@ -113,11 +93,11 @@ def _build(spec: ModelSpec, attention: str) -> nn.Module:
         return model
     if spec.text is not None:
         model = AutoModelForCausalLM.from_config(text_config(spec.text, attention))
-        if spec.text.tie_embeddings:  # skipped together with the initialisation
+        if spec.text.tied_embeddings:  # skipped together with the initialisation
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
     v = spec.vision
-    cls = CLIPVisionModel if v.kind == "clip" else SiglipVisionModel
+    cls = CLIPVisionModel if v.family == "clip" else SiglipVisionModel
     return ViTClassifier(cls(vision_config(v, attention)), v.hidden_size, spec.num_classes)
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .towers import MemorySpecError
+from ..spec.model import ModelSpecError
 
 
 def add_subcommands(subparsers) -> None:
@@ -48,6 +48,9 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--precision", default="bf16")
     m.add_argument("--zero", type=int, default=0, help="ZeRO / DistributedOptimizer stage")
     m.add_argument("--dp", type=int, default=1, help="data-parallel degree ZeRO shards over")
+    m.add_argument("--strategy", default=None,
+                   help="presets: dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it "
+                        "(replaces --batch and --dp; the first pipeline stage's rank)")
     m.add_argument("--checkpointing", default="none", choices=["none", "full"])
     m.add_argument("--attention", default="flash", choices=["flash", "eager"])
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
@@ -79,7 +82,7 @@ def _named_errors(handler):
     def run(args) -> int:
         try:
             return handler(args)
-        except (MemorySpecError, ValueError) as exc:
+        except (ModelSpecError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
 
@@ -89,6 +92,7 @@ def _named_errors(handler):
 def _memory(args) -> int:
     if args.model in ("mlp", "cnn", "module"):
         return _memory_module(args)
+    from ..spec import ParallelStrategy
     from .api import predict_peak_memory
 
     frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
@@ -98,7 +102,8 @@ def _memory(args) -> int:
         args.model, batch=args.batch, seq=args.seq, image_res=args.image_res,
         images_per_sample=args.images_per_sample, precision=args.precision, zero=args.zero,
         dp=args.dp, checkpointing=args.checkpointing, attention=args.attention, frozen=frozen,
-        capacity_gib=args.capacity_gib or "80", margin=args.margin)
+        capacity_gib=args.capacity_gib or "80", margin=args.margin,
+        strategy=ParallelStrategy.parse(args.strategy) if args.strategy else None)
     print(pred.format())
     return 0 if pred.fits else 2
 
@@ -121,7 +126,7 @@ def _memory_module(args) -> int:
         model, (x, y) = spec.build, spec.example(args.batch)
     else:
         if args.module is None or args.input_shape is None:
-            raise MemorySpecError("--model module needs --module package.module:factory and "
+            raise ModelSpecError("--model module needs --module package.module:factory and "
                                   "--input-shape")
         model = load_factory(args.module)
         x = torch_empty((args.batch, *parse_shape(args.input_shape)))
@@ -141,8 +146,8 @@ def _memory_module(args) -> int:
 def _memory_spec_traced(args, frozen: tuple[str, ...] | None) -> int:
     import json
 
+    from .config import TrainConfig
     from .module import predict_spec_memory
-    from .towers import TrainConfig
 
     cfg = TrainConfig(batch=args.batch, seq=args.seq, image_res=args.image_res,
                       images_per_sample=args.images_per_sample, precision=args.precision,

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
+from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
+from .config import TrainConfig
 from .presets import PRESETS, scaled
 from .simulate import simulate_step
-from .towers import ModelSpec, TrainConfig
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 GROUND_TRUTH_CSV = DATA_DIR / "memory_ground_truth.csv"
@@ -90,13 +91,11 @@ def spec_to_json(spec: ModelSpec) -> str:
 
 
 def spec_from_json(text: str) -> ModelSpec:
-    from .towers import TextTowerSpec, VisionTowerSpec
-
     d = json.loads(text)
     v = d.pop("vision")
     t = d.pop("text")
     d["default_frozen"] = tuple(d["default_frozen"])
-    return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TextTowerSpec(**t), **d)
+    return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TransformerSpec(**t), **d)
 
 
 def cfg_from_row(row: dict) -> TrainConfig:

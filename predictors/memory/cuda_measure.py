@@ -11,10 +11,11 @@ import time
 
 import torch
 
+from ..spec.model import ModelSpec
 from ..step import Batch, TrainingStep
 from .build import make_inputs
+from .config import ShardingError, TrainConfig, resolve_shapes
 from .simulate import prepare_model
-from .towers import ModelSpec, ShardingError, TrainConfig, resolve_shapes
 
 GROUND_TRUTH_CUDA = "cuda: torch.cuda.max_memory_reserved of a real step"
 

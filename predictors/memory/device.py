@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..devices import get_device as get_compute_device
-from ..precision import get_precision
+from ..spec.precision import get_precision
 from .allocator import MiB
+from .config import ShardingError
 from .optimizers import OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
-from .towers import ShardingError
 from .zero import zero3_params
 
 FRAMEWORKS = ("ddp", "deepspeed", "megatron")

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..precision import Precision
-from .towers import ModelSpec, Shapes, TextTowerSpec, TrainConfig, VisionTowerSpec, resolve_shapes
+from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
+from ..spec.precision import Precision
+from .config import Shapes, TrainConfig, resolve_shapes
 
 F32 = 4
 
@@ -84,7 +85,7 @@ class _Dt:
 
 # -- parameter tensors (element counts, in the module's registration order) ----------------------
 def vision_layer_params(v: VisionTowerSpec) -> tuple[int, ...]:
-    h, f = v.hidden_size, v.intermediate_size
+    h, f = v.hidden_size, v.ffn_hidden_size
     attn = (h * h, h) * 4  # q, k, v, out projections with biases
     return attn + (h, h) + (h * f, f, f * h, h) + (h, h)  # LN1, MLP, LN2
 
@@ -98,17 +99,17 @@ def vision_embed_params(v: VisionTowerSpec) -> tuple[int, ...]:
 
 
 def vision_post_params(v: VisionTowerSpec) -> tuple[int, ...]:
-    h, f = v.hidden_size, v.intermediate_size
+    h, f = v.hidden_size, v.ffn_hidden_size
     if v.has_cls:
         return (h, h)
     # SigLIP post-LN + attention-pooling head (probe, MHA, LN, MLP)
     return (h, h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * f, f, f * h, h)
 
 
-def text_layer_params(t: TextTowerSpec) -> tuple[int, ...]:
-    h, f = t.hidden_size, t.intermediate_size
-    kv = t.kv_heads * (h // t.num_heads)
-    if t.kind == "qwen2":  # q/k/v projections carry biases
+def text_layer_params(t: TransformerSpec) -> tuple[int, ...]:
+    h, f = t.hidden_size, t.ffn
+    kv = t.kv_heads * (h // t.num_attention_heads)
+    if t.family == "qwen2":  # q/k/v projections carry biases
         attn = (h * h, h, h * kv, kv, h * kv, kv, h * h)
     else:
         attn = (h * h, h * kv, h * kv, h * h)
@@ -165,14 +166,14 @@ def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> list[int]:
     return [scores * F32] + ([scores * b] if b != F32 else [])
 
 
-def llama_layer_saved(t: TextTowerSpec, batch: int, seq: int, dt: _Dt, attention: str,
+def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attention: str,
                       trainable: bool) -> tuple[list[int], int]:
     """Tensors (bytes; several small saves of one op may be lumped) a Llama/Qwen2 decoder layer
     saves, and its largest single saved tensor."""
     n = batch * seq
-    h, f, heads = t.hidden_size, t.intermediate_size, t.num_heads
+    h, f, heads = t.hidden_size, t.ffn, t.num_attention_heads
     kv = t.kv_heads * (h // heads)
-    bias = t.kind == "qwen2"
+    bias = t.family == "qwen2"
     lin = dict(input_grad=True, weight_trainable=trainable)
     # two RMSNorms; their output is saved once for the Linears that need it for weight grads
     norm_out = n * h * dt.res if trainable and not dt.autocast else 0
@@ -197,7 +198,7 @@ def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, atten
                     trainable: bool) -> tuple[list[int], int]:
     """Tensors a CLIP/SigLIP encoder layer saves (``tokens`` per image), and the largest."""
     n = images * tokens
-    h, f, heads = v.hidden_size, v.intermediate_size, v.num_heads
+    h, f, heads = v.hidden_size, v.ffn_hidden_size, v.num_attention_heads
     lin = dict(input_grad=True, weight_trainable=trainable)
     parts = [layernorm_saved(n, h, dt), 0 if dt.autocast else n * h * dt.res] * 2
     parts += [n * h * dt.res] * 2  # the two residual adds
@@ -207,7 +208,7 @@ def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, atten
         parts += flash_saved(images, heads, tokens, h, h, n, dt.mm)
     else:
         parts += [n * h * dt.mm] * 4 + eager_scores_saved(images, heads, tokens, dt.mm)
-    parts += [n * f * dt.mm] * (3 if v.kind == "clip" else 2)  # quick_gelu vs tanh-gelu
+    parts += [n * f * dt.mm] * (3 if v.family == "clip" else 2)  # quick_gelu vs tanh-gelu
     parts.append(linear_saved(n, h, f, True, dt, input_low=False, **lin))
     parts.append(linear_saved(n, f, h, True, dt, input_low=True, **lin))
     largest = max(n * f * dt.mm, images * heads * tokens * tokens * F32 if attention == "eager" else 0)
@@ -217,7 +218,7 @@ def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, atten
 def _vit_weight_cache(v: VisionTowerSpec, dt: _Dt) -> int:
     """Low-precision weight copies autocast caches for one encoder layer's (or SigLIP head's)
     Linears: 4 attention projections + 2 MLP matrices with biases."""
-    h, f = v.hidden_size, v.intermediate_size
+    h, f = v.hidden_size, v.ffn_hidden_size
     return (4 * h * h + 2 * h * f + 5 * h + f) * dt.mm
 
 
@@ -304,7 +305,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         per = sum(parts)
         if not needs:
             parts, per, largest = [], 0, 0
-        emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_heads) * dt.res
+        emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_attention_heads) * dt.res
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
         add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
@@ -313,7 +314,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
             add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest, parts=parts)
-        tied = t.tie_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
+        tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
         head = () if tied else (t.vocab_size * t.hidden_size,)
         add("llm.head", "llm", (t.hidden_size, *head),
             saved=(rmsnorm_saved(n, t.hidden_size, dt)

@@ -1,107 +1,28 @@
-"""GPUMemNet's MLP dataset: 3,000 MLPs measured on an A100-40GB (a development set).
+"""GPUMemNet's networks rebuilt from its rows (:mod:`predictors.datasets.gpumemnet`: the MLP set
+and the CNN development rows, measured on an A100-40GB). Each MLP row is
+``NeuroNetGen_scripts/MLP/mlp_next.py`` of github.com/itu-rad/GPUMemNet trained for 60 s in
+fp32 with ``torch.optim.Adam(model.parameters())`` (torch's defaults: foreach on CUDA) and
+``nn.CrossEntropyLoss`` (``nn.BCEWithLogitsLoss`` for one output).
 
-Source: github.com/itu-rad/GPUMemNet, ``Datasets/MLP/mlp_data_step2.csv``, by the GPUMemNet
-authors (ITU Copenhagen), CC BY 4.0 (https://creativecommons.org/licenses/by/4.0/); shipped as
-``predictors/data/gpumemnet_mlp.csv`` with ``LICENSE.gpumemnet`` beside it. Each row is
-``NeuroNetGen_scripts/MLP/mlp_next.py`` of that repository trained for 60 s in fp32 with
-``torch.optim.Adam(model.parameters())`` (torch's defaults: foreach on CUDA) and
-``nn.CrossEntropyLoss`` (``nn.BCEWithLogitsLoss`` for one output); the target is the maximum
-of ``nvidia-smi memory.used`` sampled once a second, i.e. device-level memory. Its CNN and
-Transformer sets are held out and never read here.
-
-:func:`build_mlp` re-implements that generator's layer rules (our own code, same arithmetic);
-every rebuilt network is checked against the row's published per-layer parameter counts.
+:func:`build_mlp` and :func:`build_cnn` re-implement that generator's layer rules (our own code,
+same arithmetic); every rebuilt network is checked against the row's published parameter
+counts.
 """
 
 from __future__ import annotations
 
-import ast
-import csv
-import functools
 import math
-import os
-import re
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from .towers import MemorySpecError
+from ..datasets.gpumemnet import CNN_ARCHS, CnnRow, GpuMemNetFormatError, MlpRow
 
-DATA_ENV = "GPUMEMNET_DIR"
-SHIPPED_CSV = Path(__file__).resolve().parent.parent / "data" / "gpumemnet_mlp.csv"
-MLP_CSV = "mlp_data_step2.csv"  # the name in GPUMemNet's repository
 NUM_SAMPLES = 4096  # the generator's dummy dataset; the last batch of an epoch is smaller
 
 ACTIVATIONS = {"relu": nn.ReLU, "leaky_relu": nn.LeakyReLU, "prelu": nn.PReLU, "elu": nn.ELU,
                "selu": nn.SELU, "tanh": nn.Tanh, "softplus": nn.Softplus, "swish": nn.SiLU,
                "mish": nn.Mish, "gelu": nn.GELU, "identity": nn.Identity}
-_NAME = re.compile(
-    r"input:(?P<input>\d+)_output:(?P<output>\d+)_depth:(?P<depth>\d+)_arch:(?P<arch>\w+?)"
-    r"_batch:(?P<batch>\d+)_act:(?P<act>\w+?)_dropout:(?P<rate>[\d.e-]+)_dropout:(?P<drop>True|"
-    r"False)_batchnorm:(?P<bn>True|False)\.out$")
-
-
-_COUNTED = ("linear", "batch_normalization")  # the dataset lists PReLU's weight as 0
-
-
-class GpuMemNetFormatError(MemorySpecError):
-    """A row whose file name or layer list does not follow the generator's format."""
-
-
-@dataclass(frozen=True)
-class MlpRow:
-    input: int
-    output: int
-    depth: int
-    arch: str
-    batch: int
-    activation: str
-    dropout: float | None  # None: no dropout layers
-    batchnorm: bool
-    layer_params: tuple[int, ...]  # published parameters of each Linear / BatchNorm layer
-    measured_mib: float  # max nvidia-smi memory.used
-
-    @property
-    def name(self) -> str:
-        return (f"mlp in{self.input} out{self.output} depth{self.depth} {self.arch} "
-                f"batch{self.batch} {self.activation}{' bn' if self.batchnorm else ''}"
-                f"{' dropout' if self.dropout is not None else ''}")
-
-
-def dataset_path() -> Path:
-    """``$GPUMEMNET_DIR/mlp_data_step2.csv`` when set, else the copy shipped in
-    ``predictors/data`` (licence: ``predictors/data/LICENSE.gpumemnet``)."""
-    if DATA_ENV in os.environ:
-        path = Path(os.environ[DATA_ENV]) / MLP_CSV
-        if not path.exists():
-            raise FileNotFoundError(f"{DATA_ENV}={os.environ[DATA_ENV]!r} has no {MLP_CSV}")
-        return path
-    return SHIPPED_CSV
-
-
-def load_mlp_rows(path: Path | None = None) -> tuple[MlpRow, ...]:
-    return _load(path or dataset_path())
-
-
-@functools.lru_cache(maxsize=2)
-def _load(path: Path) -> tuple[MlpRow, ...]:
-    rows = []
-    with path.open() as f:
-        for i, r in enumerate(csv.DictReader(f)):
-            m = _NAME.match(r["Filename"])
-            if m is None:
-                raise GpuMemNetFormatError(f"row {i}: Filename={r['Filename']!r} is not a "
-                                           "generator name")
-            layers = ast.literal_eval(r["Activations-Params"])
-            rows.append(MlpRow(int(m["input"]), int(m["output"]), int(m["depth"]), m["arch"],
-                               int(m["batch"]), m["act"],
-                               float(m["rate"]) if m["drop"] == "True" else None,
-                               m["bn"] == "True",
-                               tuple(int(p) for k, _, p in layers if k in _COUNTED),
-                               float(r["Max GPU Memory (MiB)"])))
-    return tuple(rows)
 
 
 def _widths(row: MlpRow) -> list[int]:
@@ -186,65 +107,8 @@ def example_batch(row: MlpRow) -> tuple[torch.Tensor, torch.Tensor]:
 # ``predictors/data/gpumemnet_cnn_dev.csv`` (CC BY 4.0, ``LICENSE.gpumemnet``). The networks are
 # rebuilt by :func:`build_cnn` from the rules of the repository's ``cnn.py`` at commit f5a3f5d
 # (our code, the same arithmetic), launched as its ``launcher_cnn.py`` does (no pooling flag).
-CNN_CSV = Path(__file__).resolve().parent.parent / "data" / "gpumemnet_cnn_dev.csv"
-CNN_ARCHS = ("dense", "residual", "uniform")
 MAX_FILTERS = 2048  # the generator's cap
 DENSE_GROWTH = 32  # the generator's default growth rate, 4 layers per dense block
-_CNN_NAME = re.compile(
-    r"input_channels:(?P<ch>\d+)_num_classes:(?P<classes>\d+)_depth:(?P<depth>\d+)"
-    r"_arch:(?P<arch>\w+?)_base_filters:(?P<base>\d+)_batch:(?P<batch>\d+)"
-    r"_input_size:(?P<size>\d+)_act:(?P<act>\w+?)_dropout:(?P<rate>[\d.e-]+)"
-    r"_dropout:(?P<drop>True|False)_batchnorm:(?P<bn>True|False)\.out$")
-
-
-@dataclass(frozen=True)
-class CnnRow:
-    channels: int
-    classes: int
-    depth: int
-    arch: str
-    base: int
-    batch: int
-    size: int  # square input side
-    activation: str
-    dropout: float | None
-    batchnorm: bool
-    params: int  # published total parameters
-    measured_mib: float
-    oom: bool  # Status OOM_CRASH
-
-    @property
-    def name(self) -> str:
-        return (f"cnn {self.arch} depth{self.depth} base{self.base} {self.channels}x{self.size}"
-                f"^2 batch{self.batch} {self.activation}{' bn' if self.batchnorm else ''}"
-                f"{' dropout' if self.dropout is not None else ''}")
-
-    @property
-    def runs(self) -> bool:
-        """The generator raises before training for inputs under 7 pixels (``log2`` of
-        ``size // 7`` = 0) and for one class (``BCELoss`` on integer labels)."""
-        return self.size >= 7 and self.classes > 1
-
-
-def load_cnn_rows(path: Path = CNN_CSV) -> tuple[CnnRow, ...]:
-    return _load_cnn(path)
-
-
-@functools.lru_cache(maxsize=2)
-def _load_cnn(path: Path) -> tuple[CnnRow, ...]:
-    rows = []
-    with path.open() as f:
-        for i, r in enumerate(csv.DictReader(f)):
-            m = _CNN_NAME.match(r["Filename"])
-            if m is None or m["arch"] not in CNN_ARCHS:
-                raise GpuMemNetFormatError(f"row {i}: Filename={r['Filename']!r} is not a "
-                                           "development-set generator name")
-            rows.append(CnnRow(int(m["ch"]), int(m["classes"]), int(m["depth"]), m["arch"],
-                               int(m["base"]), int(m["batch"]), int(m["size"]), m["act"],
-                               float(m["rate"]) if m["drop"] == "True" else None,
-                               m["bn"] == "True", int(r["Total Parameters"]),
-                               float(r["Max GPU Memory (MiB)"]), r["Status"] == "OOM_CRASH"))
-    return tuple(rows)
 
 
 def _block(row: CnnRow, cin: int, cout: int, k: int = 3, stride: int = 1,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..spec.model import ModelSpec
 from .allocator import (
     LARGE_BUFFER,
     MIN_LARGE_ALLOC,
@@ -25,11 +26,11 @@ from .allocator import (
     SMALL_SIZE,
     MiB,
 )
+from .config import TrainConfig
 from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
 from .replay import replay_reserved
-from .towers import ModelSpec, TrainConfig
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"

@@ -23,15 +23,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..precision import get_precision
+from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
+from ..spec.precision import get_precision
 from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
 from .build import make_inputs
+from .config import TrainConfig, resolve_shapes
 from .device import DEVICES, DeviceProfile, DistributedSpec, get_device
 from .optimizers import OptimizerSpec
-from .presets import get_preset
+from .presets import as_memory_model
 from .simulate import Measurement, loss_from_output, prepare_model, trace_step
-from .towers import MemorySpecError, ModelSpec, TrainConfig, resolve_shapes
 
 DEFAULT_MARGIN = 0.05  # relative, on the allocator's reserved bytes (see docs: GPUMemNet)
 MIN_MARGIN_BYTES = 64 * MiB  # absolute floor: a few 20 MiB large-pool segments of slack
@@ -171,7 +172,7 @@ def predict_module_memory(
     inputs; ``kwargs`` keyword inputs) with ``loss_fn(output, target)``.
 
     ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
-    ``precision``: a name of :data:`predictors.precision.PRECISIONS`; ``distributed``: data
+    ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``distributed``: data
     parallelism, ZeRO stage and framework (DeepSpeed / Megatron distributed optimizer);
     ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``);
     ``context_mib``: your stack's measured CUDA context (``nvidia-smi`` used after
@@ -185,21 +186,21 @@ def predict_module_memory(
     prof = get_device(device) if isinstance(device, str) else device
     if context_mib is not None:
         if context_mib < 0:
-            raise MemorySpecError(f"context_mib={context_mib} must be >= 0")
+            raise ModelSpecError(f"context_mib={context_mib} must be >= 0")
         prof = replace(prof, overheads=replace(prof.overheads,
                                                context_bytes=int(context_mib * MiB)))
     capacity = prof.capacity if capacity_gib is None else int(capacity_gib * GiB)
     if capacity <= 0:
-        raise MemorySpecError(f"capacity_gib={capacity_gib} must be positive")
+        raise ModelSpecError(f"capacity_gib={capacity_gib} must be positive")
     if isinstance(model, nn.Module):
         build: Callable[[], nn.Module] = lambda: _fake_module(model)  # noqa: E731
     elif callable(model):
         build = model
     else:
-        raise MemorySpecError(f"model={type(model).__name__} is neither an nn.Module nor a "
+        raise ModelSpecError(f"model={type(model).__name__} is neither an nn.Module nor a "
                               "factory returning one")
     if last_batch is not None and last_batch < 1:
-        raise MemorySpecError(f"last_batch={last_batch} must be >= 1")
+        raise ModelSpecError(f"last_batch={last_batch} must be >= 1")
     sizes: list[int | None] = [None, last_batch, None] if last_batch else [None, None]
     outside = prof.outside_allocator(dist)
     m = DEFAULT_MARGIN if margin is None else margin
@@ -254,7 +255,7 @@ def _module_tensors(build: Callable[[], nn.Module], precision: str) -> list[list
                 for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
-def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,
+def predict_spec_memory(model: str | ModelSpec | TransformerSpec, cfg: TrainConfig, *,
                         optimizer: OptimizerSpec | str = "adamw", framework: str = "ddp",
                         device: str | DeviceProfile = "h100-80gb",
                         capacity_gib: float | None = None, margin: float | None = None,
@@ -262,7 +263,7 @@ def predict_spec_memory(model: str | ModelSpec, cfg: TrainConfig, *,
     """A preset or :class:`ModelSpec` (LLaVA-like, LLM, ViT) through the traced path: the same
     ``transformers`` module the presets build, with the chosen optimizer implementation and
     device-level output. Traces the full depth (seconds to a minute for 7B models)."""
-    spec = get_preset(model) if isinstance(model, str) else model
+    spec = as_memory_model(model)
     spec = spec.at_resolution(cfg.image_res)
     resolve_shapes(spec, cfg)
     with torch.device("meta"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .towers import MemorySpecError
+from ..spec.model import ModelSpecError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
@@ -34,9 +34,9 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise MemorySpecError(f"optimizer={self.name!r} is unknown; choose {OPTIMIZERS}")
+            raise ModelSpecError(f"optimizer={self.name!r} is unknown; choose {OPTIMIZERS}")
         if self.impl not in IMPLEMENTATIONS:
-            raise MemorySpecError(
+            raise ModelSpecError(
                 f"optimizer_impl={self.impl!r} is unknown; choose {IMPLEMENTATIONS}")
 
     @classmethod

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..spec.model import ModelSpec
+from .config import ShardingError, TrainConfig
 from .factorize import F32, Factorization, factorize
 from .overheads import CudaOverheads
-from .towers import ModelSpec, ShardingError, TrainConfig
 from .zero import zero3_params
 
 ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parameter (one block)

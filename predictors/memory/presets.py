@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .towers import ModelSpec, TextTowerSpec, UnknownModelError, VisionTowerSpec
+from ..spec.engines import HF_TEXT_FAMILIES
+from ..spec.model import ModelSpec, TransformerSpec, UnknownModelError, VisionTowerSpec
+
+PRESET_SEQ = 2048  # the presets' text seq_length (predict_peak_memory's seq replaces it)
+
+
+def _decoder(family: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int,
+             kv_heads: int | None = None, tied: bool = False) -> TransformerSpec:
+    return TransformerSpec(family, layers, hidden, heads, PRESET_SEQ, vocab, ffn_hidden_size=ffn,
+                           num_query_groups=kv_heads, swiglu=True, tied_embeddings=tied)
+
 
 CLIP_L_336 = VisionTowerSpec("clip", 24, 1024, 16, 4096, 14, 336)
 CLIP_L_224 = VisionTowerSpec("clip", 24, 1024, 16, 4096, 14, 224)
@@ -12,12 +22,11 @@ CLIP_B_224 = VisionTowerSpec("clip", 12, 768, 12, 3072, 16, 224)
 EVA_G_224 = VisionTowerSpec("clip", 39, 1408, 16, 6144, 14, 224)  # BLIP-2's ViT-g, CLIP-style
 SIGLIP_SO_378 = VisionTowerSpec("siglip", 27, 1152, 16, 4304, 14, 378)  # 27x27 patches
 SIGLIP_B_224 = VisionTowerSpec("siglip", 12, 768, 12, 3072, 16, 224)
-LLAMA_7B = TextTowerSpec("llama", 32, 4096, 32, 11008, 32064)
-LLAMA_13B = TextTowerSpec("llama", 40, 5120, 40, 13824, 32064)
-LLAMA_3B = TextTowerSpec("llama", 32, 2560, 32, 6912, 50272)
-QWEN2_7B = TextTowerSpec("qwen2", 28, 3584, 28, 18944, 152064, num_kv_heads=4)
-QWEN2_1_5B = TextTowerSpec("qwen2", 28, 1536, 12, 8960, 151936, num_kv_heads=2,
-                           tie_embeddings=True)
+LLAMA_7B = _decoder("llama", 32, 4096, 32, 11008, 32064)
+LLAMA_13B = _decoder("llama", 40, 5120, 40, 13824, 32064)
+LLAMA_3B = _decoder("llama", 32, 2560, 32, 6912, 50272)
+QWEN2_7B = _decoder("qwen2", 28, 3584, 28, 18944, 152064, kv_heads=4)
+QWEN2_1_5B = _decoder("qwen2", 28, 1536, 12, 8960, 151936, kv_heads=2, tied=True)
 
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
@@ -56,11 +65,32 @@ def scaled(spec: ModelSpec, width: float, depth: int, vocab: int | None = None) 
 
     v = spec.vision and replace(
         spec.vision, num_layers=min(depth, spec.vision.num_layers),
-        hidden_size=sc(spec.vision.hidden_size, spec.vision.num_heads * 8),
-        intermediate_size=sc(spec.vision.intermediate_size, 64))
+        hidden_size=sc(spec.vision.hidden_size, spec.vision.num_attention_heads * 8),
+        ffn_hidden_size=sc(spec.vision.ffn_hidden_size, 64))
     t = spec.text and replace(
         spec.text, num_layers=min(depth, spec.text.num_layers),
-        hidden_size=sc(spec.text.hidden_size, spec.text.num_heads * 8),
-        intermediate_size=sc(spec.text.intermediate_size, 64),
+        hidden_size=sc(spec.text.hidden_size, spec.text.num_attention_heads * 8),
+        ffn_hidden_size=sc(spec.text.ffn, 64),
         vocab_size=vocab or spec.text.vocab_size)
     return replace(spec, name=f"{spec.name}@w{width}d{depth}", vision=v, text=t)
+
+
+def memory_text_tower(t: TransformerSpec) -> TransformerSpec:
+    """The decoder the memory predictor walks (and builds through its HF config) for a text
+    tower: Llama (RMSNorm, rotary, SwiGLU) or Qwen2 (the same with q/k/v biases) layers as
+    given; a tower of another family (GPT: GELU MLP) as the Llama layer with the same MLP
+    parameter count (SwiGLU width 2/3 of the FFN)."""
+    if t.family in HF_TEXT_FAMILIES and t.swiglu:
+        return t
+    return replace(t, family="llama", swiglu=True,
+                   ffn_hidden_size=t.ffn if t.swiglu else 2 * t.ffn // 3)
+
+
+def as_memory_model(model: str | ModelSpec | TransformerSpec) -> ModelSpec:
+    """A preset name, a model or a text tower alone, as the model the memory predictor walks."""
+    if isinstance(model, str):
+        return get_preset(model)
+    if isinstance(model, TransformerSpec):
+        model = ModelSpec(f"{model.family}-{model.num_layers}l-h{model.hidden_size}", "llm",
+                          text=model)
+    return model if model.text is None else replace(model, text=memory_text_tower(model.text))

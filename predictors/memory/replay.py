@@ -9,9 +9,9 @@ reserved peak is the base the residual model multiplies (and a feature)."""
 from __future__ import annotations
 
 from .allocator import CachingAllocatorSim
+from .config import TrainConfig
 from .factorize import F32, Factorization, LayerMemory
 from .overheads import CudaOverheads
-from .towers import TrainConfig
 
 
 def _param_tensors(layer: LayerMemory) -> list[int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .towers import MemorySpecError, UnknownModelError
+from ..spec.model import ModelSpecError, UnknownModelError
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "leaky_relu": nn.LeakyReLU,
@@ -25,14 +25,14 @@ def _activation(name: str) -> type[nn.Module]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise MemorySpecError(f"activation={name!r} unknown; choose {', '.join(ACTIVATIONS)}"
+        raise ModelSpecError(f"activation={name!r} unknown; choose {', '.join(ACTIVATIONS)}"
                               ) from None
 
 
 def _positive(**values: int) -> None:
     for k, v in values.items():
         if v < 1:
-            raise MemorySpecError(f"{k}={v} must be >= 1")
+            raise ModelSpecError(f"{k}={v} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class CnnSpec:
                                            for i, c in enumerate(self.channels)})
         _activation(self.activation)
         if self.image_res >> len(self.channels) < 1:
-            raise MemorySpecError(f"image_res={self.image_res} is too small for "
+            raise ModelSpecError(f"image_res={self.image_res} is too small for "
                                   f"{len(self.channels)} pooling stages")
 
     def build(self) -> nn.Module:
@@ -129,7 +129,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise MemorySpecError(f"input_shape={text!r} must look like 3x224x224") from None
+        raise ModelSpecError(f"input_shape={text!r} must look like 3x224x224") from None
     _positive(**{f"input_shape[{i}]": d for i, d in enumerate(shape)})
     return shape
 
@@ -138,4 +138,4 @@ def parse_widths(text: str, field: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)
     except ValueError:
-        raise MemorySpecError(f"{field}={text!r} must be a comma list of integers") from None
+        raise ModelSpecError(f"{field}={text!r} must be a comma list of integers") from None

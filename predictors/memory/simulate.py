@@ -23,12 +23,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..autocast import autocast_context
-from ..precision import get_precision
+from ..spec.model import ModelSpec
+from ..spec.precision import get_precision
 from ..step import Batch, LossFn, TrainingStep, default_loss
 from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
+from .config import ShardingError, TrainConfig, resolve_shapes
 from .overheads import HOPPER, CudaOverheads
-from .towers import ModelSpec, ShardingError, TrainConfig, resolve_shapes
 from .tracker import MemoryTracker
 
 GROUND_TRUTH_SIM = "fake-tensor trace + caching-allocator simulation (cpu, CUDA rules)"

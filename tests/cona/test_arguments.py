@@ -108,7 +108,7 @@ def test_precision_follows_the_precision_tables_megatron_flags():
     import torch
 
     from megatron_cona.arguments import precision_from_args
-    from predictors.precision import Precision, register_precision, unregister_precision
+    from predictors.spec.precision import Precision, register_precision, unregister_precision
 
     ns = argparse.Namespace
     assert precision_from_args(ns(bf16=True, fp16=False)) == "bf16-mixed"

@@ -9,8 +9,8 @@ from megatron_cona.candidates import (
     global_batches,
     parse_candidate_list,
 )
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.spec.precision import get_precision
 
 GPT = TransformerSpec("gpt", num_layers=6, hidden_size=96, num_attention_heads=6,
                       seq_length=64, vocab_size=257)

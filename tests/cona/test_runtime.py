@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_cona.runtime import TokenDataset, TrainConfig  # noqa: E402
 from megatron_cpu.launch import run_distributed  # noqa: E402
-from predictors.precision import UnknownPrecisionError  # noqa: E402
 from predictors.spec import TransformerSpec  # noqa: E402
+from predictors.spec.precision import UnknownPrecisionError  # noqa: E402
 
 SPEC = TransformerSpec("gpt", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                        vocab_size=64)

@@ -7,7 +7,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from predictors.autocast import CudaAutocastEmulation, autocast_context, cuda_policy
-from predictors.precision import UnknownPrecisionError
+from predictors.spec.precision import UnknownPrecisionError
 from predictors.step import Batch, TrainingStep, trace_training_step
 
 

@@ -4,12 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from predictors.analytical import iteration_time
-from predictors.calibrate import fit_gpu_constants, with_constants
+from predictors.datasets.vtrain import load_vtrain
 from predictors.devices import get_device
-from predictors.features import step_work
-from predictors.precision import get_precision
-from predictors.vtrain import load_vtrain
+from predictors.spec.precision import get_precision
+from predictors.time.analytical import iteration_time
+from predictors.time.calibrate import fit_gpu_constants, with_constants
+from predictors.time.features import step_work
 
 
 def test_fit_recovers_the_constants_rows_were_made_with():
@@ -31,10 +31,10 @@ def test_cpu_fit_recovers_the_per_kernel_cost_despite_per_precision_offsets():
     cost back: the spread is taken around each precision's own median."""
     import json
 
-    from predictors.calibrate import fit_cpu_constants
-    from predictors.collect import device_profile_path, load_measurements, row_spec_strategy
+    from predictors.datasets import data_path
     from predictors.devices import Device
-    from predictors.vtrain import data_path
+    from predictors.time.calibrate import fit_cpu_constants
+    from predictors.time.collect import device_profile_path, load_measurements, row_spec_strategy
 
     data = data_path("cpu_measurements.csv")
     profile = Device.from_dict(json.loads(device_profile_path(data).read_text()))

@@ -4,8 +4,7 @@ import csv
 
 import pytest
 
-from predictors import fleet
-from predictors.vtrain import data_path
+from predictors.datasets import data_path, fleet
 
 LICENCES = {fleet.TORCHTITAN_CSV: ("LICENSE.torchtitan", "BSD 3-Clause"),
             fleet.FOUNDRY_CSV: ("LICENSE.llm-foundry", "Apache License")}  # fmt: skip

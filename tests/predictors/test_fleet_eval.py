@@ -6,11 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from predictors import evaluate, fleet
+from predictors.datasets import fleet
 from predictors.devices import get_device
-from predictors.efficiency import EfficiencyFit, for_precision
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.precision import get_precision
+from predictors.time import evaluate
+from predictors.time.efficiency import for_precision
+from predictors.time.efficiency_fit import EfficiencyFit
 
 
 class RecordingFitter:
@@ -102,3 +104,36 @@ def test_an_fp8_recipe_prices_at_its_own_fitted_efficiency():
 def test_unknown_framework_names_the_field():
     with pytest.raises(ValueError, match="framework='deepspeed'"):
         TrainingOptions(framework="deepspeed")
+
+
+def test_held_out_framework_is_priced_by_its_device_family_fitted_on_the_others():
+    RecordingFitter.calls = []
+    rows = ROWS + [_row("e1", "e", "h100/llm-foundry"), _row("e2", "e", "h100/llm-foundry", 64)]
+    folds = evaluate.FleetFolds(rows, RecordingFitter)
+    res = folds.leave_group_out("new_framework", [r.fit_group.split("/")[1] for r in rows])
+    assert sorted(n for n, _, _ in res.rows) == sorted(r.name for r in rows)
+    # torchtitan held out: its H100 rows priced with h100/* fitted on the LLM Foundry rows only
+    assert res.efficiencies["torchtitan"]["h100/*"]["seen"] == {"e1", "e2"}
+    assert res.efficiencies["torchtitan"]["h100/torchtitan"]["seen"] == {"e1", "e2"}
+    # Megatron held out: no other framework on A100, an empty fit (the roofline's defaults)
+    assert res.efficiencies["megatron"]["a100/*"]["seen"] == frozenset()
+    assert res.efficiencies["llm-foundry"]["h100/*"]["seen"] == {"a1", "a2", "b1"}
+
+
+def test_a_framework_without_its_own_fit_gets_its_device_familys():
+    from predictors.time.efficiency import with_efficiency
+
+    fitted = {"h100/*": {"matmul:bf16": 0.5}, "h100/torchtitan": {"matmul:bf16": 0.3}}
+    h100 = get_device("h100-80gb")
+    own, ok = with_efficiency(h100, TrainingOptions(framework="torchtitan"), fitted)
+    assert ok and own.efficiency == {"matmul:bf16": 0.3}
+    family, ok = with_efficiency(h100, TrainingOptions(framework="megatron"), fitted)
+    assert ok and family.efficiency == {"matmul:bf16": 0.5}
+    none, ok = with_efficiency(get_device("a100-80gb"), TrainingOptions(), fitted)
+    assert not ok and none == get_device("a100-80gb")
+
+
+def test_megatron_h100_table_is_a_development_fleet_file():
+    rows = [r for r in fleet.load_fleet("develop") if r.source == fleet.MEGATRON_CSV]
+    assert len(rows) == 9 and {r.fit_group for r in rows} == {"h100/megatron"}
+    assert {r.precision for r in rows} == {"bf16-mixed"}

@@ -86,12 +86,12 @@ def test_tracker_sees_allocations_frees_and_saved_tensors():
 def test_replay_shards_like_the_analytical_walk(precision):
     """The tensor-level replay applies ZeRO 1/2/3 as the phase walk does: each stage lowers
     the replayed reserved peak, which stays within fragmentation range of the analytical one."""
+    from predictors.memory.config import TrainConfig
     from predictors.memory.factorize import factorize
     from predictors.memory.overheads import HOPPER
     from predictors.memory.phases import walk_phases
     from predictors.memory.presets import get_preset
     from predictors.memory.replay import replay_reserved
-    from predictors.memory.towers import TrainConfig
 
     spec = get_preset("llava-1.5-7b-like")
     last = None

@@ -6,21 +6,24 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from predictors.memory.config import TrainConfig
 from predictors.memory.decompose import decompose_module, saved_by_layer
 from predictors.memory.factorize import factorize
 from predictors.memory.overheads import HOPPER
 from predictors.memory.phases import walk_phases
 from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simulate import prepare_model, simulate_step
-from predictors.memory.towers import ModelSpec, TextTowerSpec, TrainConfig, VisionTowerSpec
+from predictors.spec import ModelSpec, TransformerSpec, VisionTowerSpec
 from predictors.step import cast_floating_
 
 TINY_V = VisionTowerSpec("clip", 3, 64, 4, 256, patch_size=14, image_size=56)
-TINY_T = TextTowerSpec("llama", 2, 64, 4, 172, 1000, num_kv_heads=2)
+TINY_T = TransformerSpec("llama", 2, 64, 4, 512, 1000, ffn_hidden_size=172, num_query_groups=2,
+                         swiglu=True, tied_embeddings=False)
 TINY_LLAVA = ModelSpec("tiny-llava", "llava", TINY_V, TINY_T)
 TINY_QWENVL = ModelSpec(
     "tiny-qwenvl", "qwen-vl", VisionTowerSpec("siglip", 2, 64, 4, 256, 14, 56),
-    TextTowerSpec("qwen2", 2, 64, 4, 172, 1000, num_kv_heads=2))
+    TransformerSpec("qwen2", 2, 64, 4, 512, 1000, ffn_hidden_size=172, num_query_groups=2,
+                    swiglu=True, tied_embeddings=False))
 
 
 def _module_layers(spec: ModelSpec, cfg: TrainConfig):
@@ -116,7 +119,7 @@ def test_whole_model_activations_within_two_percent():
 
 def test_linear_autocast_saves_low_precision_input_and_weight_copies():
     from predictors.memory.factorize import _Dt, linear_saved
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
 
     dt = _Dt.of(get_precision("bf16"))
     got = linear_saved(128, 64, 32, True, dt, input_grad=True, weight_trainable=True,

@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from predictors.datasets.gpumemnet import load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import MiB
 from predictors.memory.cli import main
+from predictors.memory.config import ShardingError, TrainConfig
 from predictors.memory.device import DistributedSpec, get_device
 from predictors.memory.gpumemnet import (
     GeneratedMLP,
@@ -18,8 +20,6 @@ from predictors.memory.gpumemnet import (
     build_cnn,
     build_mlp,
     example_batch,
-    load_cnn_rows,
-    load_mlp_rows,
     smallest_network,
 )
 from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory, predict_spec_memory
@@ -27,7 +27,7 @@ from predictors.memory.overheads import CONTEXTS
 from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simple import CnnSpec, MlpSpec
 from predictors.memory.simulate import simulate_step
-from predictors.memory.towers import MemorySpecError, ShardingError, TrainConfig
+from predictors.spec import ModelSpecError
 from predictors.step import default_loss
 
 WIDE = MlpSpec(1024, (2048, 2048), 10)  # 6.3M parameters, 25 MiB of fp32 weights
@@ -80,7 +80,7 @@ def test_device_level_names_every_part():
     assert p.margin_bytes == MIN_MARGIN_BYTES  # small job: the absolute floor applies
     own = _predict(device="a100-40gb", context_mib=500)
     assert own.device_used == p.max_memory_reserved + 500 * MiB
-    with pytest.raises(MemorySpecError):
+    with pytest.raises(ModelSpecError):
         _predict(context_mib=-1)
 
 
@@ -161,7 +161,7 @@ def test_gpumemnet_cnn_rows_rebuild_with_their_published_parameters():
     # both of the generator's transition frequencies occur: some depth with every-5 spacing and
     # the same depth elsewhere with its other spacing, or depths whose count differs from 5's
     assert any(t != max(0, (d // 4 - 2) // 5 + 1) for d, t in variants)
-    with pytest.raises(MemorySpecError, match="fails before training"):
+    with pytest.raises(ModelSpecError, match="fails before training"):
         build_cnn(next(r for r in rows if not r.runs))
 
 
@@ -197,7 +197,7 @@ def test_the_loaders_smaller_last_batch_fragments_the_cache():
     three = predict_module_memory(build_mlp(r), x, y, last_batch=4096 % r.batch)
     assert three.max_memory_reserved - two.max_memory_reserved == 14 * MiB
     assert three.device_used / MiB <= r.measured_mib
-    with pytest.raises(MemorySpecError):
+    with pytest.raises(ModelSpecError):
         predict_module_memory(build_mlp(r), x, y, last_batch=0)
 
 
@@ -221,7 +221,7 @@ def test_cli_mlp_cnn_and_named_errors(capsys):
     assert "hidden" in capsys.readouterr().err
     assert main(["memory", "--model", "mlp", "--optimizer", "lion"]) == 1
     assert "optimizer" in capsys.readouterr().err
-    with pytest.raises(MemorySpecError):
+    with pytest.raises(ModelSpecError):
         MlpSpec(0, (4,), 2)
     rc = main(["memory", "--model", "mlp", "--hidden", "4096,4096", "--input", "4096",
                "--batch", "4096", "--capacity-gib", "1.6", "--device", "a100-40gb"])

@@ -3,7 +3,7 @@
 import pytest
 
 from predictors.memory.api import per_rank_components, predict_peak_memory
-from predictors.memory.towers import ShardingError
+from predictors.memory.config import ShardingError
 
 MODEL = "llama-7b-like"  # 32 layers, hidden 4096, 32 heads
 
@@ -44,8 +44,8 @@ def test_per_rank_components_by_hand():
 
 def test_cona_admission_counts_per_rank_parts():
     from megatron_cona.candidates import PredictorMemory
-    from predictors.precision import get_precision
     from predictors.spec import ParallelStrategy, TransformerSpec
+    from predictors.spec.precision import get_precision
 
     gpt = TransformerSpec("gpt", 24, 2048, 16, 1024, 51200)
     mem = PredictorMemory(80)

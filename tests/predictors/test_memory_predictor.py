@@ -7,9 +7,10 @@ import pytest
 from predictors.memory.api import predict_peak_memory
 from predictors.memory.cli import main
 from predictors.memory.collect import GROUND_TRUTH_CSV, collect
+from predictors.memory.config import ShardingError
 from predictors.memory.evaluate import evaluate, load_rows
 from predictors.memory.model import MIN_MARGIN, MemoryModel
-from predictors.memory.towers import ResolutionError, ShardingError, UnknownModelError
+from predictors.spec import ResolutionError, UnknownModelError
 
 # Stated agreement with the project's own simulator (docs/predictors-memory.md): held-out MAPE
 # against its simulated rows; the H200 rows' error is a benchmark figure, not a test threshold.

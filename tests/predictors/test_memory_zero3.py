@@ -3,13 +3,13 @@ activation checkpointing) against states computed by hand."""
 
 import torch
 
+from predictors.memory.config import TrainConfig
 from predictors.memory.device import DistributedSpec
 from predictors.memory.factorize import factorize
 from predictors.memory.module import predict_module_memory
 from predictors.memory.overheads import HOPPER
 from predictors.memory.phases import walk_phases
 from predictors.memory.presets import get_preset
-from predictors.memory.towers import TrainConfig
 from predictors.memory.zero import zero3_params
 
 MB = 2**20

@@ -2,7 +2,8 @@
 
 import pytest
 
-from predictors.network import (
+from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
+from predictors.time.network import (
     LINK_EFFICIENCY,
     Topology,
     all_reduce,
@@ -11,7 +12,6 @@ from predictors.network import (
     p2p,
     place,
 )
-from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 
 DGX_A100 = Topology(8, 8, 300e9, 25e9)
 
@@ -65,7 +65,7 @@ def test_bucketed_overlap():
 
 
 def test_options_change_the_prediction_where_they_should():
-    from predictors.time_predictor import predict
+    from predictors.time.predictor import predict
 
     gpt = TransformerSpec("gpt", 24, 2048, 16, 2048, 50257)
     s = ParallelStrategy(32, 2, 2, 1, 256)  # 128 GPUs, 16 nodes

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from predictors.devices import UnsupportedPrecisionError, get_device
-from predictors.features import features, precision_feature_names, step_work
-from predictors.precision import (
+from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.precision import (
     Fp8Recipe,
     Precision,
     UnknownPrecisionError,
@@ -15,8 +15,8 @@ from predictors.precision import (
     register_precision,
     unregister_precision,
 )
-from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.time_predictor import predict, predict_iteration_time
+from predictors.time.features import features, precision_feature_names, step_work
+from predictors.time.predictor import predict, predict_iteration_time
 
 SMALL = TransformerSpec("gpt", 4, 256, 4, 128, 1024)
 S = ParallelStrategy(2, 2, 1, 2, 8)
@@ -32,9 +32,9 @@ def toy():
 
 
 def test_toy_precision_flows_through_without_other_edits(toy):
-    from predictors.collect import default_grid
     from predictors.step import trace_training_step
-    from predictors.trace import OpTracer
+    from predictors.time.collect import default_grid
+    from predictors.time.trace import OpTracer
 
     # time predictor (trace -> analytical -> features -> learned correction)
     t = predict_iteration_time(SMALL, S, "toy-fp16-masters", "a100-80gb")

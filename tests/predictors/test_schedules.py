@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from predictors.analytical import StepWork, iteration_time
 from predictors.devices import get_device
-from predictors.features import step_work
-from predictors.precision import get_precision
 from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
-from predictors.trace import OpRecord, Trace
+from predictors.spec.precision import get_precision
+from predictors.time.analytical import StepWork, iteration_time
+from predictors.time.features import step_work
+from predictors.time.trace import OpRecord, Trace
 
 H100 = get_device("h100-80gb")
 LLAMA = TransformerSpec("llama", 4, 256, 4, 256, 1024, num_query_groups=2, swiglu=True,

@@ -8,9 +8,9 @@ import pytest
 
 from predictors import predict_iteration_time
 from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError, get_device
-from predictors.precision import UnknownPrecisionError
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
-from predictors.time_predictor import predict
+from predictors.spec.precision import UnknownPrecisionError
+from predictors.time.predictor import predict
 
 GPT = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257)
 # The CPU model held out by family and by size tier on the SHIPPED measurements: deterministic
@@ -65,9 +65,9 @@ def test_calibrated_on_vtrain():
 
 
 def test_training_api_excludes_rows():
-    from predictors.time_predictor import predict_with_model
-    from predictors.train import train_vtrain_model
-    from predictors.vtrain import load_vtrain
+    from predictors.datasets.vtrain import load_vtrain
+    from predictors.time.predictor import predict_with_model
+    from predictors.time.train import train_vtrain_model
 
     rows = [r for r in load_vtrain() if r.spec.num_layers == 12]  # 2 sizes, fast to featurise
     held = "h2048-l12"
@@ -82,10 +82,10 @@ def test_training_api_excludes_rows():
 def test_evaluation_folds_and_cona_share_the_one_trainer():
     """A held-out fold of the evaluation and train_vtrain_model (which CONA's
     HeldOutPredictor trains with) fit the same constants and predict the same."""
-    from predictors.evaluate import _VTrainFolds
-    from predictors.time_predictor import predict_with_model
-    from predictors.train import train_vtrain_model
-    from predictors.vtrain import load_vtrain
+    from predictors.datasets.vtrain import load_vtrain
+    from predictors.time.evaluate import _VTrainFolds
+    from predictors.time.predictor import predict_with_model
+    from predictors.time.train import train_vtrain_model
 
     rows = [r for r in load_vtrain() if r.spec.num_layers == 12]
     held = "h1024-l12"
@@ -104,8 +104,9 @@ def test_public_validation_data_shipped_with_sources():
     (Megatron's MFU column is its TFLOP/s column over the H100 bf16 peak)."""
     import csv
 
-    from predictors.public import load_llm_foundry_pairs, load_megatron_weak_scaling
-    from predictors.vtrain import data_path
+    from predictors.datasets import data_path
+    from predictors.datasets.fleet import load_llm_foundry_pairs
+    from predictors.datasets.public import load_megatron_weak_scaling
 
     sources = data_path("PUBLIC_SOURCES.md").read_text()
     for name in ("megatron_h100_weak_scaling.csv", "llm_foundry_h100.csv"):
@@ -165,10 +166,10 @@ def test_cpu_half_precision_gemm_is_capped_at_twice_fp32_without_amx():
 def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
     stated MAPE holds and the precision-unaware ablation is far worse."""
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.datasets import data_path
     from predictors.devices import Device
-    from predictors.evaluate import evaluate_measurements
-    from predictors.vtrain import data_path
+    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.evaluate import evaluate_measurements
 
     shipped = data_path("cpu_measurements.csv")
     device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))

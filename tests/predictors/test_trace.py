@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from predictors.step import Batch
-from predictors.trace import Trace, trace_step
+from predictors.time.trace import Trace, trace_step
 
 
 def _trace(model_fn, batch_fn, precision="fp32", target="cuda", loss=None) -> Trace:

@@ -2,15 +2,16 @@
 
 import pytest
 
-from predictors.evaluate import evaluate_vtrain
-from predictors.vtrain import VTRAIN_LICENSE, data_path, load_vtrain
+from predictors.datasets import data_path
+from predictors.datasets.vtrain import VTRAIN_CSV, VTRAIN_LICENSE, load_vtrain
+from predictors.time.evaluate import evaluate_vtrain
 
 # Stated goal of the A100 model on vTrain, held out by model size (hidden x depth).
 VTRAIN_HELDOUT_MAPE = 8.0
 
 
 def test_shipped_with_licence():
-    assert data_path().exists()
+    assert data_path(VTRAIN_CSV).exists()
     assert "Permission is hereby granted" in data_path(VTRAIN_LICENSE).read_text()
 
 
@@ -46,8 +47,8 @@ def test_vtrain_rows_run_megatrons_unfused_attention():
     that s^2 traffic, and its batch extrapolation (traces at 2 and 3) matches a direct trace."""
     from dataclasses import replace
 
-    from predictors.features import _at_batch, _canonical, _part_trace
     from predictors.spec import TransformerSpec
+    from predictors.time.features import _at_batch, _canonical, _part_trace
 
     spec = load_vtrain()[0].spec
     assert {r.spec.attention for r in load_vtrain()} == {"unfused"}

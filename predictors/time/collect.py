@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from predictors.precision import cpu_precisions
 from predictors.spec import ParallelStrategy, TransformerSpec
-from predictors.zoo import ConvNetSpec, ModelSpec, ViTSpec
+from predictors.spec.precision import cpu_precisions
+from predictors.time.zoo import ConvNetSpec, ViTSpec, ZooModel
 
 COLUMNS = ("model", "family", "spec_kind", "spec_json", "seq", "precision", "micro_batch", "dp",
            "seconds", "median_s", "min_s", "wall_s", "repeats", "canary_ms", "canary_ratio",
@@ -45,7 +45,7 @@ def _tf(family: str, layers: int, hidden: int, heads: int, seq: int, **kw) -> Tr
                            tied_embeddings=family != "llama", **kw)  # fmt: skip
 
 
-def model_zoo(seq: int) -> dict[str, ModelSpec]:
+def model_zoo(seq: int) -> dict[str, ZooModel]:
     """Named model sizes; transformer entries at sequence length ``seq``."""
     return {
         "gpt-xs": _tf("gpt", 2, 64, 2, seq),
@@ -69,7 +69,7 @@ def model_zoo(seq: int) -> dict[str, ModelSpec]:
 @dataclass(frozen=True)
 class GridPoint:
     model: str
-    spec: ModelSpec
+    spec: ZooModel
     precision: str
     micro_batch: int
     dp: int = 1
@@ -80,7 +80,7 @@ class GridPoint:
                 str(self.dp))  # fmt: skip
 
 
-def _seq(spec: ModelSpec) -> int:
+def _seq(spec: ZooModel) -> int:
     return getattr(spec, "seq_length", 0) if isinstance(spec, TransformerSpec) else 0
 
 
@@ -106,12 +106,12 @@ def default_grid(precisions: Iterable[str] | None = None, seqs=(32, 128), batche
     return points
 
 
-def spec_to_row(spec: ModelSpec) -> tuple[str, str]:
+def spec_to_row(spec: ZooModel) -> tuple[str, str]:
     d = asdict(spec)
     return type(spec).__name__, json.dumps(d, sort_keys=True)
 
 
-def row_spec_strategy(row) -> tuple[ModelSpec, ParallelStrategy]:
+def row_spec_strategy(row) -> tuple[ZooModel, ParallelStrategy]:
     kinds = {"TransformerSpec": TransformerSpec, "ViTSpec": ViTSpec, "ConvNetSpec": ConvNetSpec}
     d = json.loads(row["spec_json"])
     if "widths" in d:
@@ -166,7 +166,7 @@ def low_quantile(times: list[float], q: float = 0.2) -> float:
 
 def measure_point(point: GridPoint, repeats: int, group=None) -> tuple[list[float], list[float]]:
     from predictors.step import TrainingStep
-    from predictors.zoo import build, make_batch
+    from predictors.time.zoo import build, make_batch
 
     torch.manual_seed(0)
     model = build(point.spec)
@@ -268,7 +268,7 @@ def device_profile_path(csv_path: Path) -> Path:
 
 
 def features_cache_path(csv_path: Path) -> Path:
-    """Feature rows of a measurement file (see :func:`predictors.feature_sets.measurement_features`)."""
+    """Feature rows of a measurement file (see :func:`predictors.time.feature_sets.measurement_features`)."""
     return Path(csv_path).with_suffix(".features.json")
 
 
@@ -370,7 +370,7 @@ def collect_interleaved(out: str | Path, points: list[GridPoint], *, rounds: int
 
     from predictors.devices import cpu_device
     from predictors.step import TrainingStep
-    from predictors.zoo import build, make_batch
+    from predictors.time.zoo import build, make_batch
 
     if any(p.dp != 1 for p in points):
         raise ValueError("collect_interleaved: points must have dp=1 (DP runs use collect())")

@@ -2,7 +2,7 @@
 
 Per kernel: ``max(FLOPs / (matmul rate in its dtype x efficiency), bytes / bandwidth) + launch
 overhead``; the efficiency is the device family's fitted one (``Device.efficiency``,
-:mod:`predictors.efficiency`) or the default below. Per iteration (Megatron's 1F1B schedule
+:mod:`predictors.time.efficiency`) or the default below. Per iteration (Megatron's 1F1B schedule
 with ``m`` micro-batches on ``pp`` stages, ``v`` model chunks per stage, interleaved when
 ``v > 1``): ``m * slot + (pp - 1) * slot / v`` — the bubble is ``(p - 1) / (v m)`` of the ideal
 time — where a slot is one micro-batch's compute (plus full or selective recomputation) + the
@@ -11,7 +11,7 @@ micro-batch: every chunk boundary, forward and backward) + the exposed CP ring s
 under attention) + FSDP gathers not hidden under compute; then ``+`` the exposed DP gradient
 reduction over DP x CP (bucketed; reduce-scatter + all-gather with the distributed optimizer,
 each overlappable) ``+`` the optimizer step (``1 / (dp cp)`` of it when sharded). Every
-communication cost comes from the one network model, :mod:`predictors.network` (placement on
+communication cost comes from the one network model, :mod:`predictors.time.network` (placement on
 nodes, NVLink vs InfiniBand, NCCL ring/tree, overlap).
 """
 
@@ -21,7 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from predictors.devices import Device
-from predictors.network import (
+from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
+from predictors.time.network import (
     NO_COMM,
     Topology,
     all_reduce,
@@ -29,12 +30,11 @@ from predictors.network import (
     megatron_groups,
     topology_of,
 )
-from predictors.network import p2p as p2p_cost
-from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
-from predictors.trace import OpRecord, Trace
+from predictors.time.network import p2p as p2p_cost
+from predictors.time.trace import OpRecord, Trace
 
 # Fraction of peak a well-shaped kernel reaches: the roofline's fallback where no efficiency
-# was fitted for the device family (Device.efficiency, fitted by predictors.efficiency on
+# was fitted for the device family (Device.efficiency, fitted by predictors.time.efficiency on
 # development rows; keys "<op_class>:<dtype key>", e.g. "matmul:fp8", "attention:bf16").
 MATMUL_EFFICIENCY = {"matmul": 0.75, "conv": 0.6, "attention": 0.5}
 # Unfitted fallback for fp8 GEMMs: 0.8 x the bf16 share of their (2x) peak (small fp8 GEMMs
@@ -124,7 +124,7 @@ class StepWork:
     dp_grad_elements: float = 0.0
     pp_bytes: float = 0.0  # activation bytes sent to the next stage per micro-batch
     fp8_tensors: int = 0  # tensors quantised to fp8 per micro-batch (one per GEMM operand cast)
-    fp8_recipe: object | None = None  # predictors.precision.Fp8Recipe of those casts
+    fp8_recipe: object | None = None  # predictors.spec.precision.Fp8Recipe of those casts
     # context parallelism: K/V bytes one rank sends around the CP ring per micro-batch
     # (forward K,V; backward K,V again and dK,dV), in ``cp_sends`` point-to-point steps
     cp_bytes: float = 0.0

@@ -277,7 +277,7 @@ def _is_causal(args: tuple, kwargs: dict) -> bool:
 def trace_step(build_model, build_batch, precision, *, target: str = "cuda", **kw) -> Trace:
     """Trace a steady-state training step (the second one: the first allocates the optimizer
     state); see :func:`predictors.step.trace_training_step`."""
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
     from predictors.step import trace_training_step
 
     p = get_precision(precision)

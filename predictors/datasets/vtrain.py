@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
+from predictors.datasets import data_path
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 VTRAIN_CSV = "ground_truth_single.csv"
@@ -35,12 +35,8 @@ class VTrainRow:
         return f"h{self.spec.hidden_size}-l{self.spec.num_layers}"
 
 
-def data_path(name: str = VTRAIN_CSV) -> Path:
-    return Path(str(resources.files("predictors") / "data" / name))
-
-
 def load_vtrain(path: str | Path | None = None) -> list[VTrainRow]:
-    path = Path(path) if path else data_path()
+    path = Path(path) if path else data_path(VTRAIN_CSV)
     rows = []
     with open(path, encoding="utf-8-sig", newline="") as f:
         for r in csv.DictReader(f):

@@ -18,15 +18,15 @@ from dataclasses import replace
 
 import torch
 
-from predictors.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.devices import Device
-from predictors.efficiency import for_precision
-from predictors.network import Topology
-from predictors.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.step import Batch
-from predictors.trace import OP_CLASSES, Trace, trace_step
-from predictors.zoo import EmbeddingHead, ModelSpec, TransformerLayer, build, make_batch
+from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
+from predictors.time.efficiency import for_precision
+from predictors.time.network import Topology
+from predictors.time.trace import OP_CLASSES, Trace, trace_step
+from predictors.time.zoo import EmbeddingHead, TransformerLayer, ZooModel, build, make_batch
 
 # features of the traced kernels that only vary with precision (the entry's own encoding,
 # Precision.encoding, is added to these by precision_feature_names)
@@ -39,7 +39,7 @@ TRACED_PRECISION_FEATURES = (
 
 def precision_feature_names() -> set[str]:
     """Every feature that describes precision, over all registered entries."""
-    from predictors.precision import PRECISIONS
+    from predictors.spec.precision import PRECISIONS
 
     return set(TRACED_PRECISION_FEATURES).union(*(p.encoding() for p in PRECISIONS.values()))
 
@@ -174,13 +174,13 @@ def _opt_param_shapes(opt: Trace) -> list[tuple[int, ...]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _module_trace(spec: ModelSpec, micro: int, precision: str, target: str) -> tuple[Trace, Trace]:
+def _module_trace(spec: ZooModel, micro: int, precision: str, target: str) -> tuple[Trace, Trace]:
     trace = trace_step(lambda: build(spec), lambda: make_batch(spec, micro), precision,
                        target=target)  # fmt: skip
     return _split(trace)
 
 
-def module_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precision,
+def module_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision,
                 device: Device) -> StepWork:  # fmt: skip
     """Data parallelism only (any model): the whole model is one rank's work."""
     if strategy.tp != 1 or strategy.pp != 1:
@@ -195,14 +195,14 @@ def module_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precisio
                     dp_grad_elements=grad_elems)  # fmt: skip
 
 
-def step_work(spec: ModelSpec, strategy: ParallelStrategy, precision: Precision,
+def step_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision,
               device: Device) -> StepWork:  # fmt: skip
     if isinstance(spec, TransformerSpec):
         return transformer_work(spec, strategy, precision, device)
     return module_work(spec, strategy, precision, device)
 
 
-def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
+def features(spec: ZooModel, strategy: ParallelStrategy, precision: str | Precision,
              device: Device, *, precision_aware: bool = True,
              options: TrainingOptions = DEFAULT_OPTIONS,
              topology: Topology | None = None) -> dict[str, float]:  # fmt: skip
@@ -212,7 +212,7 @@ def features(spec: ModelSpec, strategy: ParallelStrategy, precision: str | Preci
                                   topology=topology)[0]  # fmt: skip
 
 
-def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
+def features_and_breakdown(spec: ZooModel, strategy: ParallelStrategy,
                            precision: str | Precision, device: Device, *,
                            precision_aware: bool = True,
                            options: TrainingOptions = DEFAULT_OPTIONS,
@@ -278,7 +278,7 @@ def features_and_breakdown(spec: ModelSpec, strategy: ParallelStrategy,
 
 
 def _precision_features(trace: Trace, p: Precision) -> dict[str, float]:
-    from predictors.analytical import dtype_key
+    from predictors.time.analytical import dtype_key
 
     mm = dict.fromkeys(RATE_COLUMNS, 0.0)
     vec = dict.fromkeys(RATE_COLUMNS, 0.0)

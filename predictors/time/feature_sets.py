@@ -1,7 +1,7 @@
 """Feature rows of the data sets the corrections are trained and evaluated on: vTrain's rows
 and ``predict collect``'s CPU measurements (with a feature cache keyed by the code that
-computes them). The trainers (:mod:`predictors.train`), the held-out evaluation
-(:mod:`predictors.evaluate`) and CONA build their rows here."""
+computes them). The trainers (:mod:`predictors.time.train`), the held-out evaluation
+(:mod:`predictors.time.evaluate`) and CONA build their rows here."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 def vtrain_features(precision_aware: bool = True, rows=None, device=None):
     """(rows, feature rows) of vTrain; ``device`` defaults to the table's ``a100-80gb`` (pass
-    one with fitted constants, :func:`predictors.calibrate.with_constants`)."""
+    one with fitted constants, :func:`predictors.time.calibrate.with_constants`)."""
+    from predictors.datasets.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
     from predictors.devices import get_device
-    from predictors.features import features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION, load_vtrain
+    from predictors.time.features import features
 
     rows = rows if rows is not None else load_vtrain()
     dev = device or get_device(VTRAIN_DEVICE)
@@ -22,22 +22,13 @@ def vtrain_features(precision_aware: bool = True, rows=None, device=None):
     return rows, feats
 
 
-
-
 def feature_code_version() -> str:
-    """Hash of the code that turns a configuration into features (invalidates caches)."""
-    import hashlib
+    """Version of the code that turns a configuration into features (invalidates caches): every
+    module :mod:`predictors.time.features` can import. The profile's numbers and the fitted
+    per-kernel cost are part of the cache tag and row key."""
+    from predictors.codegraph import code_version
 
-    import predictors
-
-    root = Path(predictors.__file__).parent
-    h = hashlib.sha256()
-    # devices.py is hashed for its rate rules (the CPU ceiling); the profile's numbers and the
-    # fitted per-kernel cost are part of the cache tag and row key
-    for name in ("trace.py", "features.py", "analytical.py", "network.py", "autocast.py",
-                 "step.py", "zoo.py", "precision.py", "spec.py", "devices.py"):  # fmt: skip
-        h.update((root / name).read_bytes())
-    return h.hexdigest()[:16]
+    return code_version("predictors.time.features")
 
 
 def measurement_features(df, precision_aware: bool, device, cache: str | Path | None = None
@@ -49,8 +40,8 @@ def measurement_features(df, precision_aware: bool, device, cache: str | Path | 
     """
     import json
 
-    from predictors.collect import KEY_COLUMNS, row_spec_strategy
-    from predictors.features import features
+    from predictors.time.collect import KEY_COLUMNS, row_spec_strategy
+    from predictors.time.features import features
 
     cache = Path(cache) if cache else None
     tag = f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"

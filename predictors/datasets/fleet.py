@@ -6,9 +6,10 @@ measured seconds per iteration.
   CP; bf16 and float8 pairs; 8-512 GPUs) and its async-TP and H200 benchmark files.
 * ``llm_foundry_h100.csv``: LLM Foundry's MPT runs on H100 (bf16 and fp8, 8-512 GPUs).
 * ``megatron_narayanan2021_a100.csv``: Narayanan et al. 2021, Table 1 (A100, 32-3,072 GPUs).
+* ``megatron_h100_weak_scaling.csv``: the Megatron-LM README's H100 table (48-6,144 GPUs).
 
 Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
-:mod:`predictors.evaluate`; ``final`` rows form the split frozen before any tuning and scored
+:mod:`predictors.time.evaluate`; ``final`` rows form the split frozen before any tuning and scored
 once. Sources, licences and the settings assumed where a table is silent:
 ``data/PUBLIC_SOURCES.md``. Nothing here fetches anything.
 """
@@ -18,15 +19,15 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 
+from predictors.datasets import data_path
+from predictors.datasets.public import MEGATRON_CSV, PublicRow, load_megatron_weak_scaling
 from predictors.devices import get_device
-from predictors.public import PublicRow
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.vtrain import data_path
 
 TORCHTITAN_CSV = "torchtitan_llama3.csv"
 FOUNDRY_CSV = "llm_foundry_h100.csv"
 NARAYANAN_CSV = "megatron_narayanan2021_a100.csv"
-FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV)
+FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV, MEGATRON_CSV)
 USES = ("develop", "final")
 # the tables' precision labels -> this package's precision table
 PRECISION_OF = {
@@ -58,7 +59,7 @@ class FleetRow(PublicRow):
     @property
     def fit_group(self) -> str:
         """The device family and framework its efficiencies are fitted for."""
-        from predictors.efficiency import fit_group
+        from predictors.time.efficiency import fit_group
 
         return fit_group(get_device(self.device), self.options)
 
@@ -184,11 +185,20 @@ def load_narayanan() -> list[FleetRow]:
     return out
 
 
+def load_megatron_h100() -> list[FleetRow]:
+    """Megatron-LM's H100 weak-scaling table (:func:`predictors.datasets.public.
+    load_megatron_weak_scaling`) as development rows: with Narayanan et al. on A100, the
+    public tables Megatron-Core's own efficiencies are fitted on."""
+    return [FleetRow(r.name, r.spec, r.strategy, r.precision, r.device, r.options, r.seconds,
+                     source=MEGATRON_CSV, model=r.name, use="develop")
+            for r in load_megatron_weak_scaling()]  # fmt: skip
+
+
 def load_fleet(use: str | None = None) -> list[FleetRow]:
     """Every fleet row (``use``: only ``develop`` or only ``final`` rows)."""
     if use is not None:
         _use(use, "load_fleet")
-    rows = load_torchtitan() + load_llm_foundry() + load_narayanan()
+    rows = load_torchtitan() + load_llm_foundry() + load_narayanan() + load_megatron_h100()
     return [r for r in rows if use is None or r.use == use]
 
 
@@ -203,4 +213,32 @@ def precision_pairs(rows: list[FleetRow]) -> list[tuple[FleetRow, FleetRow]]:
         if ref is None:
             continue
         pairs.extend((ref, fast) for p, fast in sorted(runs.items()) if p != "bf16-mixed")
+    return pairs
+
+
+@dataclass(frozen=True)
+class PrecisionPair:
+    name: str
+    spec: TransformerSpec
+    strategy: ParallelStrategy
+    device: str
+    reference: str  # precision of the slower run
+    fast: str
+    measured_ratio: float  # t_reference / t_fast
+    note: str = ""
+    options: TrainingOptions = TrainingOptions()
+
+
+def load_llm_foundry_pairs() -> list[PrecisionPair]:
+    """bf16 vs fp8 on the same MPT run (:func:`precision_pairs` over LLM
+    Foundry's H100 rows). MPT stores fp32 weights under autocast in both runs; the closest
+    pair in our precision table that changes only the matmul dtype is ``bf16-mixed`` vs
+    ``fp8`` (both bf16 weights with fp32 masters). The runs use FSDP ``FULL_SHARD`` and, where
+    the table says so, full activation recomputation."""
+    pairs = []
+    for ref, fast in precision_pairs(load_llm_foundry()):
+        note = "activation checkpointing" if ref.options.recompute != "none" else ""
+        pairs.append(PrecisionPair(f"{ref.model}-s{ref.spec.seq_length}", ref.spec, ref.strategy,
+                                   ref.device, ref.precision, fast.precision,
+                                   ref.seconds / fast.seconds, note, ref.options))  # fmt: skip
     return pairs

@@ -253,10 +253,12 @@ class ConvNet(nn.Module):
         return self.head(self.blocks(self.stem(images)).mean((2, 3)))
 
 
-ModelSpec = TransformerSpec | ViTSpec | ConvNetSpec
+# what the time predictor can trace: a text tower (the one spec's) or one of the CPU
+# measurement zoo's ViTs and conv nets
+ZooModel = TransformerSpec | ViTSpec | ConvNetSpec
 
 
-def build(spec: ModelSpec) -> nn.Module:
+def build(spec: ZooModel) -> nn.Module:
     if isinstance(spec, ViTSpec):
         return ViT(spec)
     if isinstance(spec, ConvNetSpec):
@@ -264,7 +266,7 @@ def build(spec: ModelSpec) -> nn.Module:
     return transformer(spec)
 
 
-def make_batch(spec: ModelSpec, batch: int) -> Batch:
+def make_batch(spec: ZooModel, batch: int) -> Batch:
     if isinstance(spec, ViTSpec | ConvNetSpec):
         images = torch.randn(batch, 3, spec.image_size, spec.image_size)
         return Batch([images], torch.randint(0, spec.num_classes, (batch,)))

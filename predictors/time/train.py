@@ -21,9 +21,9 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from predictors.features import precision_feature_names
-from predictors.model import TimeModel, train_time_model
-from predictors.vtrain import VTrainRow
+from predictors.datasets.vtrain import VTrainRow
+from predictors.time.features import precision_feature_names
+from predictors.time.model import TimeModel, train_time_model
 
 VTRAIN_META = ("predictors/data/ground_truth_single.csv (vTrain: 1,440 Megatron GPT iteration "
                "times on A100, fp16 mixed; MIT licence in data/LICENSE.vtrain)")  # fmt: skip
@@ -41,14 +41,14 @@ def train_vtrain_rows(rows: Sequence[VTrainRow],
                       features_for: Callable[[dict[str, float]], list[dict]] | None = None,
                       meta: dict | None = None) -> TimeModel:  # fmt: skip
     """The one trainer of the A100 correction on vTrain rows — the shipped model, every
-    held-out fold of :mod:`predictors.evaluate` and CONA's held-out predictor: the host
+    held-out fold of :mod:`predictors.time.evaluate` and CONA's held-out predictor: the host
     constants fitted on ``rows`` (kept in ``meta["device_constants"]``), the rows' features
     under them, LightGBM on those. ``features_for(constants)`` gives the feature rows of
     ``rows`` (a caller with a cache shares it); default: computed here."""
-    from predictors.calibrate import fit_gpu_constants, with_constants
+    from predictors.datasets.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION
     from predictors.devices import get_device
-    from predictors.feature_sets import vtrain_features
-    from predictors.vtrain import VTRAIN_DEVICE, VTRAIN_PRECISION
+    from predictors.time.calibrate import fit_gpu_constants, with_constants
+    from predictors.time.feature_sets import vtrain_features
 
     if not rows:
         raise ValueError("no vTrain rows to train on")
@@ -69,7 +69,7 @@ def train_vtrain_model(exclude: Callable[[VTrainRow], bool] | None = None,
     Example (hold out one model size): ``train_vtrain_model(lambda r: r.size == "h2048-l24")``;
     ``r.spec`` and ``r.strategy`` are the row's :class:`TransformerSpec` and
     :class:`ParallelStrategy`."""
-    from predictors.vtrain import VTRAIN_DEVICE, load_vtrain
+    from predictors.datasets.vtrain import VTRAIN_DEVICE, load_vtrain
 
     every = list(rows if rows is not None else load_vtrain())
     kept = [r for r in every if not (exclude and exclude(r))]
@@ -85,10 +85,10 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     """The CPU correction trained on a ``predict collect`` CSV (rows where ``exclude(row)``,
     a pandas row, is true are left out). The per-kernel cost is fitted on the same rows and
     kept in ``meta["device_constants"]``."""
-    from predictors.calibrate import fit_cpu_constants, with_constants
-    from predictors.collect import device_profile_path, features_cache_path, load_measurements
     from predictors.devices import Device
-    from predictors.feature_sets import measurement_features
+    from predictors.time.calibrate import fit_cpu_constants, with_constants
+    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.feature_sets import measurement_features
 
     data = Path(data)
     df = load_measurements(data)
@@ -107,10 +107,10 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
 
 def train_fleet_efficiencies(out_dir: str | Path) -> Path:
     """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
-    row (:mod:`predictors.fleet`, :func:`predictors.efficiency.fit_by_group`), written to
+    row (:mod:`predictors.datasets.fleet`, :func:`predictors.time.efficiency_fit.fit_by_group`), written to
     ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
-    from predictors.efficiency import fit_by_group
-    from predictors.fleet import FLEET_FILES, load_fleet
+    from predictors.datasets.fleet import FLEET_FILES, load_fleet
+    from predictors.time.efficiency_fit import fit_by_group
 
     rows = load_fleet("develop")
     blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES)} ({len(rows)} runs)",

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictors.feature_sets import measurement_features, vtrain_features
-from predictors.model import mape, train_time_model
-from predictors.train import feature_names, train_vtrain_rows
+from predictors.time.feature_sets import measurement_features, vtrain_features
+from predictors.time.model import mape, train_time_model
+from predictors.time.train import feature_names, train_vtrain_rows
 
 
 @dataclass
@@ -35,18 +35,18 @@ class HeldOutResult:
 
 class _VTrainFolds:
     """Train/test folds on vTrain with the host constants fitted on each fold's training rows
-    (:mod:`predictors.calibrate`); feature rows are shared between folds that fit the same."""
+    (:mod:`predictors.time.calibrate`); feature rows are shared between folds that fit the same."""
 
     def __init__(self, rows) -> None:
+        from predictors.datasets.vtrain import VTRAIN_DEVICE
         from predictors.devices import get_device
-        from predictors.vtrain import VTRAIN_DEVICE
 
         self.rows = rows
         self.base = get_device(VTRAIN_DEVICE)
         self._feats: dict[tuple, list[dict]] = {}
 
     def features(self, constants: dict[str, float]) -> list[dict]:
-        from predictors.calibrate import with_constants
+        from predictors.time.calibrate import with_constants
 
         key = tuple(sorted(constants.items()))
         if key not in self._feats:
@@ -91,7 +91,7 @@ def evaluate_vtrain() -> dict[str, HeldOutResult]:
 
     vTrain has one sequence length (1024), one head count (16) and one precision: unseen
     sequence length, head count and precision are scored on the CPU measurements."""
-    from predictors.vtrain import load_vtrain
+    from predictors.datasets.vtrain import load_vtrain
 
     folds = _VTrainFolds(load_vtrain())
     rows = folds.rows
@@ -120,7 +120,7 @@ def size_tier(model: str) -> str:
 
 class _CpuFolds:
     """Train/test folds on measured CPU rows with the per-kernel cost fitted on each fold's
-    training rows (:func:`predictors.calibrate.fit_cpu_constants`)."""
+    training rows (:func:`predictors.time.calibrate.fit_cpu_constants`)."""
 
     def __init__(self, df, device, precision_aware: bool, cache: str | Path | None) -> None:
         self.df, self.device, self.aware, self.cache = df, device, precision_aware, cache
@@ -129,7 +129,7 @@ class _CpuFolds:
         self.names: list[str] | None = None
 
     def features(self, constants: dict[str, float]) -> list[dict]:
-        from predictors.calibrate import with_constants
+        from predictors.time.calibrate import with_constants
 
         key = tuple(sorted(constants.items()))
         if key not in self._feats:
@@ -142,7 +142,7 @@ class _CpuFolds:
 
     def fold(self, train: list[int], test: list[int], family: str
              ) -> tuple[np.ndarray, dict[str, float]]:  # fmt: skip
-        from predictors.calibrate import fit_cpu_constants
+        from predictors.time.calibrate import fit_cpu_constants
 
         constants = fit_cpu_constants(self.df.iloc[train], self.device, self.aware)
         feats = self.features(constants)
@@ -234,7 +234,7 @@ def scatter_by_precision(result: HeldOutResult, precisions: Sequence[str], out_d
 
 
 # ---------------------------------------------------------------------------------------------
-# Development fleet (published GPU runs; predictors.fleet)
+# Development fleet (published GPU runs; predictors.datasets.fleet)
 
 
 @dataclass
@@ -251,49 +251,69 @@ class FleetResult:
 
 class FleetFolds:
     """Held-out splits over fleet rows: per fit group (device family and framework), the kernel
-    efficiencies (:class:`predictors.efficiency.EfficiencyFit`) are fitted on the fold's
-    training rows only and the held-out rows are priced with them. ``fitter(group_rows)``
-    builds the fitter (a test passes one that records what it was fitted on)."""
+    efficiencies (:class:`predictors.time.efficiency_fit.EfficiencyFit`) are fitted on the fold's
+    training rows only and the held-out rows are priced with them. A group without a training
+    row in the fold (a framework held out) is priced with its device family's efficiencies
+    fitted on the fold's rows of every other framework (``<family>/*``), or the roofline's
+    defaults where there are none. ``fitter(group_rows)`` builds the fitter (a test passes one
+    that records what it was fitted on)."""
 
     def __init__(self, rows, fitter=None) -> None:
-        from predictors.efficiency import EfficiencyFit
+        from predictors.time.efficiency import device_group
+        from predictors.time.efficiency_fit import EfficiencyFit
 
         self.rows = list(rows)
-        by_family: dict[str, list[int]] = {}
+        by_group: dict[str, list[int]] = {}
         for i, r in enumerate(self.rows):
-            by_family.setdefault(r.fit_group, []).append(i)
-        self.family_index = by_family
-        make = fitter or EfficiencyFit
-        self.fits = {f: make([self.rows[i] for i in idx]) for f, idx in by_family.items()}
+            by_group.setdefault(r.fit_group, []).append(i)
+            by_group.setdefault(device_group(r.fit_group), []).append(i)
+        self.family_index = by_group
+        self._make = fitter or EfficiencyFit
+        self.fits: dict[str, object] = {}
         self._cache: dict[tuple[str, frozenset], dict[str, float]] = {}
 
-    def _fitted(self, family: str, train: set[int]) -> dict[str, float]:
-        local = frozenset(j for j, i in enumerate(self.family_index[family]) if i in train)
-        key = (family, local)
+    def _fit(self, group: str):
+        if group not in self.fits:  # built on first use: a device group traces its rows again
+            self.fits[group] = self._make([self.rows[i] for i in self.family_index[group]])
+        return self.fits[group]
+
+    def _fitted(self, group: str, train: set[int]) -> dict[str, float]:
+        local = frozenset(j for j, i in enumerate(self.family_index[group]) if i in train)
+        key = (group, local)
         if key not in self._cache:
-            self._cache[key] = self.fits[family].fit(sorted(local))
+            self._cache[key] = self._fit(group).fit(sorted(local))
         return self._cache[key]
 
-    def predict(self, train: set[int], test: list[int]) -> tuple[dict[int, float], dict]:
-        """Predictions on ``test`` of efficiencies fitted on ``train`` (per fit group)."""
+    def predict(self, train: set[int], test: list[int], borrow: bool = True
+                ) -> tuple[dict[int, float], dict]:  # fmt: skip
+        """Predictions on ``test`` of efficiencies fitted on ``train`` (per fit group; a group
+        without training rows borrows its device family's, or with ``borrow=False`` keeps the
+        roofline's defaults)."""
+        from predictors.time.efficiency import device_group
+
         out, fitted, wanted = {}, {}, set(test)
-        for family, idx in self.family_index.items():
+        for group, idx in self.family_index.items():
             held = [j for j, i in enumerate(idx) if i in wanted]
-            if not held:
+            if not held or group == device_group(group):
                 continue
-            eff = self._fitted(family, train)
-            fitted[family] = eff
-            for j, p in zip(held, self.fits[family].predict(eff, held), strict=True):
+            if not borrow or any(i in train for i in idx):
+                eff = self._fitted(group, train)
+            else:  # no row of this framework on this device family in the fold
+                eff = self._fitted(device_group(group), train)
+                fitted[device_group(group)] = eff
+            fitted[group] = eff
+            for j, p in zip(held, self._fit(group).predict(eff, held), strict=True):
                 out[idx[j]] = p
         return out, fitted
 
-    def leave_group_out(self, name: str, groups: Sequence[str]) -> FleetResult:
+    def leave_group_out(self, name: str, groups: Sequence[str], borrow: bool = True
+                        ) -> FleetResult:  # fmt: skip
         preds: dict[int, float] = {}
         per_group, fitted = {}, {}
         everything = set(range(len(self.rows)))
         for g in sorted(set(groups), key=str):
             test = [i for i, x in enumerate(groups) if x == g]
-            pred, fitted[str(g)] = self.predict(everything - set(test), test)
+            pred, fitted[str(g)] = self.predict(everything - set(test), test, borrow)
             preds.update(pred)
             per_group[str(g)] = mape([pred[i] for i in test], [self.rows[i].seconds for i in test])
         return self._result(name, preds, per_group, fitted)
@@ -308,7 +328,7 @@ class FleetFolds:
 def pair_error(result: FleetResult, rows) -> FleetResult:
     """Mean |predicted / measured - 1| (%) of the t_bf16 / t_fp8 ratio of every precision pair
     in ``rows``, from ``result``'s held-out predictions of both runs."""
-    from predictors.fleet import precision_pairs
+    from predictors.datasets.fleet import precision_pairs
 
     pred = {n: p for n, p, _ in result.rows}
     out = [(f"{a.name} / {b.precision}", pred[a.name] / pred[b.name], a.seconds / b.seconds)
@@ -323,23 +343,36 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
 
     * ``new_model``: leave one model out (a new model on a known fleet);
     * ``new_gpus``: leave one GPU count out;
+    * ``new_framework``: leave one framework out (its rows priced with their device family's
+      efficiencies fitted on the other frameworks' rows: how far those transfer);
+      ``new_framework_defaults`` the same rows at the roofline's default efficiencies;
     * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
-      predictions (both runs of a pair belong to the held-out model)."""
-    from predictors.fleet import load_fleet
+      predictions (both runs of a pair belong to the held-out model);
+    * ``megatron_h100``: ``new_model``'s predictions of the Megatron-LM H100 table's rows."""
+    from predictors.datasets.fleet import MEGATRON_CSV, load_fleet
 
     rows = load_fleet("develop")
     folds = FleetFolds(rows, fitter)
     new_model = folds.leave_group_out("fleet_new_model", [r.model for r in rows])
     new_gpus = folds.leave_group_out("fleet_new_gpus", [str(r.gpus) for r in rows])
-    return {"new_model": new_model, "new_gpus": new_gpus,
-            "pair_error": pair_error(new_model, rows)}  # fmt: skip
+    frameworks = [r.fit_group.split("/")[1] for r in rows]
+    new_framework = folds.leave_group_out("fleet_new_framework", frameworks)
+    unborrowed = folds.leave_group_out("fleet_new_framework_defaults", frameworks, borrow=False)
+    megatron = {r.name for r in rows if r.source == MEGATRON_CSV}
+    picked = [row for row in new_model.rows if row[0] in megatron]
+    return {"new_model": new_model, "new_gpus": new_gpus, "new_framework": new_framework,
+            "new_framework_defaults": unborrowed,
+            "pair_error": pair_error(new_model, rows),
+            "megatron_h100": FleetResult("megatron_h100", mape([p for _, p, _ in picked],
+                                                               [m for _, _, m in picked]),
+                                         {}, picked)}  # fmt: skip
 
 
 def evaluate_fleet_final(fitter=None) -> FleetResult:
     """The frozen final split (``use == "final"`` rows: chosen before any efficiency was
     fitted and never fitted or selected on), priced with efficiencies fitted on every
     development row. Score it once and report it as such."""
-    from predictors.fleet import load_fleet
+    from predictors.datasets.fleet import load_fleet
 
     dev, final = load_fleet("develop"), load_fleet("final")
     folds = FleetFolds(dev + final, fitter)
@@ -349,3 +382,31 @@ def evaluate_fleet_final(fitter=None) -> FleetResult:
                           [folds.rows[i].seconds for i in test
                            if folds.rows[i].source == r.source]) for r in final}  # fmt: skip
     return folds._result("fleet_final", pred, per, {"all_development": fitted})
+
+
+@dataclass
+class PublicResult:
+    name: str
+    error: float  # MAPE (%) of times, or mean absolute % error of ratios
+    rows: list[tuple[str, float, float]]  # (row, predicted, measured)
+
+    def per_row(self) -> list[tuple[str, float, float, float]]:
+        return [(n, p, m, 100.0 * (p - m) / m) for n, p, m in self.rows]
+
+
+def evaluate_precision_pairs() -> PublicResult:
+    """Error of the predicted speed ratio of each bf16/fp8 pair against the measured one, priced
+    by the roofline with its default efficiencies: never fitted on these pairs. (The shipped
+    fleet-fitted efficiencies were fitted on these very rows; their held-out pair error is the
+    fleet split's, :func:`pair_error`.)"""
+    from predictors.datasets.fleet import load_llm_foundry_pairs
+    from predictors.time.predictor import predict_with_model
+
+    rows = []
+    for p in load_llm_foundry_pairs():
+        ref = predict_with_model(None, p.spec, p.strategy, p.reference, p.device, options=p.options)
+        fast = predict_with_model(None, p.spec, p.strategy, p.fast, p.device, options=p.options)
+        rows.append((p.name, ref / fast, p.measured_ratio))
+    pred, true = np.array([p for _, p, _ in rows]), np.array([t for _, _, t in rows])
+    return PublicResult("llm_foundry_bf16_fp8_ratio",
+                        float(np.mean(np.abs(pred - true) / true) * 100), rows)  # fmt: skip

@@ -23,8 +23,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from predictors.analytical import iteration_time
 from predictors.devices import Device
+from predictors.time.analytical import iteration_time
 
 KERNEL_OVERHEAD_GRID = (20e-6, 40e-6, 60e-6, 80e-6, 100e-6)
 COMM_LATENCY_GRID = (5e-6, 20e-6)
@@ -79,8 +79,8 @@ def fit_gpu_constants(rows: Sequence, precision: str, device: Device,
                       sample: int = FIT_SAMPLE) -> dict[str, float]:  # fmt: skip
     """Grid fit of the GPU constants on ``rows`` (objects with ``spec``, ``strategy``,
     ``seconds``) measured at one ``precision``."""
-    from predictors.features import step_work
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
+    from predictors.time.features import step_work
 
     picked = _picked(rows, sample)
     p = get_precision(precision)
@@ -93,9 +93,9 @@ def fit_cpu_constants(df, device: Device, precision_aware: bool = True,
                       sample: int = FIT_SAMPLE) -> dict[str, float]:  # fmt: skip
     """Grid fit of the CPU's per-kernel cost on measured rows (a ``predict collect`` frame);
     ``precision_aware=False`` prices every row at fp32, as the ablation's features do."""
-    from predictors.collect import row_spec_strategy
-    from predictors.features import step_work
-    from predictors.precision import get_precision
+    from predictors.spec.precision import get_precision
+    from predictors.time.collect import row_spec_strategy
+    from predictors.time.features import step_work
 
     # sorted by precision so the even stride takes every precision alike
     picked = _picked([r for _, r in df.sort_values("precision", kind="stable").iterrows()], sample)

@@ -16,22 +16,24 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from predictors.analytical import Breakdown
-from predictors.calibrate import with_constants
 from predictors.devices import Device, get_device, require_precision_support
-from predictors.efficiency import SHIPPED, shipped_efficiencies, with_efficiency
-from predictors.features import features, features_and_breakdown
-from predictors.model import TimeModel, shipped_model_path
-from predictors.network import Topology
-from predictors.precision import Precision, get_precision
 from predictors.spec import (
     DEFAULT_OPTIONS,
+    ModelSpec,
+    ModelSpecError,
     ParallelStrategy,
     StrategyError,
     TrainingOptions,
     TransformerSpec,
 )
-from predictors.zoo import ModelSpec
+from predictors.spec.precision import Precision, get_precision
+from predictors.time.analytical import Breakdown
+from predictors.time.calibrate import with_constants
+from predictors.time.efficiency import SHIPPED, shipped_efficiencies, with_efficiency
+from predictors.time.features import features, features_and_breakdown
+from predictors.time.model import TimeModel, shipped_model_path
+from predictors.time.network import Topology
+from predictors.time.zoo import ZooModel
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,23 @@ class PredictionResult:
     fitted_efficiency: bool = False  # the family's fleet-fitted kernel efficiencies priced it
 
 
+def _traced(model_spec: ZooModel | ModelSpec) -> ZooModel:
+    """The text tower of a :class:`ModelSpec` (the time predictor prices text towers only)."""
+    if not isinstance(model_spec, ModelSpec):
+        return model_spec
+    if model_spec.vision is not None:
+        raise ModelSpecError(f"model {model_spec.name!r} has a vision tower; the time predictor "
+                             "prices a text tower only")
+    return model_spec.text
+
+
 @functools.lru_cache(maxsize=16)
 def _family_model(family: str) -> TimeModel | None:
     path = shipped_model_path(family)
     return TimeModel.load(path) if path else None
 
 
-def _validate(spec: ModelSpec, strategy: ParallelStrategy, p: Precision, dev: Device,
+def _validate(spec: ZooModel, strategy: ParallelStrategy, p: Precision, dev: Device,
               options: TrainingOptions) -> None:  # fmt: skip
     require_precision_support(dev, p)
     if not isinstance(strategy, ParallelStrategy):
@@ -71,7 +83,7 @@ def _validate(spec: ModelSpec, strategy: ParallelStrategy, p: Precision, dev: De
 
 
 @functools.lru_cache(maxsize=65536)
-def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device_name: str,
+def _predict(spec: ZooModel, strategy: ParallelStrategy, precision: str, device_name: str,
              options: TrainingOptions, topology: Topology | None) -> PredictionResult:  # fmt: skip
     dev = get_device(device_name)
     p = get_precision(precision)
@@ -91,7 +103,7 @@ def _predict(spec: ModelSpec, strategy: ParallelStrategy, precision: str, device
                             str(path) if path else None, fitted)  # fmt: skip
 
 
-def predict(model_spec: ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
+def predict(model_spec: ZooModel | ModelSpec, strategy: ParallelStrategy, precision: str | Precision,
             device: str | Device = "a100-80gb", *, options: TrainingOptions | None = None,
             topology: Topology | None = None) -> PredictionResult:  # fmt: skip
     """Full prediction with the analytical breakdown (compute, TP, PP, bubble, DP, optimizer,
@@ -103,10 +115,11 @@ def predict(model_spec: ModelSpec, strategy: ParallelStrategy, precision: str | 
     p = get_precision(precision)
     name = device.name if isinstance(device, Device) else device
     get_device(name)  # raises UnknownDeviceError for a bad name before any work
-    return _predict(model_spec, strategy, p.name, name, options or DEFAULT_OPTIONS, topology)
+    return _predict(_traced(model_spec), strategy, p.name, name, options or DEFAULT_OPTIONS,
+                    topology)
 
 
-def predict_iteration_time(model_spec: ModelSpec, strategy: ParallelStrategy,
+def predict_iteration_time(model_spec: ZooModel | ModelSpec, strategy: ParallelStrategy,
                            precision: str | Precision, device: str | Device = "a100-80gb", *,
                            options: TrainingOptions | None = None,
                            topology: Topology | None = None) -> float:  # fmt: skip
@@ -119,15 +132,17 @@ def predict_iteration_time(model_spec: ModelSpec, strategy: ParallelStrategy,
                    topology=topology).seconds  # fmt: skip
 
 
-def predict_with_model(model: TimeModel | None, model_spec: ModelSpec, strategy: ParallelStrategy,
+def predict_with_model(model: TimeModel | None, model_spec: ZooModel | ModelSpec,
+                       strategy: ParallelStrategy,
                        precision: str | Precision, device: str | Device = "a100-80gb", *,
                        options: TrainingOptions | None = None,
                        topology: Topology | None = None) -> float:  # fmt: skip
     """Seconds per iteration under a caller's correction (e.g. one trained with
-    :func:`predictors.train.train_vtrain_model` and ``exclude``); ``None``: analytical only."""
+    :func:`predictors.time.train.train_vtrain_model` and ``exclude``); ``None``: analytical only."""
     p = get_precision(precision)
     dev = get_device(device)
     options = options or DEFAULT_OPTIONS
+    model_spec = _traced(model_spec)
     _validate(model_spec, strategy, p, dev, options)
     if model:
         dev = with_constants(dev, model.meta.get("device_constants"))

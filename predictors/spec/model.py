@@ -1,0 +1,145 @@
+"""The model a job trains: a transformer text tower (GPT/Llama/Qwen2/BERT-like) and, for a
+multimodal model, a vision tower (CLIP or SigLIP ViT) and a projector between them
+(:class:`ModelSpec`). The time predictor prices a text tower, the memory predictor any of them;
+both, CONA and the CLIs speak these types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+class ModelSpecError(ValueError):
+    """Base of the named errors for a model description that cannot be built."""
+
+
+class UnknownModelError(ModelSpecError):
+    """A model preset or tower family that does not exist."""
+
+
+class ResolutionError(ModelSpecError):
+    """Image resolution not divisible by the patch size (or too many image tokens)."""
+
+
+ATTENTION_IMPLS = ("flash", "unfused")
+VISION_FAMILIES = ("clip", "siglip")
+PROJECTORS = ("mlp2x_gelu", "linear")
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A decoder (GPT/Llama/Qwen2-like) or encoder (BERT-like) transformer stack: the text tower.
+    ``seq_length`` is the sequence length it is trained at."""
+
+    family: str  # "gpt" | "llama" | "qwen2" (biased q/k/v) | "bert" | ...
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None  # default 4*hidden (gpt/bert) or SwiGLU 8/3*hidden
+    num_query_groups: int | None = None  # GQA; None = multi-head
+    swiglu: bool = False
+    tied_embeddings: bool = True
+    # "flash": one fused attention kernel (SDPA / flash-attn); "unfused": Megatron's classic
+    # core attention (no --use-flash-attn): a [b*heads, s, s] scores GEMM, one fused
+    # scale-mask-softmax kernel, dropout on the probabilities and a second batched GEMM
+    attention: str = "flash"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ModelSpecError(f"attention={self.attention!r} must be one of {ATTENTION_IMPLS}")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.kv_heads:
+            raise ModelSpecError(
+                f"text hidden_size={self.hidden_size}, num_attention_heads="
+                f"{self.num_attention_heads}, num_query_groups={self.kv_heads} do not divide"
+            )
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn, self.vocab_size
+        head_dim = h // self.num_attention_heads
+        attn = h * h + 2 * h * self.kv_heads * head_dim + h * h
+        mlp = (3 if self.swiglu else 2) * h * f
+        per_layer = attn + mlp + 4 * h
+        emb = v * h * (1 if self.tied_embeddings else 2) + self.seq_length * h
+        return self.num_layers * per_layer + emb
+
+
+@dataclass(frozen=True)
+class VisionTowerSpec:
+    """A ViT: ``family`` ``clip`` (class token, pre-LayerNorm) or ``siglip``."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    patch_size: int = 14
+    image_size: int = 336  # the resolution the position table is built for
+
+    def __post_init__(self) -> None:
+        if self.family not in VISION_FAMILIES:
+            raise UnknownModelError(
+                f"vision family={self.family!r} is unknown; choose {VISION_FAMILIES}")
+        if self.image_size % self.patch_size:
+            raise ResolutionError(
+                f"vision image_size={self.image_size} is not divisible by patch_size="
+                f"{self.patch_size}"
+            )
+
+    @property
+    def has_cls(self) -> bool:
+        return self.family == "clip"
+
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model: a text tower, a vision tower, or both joined by a projector. ``family`` (llava |
+    qwen-vl | blip2 | llm | vit) groups models for held-out evaluation."""
+
+    name: str
+    family: str
+    vision: VisionTowerSpec | None = None
+    text: TransformerSpec | None = None
+    projector: str = "mlp2x_gelu"
+    num_classes: int = 1000  # ViT classification head (no text tower)
+    default_frozen: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.vision is None and self.text is None:
+            raise ModelSpecError(f"model {self.name!r} has neither a vision nor a text tower")
+        if self.projector not in PROJECTORS:
+            raise UnknownModelError(f"projector={self.projector!r} unknown; choose {PROJECTORS}")
+
+    @classmethod
+    def language_model(cls, text: TransformerSpec, name: str | None = None) -> ModelSpec:
+        """A text-only model."""
+        return cls(name or f"{text.family}-{text.num_layers}l-h{text.hidden_size}", "llm",
+                   text=text)
+
+    @property
+    def multimodal(self) -> bool:
+        return self.vision is not None and self.text is not None
+
+    def at_resolution(self, image_res: int | None) -> ModelSpec:
+        """The same model with its vision position table built for ``image_res``."""
+        if self.vision is None or image_res is None or image_res == self.vision.image_size:
+            return self
+        return replace(self, vision=replace(self.vision, image_size=image_res))
+
+    def with_layers(self, vision_layers: int | None, text_layers: int | None) -> ModelSpec:
+        v = self.vision and replace(self.vision, num_layers=vision_layers or self.vision.num_layers)
+        t = self.text and replace(self.text, num_layers=text_layers or self.text.num_layers)
+        return replace(self, vision=v, text=t)

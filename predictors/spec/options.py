@@ -1,0 +1,54 @@
+"""Framework settings of a training job: what overlaps, what is recomputed, which framework runs
+it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .strategy import StrategyError
+
+# Activation recomputation as Megatron (--recompute-granularity) and torchtitan
+# (activation_checkpoint.mode) name it: "full" re-runs every layer's forward in backward,
+# "selective" re-runs what is cheap to recompute and costly to keep (attention and the
+# elementwise ops; the GEMM outputs are kept)
+RECOMPUTE_MODES = ("none", "selective", "full")
+# The training stack that runs the step: the same kernels on the same device reach different
+# shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
+# FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
+# per device family and framework (predictors.time.efficiency)
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry")
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Framework settings that decide how much communication hides under compute (Megatron's
+    flags of the same names). Defaults are Megatron's defaults."""
+
+    overlap_grad_reduce: bool = False  # DP all-reduce per bucket during the last backward
+    tp_comm_overlap: bool = False  # TP collectives overlapped with the layer's GEMMs
+    virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
+    distributed_optimizer: bool = False  # ZeRO-1: reduce-scatter grads, all-gather params
+    overlap_param_gather: bool = False  # the all-gather runs under the next forward
+    # PyTorch FSDP FULL_SHARD / ZeRO-3 over the DP group: parameters all-gathered before each
+    # micro-batch's forward and again before its backward, gradients reduce-scattered
+    fsdp: bool = False
+    recompute: str = "none"  # one of RECOMPUTE_MODES
+    # torch.compile (Inductor): elementwise chains fused into fewer kernels
+    compiled: bool = False
+    framework: str = "megatron"  # one of FRAMEWORKS
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            raise StrategyError(f"framework={self.framework!r} must be one of {FRAMEWORKS}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise StrategyError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
+        if self.virtual_pipeline < 1:
+            raise StrategyError(f"virtual_pipeline={self.virtual_pipeline} must be >= 1")
+        if self.fsdp and self.distributed_optimizer:
+            raise StrategyError("fsdp=True and distributed_optimizer=True are two ZeRO modes; "
+                                "choose one")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise StrategyError("overlap_param_gather=True needs distributed_optimizer=True")
+
+
+DEFAULT_OPTIONS = TrainingOptions()

@@ -1,0 +1,168 @@
+"""Round trips between the one spec (:mod:`predictors.spec`) and every engine's configuration:
+Hugging Face configs, vLLM's ModelConfig, Megatron-Core's TransformerConfig and Megatron-LM's
+flags (parsed by CONA's Megatron-LM-compatible parser); and the predictors taking the one spec
+where they took a translation before."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from predictors.memory.presets import PRESETS
+from predictors.spec import (
+    ModelSpec,
+    ModelSpecError,
+    ParallelStrategy,
+    TrainingOptions,
+    TransformerSpec,
+    UnknownModelError,
+)
+from predictors.spec.engines import (
+    from_megatron_args,
+    hf_text_config,
+    hf_vision_config,
+    megatron_args,
+    megatron_transformer_config,
+    text_spec_from_hf,
+    text_spec_from_megatron,
+    text_spec_from_vllm,
+    vision_spec_from_hf,
+)
+
+TEXT = sorted({m.text for m in PRESETS.values() if m.text is not None}, key=repr)
+VISION = sorted({m.vision for m in PRESETS.values() if m.vision is not None}, key=repr)
+GQA = TransformerSpec("llama", 8, 512, 8, 1024, 32000, ffn_hidden_size=1376, num_query_groups=2,
+                      swiglu=True, tied_embeddings=False)
+
+
+@pytest.mark.parametrize("t", TEXT, ids=lambda t: f"{t.family}-h{t.hidden_size}")
+def test_text_tower_round_trips_through_its_hf_config(t):
+    cfg = hf_text_config(t)
+    assert cfg.model_type == t.family and cfg.num_key_value_heads == t.kv_heads
+    assert text_spec_from_hf(cfg) == t
+    # and the other way: an HF config survives spec and back
+    assert hf_text_config(text_spec_from_hf(cfg)).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("v", VISION, ids=lambda v: f"{v.family}-{v.image_size}")
+def test_vision_tower_round_trips_through_its_hf_config(v):
+    assert vision_spec_from_hf(hf_vision_config(v)) == v
+
+
+def test_a_family_without_an_hf_config_is_named():
+    with pytest.raises(UnknownModelError, match="family='gpt'"):
+        hf_text_config(TransformerSpec("gpt", 2, 64, 4, 128, 1000))
+
+
+def test_text_tower_round_trips_through_megatron_core_transformer_config():
+    strategy = ParallelStrategy(2, 2, 2, 1, None, 2)
+    cfg = megatron_transformer_config(GQA, strategy)
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+            cfg.context_parallel_size) == (2, 2, 2)  # fmt: skip
+    assert cfg.gated_linear_unit and cfg.num_query_groups == 2 and cfg.bf16 and not cfg.fp16
+    assert text_spec_from_megatron(cfg, "llama", GQA.seq_length, GQA.vocab_size,
+                                   tied_embeddings=False) == GQA  # fmt: skip
+
+
+def test_megatron_flags_round_trip_through_conas_megatron_parser():
+    from megatron_cona.pretrain_gpt import model_spec, parse_args
+
+    strategy = ParallelStrategy(2, 2, 2, micro_batch=2, global_batch=16)
+    options = TrainingOptions(distributed_optimizer=True)
+    argv = megatron_args(GQA, strategy, options) + ["--train-iters", "10", "--lr", "1e-4"]
+    args = parse_args(argv, ignore_unknown_args=True)
+    spec, got_strategy, got_options = from_megatron_args(args, world_size=8, family="llama",
+                                                         vocab_size=GQA.vocab_size)
+    assert (spec, got_strategy, got_options) == (GQA, strategy, options)
+    # CONA's own reading of the same flags names the same tower (its fixed vocabulary aside)
+    cona = model_spec(args)
+    assert replace(cona, family="llama", vocab_size=GQA.vocab_size) == GQA
+
+
+def test_megatron_flags_carry_the_schedule_options():
+    """Flags CONA's parser does not define, read back by a parser that does (Megatron-LM's
+    names and defaults for them)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--max-position-embeddings", "--ffn-hidden-size", "--micro-batch-size",
+                 "--global-batch-size", "--tensor-model-parallel-size",
+                 "--pipeline-model-parallel-size", "--num-query-groups",
+                 "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                 "--recompute-num-layers"):  # fmt: skip
+        p.add_argument(flag, type=int)
+    for flag in ("--recompute-granularity", "--recompute-method"):
+        p.add_argument(flag)
+    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+                 "--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--tp-comm-overlap", "--use-flash-attn"):  # fmt: skip
+        p.add_argument(flag, action="store_true")
+    strategy = ParallelStrategy(1, 2, 2, 1, 8, cp=2)
+    options = TrainingOptions(overlap_grad_reduce=True, tp_comm_overlap=True, virtual_pipeline=2,
+                              distributed_optimizer=True, overlap_param_gather=True,
+                              recompute="full")  # fmt: skip
+    unfused = replace(GQA, attention="unfused")
+    args = p.parse_args(megatron_args(unfused, strategy, options))
+    assert from_megatron_args(args, 8, "llama", GQA.vocab_size) == (unfused, strategy, options)
+
+
+@pytest.mark.slow  # vLLM's import and config resolution: ~15 s on 2 busy cores
+def test_text_tower_round_trips_through_vllm_model_config(tmp_path):
+    from vllm.config import ModelConfig
+
+    hf_text_config(GQA).save_pretrained(tmp_path)
+    mc = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=GQA.seq_length)
+    assert text_spec_from_vllm(mc) == GQA
+
+
+def test_time_predictor_takes_the_one_model_spec():
+    from predictors.time.predictor import predict_iteration_time
+
+    t = TransformerSpec("gpt", 2, 256, 4, 256, 1000)
+    s = ParallelStrategy(1, 1, 1)
+    assert predict_iteration_time(ModelSpec.language_model(t), s, "bf16", "a100-80gb") == \
+        predict_iteration_time(t, s, "bf16", "a100-80gb")
+    with pytest.raises(ModelSpecError, match="vision tower"):
+        predict_iteration_time(PRESETS["llava-1.5-7b-like"], s, "bf16", "a100-80gb")
+
+
+def test_memory_predictor_takes_the_text_tower_and_strategy_cona_ranks():
+    """A GELU text tower goes to the memory walk as the SwiGLU layer with its MLP's parameter
+    count: the same prediction as that Llama tower written out by hand."""
+    from predictors.memory.api import predict_peak_memory
+
+    gpt = TransformerSpec("gpt", 24, 2048, 16, 2048, 50304)
+    strategy = ParallelStrategy(2, 2, 2, micro_batch=2, global_batch=16)
+    got = predict_peak_memory(gpt, strategy=strategy, precision="bf16")
+    llama = replace(gpt, family="llama", swiglu=True, ffn_hidden_size=2 * 4 * 2048 // 3)
+    by_hand = predict_peak_memory(ModelSpec("by-hand", "llm", text=llama), batch=2, seq=2048,
+                                  dp=2, tp=2, pp=2, num_microbatches=4, precision="bf16")
+    assert got.device_total == by_hand.device_total and got.components == by_hand.components
+
+
+def test_memory_cli_takes_the_strategy_the_time_cli_takes(capsys):
+    from predictors.cli import main
+
+    code = main(["memory", "--model", "llama-7b-like", "--strategy", "dp2tp2pp2mb1gb8",
+                 "--capacity-gib", "80"])
+    out = capsys.readouterr().out
+    assert code in (0, 2) and "tp 2 pp 2" in out and "batch 1" in out
+    assert main(["memory", "--model", "llama-7b-like", "--strategy", "dp2tp2"]) == 1
+    assert "StrategyError" in capsys.readouterr().err
+
+
+def test_memory_predictor_takes_the_one_training_options():
+    from predictors.memory.api import predict_peak_memory
+
+    strategy = ParallelStrategy(4, 2, 1, micro_batch=2, global_batch=16)
+    for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
+                                 1, "full"), (TrainingOptions(fsdp=True), 3, "none")):  # fmt: skip
+        got = predict_peak_memory("llama-7b-like", strategy=strategy, options=options)
+        want = predict_peak_memory("llama-7b-like", batch=2, dp=4, tp=2, num_microbatches=2,
+                                   zero=zero, checkpointing=ckpt)
+        assert (got.config.zero, got.config.checkpointing) == (zero, ckpt)
+        assert got.device_total == want.device_total
+    with pytest.raises(ModelSpecError, match="recompute='selective'"):
+        predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
