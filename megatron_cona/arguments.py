@@ -24,22 +24,6 @@ class ConaArgumentError(StrategyError):
         self.flag = flag
 
 
-def model_spec_from_args(args: argparse.Namespace, vocab_size: int) -> TransformerSpec:
-    """The model a Megatron(-LM) argument namespace describes, as CONA ranks it: Llama-style
-    (``--normalization RMSNorm``) or GPT-style, ``--ffn-hidden-size``, grouped-query attention
-    (``--num-query-groups``, with ``--group-query-attention`` where Megatron-LM has that flag),
-    ``--swiglu`` and untied embeddings."""
-    gqa = getattr(args, "group_query_attention", True)
-    groups = getattr(args, "num_query_groups", None) if gqa else None
-    family = "llama" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "gpt"
-    return TransformerSpec(family, args.num_layers, args.hidden_size, args.num_attention_heads,
-                           args.seq_length, vocab_size,
-                           ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
-                           num_query_groups=groups, swiglu=bool(getattr(args, "swiglu", False)),
-                           tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights",
-                                                       False))
-
-
 def add_cona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider`` for Megatron-LM: adds the ``CONA`` argument group."""
     group = parser.add_argument_group(title="CONA")

@@ -35,7 +35,6 @@ from megatron.core import num_microbatches_calculator as mbc
 from megatron.core import parallel_state as ps
 
 from megatron_cona.arguments import (
-    model_spec_from_args,
     precision_from_args,
     static_strategy,
     validate_cona_args,
@@ -53,6 +52,7 @@ from megatron_cona.grad_probe import (
 from megatron_cona.policy import Decision
 from megatron_cona.session import ConaSession, session_from_args
 from predictors.spec import ParallelStrategy
+from predictors.spec.engines import text_spec_from_megatron_args
 
 log = logging.getLogger("megatron_cona.hook")
 
@@ -103,7 +103,7 @@ class ConaHook:
     def __init__(self, args, model_chunks, opt_param_scheduler, *, loss_scale=lambda: 1.0,
                  session: ConaSession | None = None) -> None:
         world = dist.get_world_size()
-        model = model_spec_from_args(args, getattr(args, "padded_vocab_size", None) or 50304)
+        model = text_spec_from_megatron_args(args)
         settings = validate_cona_args(args, world, model)
         self.args = args
         self.executor = MegatronLMExecutor(static_strategy(args, world), opt_param_scheduler)

@@ -32,12 +32,12 @@ import torch.distributed as dist
 from megatron_cona.arguments import (
     ConaArgumentError,
     add_cona_args,
-    model_spec_from_args,
     precision_from_args,
     static_strategy,
 )
 from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
 from predictors.spec import TransformerSpec
+from predictors.spec.engines import text_spec_from_megatron_args
 
 log = logging.getLogger("megatron_cona.pretrain_gpt")
 
@@ -125,7 +125,7 @@ def model_spec(args: argparse.Namespace) -> TransformerSpec:
                                 f"{args.max_position_embeddings} != --seq-length {args.seq_length}")
     if args.bf16 and args.fp16:
         raise ConaArgumentError("--fp16", "cannot be combined with --bf16")
-    return model_spec_from_args(args, VOCAB_SIZE)
+    return text_spec_from_megatron_args(args, vocab_size=VOCAB_SIZE)
 
 
 def init_distributed(backend: str | None) -> None:

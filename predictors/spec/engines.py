@@ -147,6 +147,24 @@ def megatron_args(t: TransformerSpec, strategy: ParallelStrategy,
     return [str(a) for a in argv]
 
 
+def text_spec_from_megatron_args(args: argparse.Namespace, family: str | None = None,
+                                 vocab_size: int | None = None) -> TransformerSpec:
+    """The text tower of parsed Megatron-LM flags. ``family`` None: Llama-style where
+    ``--normalization RMSNorm``, else GPT-style. A flag the parser does not define reads as its
+    Megatron default."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if family is None:
+        family = "llama" if get("normalization", "LayerNorm") == "RMSNorm" else "gpt"
+    vocab = vocab_size or get("padded_vocab_size") or 50304
+    groups = get("num_query_groups") if get("group_query_attention", True) else None
+    return TransformerSpec(
+        family, args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+        vocab, ffn_hidden_size=get("ffn_hidden_size"),
+        num_query_groups=_groups(groups, args.num_attention_heads), swiglu=bool(get("swiglu")),
+        tied_embeddings=not get("untie_embeddings_and_output_weights", False),
+        attention="flash" if get("use_flash_attn", True) else "unfused")
+
+
 def from_megatron_args(args: argparse.Namespace, world_size: int, family: str = "gpt",
                        vocab_size: int | None = None
                        ) -> tuple[TransformerSpec, ParallelStrategy, TrainingOptions]:  # fmt: skip
@@ -154,19 +172,12 @@ def from_megatron_args(args: argparse.Namespace, world_size: int, family: str = 
     (data parallelism is what TP x PP x CP leave, as Megatron derives it). A flag the parser
     does not define reads as its Megatron default."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    vocab = vocab_size or get("padded_vocab_size") or 50304
     tp, pp, cp = (get(f, 1) or 1 for f in ("tensor_model_parallel_size",
                                          "pipeline_model_parallel_size",
                                          "context_parallel_size"))
     if world_size % (tp * pp * cp):
         raise StrategyError(f"world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
-    groups = get("num_query_groups") if get("group_query_attention", True) else None
-    spec = TransformerSpec(
-        family, args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-        vocab, ffn_hidden_size=get("ffn_hidden_size"),
-        num_query_groups=_groups(groups, args.num_attention_heads), swiglu=bool(get("swiglu")),
-        tied_embeddings=not get("untie_embeddings_and_output_weights", False),
-        attention="flash" if get("use_flash_attn", True) else "unfused")
+    spec = text_spec_from_megatron_args(args, family, vocab_size)
     strategy = ParallelStrategy(world_size // (tp * pp * cp), tp, pp, args.micro_batch_size,
                                 get("global_batch_size"), cp)  # fmt: skip
     per_stage = get("num_layers_per_virtual_pipeline_stage")
