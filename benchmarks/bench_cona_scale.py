@@ -15,12 +15,14 @@ The switch costs' fixed parts are measured here on the real CONA runtime (2 CPU 
 live TTP evaluation does. Results are written as each case finishes (``<out>/sim.json``, one
 plot per case). Default run: 3 families x 3 GPU counts x 4 law variants, a few minutes.
 
-Output: the sanity checks first; per case every chain's time; then the sensitivity variants'
-lines and, last, one line per GPU count of Kaplan's law (512 GPUs last):
-``gpus=G sim_checks=P/N ref_vs_best_static=R ref_switches=K speedup_vs_planner=A
-speedup_vs_tuned_static=B speedup_vs_rampup=C speedup_vs_pollux=D speedup_vs_seesaw=S
-gap_to_bound=E% law_r2=Q`` (law_r2: the live law check on the real Megatron-Core loop; nan while
-it is not run).
+Output: the sanity checks first; per case every chain's time; the worst case per law variant
+and GPU count against every rival (with the case); then one line per law variant and GPU count
+(medians over 3 families x 2 targets), Kaplan's law last and its 512-GPU line the very last:
+``gpus=G law=V sim_checks=P/N speedup_vs_planner=A speedup_vs_tuned_static=B
+worst_vs_tuned_static=W speedup_vs_rampup=C speedup_vs_pollux=D speedup_vs_seesaw=S
+gap_to_exact_bound=E% gap_to_relaxed_bound=E2% law_r2=Q``. What did not run prints
+``not_run`` and a line saying why. Pollux (adaptdl) must run: without it the run fails with the
+reason, unless ``--skip pollux`` is given.
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ def main() -> None:
     if smoke:
         args.update(families=("gpt3-1.3b",), gpus=(64,), variants=("kaplan",))
     opts = SimOptions(**{k: v for k, v in args.items() if k in SimOptions.__dataclass_fields__})
-    print(f"pollux: {register_pollux()}", flush=True)
+    pollux = register_pollux()
+    print(f"pollux: {pollux}", flush=True)
+    if pollux.startswith("NOT RUN") and "pollux" not in opts.skip:
+        sys.exit(f"bench_cona_scale: a rival cannot run -- {pollux}; or pass --skip pollux to "
+                 "leave it out knowingly")
     t0 = time.time()
     if costs is None:
         costs = measure_switch_costs()
@@ -74,8 +80,6 @@ def main() -> None:
                                                               markup=False, highlight=False))
     print(f"wall time {time.time() - t0:.0f}s; report {opts.out / 'sim.json'}; plots "
           f"{opts.out}/sim_<family>_<gpus>gpu_<variant>.png")
-    print("law_r2: nan -- the law check on the real Megatron-Core loop (issue 34 item 6) is not "
-          "implemented yet")
     print_scale(report)
 
 

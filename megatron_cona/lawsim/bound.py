@@ -158,14 +158,14 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
         if not parts:
             break
         layer = _Layer(*(np.concatenate(x) for x in zip(*parts, strict=True)))
-        alive = (layer.end_time < limit) & _cross_prune(layer.strategy, layer.end_time,
-                                                        layer.end_s, lead)
-        layers.append(layer)
-        if not alive.any():
+        alive = np.flatnonzero((layer.end_time < limit) & _cross_prune(
+            layer.strategy, layer.end_time, layer.end_s, lead))
+        layer = _Layer(*(getattr(layer, f)[alive] for f in _Layer.__dataclass_fields__))
+        layers.append(layer)  # only what continues: every later parent points into it
+        if not alive.size:
             break
-        idx = np.flatnonzero(alive)
-        cur_j, cur_t, cur_s, cur_id = (layer.strategy[idx], layer.end_time[idx],
-                                       layer.end_s[idx], idx)
+        cur_j, cur_t, cur_s = layer.strategy, layer.end_time, layer.end_s
+        cur_id = np.arange(alive.size)
     out = []
     for g in range(len(goals)):
         path: list[tuple[float, float, ParallelStrategy]] = []

@@ -140,7 +140,7 @@ class SimCase:
     noise_z: float = 1.0
     seed: int = 0
     bound_snap: float = 0.0
-    exact_bound: bool = False  # the exact DP instead of the relaxation (slow at scale)
+    exact_bound: bool = False  # the exact DP beside the relaxation (slow at scale)
     rejected: int = 0
     prediction_error: float = 0.0  # held-out relative error of CONA's time model (``predicted``)
     probe_bias: float = 1.0  # the probe reads B_crit / probe_bias (the variant's k)

@@ -55,7 +55,11 @@ class SimOptions:
     horizon: float = 20.0
     noise_z: float = 1.0
     seed: int = 0
-    exact_bound: bool = False  # the exact DP (slow at scale) instead of the relaxation
+    # the exact DP beside the relaxation (~3.5 min per 512-GPU case on 2 cores), its S rounded
+    # up on a log grid of this relative step (keeps it a bound; 1e-5 stays within 0.01% of
+    # the relaxation where the two meet)
+    exact_bound: bool = False
+    bound_snap: float = 1e-5
     skip: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -161,7 +165,8 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
         targets(dyn, law, batch_tokens, params),
         PolicyConfig(min_gain=opts.min_gain, horizon_intervals=opts.horizon,
                      patience=opts.patience, cooldown=opts.cooldown),
-        opts.noise_z, opts.seed, rejected=world.rejected, exact_bound=opts.exact_bound,
+        opts.noise_z, opts.seed, opts.bound_snap, rejected=world.rejected,
+        exact_bound=opts.exact_bound,
         prediction_error=world.prediction_error, probe_bias=VARIANTS[variant].probe_bias,
         extra={"device": opts.device,
                "cona_log": opts.out / f"cona_{family}_{gpus}gpu_{variant}_decisions.jsonl"})
@@ -190,6 +195,9 @@ def run_case(case: SimCase, skip: tuple[str, ...] = ()) -> dict:
                            "switches": len(best.switches), "path": best.path(),
                            "swept": len(results) if name != "bound" else 1,
                            "points": [asdict(p) for p in best.points]}
+            if name == "bound":
+                per[target].update({k: best.settings[k] for k in ("relaxed_s", "exact_s")
+                                    if k in best.settings})
         out["chains"][name] = per
     for target in case.goals:
         bound = out["chains"]["bound"][target]["time_s"]
@@ -197,16 +205,25 @@ def run_case(case: SimCase, skip: tuple[str, ...] = ()) -> dict:
             t = per[target]["time_s"]
             if name != "bound" and CHAINS[name].in_bound_space and t < bound * (1 - 1e-9):
                 out["violations"].append(f"{name} @ {target}: {t:.6g} s < bound {bound:.6g} s")
+        exact = out["chains"]["bound"][target].get("exact_s")
+        relaxed = out["chains"]["bound"][target]["relaxed_s"]
+        if exact is not None and exact < relaxed * (1 - 1e-3):
+            out["violations"].append(f"exact DP @ {target}: {exact:.6g} s is more than 0.1% "
+                                     f"below the relaxation {relaxed:.6g} s: snap too coarse")
     return out
 
 
 def ratios(case: dict, target: str) -> dict[str, float]:
-    """CONA's speedups over every rival, the reference's over the best static, the gap."""
+    """CONA's speedups over every rival, the reference's over the best static, the gaps to the
+    bounds (the exact DP's only where it ran)."""
     c = case["chains"]
     t = {name: per[target]["time_s"] for name, per in c.items()}
+    bound = c["bound"][target]
     out = {"ref_vs_best_static": t["static"] / t["oracle"],
            "ref_switches": c["oracle"][target]["switches"],
-           "gap_to_bound": 100.0 * (t["cona"] / t["bound"] - 1.0)}
+           "gap_to_relaxed_bound": 100.0 * (t["cona"] / bound.get("relaxed_s", t["bound"]) - 1),
+           "gap_to_exact_bound": (100.0 * (t["cona"] / bound["exact_s"] - 1)
+                                  if "exact_s" in bound else math.nan)}
     for name, chain in CHAINS.items():
         if chain.rival and name in t:
             key = "tuned_static" if name == "static" else name
@@ -214,41 +231,61 @@ def ratios(case: dict, target: str) -> dict[str, float]:
     return out
 
 
-KEYS = ("ref_vs_best_static", "ref_switches", "speedup_vs_planner", "speedup_vs_tuned_static",
-        "speedup_vs_rampup", "speedup_vs_pollux", "speedup_vs_seesaw", "gap_to_bound")
+RIVAL_KEYS = ("speedup_vs_planner", "speedup_vs_tuned_static", "speedup_vs_rampup",
+              "speedup_vs_pollux", "speedup_vs_seesaw")
+KEYS = ("ref_vs_best_static", "ref_switches", *RIVAL_KEYS, "gap_to_exact_bound",
+        "gap_to_relaxed_bound")
 
 
 def summarize(cases: list[dict], variant: str = "kaplan") -> dict[int, dict]:
-    """Per GPU count: medians and min-max over families x targets of ``variant``."""
+    """Per GPU count: median, worst (min; for gaps: max) and the count over families x targets
+    of ``variant``."""
     out: dict[int, dict] = {}
     for gpus in sorted({c["gpus"] for c in cases}):
-        rows = [ratios(c, t) for c in cases if c["gpus"] == gpus and c["variant"] == variant
-                for t in c["targets"]]
+        rows = [(f"{c['family']} {t}", ratios(c, t)) for c in cases
+                if c["gpus"] == gpus and c["variant"] == variant for t in c["targets"]]
         if not rows:
             continue
         out[gpus] = {}
         for key in KEYS:
-            vals = [r.get(key, math.nan) for r in rows]
-            finite = [v for v in vals if math.isfinite(v)]
-            out[gpus][key] = {"median": statistics.median(finite) if finite else math.nan,
-                              "min": min(finite, default=math.nan),
-                              "max": max(finite, default=math.nan), "n": len(finite)}
+            vals = [(r.get(key, math.nan), name) for name, r in rows]
+            finite = [(v, n) for v, n in vals if math.isfinite(v)]
+            worst = (max if key.startswith("gap") else min)(finite, default=(math.nan, ""))
+            out[gpus][key] = {"median": statistics.median([v for v, _ in finite])
+                              if finite else math.nan,
+                              "worst": worst[0], "worst_case": worst[1], "n": len(finite)}
     return out
 
 
-def result_line(summary: dict, gpus: int, checks: str, law_r2: float) -> str:
+def _fmt(key: str, v: float) -> str:
+    if not math.isfinite(v):
+        return "not_run"
+    if key == "ref_switches":
+        return f"{v:g}"
+    return f"{v:.2f}%" if key.startswith("gap") else f"{v:.3f}"
+
+
+def result_line(summary: dict, gpus: int, variant: str, checks: str, law_r2: float) -> str:
+    """``gpus=G law=V sim_checks=P/N speedup_vs_planner=A speedup_vs_tuned_static=B
+    worst_vs_tuned_static=W speedup_vs_rampup=C speedup_vs_pollux=D speedup_vs_seesaw=S
+    gap_to_exact_bound=E% gap_to_relaxed_bound=E2% law_r2=Q`` (medians over the cases)."""
     s = summary[gpus]
-    parts = [f"gpus={gpus}", f"sim_checks={checks}"]
-    for key in KEYS:
-        v = s[key]["median"]
-        if key == "ref_switches":
-            parts.append(f"{key}={v:g}")
-        elif key == "gap_to_bound":
-            parts.append(f"{key}={v:.2f}%")
-        else:
-            parts.append(f"{key}={v:.3f}")
-    parts.append(f"law_r2={law_r2:.3f}")
+    parts = [f"gpus={gpus}", f"law={variant}", f"sim_checks={checks}"]
+    for key in (*RIVAL_KEYS, "gap_to_exact_bound", "gap_to_relaxed_bound"):
+        parts.append(f"{key}={_fmt(key, s[key]['median'])}")
+        if key == "speedup_vs_tuned_static":
+            parts.append(f"worst_vs_tuned_static={_fmt(key, s[key]['worst'])}")
+    parts.append(f"law_r2={_fmt('law_r2', law_r2)}")
     return " ".join(parts)
+
+
+def worst_line(summary: dict, gpus: int, variant: str) -> str:
+    """The worst case against every rival and the largest gaps, each with its case."""
+    s = summary[gpus]
+    return f"[worst gpus={gpus} law={variant}] " + " ".join(
+        f"{key.replace('speedup_vs_', 'vs_')}={_fmt(key, s[key]['worst'])}"
+        f"({s[key]['worst_case']})" for key in (*RIVAL_KEYS, "gap_to_relaxed_bound")
+        if math.isfinite(s[key]["worst"]))
 
 
 def run_sim(opts: SimOptions, switch_costs: tuple[float, float], progress=None,
