@@ -199,8 +199,8 @@ def register_pollux() -> str:
 
         import adaptdl.goodput  # noqa: F401
     except ImportError as err:
-        return (f"NOT RUN: adaptdl is not importable here ({err}); run this benchmark with "
-                ".venv-bench/bin/python after `make bench-env` (speedup_vs_pollux is nan)")
+        return (f"NOT RUN: adaptdl is not importable here ({err}); `make bootstrap` installs "
+                "it (requirements/test-env.txt), as does `make bench-env`")
     register(Baseline("pollux", run_pollux, "tab:purple",
                       doc="Pollux: adaptdl's GoodputFunction + fit_perf_params on the DP layout"))
     register_sim(Chain("pollux", run_pollux_sim, "tab:purple",

@@ -3,7 +3,7 @@ ends with how many tests ran per package.
 
 Many modules ``importorskip`` vLLM or the C++ extension so a user without that engine can run
 the rest; in CI (``CI=true``) those engines are required, so their absence is a failure that
-names them. Skips stay for the optional parts only (SPDK, LMCache, adaptdl, a GPU, a loop
+names them. Skips stay for the optional parts only (SPDK, LMCache, a GPU, a loop
 device or tmpfs the sandbox refuses), each with its reason.
 """
 
@@ -22,6 +22,9 @@ REQUIRED = {
     "vllm_kvpool._kvio": "the C++ extension (pip install -e ., scripts/bootstrap.sh)",
     "megatron.core": "megatron-core (requirements/test-env.txt)",
     "lightgbm": "lightgbm (requirements/test-env.txt)",
+    # Pollux's own goodput code, the CONA benchmarks' rival (installed --no-deps: only its
+    # goodput module is used, which needs numpy, scipy and autograd)
+    "adaptdl.goodput": "adaptdl + autograd (requirements/test-env.txt)",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped")
 

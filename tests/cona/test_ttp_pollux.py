@@ -1,6 +1,6 @@
 """The Pollux chain's adapter to adaptdl's own goodput code (benchmarks/cona_pollux.py), checked
 against adaptdl's example values (its goodput_test.py draws PerfParams/GradParams as
-``RandomState(0).gamma(2.0, 2.0, ...)``). Runs only where adaptdl is installed (.venv-bench)."""
+``RandomState(0).gamma(2.0, 2.0, ...)``). adaptdl is in the test environment, required in CI."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 adaptdl_goodput = pytest.importorskip(
-    "adaptdl.goodput", reason="adaptdl lives in .venv-bench (make bench-env); not in .venv")
+    "adaptdl.goodput", reason="adaptdl.goodput: requirements/test-env.txt installs it")
 np = pytest.importorskip("numpy")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
