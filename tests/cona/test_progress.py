@@ -140,3 +140,41 @@ def test_blind_layouts_wait_for_a_converged_estimate():
     s = _session([run, blind], {run: 1.0, blind: 0.1})
     s.act(0, s.decide(0))  # no estimate at all: the blind layout is not open
     assert s.executor.strategy == run
+
+
+def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
+    """The probe reads phi = 4 (true phi = 400: k = 100), so batch 16 ranks first and batch 32
+    never would. After ``explore_after`` rankings CONA tries batch 32 (1.8x the throughput
+    per sample here), holds it while the comparison is unsure, sees progress x1.8 x
+    (400+16)/(400+32) = 1.73 of batch 16's, keeps it and learns that the probe reads low."""
+    from megatron_cona.gns import GradStats
+
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.9}  # per iteration: 32 samples in 1.11 s vs 16 in 1 s
+    s = _session([small, big], secs, explore_after=3)
+
+    def stats(batch):  # replicas reading phi = 4: |G|^2 = 1, tr(S) = 4
+        local = batch // 4
+        return GradStats([1 + 4 / local] * 4, local, 1 + 4 / batch, batch)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    rng = np.random.default_rng(0)
+    t, loss, path = 0.0, 10.0, []
+    for _ in range(9):
+        now = s.executor.strategy
+        for _ in range(20):
+            t += secs[now]
+            loss -= rate(now) * secs[now]
+            s.observe(secs[now], stats(now.global_batch_size),
+                      loss=loss + float(rng.normal(0, 1e-5)))
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+    assert path[:3] == [small] * 3  # the probe's ranking: batch 16
+    assert path[3] == big  # the experiment
+    assert all(p == big for p in path[4:])  # kept: it paid
+    v = s.progress.verdicts[0]
+    assert v.confident and v.paid and v.observed == pytest.approx(1.73, rel=0.05)
+    assert s.progress.bias > 10 and small in s.tried
