@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.slow  # builds a wheel and a venv: ~20 s
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTED_TORCH = "2.13.0"  # requirements/test-env.txt
 
