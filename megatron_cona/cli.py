@@ -66,8 +66,10 @@ def _plan(args: argparse.Namespace) -> None:
     times = PredictorThroughput(model, args.precision, args.device)
     rows = sorted((estimate(s, times.iteration_time(s), args.noise_scale, args.base_batch,
                             "predicted") for s in cands.kept), key=lambda e: -e.goodput)
+    ranking = (f"goodput with noise scale {args.noise_scale:g}" if math.isfinite(args.noise_scale)
+               else "ranked by throughput (no --noise-scale given: statistical efficiency 1)")
     table = Table(title=f"{len(cands.kept)} candidates on {args.world}x {args.device} "
-                  f"({args.precision}); goodput with noise scale {args.noise_scale}")
+                  f"({args.precision}); {ranking}")
     for col in ("strategy", "iter time (ms)", "samples/s", "efficiency", "goodput"):
         table.add_column(col, justify="right")
     for e in rows[: args.top]:
