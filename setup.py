@@ -6,7 +6,8 @@ Pass CMake options through ``KVPOOL_CMAKE_ARGS``, e.g. ``KVPOOL_CMAKE_ARGS=-DKVP
 Only the serving plugin uses the core, so a predictors or CONA user needs no compiler and no
 liburing: ``KVPOOL_BUILD_CORE`` is ``auto`` (default: build it; where that fails, e.g. no g++
 or liburing-dev, warn and install without it; ``kvpool`` then names what to install), ``1``
-(a failed build fails the install) or ``0`` (never build it: a pure-Python install).
+(a failed build fails the install; so does any failure while ``KVPOOL_CMAKE_ARGS`` is set) or
+``0`` (never build it: a pure-Python install).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class CMakeBuild(build_ext):
         try:
             self._cmake(ext)
         except (subprocess.CalledProcessError, OSError) as exc:
-            if _build_core_mode() == "1":
-                raise
+            if _build_core_mode() == "1" or os.environ.get("KVPOOL_CMAKE_ARGS", "").strip():
+                raise  # asked for the core (or for options of it): its failure is the answer
             # The predictors and CONA do not use the core: their users install without it.
             print(f"llm-sys-plugins: WARNING: the C++ core vllm_kvpool._kvio was not built "
                   f"({exc}); predict and cona work without it, kvpool needs it: install g++, "

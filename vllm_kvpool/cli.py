@@ -117,6 +117,16 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: float) -> str:
+    """``n`` bytes in at most 4 characters and a binary unit: 0, 512, 64K, 1.5M, 1.2T."""
+    unit = ""
+    for unit in ("", "K", "M", "G", "T"):
+        if n < 1000 or unit == "T":
+            break
+        n /= 1024
+    return f"{n:.2g}{unit}" if unit and n < 10 else f"{n:.0f}{unit}"
+
+
 def _status(args: argparse.Namespace) -> int:
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
@@ -129,24 +139,21 @@ def _status(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        # Two-line headers, one space between columns, chunk counts as a fill fraction: the
-        # table fits an 80-column terminal (the exact counts are in --json).
+        # Two-line headers, one space between columns, byte counts with their unit: the table
+        # fits an 80-column terminal.
         table = Table(title=f"kvpool ({status.placement}, chunk {status.chunk_tokens} tokens, "
                             f"hit rate {status.lookups.hit_rate:.1%}, "
                             f"evictions {status.lookups.evictions})",
-                      box=box.SIMPLE_HEAD, padding=0,
-                      pad_edge=False, show_edge=False)  # fmt: skip
-        for col in ("device", "GiB\nused/cap", "chunks\nfull", "weight\nGB/s", "read\nGiB",
-                    "read\nGB/s", "written\nGiB", "corrupt", "state"):
+                      box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)  # fmt: skip
+        for col in ("device", "chunks\nused/all", "bytes\nused/cap", "weight\nGB/s", "bytes\nread",
+                    "read\nGB/s", "bytes\nwritten", "corrupt", "state"):
             table.add_column(col, no_wrap=True)
         for u in status.usage:
             c = status.transfers.devices.get(u.name)
-            table.add_row(u.name, f"{u.used_bytes / 2**30:.1f}/{u.capacity_bytes / 2**30:.1f}",
-                          f"{u.used_slots / u.total_slots:.0%}" if u.total_slots else "-",
-                          f"{u.weight_gbps:.2f}",
-                          f"{(c.bytes_read if c else 0) / 2**30:.2f}",
-                          f"{c.read_gbps if c else 0:.2f}",
-                          f"{(c.bytes_written if c else 0) / 2**30:.2f}",
+            table.add_row(u.name, f"{u.used_slots}/{u.total_slots}",
+                          f"{_bytes(u.used_bytes)}/{_bytes(u.capacity_bytes)}",
+                          f"{u.weight_gbps:.2f}", _bytes(c.bytes_read if c else 0),
+                          f"{c.read_gbps if c else 0:.2f}", _bytes(c.bytes_written if c else 0),
                           str(c.corrupt if c else 0), "FAILED" if u.failed else "ok")  # fmt: skip
         Console().print(table)
         fetch = status.transfers.fetch_seconds

@@ -42,7 +42,7 @@ def test_status_prints_table_and_plot(tmp_path, capsys):
     status.write(path)
     assert main(["status", "--file", str(path), "--plot", str(tmp_path / "usage.png")]) == 0
     out = capsys.readouterr().out
-    assert "ssd0" in out and "64.0%" in out
+    assert "ssd0" in out and "64.0%" in out and "5/16" in out and "5M" in out
     assert (tmp_path / "usage.png").stat().st_size > 1000
     assert main(["status", "--file", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["hit_rate"] == pytest.approx(0.64)
@@ -102,8 +102,9 @@ def test_status_fits_80_columns(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     assert "…" not in out, out  # nothing cut
-    for word in ("device", "full", "used/cap", "weight", "written", "corrupt", "state",
-                 "nvme0n1-ssd", "50%", "512.0/1024.0", "1234.00", "13.25", "FAILED"):
+    for word in ("device", "used/all", "used/cap", "weight", "written", "corrupt", "state",
+                 "nvme0n1-ssd", "131072/262144", "512G/1T", "1.2T", "999G", "13.25", "FAILED",
+                 "65536/65536", "64G/64G"):
         assert word in out, (word, out)
 
 
