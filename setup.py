@@ -71,6 +71,11 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
+            # a user's build: no C++ unit tests, no fault injection, even where an earlier
+            # configure of this build tree (a test build) cached them ON; the options that
+            # follow override these
+            "-DKVPOOL_BUILD_TESTS=OFF",
+            "-DKVPOOL_FAULT_INJECTION=OFF",
             *shlex.split(os.environ.get("KVPOOL_CMAKE_ARGS", "")),
         ]
         subprocess.run(["cmake", ext.source_dir, *args], cwd=build_dir, check=True)

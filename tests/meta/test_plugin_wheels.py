@@ -3,7 +3,8 @@
 The wheel is built here without a C++ compiler (``CXX`` points nowhere), as a predictors- or
 CONA-only user builds it: the install succeeds without the C++ core, declares the torch it was
 tested with for the extras that import torch, and each CLI starts from a clean venv; ``kvpool``,
-which needs the core, says what to install. The clean venv gets the wheel alone; its engines
+which needs the core, says what to install. The serving plugin's wheel is built too, with the
+core and as a user gets it (no fault injection), and probes a file through it. Each clean venv gets the wheel alone; its engines
 (torch, lightgbm, ...) come from this checkout's venv through a ``.pth`` line after its own
 site-packages, since the tests must not download (the extras' resolution is read from the
 wheel's metadata instead).
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-pytestmark = pytest.mark.slow  # builds a wheel and a venv: ~20 s
+pytestmark = pytest.mark.slow  # builds two wheels (one compiles the core) and venvs: ~60 s
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTED_TORCH = "2.13.0"  # requirements/test-env.txt
@@ -34,21 +35,24 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def clean_venv(tmp_path_factory) -> tuple[Path, Path]:
-    """(the venv's bin/, the wheel) for a wheel built without a compiler, installed alone."""
-    tmp = tmp_path_factory.mktemp("wheels")
-    # a clone's files (pip builds in the source tree: the checkout's build/ must not be reused)
-    clone = tmp / "clone"
+def clone(tmp_path_factory) -> Path:
+    """A clone's files (pip builds in the source tree: the checkout's build/ must not be used)."""
+    clone = tmp_path_factory.mktemp("clone")
     files = _run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT).stdout
     for rel in filter(None, files.split("\0")):
         if (ROOT / rel).is_file():
             (clone / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, clone / rel)
-    env = {**os.environ, "CXX": str(tmp / "no-compiler" / "g++"), "KVPOOL_BUILD_CORE": "auto"}
+    return clone
+
+
+def _wheel_in_clean_venv(clone: Path, tmp: Path, env: dict[str, str]) -> tuple[Path, Path, str]:
+    """Build the wheel from ``clone`` with ``env``, install it alone into a fresh venv under
+    ``tmp``; returns (the venv's bin/, the wheel, the build's output)."""
+    shutil.rmtree(clone / "build", ignore_errors=True)
     build = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                  "-w", str(tmp / "dist"), str(clone)], env=env, cwd=tmp)  # fmt: skip
+                  "-w", str(tmp / "dist"), str(clone)], env={**os.environ, **env}, cwd=tmp)  # fmt: skip
     assert build.returncode == 0, build.stdout + build.stderr
-    assert "the C++ core vllm_kvpool._kvio was not built" in build.stdout + build.stderr
     wheel = next((tmp / "dist").glob("llm_sys_plugins-*.whl"))
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)]).check_returncode()
@@ -59,7 +63,17 @@ def clean_venv(tmp_path_factory) -> tuple[Path, Path]:
                  str(wheel)], cwd=tmp)  # fmt: skip
     assert inst.returncode == 0, inst.stderr
     (purelib / "zz_engines.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    return venv / "bin", wheel
+    return venv / "bin", wheel, build.stdout + build.stderr
+
+
+@pytest.fixture(scope="module")
+def clean_venv(clone, tmp_path_factory) -> tuple[Path, Path]:
+    """(the venv's bin/, the wheel) for a wheel built without a compiler, installed alone."""
+    tmp = tmp_path_factory.mktemp("pure")
+    bindir, wheel, log = _wheel_in_clean_venv(
+        clone, tmp, {"CXX": str(tmp / "no-compiler" / "g++"), "KVPOOL_BUILD_CORE": "auto"})
+    assert "the C++ core vllm_kvpool._kvio was not built" in log
+    return bindir, wheel
 
 
 def test_extras_declare_the_tested_torch(clean_venv):
@@ -113,3 +127,24 @@ def test_each_cli_runs_from_the_clean_venv(clean_venv, tmp_path):
     assert probe.returncode == 2
     assert "vllm_kvpool._kvio is not built" in probe.stderr and "liburing-dev" in probe.stderr
     assert "Traceback" not in probe.stderr
+
+
+def test_the_serving_plugins_wheel_has_the_core_built_for_users(clone, tmp_path):
+    """The serving plugin's wheel: the core built (a failure would fail the install), without
+    the test build's fault injection, and kvpool probe reading a real file through it."""
+    bindir, wheel, _ = _wheel_in_clean_venv(clone, tmp_path, {"KVPOOL_BUILD_CORE": "1",
+                                                               "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+    with zipfile.ZipFile(wheel) as zf:
+        assert any(n.startswith("vllm_kvpool/_kvio") and n.endswith(".so") for n in zf.namelist())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    info = _run([str(bindir / "python"), "-c", "from vllm_kvpool import _kvio; "
+                 "print(_kvio.__file__, _kvio.fault_injection(), 'uring' in _kvio.backends())"],
+                cwd=tmp_path, env=env)  # fmt: skip
+    path, faults, uring = info.stdout.split()
+    assert path.startswith(str(bindir.parent)) and faults == "False" and uring == "True", info
+    cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}},
+                                  {"ssd": {"path": str(tmp_path / "d.bin"), "capacity": "64MiB"}}],
+                      "probe": {"seconds": 0.2, "size": "16MiB"}})  # fmt: skip
+    probe = _run([str(bindir / "kvpool"), "probe", "--config", cfg], cwd=tmp_path, env=env)
+    assert probe.returncode == 0, probe.stderr
+    assert float(probe.stdout.split("sum_gbps=")[1]) > 0
