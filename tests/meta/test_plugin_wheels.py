@@ -4,10 +4,10 @@ The wheel is built here without a C++ compiler (``CXX`` points nowhere), as a pr
 CONA-only user builds it: the install succeeds without the C++ core, declares the torch it was
 tested with for the extras that import torch, and each CLI starts from a clean venv; ``kvpool``,
 which needs the core, says what to install. The serving plugin's wheel is built too, with the
-core and as a user gets it (no fault injection), and probes a file through it. Each clean venv gets the wheel alone; its engines
-(torch, lightgbm, ...) come from this checkout's venv through a ``.pth`` line after its own
-site-packages, since the tests must not download (the extras' resolution is read from the
-wheel's metadata instead).
+core and as a user gets it (no fault injection), and probes a file through it. Each clean venv
+gets the wheel alone; its engines (torch, lightgbm, ...) come from this checkout's venv through
+a ``.pth`` line after its own site-packages, since the tests must not download (the extras'
+resolution is read from the wheel's metadata instead).
 """
 
 from __future__ import annotations
