@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from predictors.spec import TransformerSpec
@@ -266,8 +267,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_TE_APEX = "Transformer Engine and Apex are not installed"
+
+
+def _fold_te_apex_warnings() -> None:
+    """megatron-core warns from four modules that Transformer Engine and Apex are missing; the
+    first becomes one note and the rest are not shown (other warnings are left as they are)."""
+    show, noted = warnings.showwarning, []
+    if getattr(show, "folds_te_apex", False):  # main() called again in this process
+        return
+
+    def fold(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if _TE_APEX not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        if not noted:
+            noted.append(True)
+            print(f"cona: note: {_TE_APEX}: megatron-core uses its local kernels and Torch "
+                  "optimizers (its warnings about it folded into this line)", file=sys.stderr)
+
+    fold.folds_te_apex = True  # type: ignore[attr-defined]
+    warnings.showwarning = fold
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _fold_te_apex_warnings()
     try:
         if argv[:1] in (["run"], ["ttp"]):
             if argv[0] == "ttp":
