@@ -270,28 +270,36 @@ def _parser() -> argparse.ArgumentParser:
 _TE_APEX = "Transformer Engine and Apex are not installed"
 
 
-def _fold_te_apex_warnings() -> None:
-    """megatron-core warns from four modules that Transformer Engine and Apex are missing; the
-    first becomes one note and the rest are not shown (other warnings are left as they are)."""
-    show, noted = warnings.showwarning, []
-    if getattr(show, "folds_te_apex", False):  # main() called again in this process
-        return
+def _fold_te_apex_warnings() -> list[bool]:
+    """megatron-core warns from four modules that Transformer Engine and Apex are missing: those
+    are not shown (other warnings are left as they are); the list returned gets an entry when
+    one was folded, so that a command that succeeds says it once."""
+    show, folded = warnings.showwarning, []
 
     def fold(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
         if _TE_APEX not in str(message):
             return show(message, category, filename, lineno, file, line)
-        if not noted:
-            noted.append(True)
-            print(f"cona: note: {_TE_APEX}: megatron-core uses its local kernels and Torch "
-                  "optimizers (its warnings about it folded into this line)", file=sys.stderr)
+        folded.append(True)
 
-    fold.folds_te_apex = True  # type: ignore[attr-defined]
     warnings.showwarning = fold
+    return folded
 
 
 def main(argv: list[str] | None = None) -> int:
+    shown = warnings.showwarning
+    folded = _fold_te_apex_warnings()
+    try:
+        rc = _main(argv)
+    finally:
+        warnings.showwarning = shown
+    if rc == 0 and folded:
+        print(f"cona: note: {_TE_APEX}: megatron-core used its local kernels and Torch "
+              "optimizers (its warnings about it folded into this line)", file=sys.stderr)
+    return rc
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _fold_te_apex_warnings()
     try:
         if argv[:1] in (["run"], ["ttp"]):
             if argv[0] == "ttp":
