@@ -21,8 +21,11 @@ cpptest: bootstrap
 	$(VENV)/bin/cmake --build build/cpptest --target kvio_unit_tests kvio_fault_tests -j 2 >/dev/null
 	$(VENV)/bin/ctest --test-dir build/cpptest --output-on-failure
 
-# The SPDK backend against real NVMe/TCP targets, beside the recipe (/work/shared/spdk/RECIPE.md):
-# SPDK built outside the repo, the module rebuilt with PKG_CONFIG_PATH=$$SPDK_DIR/lib/pkgconfig.
+# The SPDK backend against real NVMe/TCP targets (docs/kvio-spdk.md; how SPDK was built here:
+# ../shared/spdk/RECIPE.md beside the clone): SPDK built outside the repo, the module rebuilt with
+# PKG_CONFIG_PATH=$$SPDK_DIR/lib/pkgconfig and KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON
+# -DKVPOOL_WITH_SPDK=ON" (keeps make test's fault injection). Gives back the huge pages and the
+# /dev/hugepages mount its targets took.
 # CI has no SPDK: there these tests skip with the reason.
 spdk-check:
 	PY=$(PY) bash scripts/spdk_check.sh

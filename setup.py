@@ -2,6 +2,12 @@
 
 The C++ core in csrc/ is built by CMake into the pybind11 module ``vllm_kvpool._kvio``.
 Pass CMake options through ``KVPOOL_CMAKE_ARGS``, e.g. ``KVPOOL_CMAKE_ARGS=-DKVPOOL_WITH_SPDK=ON``.
+
+Only the serving plugin uses the core, so a predictors or CONA user needs no compiler and no
+liburing: ``KVPOOL_BUILD_CORE`` is ``auto`` (default: build it; where that fails, e.g. no g++
+or liburing-dev, warn and install without it; ``kvpool`` then names what to install), ``1``
+(a failed build fails the install; so does any failure while ``KVPOOL_CMAKE_ARGS`` is set) or
+``0`` (never build it: a pure-Python install).
 """
 
 from __future__ import annotations
@@ -24,10 +30,36 @@ class CMakeExtension(Extension):
         self.source_dir = str(source_dir)
 
 
+def _build_core_mode() -> str:
+    mode = os.environ.get("KVPOOL_BUILD_CORE", "auto").strip().lower()
+    if mode not in ("auto", "1", "0"):
+        raise SystemExit(f"KVPOOL_BUILD_CORE must be auto, 1 or 0, got {mode!r}")
+    return mode
+
+
 class CMakeBuild(build_ext):
+    def run(self) -> None:
+        if _build_core_mode() == "0":
+            print("llm-sys-plugins: KVPOOL_BUILD_CORE=0: the C++ core vllm_kvpool._kvio is not "
+                  "built (kvpool needs it; predict and cona do not)", file=sys.stderr)
+            self.extensions = [e for e in self.extensions if not isinstance(e, CMakeExtension)]
+        super().run()
+
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
+        try:
+            self._cmake(ext)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            if _build_core_mode() == "1" or os.environ.get("KVPOOL_CMAKE_ARGS", "").strip():
+                raise  # asked for the core (or for options of it): its failure is the answer
+            # The predictors and CONA do not use the core: their users install without it.
+            print(f"llm-sys-plugins: WARNING: the C++ core vllm_kvpool._kvio was not built "
+                  f"({exc}); predict and cona work without it, kvpool needs it: install g++, "
+                  "cmake, pkg-config and liburing-dev, then reinstall with KVPOOL_BUILD_CORE=1 "
+                  "to see the build's error", file=sys.stderr)
+
+    def _cmake(self, ext: CMakeExtension) -> None:
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
@@ -39,6 +71,11 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
+            # a user's build: no C++ unit tests, no fault injection, even where an earlier
+            # configure of this build tree (a test build) cached them ON; the options that
+            # follow override these
+            "-DKVPOOL_BUILD_TESTS=OFF",
+            "-DKVPOOL_FAULT_INJECTION=OFF",
             *shlex.split(os.environ.get("KVPOOL_CMAKE_ARGS", "")),
         ]
         subprocess.run(["cmake", ext.source_dir, *args], cwd=build_dir, check=True)
@@ -49,8 +86,11 @@ class CMakeBuild(build_ext):
 
 
 VLLM_CUDA = "vllm>=0.32,<0.34"
-MEGATRON = ["megatron-core>=0.16,<0.20", "numpy", "packaging"]
-PREDICTORS = ["lightgbm>=4", "nvidia-ml-py", "pandas", "pyarrow"]
+# The torch tested with the predictors and CONA (requirements/test-env.txt): pinned so that
+# megatron-core, which asks for any torch, does not pull an untested one.
+TORCH = "torch>=2.13,<2.14"
+MEGATRON = ["megatron-core>=0.16,<0.20", TORCH, "numpy", "packaging"]
+PREDICTORS = [TORCH, "lightgbm>=4", "nvidia-ml-py", "pandas", "pyarrow"]
 COMMON = ["pyyaml", "rich", "tqdm", "matplotlib"]
 
 extras = {

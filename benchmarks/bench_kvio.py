@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("uring", "spdk"), default="uring",
                     help="uring: vs buffered read(); spdk: vs spdk_nvme_perf")
-    ap.add_argument("--size-gib", type=float, default=2.0, help="bytes to read per method (>= 2)")
+    ap.add_argument("--size-gib", type=float, default=2.0, help="GiB to read per method (> 0, default 2; any size works: "
+                         "with spdk, at most the target namespace, e.g. 1.5 on "
+                         "KVPOOL_TGT_MALLOC_MIB=1536 as in docs/kvio-spdk.md)")
     ap.add_argument("--chunk-mib", type=int, default=2, help="chunk size in MiB")
     ap.add_argument("--queue-depth", type=int, default=32, help="ops (chunks) in flight")
     ap.add_argument("--repeats", type=int, default=None,

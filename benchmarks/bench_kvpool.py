@@ -869,7 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", nargs="*", choices=("S1", "S1-spdk", "S2", "S3"), default=None)
     p.add_argument("--spdk-trid", default="",
                    help="also run S1-spdk: S1 with its SSD share on this SPDK namespace (an "
-                        "NVMe/TCP target, /work/shared/spdk/RECIPE.md; the module built with SPDK)")
+                        "NVMe/TCP target, docs/kvio-spdk.md; the module built with SPDK)")
     p.add_argument("--throttle-mbps", type=int, default=1500,
                    help="read limit of the second SSD (cgroup io.max / blkio)")  # fmt: skip
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if importable")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from predictors.spec import TransformerSpec
@@ -66,8 +67,10 @@ def _plan(args: argparse.Namespace) -> None:
     times = PredictorThroughput(model, args.precision, args.device)
     rows = sorted((estimate(s, times.iteration_time(s), args.noise_scale, args.base_batch,
                             "predicted") for s in cands.kept), key=lambda e: -e.goodput)
+    ranking = (f"goodput with noise scale {args.noise_scale:g}" if math.isfinite(args.noise_scale)
+               else "ranked by throughput (no --noise-scale given: statistical efficiency 1)")
     table = Table(title=f"{len(cands.kept)} candidates on {args.world}x {args.device} "
-                  f"({args.precision}); goodput with noise scale {args.noise_scale}")
+                  f"({args.precision}); {ranking}")
     for col in ("strategy", "iter time (ms)", "samples/s", "efficiency", "goodput"):
         table.add_column(col, justify="right")
     for e in rows[: args.top]:
@@ -279,7 +282,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_TE_APEX = "Transformer Engine and Apex are not installed"
+
+
+def _fold_te_apex_warnings() -> list[bool]:
+    """megatron-core warns from four modules that Transformer Engine and Apex are missing: those
+    are not shown (other warnings are left as they are); the list returned gets an entry when
+    one was folded, so that a command that succeeds says it once."""
+    show, folded = warnings.showwarning, []
+
+    def fold(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if _TE_APEX not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        folded.append(True)
+
+    warnings.showwarning = fold
+    return folded
+
+
 def main(argv: list[str] | None = None) -> int:
+    shown = warnings.showwarning
+    folded = _fold_te_apex_warnings()
+    try:
+        rc = _main(argv)
+    finally:
+        warnings.showwarning = shown
+    if rc == 0 and folded:
+        print(f"cona: note: {_TE_APEX}: megatron-core used its local kernels and Torch "
+              "optimizers (its warnings about it folded into this line)", file=sys.stderr)
+    return rc
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] in (["run"], ["ttp"]):

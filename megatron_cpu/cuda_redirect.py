@@ -18,6 +18,7 @@ The plugin (``megatron_cona``) never imports this module; the CPU launcher
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 import warnings
 
@@ -91,6 +92,32 @@ def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Te
     return torch.get_rng_state()
 
 
+RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+class _RngWarningOnce(logging.Filter):
+    """Megatron's RNG tracker warns when the CPU RNG moved inside a CUDA RNG fork; with the
+    CUDA RNG mapped onto the CPU generator that is every fork (288 of a 12-iteration run's 307
+    lines). Rank 0's first is kept, with why; the rest are dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if RNG_WARNING not in record.getMessage():
+            return True
+        if self.seen:
+            return False
+        self.seen = True
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return False  # rank 0 says it for all
+        record.msg = (f"{RNG_WARNING} (expected on CPU: the CUDA RNG is redirected to the CPU "
+                      "generator, so every RNG fork moves it; shown once, further ones dropped)")
+        record.args = ()
+        return True
+
+
 def install() -> None:
     """Redirect CUDA use to CPU for the rest of this process (idempotent)."""
     global _installed
@@ -98,6 +125,7 @@ def install() -> None:
         return
     _installed = True
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).*")
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_RngWarningOnce())
     _CudaToCpu().__enter__()  # stays active for the process lifetime
 
     cuda = torch.cuda

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -219,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "module", None) and "" not in sys.path and os.getcwd() not in sys.path:
+        # `--module mypkg.models:build` names the user's code: resolve it from the working
+        # directory, as `python -m` would (a console script does not put it on the path)
+        sys.path.insert(0, os.getcwd())
     from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError
     from predictors.spec import StrategyError
     from predictors.spec.precision import UnknownPrecisionError

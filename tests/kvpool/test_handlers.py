@@ -26,7 +26,7 @@ def spdk_skip_reason() -> str | None:
     if "spdk" not in kvio().backends():
         return "module built without SPDK (pkg-config found no spdk_nvme/spdk_env_dpdk)"
     if not SPDK_TRID:
-        return "KVPOOL_SPDK_TRID is not set (see /work/shared/spdk/RECIPE.md)"
+        return "KVPOOL_SPDK_TRID is not set (see docs/kvio-spdk.md)"
     if "trtype:TCP" in SPDK_TRID:
         addr, port = re.search(r"traddr:(\S+)", SPDK_TRID), re.search(r"trsvcid:(\d+)", SPDK_TRID)
         try:

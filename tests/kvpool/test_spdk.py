@@ -4,7 +4,7 @@ no-connector server while the target is SIGKILLed and restarted mid-run (misses,
 again, never wrong bytes).
 
 SPDK is in no package registry, so these tests skip in CI; `make spdk-check SPDK_DIR=...` runs
-them beside the recipe (/work/shared/spdk/RECIPE.md, docs/kvio-spdk.md). Each test starts its
+them beside the recipe (docs/kvio-spdk.md; ../shared/spdk/RECIPE.md beside the clone). Each test starts its
 own target with `scripts/spdk_nvmf_target.sh` (its own state dir and port) and stops it.
 """
 
