@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 from predictors.spec.precision import Precision
 
 log = logging.getLogger("megatron_cona.candidates")
@@ -193,12 +193,19 @@ class PredictorMemory:
     micro-batch as the batch; the CUDA context is per process, not divided by ``tp``.
     """
 
-    def __init__(self, capacity_gib: float | str = 80) -> None:
+    def __init__(self, capacity_gib: float | str = 80, architecture: str | None = None,
+                 options: TrainingOptions | None = None) -> None:
+        """``architecture``: the GPU generation (``"hopper"`` / ``"pre-hopper"``, its CUDA
+        context and allocator overheads); ``options``: the job's distributed optimizer / FSDP
+        and recompute, which change what a rank holds."""
         self.capacity_gib = capacity_gib
+        self.architecture = architecture
+        self.options = options
 
     def peak_bytes(self, model: TransformerSpec, strategy: ParallelStrategy,
                    precision: Precision) -> float:
         from predictors.memory.api import predict_peak_memory
 
         return predict_peak_memory(model, strategy=strategy, precision=precision.name,
-                                   capacity_gib=self.capacity_gib).device_total
+                                   capacity_gib=self.capacity_gib, options=self.options,
+                                   architecture=self.architecture).device_total

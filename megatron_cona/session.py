@@ -44,6 +44,7 @@ from megatron_cona.lr_scaling import BatchLR
 from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
 from megatron_cona.progress import ProgressMonitor, Verdict
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec.engines import from_megatron_args
 from predictors.spec.precision import get_precision
 
 log = logging.getLogger("megatron_cona.session")
@@ -342,6 +343,16 @@ def base_throughput(model: TransformerSpec, precision: str, device: str) -> Thro
     return PredictorThroughput(model, precision, "local" if device == "auto" else device)
 
 
+def memory_model_for(total_bytes: int, compute_major: int, args, world_size: int
+                     ) -> PredictorMemory:
+    """The memory filter for the job's own device and options: the GPU generation from its
+    compute capability (Hopper's context and allocator overheads from 9.x on, never from the
+    card's size alone), the distributed optimizer / FSDP and recompute from its flags."""
+    options = from_megatron_args(args, world_size)[2]
+    return PredictorMemory(total_bytes / 2**30, "hopper" if compute_major >= 9 else "pre-hopper",
+                           options)
+
+
 def session_from_args(args, settings: ConaSettings, model: TransformerSpec, world_size: int,
                       precision: str, executor: Executor, base: ThroughputModel | None = None,
                       write_log: bool = True) -> ConaSession:
@@ -349,10 +360,11 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
     ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer."""
     memory = {}
     if torch.cuda.is_available():  # drop candidates predicted not to fit this GPU
-        capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
         memory = dict(precision=get_precision(precision),
-                      memory_model=PredictorMemory(capacity / 2**30),
-                      memory_limit_bytes=capacity)
+                      memory_model=memory_model_for(props.total_memory, props.major, args,
+                                                    world_size),
+                      memory_limit_bytes=props.total_memory)
     candidates = enumerate_candidates(world_size, model, settings.candidates, **memory)
     log.info("CONA: %d candidates, %d rejected", len(candidates), len(candidates.rejected))
     policy = SwitchPolicy(PolicyConfig(min_gain=settings.min_gain,

@@ -93,7 +93,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
                         num_microbatches: int | None = None,
                         sequence_parallel: bool = False,
                         strategy: ParallelStrategy | None = None,
-                        options: TrainingOptions | None = None) -> MemoryPrediction:
+                        options: TrainingOptions | None = None,
+                        architecture: str | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits ``capacity_gib``
     (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
     fixes the relative safety margin; by default it is the model's predicted uncertainty.
@@ -104,7 +105,9 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
     tower's ``seq_length``. ``strategy`` (the one :class:`ParallelStrategy`) gives ``batch``,
     ``dp``, ``tp``, ``pp`` and ``num_microbatches`` in their place; ``options`` (the one
     :class:`TrainingOptions`) give ``zero`` (distributed optimizer: 1, FSDP: 3) and
-    ``checkpointing`` (its ``recompute``)."""
+    ``checkpointing`` (its ``recompute``). ``architecture`` (``"hopper"`` or ``"pre-hopper"``)
+    names the GPU generation whose CUDA context and allocator overheads apply; by default a card
+    key's own, else Hopper's above 48 GiB (an A100-80GB is not Hopper: say so)."""
     if options is not None:
         if options.recompute not in CHECKPOINTING:
             raise ModelSpecError(f"recompute={options.recompute!r} is not modelled by the memory "
@@ -141,6 +144,12 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
     else:
         capacity = int(float(capacity_gib) * GiB)
         overheads = HOPPER if capacity > 48 * GiB else PRE_HOPPER
+    if architecture is not None:
+        by_name = {o.name: o for o in (HOPPER, PRE_HOPPER)}
+        if architecture not in by_name:
+            raise ModelSpecError(f"architecture={architecture!r}: choose one of "
+                                 f"{', '.join(by_name)}")
+        overheads = by_name[architecture]
     reserved, est, predicted_margin = _shipped_model().predict(spec, cfg, overheads)
     margin = predicted_margin if margin is None else margin
     inflight = min(pp, num_microbatches or pp)

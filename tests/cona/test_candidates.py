@@ -90,3 +90,30 @@ def test_memory_predictor_drops_what_a_small_card_cannot_hold():
     dropped = {r.strategy for r in cands.rejected}
     assert ParallelStrategy(8, 1, 1, 8, 64) in dropped  # 1.3B unsharded, micro-batch 8
     assert ParallelStrategy(1, 8, 1, 1, 64) in cands.kept  # 8-way tensor parallel, micro 1
+
+
+def test_memory_filter_uses_the_jobs_device_and_options():
+    """An A100-80GB (compute 8.0) gets Ampere's CUDA context, not Hopper's by its size; the
+    job's distributed optimizer shards the Adam states, so a rank holds less."""
+    import argparse
+
+    from megatron_cona.session import memory_model_for
+
+    model = TransformerSpec("gpt", 24, 2048, 16, 1024, 51200)
+    strategy = ParallelStrategy(8, 1, 1, 1, 64)
+    precision = get_precision("bf16-mixed")
+
+    def args(**flags):
+        return argparse.Namespace(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                                  seq_length=1024, micro_batch_size=1, global_batch_size=64,
+                                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  **flags)
+
+    ampere = memory_model_for(80 * 2**30, 8, args(), 8)
+    hopper = memory_model_for(80 * 2**30, 9, args(), 8)
+    assert (ampere.architecture, hopper.architecture) == ("pre-hopper", "hopper")
+    a, h = (m.peak_bytes(model, strategy, precision) for m in (ampere, hopper))
+    assert a < h  # Ampere's smaller context and allocator overheads
+    zero = memory_model_for(80 * 2**30, 9, args(use_distributed_optimizer=True), 8)
+    assert zero.options.distributed_optimizer
+    assert zero.peak_bytes(model, strategy, precision) < h
