@@ -75,6 +75,12 @@ class SimOptions:
             raise LawError(f"gpus={self.gpus} must be positive GPU counts")
 
 
+def architecture(device) -> str:
+    """The memory predictor's GPU generation for a device of ``predictors.devices``: Hopper's
+    overheads from Hopper on (B200 included: not measured, the larger of the two)."""
+    return "pre-hopper" if device.family in ("v100", "a100", "l40s") else "hopper"
+
+
 @dataclass
 class World:
     """What one (family, GPU count) shares across law variants: clock, candidates, CONA's
@@ -106,7 +112,8 @@ def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tupl
     found = enumerate_candidates(gpus, spec, CandidateSpec(
         layouts=layouts, micro_batches=opts.micro_batches, global_batch_range=(lo, hi)),
         precision=get_precision(fam.precision), memory_model=PredictorMemory(
-            device.memory_bytes / 2**30), memory_limit_bytes=device.memory_bytes)
+            device.memory_bytes / 2**30, architecture(device)),
+        memory_limit_bytes=device.memory_bytes)
     times = PredictedTimes(spec, gpus, fam.precision, opts.device)
     link = device.intra_bw if gpus <= device.devices_per_node else device.inter_bw
     clock = SimulatedClock(times, switch_costs[0], switch_costs[1], link)
@@ -137,7 +144,8 @@ def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
                            device.intra_bw)
     found = enumerate_candidates(8, GPT_1_3B, CandidateSpec(micro_batches=(1, 2, 4, 8)),
                                  precision=get_precision("fp16-mixed"),
-                                 memory_model=PredictorMemory(device.memory_bytes / 2**30),
+                                 memory_model=PredictorMemory(device.memory_bytes / 2**30,
+                                                              architecture(device)),
                                  memory_limit_bytes=device.memory_bytes)
     kept = [s for s in found.kept if clock.measured.lookup(s) is not None]
     batches = sorted({s.global_batch_size for s in kept})
