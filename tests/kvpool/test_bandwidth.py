@@ -211,3 +211,16 @@ def test_the_service_refuses_a_bad_report_naming_the_field(served, row, bad):
     assert reply["ok"] is False and f"field '{bad}" in reply["error"], reply
     # Nothing of the report was applied, the good row after the bad one included.
     assert [(r.moved, r.gbps) for r in service.pool.weights.reads] == before
+
+
+def test_config_sets_when_the_measurement_takes_over_and_names_a_bad_field():
+    from vllm_kvpool.config import PoolConfigError
+
+    cfg = parse_pool_config({**_config(), "probe": {"learn_after": "1GiB", "half_life": "4GiB"}})
+    assert (cfg.probe.learn_after, cfg.probe.half_life) == (2**30, 4 * 2**30)
+    assert parse_pool_config(cfg.to_dict()).probe == cfg.probe  # round trip (the service's copy)
+    for probe, bad in [({"learn_after": 0}, "probe.learn_after"),
+                       ({"half_life": "-1MiB"}, "probe.half_life"),
+                       ({"drift_threshold": 0.3}, "probe.drift_threshold")]:  # fmt: skip
+        with pytest.raises(PoolConfigError, match=bad.replace(".", r"\.")):
+            parse_pool_config({**_config(), "probe": probe})
