@@ -127,6 +127,11 @@ def _bytes(n: float) -> str:
     return f"{n:.2g}{unit}" if unit and n < 10 else f"{n:.0f}{unit}"
 
 
+def _gbps(value: float | None) -> str:
+    """A measured bandwidth, "-" until enough bytes moved to measure it."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _status(args: argparse.Namespace) -> int:
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
@@ -145,15 +150,15 @@ def _status(args: argparse.Namespace) -> int:
                             f"hit rate {status.lookups.hit_rate:.1%}, "
                             f"evictions {status.lookups.evictions})",
                       box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)  # fmt: skip
-        for col in ("device", "chunks\nused/all", "bytes\nused/cap", "weight\nGB/s", "bytes\nread",
-                    "read\nGB/s", "bytes\nwritten", "corrupt", "state"):
+        for col in ("device", "chunks\nused/all", "bytes\nused/cap", "probe\nGB/s", "meas.\nGB/s",
+                    "bytes\nread", "bytes\nwritten", "corrupt", "state"):
             table.add_column(col, no_wrap=True)
         for u in status.usage:
             c = status.transfers.devices.get(u.name)
             table.add_row(u.name, f"{u.used_slots}/{u.total_slots}",
                           f"{_bytes(u.used_bytes)}/{_bytes(u.capacity_bytes)}",
-                          f"{u.weight_gbps:.2f}", _bytes(c.bytes_read if c else 0),
-                          f"{c.read_gbps if c else 0:.2f}", _bytes(c.bytes_written if c else 0),
+                          f"{u.probe_gbps:.2f}", _gbps(u.measured_read_gbps),
+                          _bytes(c.bytes_read if c else 0), _bytes(c.bytes_written if c else 0),
                           str(c.corrupt if c else 0), "FAILED" if u.failed else "ok")  # fmt: skip
         Console().print(table)
         fetch = status.transfers.fetch_seconds

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_kvpool.bandwidth import DEFAULT_HALF_LIFE, DEFAULT_LEARN_AFTER
 from vllm_kvpool.media import COMMON_FIELDS, MediumSettings, media
 
 PlacementPolicy = Literal["bandwidth", "round_robin", "single_tier_serial"]
@@ -77,7 +78,9 @@ class ProbeConfig:
     enabled: bool = True
     seconds: float = 0.5  # per device
     size: int = 64 * 2**20  # bytes moved per probe pass
-    drift_threshold: float = 0.3  # re-weight when observed GB/s moves by more than this fraction
+    # The measured bandwidth (``bandwidth``) replaces the probe's once this many bytes moved
+    learn_after: int = DEFAULT_LEARN_AFTER
+    half_life: int = DEFAULT_HALF_LIFE  # bytes after which a measurement's weight has halved
 
 
 def default_service_socket() -> str:
@@ -250,7 +253,7 @@ _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load
              "verify_checksums", "copy_threads", "save_decode", "staging",
              "device_retry_seconds", "service"}  # fmt: skip
 _SERVICE_KEYS = {"socket", "autostart", "start_timeout"}
-_PROBE_KEYS = {"enabled", "seconds", "size", "drift_threshold"}
+_PROBE_KEYS = {"enabled", "seconds", "size", "learn_after", "half_life"}
 
 
 def parse_pool_config(raw: Any) -> PoolConfig:
@@ -262,12 +265,13 @@ def parse_pool_config(raw: Any) -> PoolConfig:
                                          f"(media: {_media_list()})")  # fmt: skip
     devices = _name_devices([_parse_device(d, i) for i, d in enumerate(devices_raw)])
     probe_raw = _check_keys(raw.get("probe", {}), _PROBE_KEYS, "probe")
-    drift = float_field(probe_raw, "drift_threshold", 0.3, "probe")
     probe = ProbeConfig(
         enabled=bool_field(probe_raw, "enabled", True, "probe"),
         seconds=float_field(probe_raw, "seconds", 0.5, "probe"),
         size=parse_size(probe_raw.get("size", 64 * 2**20), "probe.size"),
-        drift_threshold=drift,
+        learn_after=parse_size(probe_raw.get("learn_after", DEFAULT_LEARN_AFTER),
+                               "probe.learn_after"),
+        half_life=parse_size(probe_raw.get("half_life", DEFAULT_HALF_LIFE), "probe.half_life"),
     )
     return PoolConfig(
         devices=devices,

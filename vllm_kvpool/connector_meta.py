@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_kvpool.metrics import reduce_counters
+from vllm_kvpool.metrics import GAUGE, reduce_counters
 from vllm_kvpool.protocol import ChunkSave, LoadRequest, WorkerReport
 
 
@@ -45,7 +45,7 @@ class KVPoolStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            self.data[key] = value if key.startswith(GAUGE) else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:

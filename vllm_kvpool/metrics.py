@@ -102,8 +102,11 @@ class DeviceUsage:
     used_slots: int
     total_slots: int
     slot_bytes: int
-    weight_gbps: float
+    weight_gbps: float  # placement's weight: the measured read GB/s, else the probe's
     failed: bool
+    probe_gbps: float = 0.0  # the probe's figure (the prior)
+    measured_read_gbps: float | None = None  # bandwidth measured in service (``bandwidth``)
+    measured_write_gbps: float | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -228,6 +231,20 @@ def flat_counters(status: PoolStatus) -> dict[str, float]:
     return out
 
 
+GAUGE = "gauge:"  # a stats key whose latest value holds (not summed over intervals)
+
+
+def flat_gauges(status: PoolStatus) -> dict[str, float]:
+    """Each device's read bandwidth: the probe's figure and, once learned, the one measured in
+    service (``bandwidth``), for vLLM's stats hook beside the counters."""
+    out: dict[str, float] = {}
+    for u in status.usage:
+        out[f"{GAUGE}probe_GBps:{u.name}"] = u.probe_gbps
+        if u.measured_read_gbps is not None:
+            out[f"{GAUGE}measured_GBps:{u.name}"] = u.measured_read_gbps
+    return out
+
+
 def counter_delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
@@ -243,7 +260,9 @@ def reduce_counters(data: dict[str, float]) -> dict[str, float]:
     if data.get("fetch_count"):
         out["fetch_ms_mean"] = round(1e3 * data["fetch_seconds_sum"] / data["fetch_count"], 2)
     for key, value in data.items():
-        if key.startswith("bytes_read:") and value:
+        if key.startswith(GAUGE):
+            out[key.removeprefix(GAUGE)] = round(value, 2)
+        elif key.startswith("bytes_read:") and value:
             name = key.split(":", 1)[1]
             out[f"read_GiB:{name}"] = round(value / 2**30, 3)
             secs = data.get(f"read_seconds:{name}", 0)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_kvpool.bandwidth import DEFAULT_HALF_LIFE, DEFAULT_LEARN_AFTER, OPS, RateEstimate
 from vllm_kvpool.config import PlacementPolicy
 
 
@@ -124,46 +125,44 @@ class Placement:
         return interleave(new)
 
 
-@dataclass
 class DeviceWeights:
-    """Bandwidth weights (GB/s) with drift detection and failure marking."""
+    """Placement weights (GB/s): each device's read bandwidth, the probe's figure until the
+    pool's own reads have measured it (``bandwidth.RateEstimate``), and failure marking.
+    Writes are measured too (shown beside the reads); placement follows reads, because it
+    balances the fetch (fetch time = max_d(bytes_d / read_bw_d))."""
 
-    gbps: list[float]
-    drift_threshold: float = 0.3
-    smoothing: float = 0.3  # EWMA factor for observed bandwidth
-    failed: list[bool] = field(default_factory=list)
-    observed: list[float | None] = field(default_factory=list)
-    version: int = 0  # bumps whenever the weights change
+    def __init__(self, probe_gbps: Sequence[float], learn_after: int = DEFAULT_LEARN_AFTER,
+                 half_life: int = DEFAULT_HALF_LIFE) -> None:  # fmt: skip
+        self.probe_gbps = list(probe_gbps)
+        self.reads = [RateEstimate(g, learn_after, half_life) for g in self.probe_gbps]
+        self.writes = [RateEstimate(g, learn_after, half_life) for g in self.probe_gbps]
+        self.failed = [False] * len(self.probe_gbps)
 
-    def __post_init__(self) -> None:
-        n = len(self.gbps)
-        self.failed = self.failed or [False] * n
-        self.observed = self.observed or [None] * n
+    @property
+    def gbps(self) -> list[float]:
+        """The current read estimates (measured, else the probe's)."""
+        return [r.gbps for r in self.reads]
 
     def effective(self) -> list[float]:
-        return [0.0 if f else g for g, f in zip(self.gbps, self.failed, strict=True)]
+        return [0.0 if f else r.gbps for r, f in zip(self.reads, self.failed, strict=True)]
 
-    def observe(self, device: int, nbytes: int, seconds: float) -> bool:
-        """Fold one transfer's throughput in; returns True when the weight was refreshed."""
-        if seconds <= 0 or nbytes <= 0 or self.failed[device]:
-            return False
-        gbps = nbytes / seconds / 1e9
-        prev = self.observed[device]
-        ewma = gbps if prev is None else (1 - self.smoothing) * prev + self.smoothing * gbps
-        self.observed[device] = ewma
-        if abs(ewma - self.gbps[device]) > self.drift_threshold * self.gbps[device]:
-            self.gbps[device] = ewma
-            self.version += 1
-            return True
-        return False
+    def observe(self, device: int, op: str, nbytes: int, seconds: float) -> bool:
+        """Fold one transfer in (``op`` "read" or "write"); True when this made the device's
+        read estimate switch from the probe's figure to the measured one."""
+        if op not in OPS:
+            raise ValueError(f"op: {op!r} is not one of {', '.join(OPS)}")
+        if self.failed[device]:
+            return False  # a failing device's timings describe its errors, not its speed
+        est = self.reads[device] if op == "read" else self.writes[device]
+        before = est.measured_gbps is None
+        est.observe(nbytes, seconds)
+        return op == "read" and before and est.measured_gbps is not None
 
     def fail(self, device: int) -> None:
-        if not self.failed[device]:
-            self.failed[device] = True
-            self.version += 1
+        self.failed[device] = True
 
     def restore(self, device: int) -> None:
         if self.failed[device]:
             self.failed[device] = False
-            self.observed[device] = None  # re-learn its throughput from scratch
-            self.version += 1
+            self.reads[device].reset()  # re-learn its throughput from the prior
+            self.writes[device].reset()

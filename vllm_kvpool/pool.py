@@ -308,10 +308,11 @@ class UnifiedPool:
             if self.weights.failed[device] and device not in report.failed_devices:
                 logger.warning("kvpool: %s works again; it takes new chunks", names[device])
                 self.restore_device(device)
-        for device, nbytes, seconds in report.observations:
-            if self.weights.observe(device, nbytes, seconds):
-                logger.info("kvpool: re-weighted %s to %.2f GB/s", names[device],
-                            self.weights.gbps[device])  # fmt: skip
+        for device, op, nbytes, seconds in report.observations:
+            if self.weights.observe(device, op, nbytes, seconds):
+                logger.info("kvpool: %s: measured %.2f GB/s replaces the probe's %.2f as its "
+                            "placement weight", names[device], self.weights.gbps[device],
+                            self.weights.probe_gbps[device])  # fmt: skip
         self.transfers.merge(report.counters)
         return settled
 
@@ -323,11 +324,12 @@ class UnifiedPool:
 
     # -- reporting -------------------------------------------------------------------------
     def status(self) -> PoolStatus:
+        w = self.weights
         usage = [
             DeviceUsage(d.name, d.kind, alloc.total - alloc.num_free, alloc.total,
-                        self.layout.slot_bytes, w, failed)  # fmt: skip
-            for d, alloc, w, failed in zip(self.config.devices, self.slots, self.weights.gbps,
-                                           self.weights.failed, strict=True)  # fmt: skip
+                        self.layout.slot_bytes, w.reads[i].gbps, w.failed[i], w.probe_gbps[i],
+                        w.reads[i].measured_gbps, w.writes[i].measured_gbps)  # fmt: skip
+            for i, (d, alloc) in enumerate(zip(self.config.devices, self.slots, strict=True))
         ]
         return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,
                           self.config.chunk_tokens, copies=self.world_size)  # fmt: skip

@@ -39,7 +39,7 @@ def open_pool(config: PoolConfig, layout: ChunkLayout, world_size: int, engine: 
             zip((d.name for d in config.devices), gbps, strict=True)))  # fmt: skip
     else:
         gbps = list(bandwidths)
-    pool = UnifiedPool(config, layout, DeviceWeights(gbps, config.probe.drift_threshold),
+    pool = UnifiedPool(config, layout, DeviceWeights(gbps, config.probe.learn_after, config.probe.half_life),
                        world_size)  # fmt: skip
     for device, chunks in restorable_chunks(config, layout, world_size).items():
         if n := pool.restore(device, chunks):

@@ -53,7 +53,8 @@ class WorkerReport:
     corrupt: list[bytes] = field(default_factory=list)
     failed_devices: dict[int, str] = field(default_factory=dict)
     recovered_devices: list[int] = field(default_factory=list)  # failed, now working again
-    observations: list[tuple[int, int, float]] = field(default_factory=list)  # dev, bytes, secs
+    # (device, "read" | "write", bytes, busy seconds): the bandwidth measured in service
+    observations: list[tuple[int, str, int, float]] = field(default_factory=list)
     counters: TransferCounters = field(default_factory=TransferCounters)
 
     def merge(self, other: WorkerReport) -> WorkerReport:

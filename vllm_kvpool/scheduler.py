@@ -18,7 +18,7 @@ from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.connector_meta import KVPoolStats, PoolStepMetadata, PoolWorkerMetadata
 from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.layout import ChunkLayout
-from vllm_kvpool.metrics import counter_delta, flat_counters
+from vllm_kvpool.metrics import counter_delta, flat_counters, flat_gauges
 from vllm_kvpool.pool import prefix_blocks
 from vllm_kvpool.pools import open_pool
 from vllm_kvpool.protocol import LoadRequest, WorkerReport
@@ -65,6 +65,7 @@ class PoolScheduler:
         self._save_owner: dict[bytes, str] = {}
         self._next_meta = PoolStepMetadata()
         self._stats_sent: dict[str, float] = {}
+        self._gauges_sent: dict[str, float] = {}
         self._status_written = 0.0
 
     # -- lookups and loads -----------------------------------------------------------------
@@ -229,10 +230,13 @@ class PoolScheduler:
 
     # -- status ----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVPoolStats | None:
-        now = flat_counters(self.pool.status())
+        status = self.pool.status()
+        now, gauges = flat_counters(status), flat_gauges(status)
         delta = counter_delta(now, self._stats_sent)
-        self._stats_sent = now
-        return KVPoolStats(data=delta) if delta else None
+        if not delta and gauges == self._gauges_sent:
+            return None
+        self._stats_sent, self._gauges_sent = now, gauges
+        return KVPoolStats(data={**delta, **gauges})
 
     def write_status(self) -> None:
         try:

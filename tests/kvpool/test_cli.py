@@ -89,8 +89,9 @@ def test_validate_defaults_to_the_installed_engines_block_size(capsys):
 def test_status_fits_80_columns(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     status = PoolStatus(
-        usage=[DeviceUsage("host0-numa1", "host", 65536, 65536, 1 << 20, 123.45, False),
-               DeviceUsage("nvme0n1-ssd", "ssd", 131072, 262144, 4 << 20, 6.75, True)],
+        usage=[DeviceUsage("host0-numa1", "host", 65536, 65536, 1 << 20, 123.45, False, 123.45),
+               DeviceUsage("nvme0n1-ssd", "ssd", 131072, 262144, 4 << 20, 2.25, True, 6.75,
+                           2.25)],
         lookups=LookupCounters(query_tokens=1000, hit_tokens=640),
         transfers=TransferCounters({"nvme0n1-ssd": DeviceCounters(
             bytes_read=1234 << 30, read_seconds=100.0, bytes_written=999 << 30, corrupt=12)},
@@ -102,8 +103,12 @@ def test_status_fits_80_columns(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     assert "…" not in out, out  # nothing cut
-    for word in ("device", "used/all", "used/cap", "weight", "written", "corrupt", "state",
-                 "nvme0n1-ssd", "131072/262144", "512G/1T", "1.2T", "999G", "13.25", "FAILED",
+    # The probe's figure beside the one measured in service ("-": not measured yet).
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["host0-numa1"][3:5] == ["123.45", "-"], out
+    assert rows["nvme0n1-ssd"][3:5] == ["6.75", "2.25"], out
+    for word in ("device", "used/all", "used/cap", "probe", "meas.", "written", "corrupt", "state",
+                 "nvme0n1-ssd", "131072/262144", "512G/1T", "1.2T", "999G", "FAILED",
                  "65536/65536", "64G/64G"):
         assert word in out, (word, out)
 

@@ -231,3 +231,7 @@ def test_stats_hook_and_status_file(model_dir, tmp_path):
     status = PoolStatus.read(tmp_path / "status.json")
     assert status.lookups.hit_tokens == h.connector.pool.lookups.hit_tokens
     assert {u.name for u in status.usage} == {"host0", "ssd0", "ssd1"}
+    # Each device's probe figure rides along as a gauge: the latest value, never summed over
+    # the intervals aggregated above.
+    assert {k: v for k, v in summary.items() if k.startswith("probe_GBps:")} == {
+        f"probe_GBps:{u.name}": round(u.probe_gbps, 2) for u in status.usage}, len(h.kv_stats)

@@ -129,8 +129,15 @@ def test_two_host_pools_and_two_ssd_files_round_trip(tmp_path):
             t.zero_()
         result = pool.fetch(hashes, ids)
         assert result.ok and result.blocks == blocks
-        read = {k: c.bytes_read for k, c in pool.status().transfers.devices.items()}
+        status = pool.status()
+        read = {k: c.bytes_read for k, c in status.transfers.devices.items()}
+        written = {k: c.bytes_written for k, c in status.transfers.devices.items()}
+        weights = pool.pool.weights
     assert set(read) == {"host0", "host1", "ssd0", "ssd1"} and all(read.values())
+    # Every load and save was measured for placement: each device's bytes, with busy time.
+    names = [u.name for u in status.usage]
+    assert [weights.reads[d].moved for d in range(4)] == [read[n] for n in names]
+    assert [weights.writes[d].moved for d in range(4)] == [written[n] for n in names]
     assert sum(read.values()) == n_chunks * chunk
     for k, t in kv.items():
         assert torch.equal(t.view(torch.int16), reference[k].view(torch.int16)), k

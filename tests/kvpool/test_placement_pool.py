@@ -68,13 +68,19 @@ def test_bandwidth_placement_equalises_fetch_time():
     assert t_bw < t_rr
 
 
-def test_weights_refresh_on_drift_and_failure():
-    w = DeviceWeights([10.0, 2.0], drift_threshold=0.3, smoothing=1.0)
-    assert not w.observe(0, 11 * 10**9, 1.0)  # 10% off: keep
-    assert w.observe(1, 4 * 10**9, 1.0)  # doubled: re-weight
-    assert w.gbps[1] == pytest.approx(4.0)
+def test_weights_learn_from_reads_only_and_relearn_after_a_failure():
+    w = DeviceWeights([10.0, 2.0], learn_after=10**9)
+    assert not w.observe(1, "read", 5 * 10**8, 0.125)  # half of learn_after: the probe holds
+    assert w.gbps == [10.0, 2.0]
+    assert w.observe(1, "read", 5 * 10**8, 0.125)  # enough moved: measured 4 GB/s replaces it
+    assert not w.observe(0, "write", 4 * 10**9, 1.0)  # writes are shown, never the weight
+    assert w.gbps == [10.0, pytest.approx(4.0)] and w.writes[0].gbps == pytest.approx(4.0)
     w.fail(0)
+    assert not w.observe(0, "read", 4 * 10**9, 100.0)  # a failing device's timings: ignored
     assert w.effective() == [0.0, pytest.approx(4.0)]
+    w.fail(1)
+    w.restore(1)  # back: its measurement starts again from the probe's figure
+    assert w.effective() == [0.0, 2.0]
 
 
 def _pool(capacities=("1MiB", "1MiB"), placement="bandwidth", gbps=(1.0, 1.0), bpc=2):

@@ -50,7 +50,8 @@ class Accounts:
 
     def save_done(self, job: ChunkSave, nbytes: int, checksum: int | None, error: str | None,
                   elapsed: float = 0.0) -> None:  # fmt: skip
-        """A save's outcome: committed with its checksum, or failed (``checksum`` None)."""
+        """A save's outcome: committed with its checksum, or failed (``checksum`` None);
+        ``elapsed``: its share of the device's busy time (measured for ``bandwidth``)."""
         name = self._names[job.device]
         with self._lock:
             if checksum is None:
@@ -58,6 +59,8 @@ class Accounts:
             else:
                 self._report.committed.append((job.key, self.rank, checksum))
                 self._report.counters.device(name).count_write(nbytes, elapsed)
+                if elapsed > 0:
+                    self._report.observations.append((job.device, "write", nbytes, elapsed))
             self._pending_saves[job.req_id] -= 1
             if self._pending_saves[job.req_id] <= 0:
                 del self._pending_saves[job.req_id]
@@ -65,11 +68,11 @@ class Accounts:
             logger.warning("kvpool: save of a chunk to %s failed: %s", name, error)
 
     # -- loads -----------------------------------------------------------------------------
-    def reads_done(self, device: int, outcomes: Sequence[ReadOutcome], seconds: float,
-                   observe: bool = False) -> None:  # fmt: skip
-        """One transfer's reads from ``device``: the good bytes counted as read in ``seconds``,
-        corrupt chunks reported (the scheduler drops them); with ``observe`` the throughput
-        feeds the placement weights. A failed read's blocks go through ``loads_failed``."""
+    def reads_done(self, device: int, outcomes: Sequence[ReadOutcome], seconds: float) -> None:
+        """One transfer's reads from ``device``: the good bytes counted as read in ``seconds``
+        of the device's busy time (also measured for the placement weights, ``bandwidth``),
+        corrupt chunks reported (the scheduler drops them). A failed read's blocks go through
+        ``loads_failed``."""
         name = self._names[device]
         good = [o for o in outcomes if o.status == "ok"]
         good_bytes = sum(o.nbytes for o in good)
@@ -80,8 +83,8 @@ class Accounts:
                 if o.status == "corrupt":
                     c.corrupt += 1
                     self._report.corrupt.append(o.read.key)
-            if observe:
-                self._report.observations.append((device, good_bytes, seconds))
+            if seconds > 0:
+                self._report.observations.append((device, "read", good_bytes, seconds))
         for o in outcomes:
             if o.status == "corrupt":
                 logger.warning("kvpool: corrupt chunk on %s (recomputed)%s", name,

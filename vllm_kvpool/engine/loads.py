@@ -276,7 +276,7 @@ class LoadPath:
                 handler.retire(corrupt_slots)
             except OSError as exc:
                 self.health.failed(device, str(exc))
-        self.accounts.reads_done(device, outcomes, elapsed, observe=True)
+        self.accounts.reads_done(device, outcomes, elapsed)
         if not layer_major:
             for p in wave.reads:
                 if p.ok and p.buf is not None:

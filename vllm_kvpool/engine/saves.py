@@ -42,6 +42,7 @@ class SavePath:
         self.health = health
         self.thread = thread  # gathers and submits, in step order
         self.reaper = reaper  # waits for the writes
+        self._last_done: dict[int, float] = {}  # device -> its last write completion (reaper's)
         self._step_buffers: Future | None = None
         self._step_layers: set[int] = set()
 
@@ -122,7 +123,11 @@ class SavePath:
     def _reap_writes(self, device: int, ticket: int, group: list[_SaveBuffer],
                      start: float) -> None:  # fmt: skip
         results = self.tiers[device].wait(ticket)
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        # Groups of one device overlap (one per step): charge each only for the time since the
+        # device's previous completion, so the summed time is the device's busy time.
+        elapsed = now - max(start, self._last_done.get(device, 0.0))
+        self._last_done[device] = now
         errors = [r.message for r in results if not r.ok]
         if errors:
             self.health.failed(device, errors[0])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_kvpool.bandwidth import OPS, check_observation
 from vllm_kvpool.index import ChunkEntry, ChunkHit, ChunkLocation
 from vllm_kvpool.layout import ChunkLayout, GroupLayout
 from vllm_kvpool.metrics import TransferCounters
@@ -106,10 +107,14 @@ def report_from_wire(msg: Mapping[str, Any], num_devices: int, world_size: int) 
         failed_devices[device(row[0], f"failed_devices[{i}]")] = row[1]
     observations = []
     for i, row in enumerate(field(msg, "observations", list)):
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[1], int)
-                and isinstance(row[2], int | float) and row[1] >= 0 and row[2] > 0):  # fmt: skip
-            raise WireError(f"field 'observations[{i}]': expected [device, bytes, seconds > 0]")
-        observations.append((device(row[0], f"observations[{i}]"), row[1], float(row[2])))
+        where = f"observations[{i}]"
+        if not (isinstance(row, list) and len(row) == 4):
+            raise WireError(f"field {where!r}: expected [device, op, bytes, seconds]")
+        if row[1] not in OPS:
+            raise WireError(f"field '{where}.op': {row[1]!r} is not one of {', '.join(OPS)}")
+        if (bad := check_observation(row[2], row[3])) is not None:
+            raise WireError(f"field '{where}.{bad[0]}': {bad[1]}")
+        observations.append((device(row[0], where), row[1], row[2], float(row[3])))
     raw = field(msg, "counters", dict)
     devices, seconds = raw.get("devices", {}), raw.get("fetch_seconds", [])
     numbers = (int, float)
