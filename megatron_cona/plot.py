@@ -123,6 +123,18 @@ def plot_run_timeline(log_path: Path, path: Path, losses: list[float] | None = N
     if losses:
         top.plot(range(1, len(losses) + 1), losses, lw=0.8)
         top.set_ylabel("training loss")
+    else:  # what the log holds: the goodput of the running and of the best candidate, and phi
+        top.plot(iters, [d["current"]["goodput"] for d in decisions], marker=".",
+                 label="running strategy")
+        top.plot(iters, [d["best"]["goodput"] for d in decisions], marker=".", ls="--",
+                 label="best candidate")
+        top.set_ylabel("goodput (base-batch samples/s)")
+        phis = [d.get("noise_scale", math.nan) for d in decisions]
+        if any(math.isfinite(x) for x in phis):
+            twin = top.twinx()
+            twin.plot(iters, phis, color="tab:gray", lw=0.8, label="noise scale")
+            twin.set_ylabel("noise scale (samples)", color="tab:gray")
+        top.legend(fontsize=7, loc="upper left")
     for d in decisions:
         if d["switch"]:
             top.axvline(d["iteration"], color="tab:red", lw=0.8, ls=":")
