@@ -1,6 +1,7 @@
 """megatron_cona works when installed from a wheel: nothing in it imports the repository's
 CPU launcher (megatron_cpu, which setup.py does not package), and its TTP and law-simulation
-modules import from the installed copy with the repository NOT on the path."""
+modules import from the installed copy with the repository NOT on the path, and `cona scale`
+runs from it on a tiny case."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(target), str(ROOT)], check=True,
                          capture_output=True, text=True, cwd=tmp_path, env=env).stdout
     assert all(f.startswith(str(target)) for f in out.split()), out
+    # and `cona scale` runs from the installed copy on a tiny case, to its result line
+    run = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
+           "sys.path[:] = [p for p in sys.path "
+           "if os.path.realpath(p or '.') != os.path.realpath(sys.argv[2])]; "
+           "from megatron_cona.cli import main; sys.exit(main(sys.argv[3:]))")
+    out = subprocess.run([sys.executable, "-c", run, str(target), str(ROOT), "scale",
+                          "--families", "gpt3-1.3b", "--gpus", "64", "--variants", "kaplan",
+                          "--switch-costs", "0.04,0.001", "--out", str(tmp_path / "scale")],
+                         check=True, capture_output=True, text=True, cwd=tmp_path,
+                         env=env).stdout
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("gpus=64 law=kaplan sim_checks=3/3 ") and "speedup_vs_tuned_static=" \
+        in last, out[-2000:]
