@@ -109,11 +109,12 @@ def train_fleet_efficiencies(out_dir: str | Path) -> Path:
     """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
     row (:mod:`predictors.datasets.fleet`, :func:`predictors.time.efficiency_fit.fit_by_group`), written to
     ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
-    from predictors.datasets.fleet import FLEET_FILES, load_fleet
+    from predictors.datasets.fleet import FLEET_FILES, MEASURED_FILES, load_fleet
     from predictors.time.efficiency_fit import fit_by_group
 
     rows = load_fleet("develop")
-    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES)} ({len(rows)} runs)",
+    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES + MEASURED_FILES)} "
+                             f"({len(rows)} runs)",
             "groups": fit_by_group(rows)}  # fmt: skip
     path = Path(out_dir) / "efficiency.json"
     path.parent.mkdir(parents=True, exist_ok=True)
