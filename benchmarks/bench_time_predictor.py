@@ -195,8 +195,9 @@ def precision_pairs(out: Path | None) -> float:
 def cpu_heldout(data: Path) -> dict:
     """Held-out MAPEs of the precision-aware CPU model on ``data`` (unseen precision P, unseen
     sequence length, size tier, family; the precision-unaware ablation beside them)."""
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.evaluate import evaluate_measurements
 
     df = load_measurements(data)

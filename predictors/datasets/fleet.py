@@ -19,6 +19,7 @@ once. Sources, licences and the settings assumed where a table is silent:
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass
 
 from predictors.datasets import data_path
@@ -202,11 +203,12 @@ def load_megatron_h100() -> list[FleetRow]:
 
 def load_h200_steps() -> list[FleetRow]:
     """The GPU kit's H200 times of this project's own step (``predict collect`` columns; each
-    point's fastest pass outside contention, :func:`predictors.time.collect.load_measurements`)
-    as development rows: one GPU, framework ``pytorch``, the leave-one-model-out group the
-    shape. Rows whose run did not report ``status == ok`` are left out."""
+    point's fastest pass outside contention, :func:`predictors.datasets.measurements.
+    load_measurements`) as development rows: one GPU, framework ``pytorch``, the
+    leave-one-model-out group the shape. Rows whose run did not report ``status == ok`` are
+    left out."""
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import match_gpu_name
-    from predictors.time.collect import load_measurements, row_spec_strategy
 
     df = load_measurements(data_path(H200_STEP_CSV))
     out = []
@@ -214,7 +216,12 @@ def load_h200_steps() -> list[FleetRow]:
         device = match_gpu_name(str(r["gpu"]), 141 * 2**30)
         if device is None:
             raise FleetDataError(f"{H200_STEP_CSV}: gpu={r['gpu']!r} is not a known GPU")
-        spec, strategy = row_spec_strategy(r)
+        if r["spec_kind"] != "TransformerSpec":
+            raise FleetDataError(f"{H200_STEP_CSV}: {r['model']}: spec_kind={r['spec_kind']!r} "
+                                 "is not a TransformerSpec")
+        spec = TransformerSpec(**json.loads(r["spec_json"]))
+        dp, micro = int(r["dp"]), int(r["micro_batch"])
+        strategy = ParallelStrategy(dp, 1, 1, micro, dp * micro)
         out.append(FleetRow(f"h200step-{r['model']}-{r['precision']}-mb{strategy.micro_batch}",
                             spec, strategy, str(r["precision"]), device.name,
                             TrainingOptions(framework="pytorch"), float(r["seconds"]),

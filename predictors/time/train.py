@@ -85,9 +85,10 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     """The CPU correction trained on a ``predict collect`` CSV (rows where ``exclude(row)``,
     a pandas row, is true are left out). The per-kernel cost is fitted on the same rows and
     kept in ``meta["device_constants"]``."""
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
     from predictors.time.calibrate import fit_cpu_constants, with_constants
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.feature_sets import measurement_features
 
     data = Path(data)

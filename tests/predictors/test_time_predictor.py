@@ -167,8 +167,9 @@ def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
     stated MAPE holds and the precision-unaware ablation is far worse."""
     from predictors.datasets import data_path
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.evaluate import evaluate_measurements
 
     shipped = data_path("cpu_measurements.csv")
