@@ -24,16 +24,18 @@ V  DEVELOPMENT (was validation): Megatron-LM's H100 weak-scaling table (48-6,144
    fitted on it; V is its 9 rows in M's leave-one-model-out predictions. The multi-node test
    data is held out from this repository.
 M  DEVELOPMENT fleet (torchtitan, LLM Foundry H100; Narayanan et al. A100 and Megatron-LM's
-   H100 table; ``develop`` rows of predictors/data, 108 runs): leave one model out, kernel
+   H100 table; since #44 the GPU kit's 40 H200 steps of this project's own step, framework
+   ``pytorch``; ``develop`` rows of predictors/data, 148 runs): leave one model out, kernel
    efficiencies fitted per device family and framework inside every fold
    (predictors/time/efficiency_fit.py).
 G  DEVELOPMENT fleet, leave one GPU count out (same fitting).
-X  DEVELOPMENT fleet, leave one framework out (Megatron-Core, torchtitan, LLM Foundry): the
+X  DEVELOPMENT fleet, leave one framework out (Megatron-Core, torchtitan, LLM Foundry, this
+   project's own PyTorch step): the
    held-out framework's rows are priced with their device family's efficiencies fitted on the
    other frameworks' rows (the roofline's defaults where the family has no other framework:
    Narayanan's A100 rows): how far a framework's efficiencies transfer to another.
-F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 15 pairs from the
-   leave-one-model-out predictions of both runs.
+F  DEVELOPMENT fleet bf16/fp8 pair error: the t_bf16 / t_fp8 ratio of the 23 pairs (15
+   published, 8 from the H200 steps) from the leave-one-model-out predictions of both runs.
 FINAL  The split frozen before any efficiency was fitted (``final`` rows: LLM Foundry H100 at
    128-512 GPUs, torchtitan H200), priced with efficiencies fitted on all development rows. It
    is scored only with ``--score-final``, once: the scoring is recorded (commit, date, figure,
@@ -193,8 +195,9 @@ def precision_pairs(out: Path | None) -> float:
 def cpu_heldout(data: Path) -> dict:
     """Held-out MAPEs of the precision-aware CPU model on ``data`` (unseen precision P, unseen
     sequence length, size tier, family; the precision-unaware ablation beside them)."""
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.evaluate import evaluate_measurements
 
     df = load_measurements(data)

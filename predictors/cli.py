@@ -172,8 +172,9 @@ def _add_eval(sub) -> None:
 
 
 def run_eval(data: Path, out: Path, vtrain: bool = True) -> dict[str, float]:
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.evaluate import (
         evaluate_measurements,
         evaluate_vtrain,

@@ -7,6 +7,8 @@ measured seconds per iteration.
 * ``llm_foundry_h100.csv``: LLM Foundry's MPT runs on H100 (bf16 and fp8, 8-512 GPUs).
 * ``megatron_narayanan2021_a100.csv``: Narayanan et al. 2021, Table 1 (A100, 32-3,072 GPUs).
 * ``megatron_h100_weak_scaling.csv``: the Megatron-LM README's H100 table (48-6,144 GPUs).
+* ``time_h200.csv``: this project's own training step timed on one H200 by the GPU kit
+  (4 shapes x 10 precisions; framework ``pytorch``), measured here rather than published.
 
 Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
 :mod:`predictors.time.evaluate`; ``final`` rows form the split frozen before any tuning and scored
@@ -17,17 +19,22 @@ once. Sources, licences and the settings assumed where a table is silent:
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass
 
 from predictors.datasets import data_path
 from predictors.datasets.public import MEGATRON_CSV, PublicRow, load_megatron_weak_scaling
 from predictors.devices import get_device
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.precision import get_precision
 
 TORCHTITAN_CSV = "torchtitan_llama3.csv"
 FOUNDRY_CSV = "llm_foundry_h100.csv"
 NARAYANAN_CSV = "megatron_narayanan2021_a100.csv"
-FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV, MEGATRON_CSV)
+FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV, MEGATRON_CSV)  # published tables
+# measured by this project's GPU kit (provenance: data/README.md and data/gpu/README.md)
+H200_STEP_CSV = "time_h200.csv"
+MEASURED_FILES = (H200_STEP_CSV,)
 USES = ("develop", "final")
 # the tables' precision labels -> this package's precision table
 PRECISION_OF = {
@@ -194,16 +201,46 @@ def load_megatron_h100() -> list[FleetRow]:
             for r in load_megatron_weak_scaling()]  # fmt: skip
 
 
+def load_h200_steps() -> list[FleetRow]:
+    """The GPU kit's H200 times of this project's own step (``predict collect`` columns; each
+    point's fastest pass outside contention, :func:`predictors.datasets.measurements.
+    load_measurements`) as development rows: one GPU, framework ``pytorch``, the
+    leave-one-model-out group the shape. Rows whose run did not report ``status == ok`` are
+    left out."""
+    from predictors.datasets.measurements import load_measurements
+    from predictors.devices import match_gpu_name
+
+    df = load_measurements(data_path(H200_STEP_CSV))
+    out = []
+    for _, r in df[df["status"] == "ok"].iterrows():
+        device = match_gpu_name(str(r["gpu"]), 141 * 2**30)
+        if device is None:
+            raise FleetDataError(f"{H200_STEP_CSV}: gpu={r['gpu']!r} is not a known GPU")
+        if r["spec_kind"] != "TransformerSpec":
+            raise FleetDataError(f"{H200_STEP_CSV}: {r['model']}: spec_kind={r['spec_kind']!r} "
+                                 "is not a TransformerSpec")
+        spec = TransformerSpec(**json.loads(r["spec_json"]))
+        dp, micro = int(r["dp"]), int(r["micro_batch"])
+        strategy = ParallelStrategy(dp, 1, 1, micro, dp * micro)
+        out.append(FleetRow(f"h200step-{r['model']}-{r['precision']}-mb{strategy.micro_batch}",
+                            spec, strategy, str(r["precision"]), device.name,
+                            TrainingOptions(framework="pytorch"), float(r["seconds"]),
+                            source=H200_STEP_CSV, model=str(r["model"]), use="develop"))  # fmt: skip
+    return out
+
+
 def load_fleet(use: str | None = None) -> list[FleetRow]:
     """Every fleet row (``use``: only ``develop`` or only ``final`` rows)."""
     if use is not None:
         _use(use, "load_fleet")
-    rows = load_torchtitan() + load_llm_foundry() + load_narayanan() + load_megatron_h100()
+    rows = (load_torchtitan() + load_llm_foundry() + load_narayanan() + load_megatron_h100()
+            + load_h200_steps())
     return [r for r in rows if use is None or r.use == use]
 
 
 def precision_pairs(rows: list[FleetRow]) -> list[tuple[FleetRow, FleetRow]]:
-    """(bf16 row, fp8 row) of the same run: everything but the precision equal."""
+    """(bf16 row, fp8 row) of the same run: everything but the precision equal (a run measured
+    at other precisions too, e.g. the H200 step's fp32 or fp16, pairs only its fp8 rows)."""
     by_key: dict[tuple, dict[str, FleetRow]] = {}
     for r in rows:
         by_key.setdefault(r.run_key, {})[r.precision] = r
@@ -212,7 +249,7 @@ def precision_pairs(rows: list[FleetRow]) -> list[tuple[FleetRow, FleetRow]]:
         ref = runs.get("bf16-mixed")
         if ref is None:
             continue
-        pairs.extend((ref, fast) for p, fast in sorted(runs.items()) if p != "bf16-mixed")
+        pairs.extend((ref, fast) for p, fast in sorted(runs.items()) if get_precision(p).fp8)
     return pairs
 
 

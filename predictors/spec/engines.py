@@ -130,6 +130,10 @@ def megatron_args(t: TransformerSpec, strategy: ParallelStrategy,
         argv += ["--group-query-attention", "--num-query-groups", t.num_query_groups]
     if strategy.cp > 1:
         argv += ["--context-parallel-size", strategy.cp]
+    if strategy.first_stage_layers is not None:
+        argv += ["--decoder-first-pipeline-num-layers", strategy.first_stage_layers]
+    if strategy.last_stage_layers is not None:
+        argv += ["--decoder-last-pipeline-num-layers", strategy.last_stage_layers]
     if options.virtual_pipeline > 1:
         argv += ["--num-layers-per-virtual-pipeline-stage",
                  t.num_layers // (strategy.pp * options.virtual_pipeline)]
@@ -179,7 +183,9 @@ def from_megatron_args(args: argparse.Namespace, world_size: int, family: str = 
         raise StrategyError(f"world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
     spec = text_spec_from_megatron_args(args, family, vocab_size)
     strategy = ParallelStrategy(world_size // (tp * pp * cp), tp, pp, args.micro_batch_size,
-                                get("global_batch_size"), cp)  # fmt: skip
+                                get("global_batch_size"), cp,
+                                get("decoder_first_pipeline_num_layers"),
+                                get("decoder_last_pipeline_num_layers"))  # fmt: skip
     per_stage = get("num_layers_per_virtual_pipeline_stage")
     options = TrainingOptions(
         overlap_grad_reduce=bool(get("overlap_grad_reduce")),

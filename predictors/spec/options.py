@@ -15,8 +15,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # The training stack that runs the step: the same kernels on the same device reach different
 # shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
 # FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
-# per device family and framework (predictors.time.efficiency)
-FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry")
+# per device family and framework (predictors.time.efficiency). "pytorch" is this project's own
+# training step (predictors.step: eager PyTorch, no fused kernels), as the GPU kit times it
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch")
 
 
 @dataclass(frozen=True)

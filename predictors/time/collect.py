@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from predictors.datasets.measurements import KEY_COLUMNS
 from predictors.spec import ParallelStrategy, TransformerSpec
 from predictors.spec.precision import cpu_precisions
 from predictors.time.zoo import ConvNetSpec, ViTSpec, ZooModel
@@ -249,9 +250,6 @@ class DataParallelPool:
 # Driver
 
 
-KEY_COLUMNS = ["model", "seq", "precision", "micro_batch", "dp"]
-
-
 def done_counts(path: Path) -> dict[tuple, int]:
     """How many passes each grid point already has in ``path``."""
     counts: dict[tuple, int] = {}
@@ -340,17 +338,6 @@ def _measure_with_canary(point, repeats, threads, pools, best_canary, max_ratio)
         "canary_ms": canary, "canary_ratio": canary / best_canary, "threads": threads,
         "timestamp": time.time(),
     }  # fmt: skip
-
-
-def load_measurements(path: str | Path, max_canary_ratio: float = 3.0):
-    """One row per grid point (pandas): its fastest pass, ignoring passes taken during a
-    contention episode (canary slower than ``max_canary_ratio`` x the session's best)."""
-    import pandas as pd
-
-    df = pd.read_csv(path)
-    df = df[df["canary_ratio"] <= max_canary_ratio]
-    best = df.loc[df.groupby(KEY_COLUMNS)["seconds"].idxmin()]
-    return best.sort_values(KEY_COLUMNS).reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ def measurement_features(df, precision_aware: bool, device, cache: str | Path | 
     """
     import json
 
-    from predictors.time.collect import KEY_COLUMNS, row_spec_strategy
+    from predictors.datasets.measurements import KEY_COLUMNS
+    from predictors.time.collect import row_spec_strategy
     from predictors.time.features import features
 
     cache = Path(cache) if cache else None

@@ -135,7 +135,9 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     head_precision = precision.recipe.fallback if precision.recipe else precision.name
     head_step, head_opt = _at_batch("head", key, strategy.tp, strategy.micro_batch,
                                     head_precision, target)  # fmt: skip
-    layers = spec.num_layers // strategy.pp
+    # every stage runs each micro-batch in lock-step with its neighbours, so the deepest stage
+    # (of an uneven split too) sets the pipeline's pace
+    layers = strategy.max_stage_layers(spec.num_layers)
     fwd_bwd = layer_step.repeated(layers) + head_step
     optimizer = layer_opt.repeated(layers) + head_opt
     act_width = _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8

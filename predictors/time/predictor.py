@@ -71,6 +71,11 @@ def _validate(spec: ZooModel, strategy: ParallelStrategy, p: Precision, dev: Dev
     if isinstance(spec, TransformerSpec):
         strategy.check(strategy.world_size, spec)
         vp = options.virtual_pipeline
+        if vp > 1 and strategy.uneven:
+            raise StrategyError(
+                f"strategy {strategy.name}: virtual_pipeline={vp} with an uneven pipeline split "
+                "(first_stage_layers/last_stage_layers) is not modelled"
+            )
         if vp > 1 and (strategy.pp == 1 or spec.num_layers % (strategy.pp * vp)):
             raise StrategyError(
                 f"strategy {strategy.name}: virtual_pipeline={vp} needs pp > 1 and pp*vp "

@@ -85,9 +85,10 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
     """The CPU correction trained on a ``predict collect`` CSV (rows where ``exclude(row)``,
     a pandas row, is true are left out). The per-kernel cost is fitted on the same rows and
     kept in ``meta["device_constants"]``."""
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
     from predictors.time.calibrate import fit_cpu_constants, with_constants
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.feature_sets import measurement_features
 
     data = Path(data)
@@ -109,11 +110,12 @@ def train_fleet_efficiencies(out_dir: str | Path) -> Path:
     """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
     row (:mod:`predictors.datasets.fleet`, :func:`predictors.time.efficiency_fit.fit_by_group`), written to
     ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
-    from predictors.datasets.fleet import FLEET_FILES, load_fleet
+    from predictors.datasets.fleet import FLEET_FILES, MEASURED_FILES, load_fleet
     from predictors.time.efficiency_fit import fit_by_group
 
     rows = load_fleet("develop")
-    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES)} ({len(rows)} runs)",
+    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES + MEASURED_FILES)} "
+                             f"({len(rows)} runs)",
             "groups": fit_by_group(rows)}  # fmt: skip
     path = Path(out_dir) / "efficiency.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,9 +47,10 @@ def _results(tmp_path: Path, dry_run: bool) -> Path:
 
 @pytest.mark.slow
 def test_fold_appends_memory_rows_and_writes_time_rows_with_provenance(tmp_path):
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
     from predictors.memory.evaluate import load_rows
-    from predictors.time.collect import device_profile_path, load_measurements
+    from predictors.time.collect import device_profile_path
 
     results = _results(tmp_path, dry_run=False)
     data = tmp_path / "data"
@@ -80,7 +81,7 @@ def test_fold_refuses_a_dry_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fold_one_part_with_the_sent_commit(tmp_path, capsys):
-    from predictors.time.collect import load_measurements
+    from predictors.datasets.measurements import load_measurements
 
     results = _results(tmp_path, dry_run=False)
     data = tmp_path / "data"

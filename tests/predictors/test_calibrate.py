@@ -32,9 +32,10 @@ def test_cpu_fit_recovers_the_per_kernel_cost_despite_per_precision_offsets():
     import json
 
     from predictors.datasets import data_path
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
     from predictors.time.calibrate import fit_cpu_constants
-    from predictors.time.collect import device_profile_path, load_measurements, row_spec_strategy
+    from predictors.time.collect import device_profile_path, row_spec_strategy
 
     data = data_path("cpu_measurements.csv")
     profile = Device.from_dict(json.loads(device_profile_path(data).read_text()))

@@ -62,7 +62,9 @@ def test_uses_split_the_rows():
 
 def test_precision_pairs_differ_only_in_precision():
     pairs = fleet.precision_pairs(fleet.load_fleet("develop"))
-    assert len(pairs) == 15
+    # 15 from the published tables, 8 from the H200 steps (4 shapes x fp8, fp8-current)
+    assert len([p for p in pairs if p[0].source != fleet.H200_STEP_CSV]) == 15
+    assert len(pairs) == 23
     for ref, fast in pairs:
         assert ref.precision == "bf16-mixed" and fast.precision.startswith("fp8")
         assert ref.run_key == fast.run_key
@@ -78,3 +80,20 @@ def test_unknown_precision_label_names_the_field(monkeypatch):
     monkeypatch.setattr(fleet, "_rows", bad)
     with pytest.raises(fleet.FleetDataError, match="precision='fp4'"):
         fleet.load_llm_foundry()
+
+
+def test_h200_steps_join_the_development_rows_with_their_provenance():
+    """The GPU kit's H200 times of this project's step: one develop row per measured point,
+    seconds as measured, the project's own framework, documented as trained on."""
+    with open(data_path(fleet.H200_STEP_CSV), newline="") as f:
+        measured = {(r["model"], r["precision"]): float(r["seconds"]) for r in csv.DictReader(f)
+                    if r["status"] == "ok"}  # fmt: skip
+    rows = [r for r in fleet.load_fleet("develop") if r.source == fleet.H200_STEP_CSV]
+    assert {(r.model, r.precision): r.seconds for r in rows} == measured
+    assert {(r.device, r.gpus, r.options.framework) for r in rows} == {("h200", 1, "pytorch")}
+    readme = data_path("README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith(f"| `{fleet.H200_STEP_CSV}`"))
+    assert "train" in line and "gpu/h200-2026-12-04-rerun/" in line
+    # a run measured at many precisions pairs its bf16 row with its fp8 rows only
+    pairs = fleet.precision_pairs(rows)
+    assert pairs and {b.precision for _, b in pairs} == {"fp8", "fp8-current"}

@@ -137,3 +137,21 @@ def test_megatron_h100_table_is_a_development_fleet_file():
     rows = [r for r in fleet.load_fleet("develop") if r.source == fleet.MEGATRON_CSV]
     assert len(rows) == 9 and {r.fit_group for r in rows} == {"h100/megatron"}
     assert {r.precision for r in rows} == {"bf16-mixed"}
+
+
+def test_no_split_of_the_real_development_rows_fits_on_its_held_out_rows():
+    """Every development split over the real rows (the GPU kit's H200 steps included): each
+    held-out row is priced by fits that never saw it (RecordingFitter refuses otherwise), and
+    the H200 rows are one framework's group of their own."""
+    rows = fleet.load_fleet("develop")
+    h200 = {r.name for r in rows if r.source == fleet.H200_STEP_CSV}
+    assert len(h200) == 40
+    RecordingFitter.calls = []
+    folds = evaluate.FleetFolds(rows, RecordingFitter)
+    for name, groups in (("new_model", [r.model for r in rows]),
+                         ("new_gpus", [str(r.gpus) for r in rows]),
+                         ("new_framework", [r.fit_group.split("/")[1] for r in rows])):
+        res = folds.leave_group_out(name, groups)
+        assert {n for n, _, _ in res.rows} == {r.name for r in rows}
+    # the framework split holds every H200 step out at once (group "pytorch")
+    assert "pytorch" in res.per_group and len(res.per_group) == 4

@@ -166,3 +166,50 @@ def test_memory_predictor_takes_the_one_training_options():
         assert got.device_total == want.device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
+
+
+def test_megatron_uneven_pipeline_flags_round_trip():
+    """Megatron's uneven split (--decoder-first/last-pipeline-num-layers) survives flags and
+    back, and the split is the one Megatron builds: the stages between share the rest."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--max-position-embeddings", "--ffn-hidden-size", "--micro-batch-size",
+                 "--global-batch-size", "--tensor-model-parallel-size",
+                 "--pipeline-model-parallel-size", "--num-query-groups",
+                 "--decoder-first-pipeline-num-layers",
+                 "--decoder-last-pipeline-num-layers"):  # fmt: skip
+        p.add_argument(flag, type=int)
+    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+                 "--use-flash-attn"):
+        p.add_argument(flag, action="store_true")
+    deep = replace(GQA, num_layers=126)
+    for first, last in ((15, 15), (14, None), (None, 7)):
+        strategy = ParallelStrategy(1, 1, 8, 1, 8, first_stage_layers=first,
+                                    last_stage_layers=last)  # fmt: skip
+        argv = megatron_args(deep, strategy)
+        assert ("--decoder-first-pipeline-num-layers" in argv) == (first is not None)
+        assert ("--decoder-last-pipeline-num-layers" in argv) == (last is not None)
+        spec, got, _ = from_megatron_args(p.parse_args(argv), 8, "llama", GQA.vocab_size)
+        assert (spec, got) == (deep, strategy)
+        assert ParallelStrategy.parse(strategy.name) == strategy
+        stages = got.stage_layers(deep.num_layers)
+        assert len(stages) == 8 and sum(stages) == 126 and len(set(stages[1:-1])) == 1
+    assert ParallelStrategy(1, 1, 8, first_stage_layers=15, last_stage_layers=15).stage_layers(
+        126) == (15, 16, 16, 16, 16, 16, 16, 15)
+
+
+def test_uneven_pipeline_split_errors_name_the_field():
+    from predictors.spec import StrategyError
+
+    with pytest.raises(StrategyError, match="pp=8 does not divide num_layers=126"):
+        ParallelStrategy(1, 1, 8).check(8, replace(GQA, num_layers=126))
+    with pytest.raises(StrategyError, match="first_stage_layers=13 and last_stage_layers=14 "
+                                            "leave 99"):
+        ParallelStrategy(1, 1, 8, first_stage_layers=13, last_stage_layers=14).check(
+            8, replace(GQA, num_layers=126))
+    with pytest.raises(StrategyError, match="first_stage_layers=4 needs pp > 1"):
+        ParallelStrategy(1, 1, 1, first_stage_layers=4)
+    with pytest.raises(StrategyError, match="last_stage_layers=0"):
+        ParallelStrategy(1, 1, 4, last_stage_layers=0)

@@ -8,7 +8,7 @@ import pytest
 
 from predictors import predict_iteration_time
 from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError, get_device
-from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
+from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 from predictors.spec.precision import UnknownPrecisionError
 from predictors.time.predictor import predict
 
@@ -167,8 +167,9 @@ def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
     stated MAPE holds and the precision-unaware ablation is far worse."""
     from predictors.datasets import data_path
+    from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path, load_measurements
+    from predictors.time.collect import device_profile_path, features_cache_path
     from predictors.time.evaluate import evaluate_measurements
 
     shipped = data_path("cpu_measurements.csv")
@@ -180,3 +181,27 @@ def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     print(f"\nCPU held-out MAPE on shipped data: aware {aware:.2f}%, unaware {unaware:.2f}%")
     assert aware <= CPU_HELDOUT_MAPE
     assert unaware > 3 * aware
+
+
+def test_uneven_pipeline_split_is_accepted_and_the_deepest_stage_sets_the_pace():
+    """126 layers on pp=8 (Megatron's --decoder-first/last-pipeline-num-layers), which an even
+    split rejects: 15 + 6 x 16 + 15 prices each micro-batch at the 16-layer stage (the same
+    per-stage work as 128 layers split evenly), a deeper first stage prices more, and an even
+    split spelled out layer by layer predicts exactly what the default split does."""
+    deep = TransformerSpec("gpt", 126, 2048, 16, 1024, 50257)
+    with pytest.raises(StrategyError, match="pp=8 does not divide num_layers=126"):
+        predict(deep, ParallelStrategy(1, 1, 8, 1, 16), "bf16", "h200")
+    ends = ParallelStrategy(1, 1, 8, 1, 16, first_stage_layers=15, last_stage_layers=15)
+    uneven = predict(deep, ends, "bf16", "h200")
+    even128 = predict(TransformerSpec("gpt", 128, 2048, 16, 1024, 50257),
+                      ParallelStrategy(1, 1, 8, 1, 16), "bf16", "h200")
+    assert uneven.seconds > 0
+    assert uneven.breakdown.as_dict() == even128.breakdown.as_dict()
+    heavy_first = ParallelStrategy(1, 1, 8, 1, 16, first_stage_layers=21)  # 21 + 7 x 15
+    assert (predict(deep, heavy_first, "bf16", "h200").breakdown.compute_mb
+            > uneven.breakdown.compute_mb)
+    spelled = ParallelStrategy(2, 2, 2, 2, 32, first_stage_layers=12)
+    assert (predict(GPT, spelled, "bf16", "a100-80gb").seconds
+            == predict(GPT, ParallelStrategy(2, 2, 2, 2, 32), "bf16", "a100-80gb").seconds)
+    with pytest.raises(StrategyError, match="virtual_pipeline=2 with an uneven pipeline split"):
+        predict(deep, ends, "bf16", "h200", options=TrainingOptions(virtual_pipeline=2))
