@@ -152,6 +152,15 @@ void Device::open_fd_device() {
     created = true;
   }
   fd_ = ::open(path.c_str(), flags, 0644);
+  if (fd_ < 0 && errno == EEXIST && created) {
+    // Another process created the file between our stat and open (the ranks of one engine
+    // that share a file, e.g. an MLA layout stored once): open it as the existing file it is,
+    // and never unlink it on a later failure.
+    created = false;
+    flags &= ~(O_CREAT | O_EXCL);
+    if (::stat(path.c_str(), &st) != 0) throw_errno(name_, "open", -1, 0, errno);
+    fd_ = ::open(path.c_str(), flags, 0644);
+  }
   if (fd_ < 0) {
     const int err = errno;
     if (err == EINVAL && direct) {

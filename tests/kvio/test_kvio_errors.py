@@ -171,3 +171,35 @@ def test_bad_device_arguments(scratch: Path, shm_dir: Path) -> None:
     with pytest.raises(TypeError, match="op 1"):
         with _kvio.Device(str(shm_dir / "t.img"), capacity=MiB, backend="posix") as d:
             d.submit_write([(0, 0, 512), ("x", 0, 512)])
+
+
+def _open_shared(path: str, barrier, rounds: int, out) -> None:
+    from vllm_kvpool import _kvio as kvio
+
+    errors = []
+    for i in range(rounds):
+        barrier.wait()
+        try:
+            kvio.Device(f"{path}.{i}", capacity=4 * MiB, name="ssd0").close()
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            errors.append(str(exc))
+    out.put(errors)
+
+
+def test_processes_racing_to_create_one_file_all_open_it(scratch: Path) -> None:
+    """The ranks of one engine can open a shared file at once (an MLA layout stored once): a
+    rank that loses the race to create it opens the file the winner made (no EEXIST), and
+    the file is kept whole."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out, rounds = ctx.Barrier(2), ctx.Queue(), 12
+    procs = [ctx.Process(target=_open_shared, args=(str(scratch / "shared.img"), barrier,
+                                                    rounds, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    errors = [e for _ in procs for e in out.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+    assert errors == []
+    assert all((scratch / f"shared.img.{i}").stat().st_size >= 4 * MiB for i in range(rounds))
