@@ -194,16 +194,7 @@ void HostPool::map_shared(bool hugepages) {
                     std::to_string(capacity_) + " bytes: " + errno_text(err));
   }
   fchmod(fd_, 0600);
-  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-  if (p == MAP_FAILED) {
-    const int err = errno;
-    close(fd_);
-    fd_ = -1;
-    throw Error(ErrorKind::PoolFull, name_, -1, err,
-                pool_label(name_) + ": cannot map its shared memfd: " + errno_text(err));
-  }
-  map_base_ = base_ = static_cast<uint8_t*>(p);
-  map_len_ = capacity_;
+  map_fd("its shared memfd");
   if (hugepages && !hugetlb_) madvise(base_, capacity_, MADV_HUGEPAGE);
 }
 
@@ -228,19 +219,24 @@ HostPool::HostPool(AttachTag, int fd, uint64_t capacity, bool want_mlock, std::s
     const int err = errno;
     throw Error(ErrorKind::Value, name_, -1, err, pool_label(name_) + ": dup: " + errno_text(err));
   }
+  map_fd("the shared pool");
+  // Fault the page tables in without writing: the bytes belong to the pool service.
+  madvise(base_, capacity_, MADV_POPULATE_READ);
+  lock_memory(want_mlock);
+}
+
+// Maps capacity_ bytes of fd_ shared; on failure closes fd_ and names ``what`` it mapped.
+void HostPool::map_fd(const char* what) {
   void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     close(fd_);
     fd_ = -1;
     throw Error(ErrorKind::PoolFull, name_, -1, err,
-                pool_label(name_) + ": cannot map the shared pool: " + errno_text(err));
+                pool_label(name_) + ": cannot map " + what + ": " + errno_text(err));
   }
   map_base_ = base_ = static_cast<uint8_t*>(p);
   map_len_ = capacity_;
-  // Fault the page tables in without writing: the bytes belong to the pool service.
-  madvise(base_, capacity_, MADV_POPULATE_READ);
-  lock_memory(want_mlock);
 }
 
 void HostPool::lock_memory(bool want_mlock) {

@@ -59,6 +59,7 @@ class HostPool {
   HostPool(AttachTag, int fd, uint64_t capacity, bool mlock, std::string name);
   void lock_memory(bool want_mlock);
   void map_shared(bool hugepages);
+  void map_fd(const char* what);
 };
 
 // NUMA nodes that have memory; {0} when libnuma is not compiled in or not usable.
