@@ -48,7 +48,6 @@ from predictors.spec.engines import from_megatron_args
 from predictors.spec.precision import get_precision
 
 log = logging.getLogger("megatron_cona.session")
-EXPERIMENT = "the probe's noise scale is not yet checked against measured progress"
 
 
 @dataclass
@@ -129,6 +128,7 @@ class ConaSession:
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
         self._same_batch = 0  # rankings in a row on the running global batch
         self._explore_wait = config.explore_after  # doubles after every experiment
+        self._experimenting = False  # the last decision is an experiment
 
     # ----------------------------------------------------------------------------- observe
     def observe(self, seconds: float, stats: GradStats | None = None,
@@ -256,6 +256,7 @@ class ConaSession:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
         strategy = self.executor.strategy
         verdict, hold = self._check_last_switch(strategy)
+        self._experimenting = False
         phi = self.noise_scale
         pool, must_leave = self._pool(strategy)
         ranking = rank(pool, self.times, phi, self.config.base_batch,
@@ -271,7 +272,9 @@ class ConaSession:
         elif must_leave:
             ranking = [e for e in ranking if e.strategy != strategy]
         elif experiment := self._experiment(strategy, ranking):
-            must_leave = (f"{EXPERIMENT}: trying {experiment[0].strategy.name} until measured "
+            self._experimenting = True
+            must_leave = ("the probe's noise scale is not yet checked against measured "
+                          f"progress: trying {experiment[0].strategy.name} until measured "
                           "progress says whether it pays")
             ranking = experiment
         current = self.current_estimate(strategy, uncertainty=0.0)
@@ -311,7 +314,7 @@ class ConaSession:
             return outcome
         self.policy.costs.record(old, target, outcome.seconds)
         if old.global_batch_size != target.global_batch_size:
-            self._judging = (old, target, decision.reason.startswith(EXPERIMENT), 0)
+            self._judging = (old, target, self._experimenting, 0)
         self.executor.set_lr_scale(self.lr_scale(target))
         return outcome
 
