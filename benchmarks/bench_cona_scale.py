@@ -11,9 +11,12 @@ Pollux (adaptdl's own GoodputFunction / fit_perf_params, when installed: .venv-b
 (swept); references: the per-interval best with the law's state known (``oracle``) and a lower
 bound (continuous strategy changes, free switches) that no chain may beat.
 
-The switch costs' fixed parts are measured here on the real CONA runtime (2 CPU ranks), as the
-live TTP evaluation does. Results are written as each case finishes (``<out>/sim.json``, one
-plot per case). Default run: 3 families x 3 GPU counts x 4 law variants, a few minutes.
+The switch costs' fixed parts are measured here on the real CONA runtime (2 CPU ranks). The law
+itself is checked on our own Megatron-Core training first (``cona_law_check.py``: McCandlish's
+hyperbola fitted to committed real curves at 6 batches x 3 loss targets, one curve re-trained
+bit for bit; its worst R^2 is ``law_r2``). Results are written as each case finishes
+(``<out>/sim.json``, one plot per case). Default run: 3 families x 3 GPU counts x 7 law
+variants, a few minutes.
 
 Output: the sanity checks first; per case every chain's time; the worst case per law variant
 and GPU count against every rival (with the case); then one line per law variant and GPU count
@@ -28,6 +31,7 @@ reason, unless ``--skip pollux`` is given.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,11 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def measure_switch_costs() -> tuple[float, float]:
     """Median seconds of a real in-memory layout switch's fixed part and of a batch switch of
-    the CONA runtime on 2 CPU ranks (the live TTP evaluation's measurement)."""
-    from megatron_cona.ttp.evaluate import TTPOptions, _switch_worker
+    the CONA runtime on 2 CPU ranks."""
+    from cona_curves import switch_cost_worker
+
     from megatron_cpu.launch import run_distributed
 
-    return tuple(run_distributed(_switch_worker, 2, TTPOptions(), timeout=600, threads=1)[0])
+    return tuple(run_distributed(switch_cost_worker, 2, timeout=600, threads=1)[0])
 
 
 def main() -> None:
@@ -59,8 +64,10 @@ def main() -> None:
                         default=None, help="FIXED,BATCH seconds instead of measuring them")
     parser.add_argument("--smoke", action="store_true",
                         help="one family, 64 GPUs, Kaplan's law only (a quick end-to-end check)")
+    parser.add_argument("--no-law-check", dest="law_check", action="store_false",
+                        help="leave out the law check on our own training (law_r2=not_run)")
     args = vars(parser.parse_args())
-    costs, smoke = args.pop("switch_costs"), args.pop("smoke")
+    costs, smoke, check = args.pop("switch_costs"), args.pop("smoke"), args.pop("law_check")
     if smoke:
         args.update(families=("gpt3-1.3b",), gpus=(64,), variants=("kaplan",))
     opts = SimOptions(**{k: v for k, v in args.items() if k in SimOptions.__dataclass_fields__})
@@ -70,6 +77,16 @@ def main() -> None:
         sys.exit(f"bench_cona_scale: a rival cannot run -- {pollux}; or pass --skip pollux to "
                  "leave it out knowingly")
     t0 = time.time()
+    law_r2, law_lines = math.nan, []
+    if check:
+        from cona_law_check import LawOptions, law_check
+
+        from megatron_cpu.launch import run_distributed
+
+        law = law_check(LawOptions(), run_distributed, say=lambda m: print(m, flush=True))
+        law_r2, law_lines = law.r2, law.lines()
+        print(f"law check on our own training ({law.wall_s:.0f}s):", flush=True)
+        print("\n".join(law_lines), flush=True)
     if costs is None:
         costs = measure_switch_costs()
         print(f"switch costs measured on the CONA runtime: layout fixed part {costs[0]:.3f} s, "
@@ -80,7 +97,8 @@ def main() -> None:
                                                               markup=False, highlight=False))
     print(f"wall time {time.time() - t0:.0f}s; report {opts.out / 'sim.json'}; plots "
           f"{opts.out}/sim_<family>_<gpus>gpu_<variant>.png")
-    print_scale(report)
+    print("\n".join(law_lines[:-1]))
+    print_scale(report, law_r2)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Pollux as its users run it, through adaptdl's OWN goodput code (PyPI ``adaptdl``,
-``adaptdl.goodput.GoodputFunction`` and ``fit_perf_params``), as a TTP chain.
+``adaptdl.goodput.GoodputFunction`` and ``fit_perf_params``), as a chain of the law-based
+simulation.
 
 Benchmark support only: the product never imports adaptdl. :func:`register_pollux` adds the
-``pollux`` baseline to :data:`megatron_cona.ttp.BASELINES` when adaptdl imports (it lives in
-``.venv-bench``, built by ``make bench-env``).
+``pollux`` chain to :data:`megatron_cona.lawsim.chains.CHAINS` when adaptdl imports (the test
+environment and ``make bench-env``'s venv install it).
 
 Every interval, like adaptdl's trainer, the chain
 * fits adaptdl's performance model (``fit_perf_params``) to the step times it has seen on its
@@ -25,11 +26,7 @@ from __future__ import annotations
 import math
 
 from megatron_cona.gns import GradientNoiseScale
-from megatron_cona.lawsim.chains import READINGS, Chain, run_chain
-from megatron_cona.lawsim.chains import Driver as SimDriver
-from megatron_cona.lawsim.chains import register as register_sim
-from megatron_cona.ttp.baselines import Baseline, CaseInputs, register
-from megatron_cona.ttp.chains import ChainResult, Driver, Point, replay_chain
+from megatron_cona.lawsim.chains import READINGS, Chain, Driver, register, run_chain
 from predictors.devices import get_device
 from predictors.spec import ParallelStrategy
 
@@ -86,7 +83,7 @@ def choose(goodput_fn, candidates: list[ParallelStrategy], replicas: int, nodes:
 
 
 class Pollux:
-    """adaptdl's side of a Pollux chain, shared by the TTP and the law-simulation drivers: the
+    """adaptdl's side of a Pollux chain, fed by the simulation's driver: the
     step times and gradient statistics seen, adaptdl's performance fit (redone only when the
     observations change) and its choice of batch. ``gpus_per_node`` 0: one node."""
 
@@ -125,39 +122,8 @@ class Pollux:
 
 
 class PolluxDriver(Driver):
-    def __init__(self, case: CaseInputs, candidates: list[ParallelStrategy],
-                 init_batch: int) -> None:
-        self.pollux = Pollux(case.clock, candidates, init_batch,
-                             GradientNoiseScale(0.5, per_samples=case.interval))
-
-    def after_step(self, seconds, stats) -> None:
-        self.pollux.record(self.executor.strategy, seconds, stats)
-
-    def at_interval(self, point: Point) -> None:
-        target = self.pollux.choose({"samples": point.samples})
-        if target is not None and target != self.executor.strategy:
-            self.executor.switch(target)
-
-
-def run_pollux(case: CaseInputs) -> ChainResult:
-    """Pollux on the data-parallel layout (all GPUs as replicas), from its smallest batch: in
-    adaptdl the initial batch is the floor ``optimize`` never goes below."""
-    dp = max(s.dp for s in case.candidates)
-    pool = [s for s in case.candidates if s.layout == (dp, 1, 1)
-            and s.global_batch_size in case.curves.tracks]
-    init = min(s.global_batch_size for s in pool)
-    start = case.fastest(init, pool)
-    driver = PolluxDriver(case, pool, init)
-    result = replay_chain("pollux", {"start": start.name, "lr": case.lr.name,
-                                     "init_batch_size": init}, case.curves, case.clock,
-                          case.lr, start, driver, case.target, case.max_time)
-    result.settings["adaptdl_choices"] = driver.pollux.choices
-    return result
-
-
-class PolluxSimDriver(SimDriver):
-    """Pollux in the law-based simulation: the same adaptdl calls as :class:`PolluxDriver`,
-    fed the simulated probe's readings and the clock's times (all-DP layout, any node count)."""
+    """Pollux in the law-based simulation: adaptdl's calls fed the simulated probe's readings
+    and the clock's times (all-DP layout, any node count)."""
 
     observes = True
 
@@ -175,7 +141,7 @@ class PolluxSimDriver(SimDriver):
             self.executor.switch(target)
 
 
-def run_pollux_sim(case) -> list:
+def run_pollux(case) -> list:
     """Pollux on the all-DP layout from its smallest feasible batch (adaptdl's initial batch,
     the floor ``optimize`` never goes below)."""
     pool = [s for s in case.candidates if s.layout == (case.gpus, 1, 1)]
@@ -183,7 +149,7 @@ def run_pollux_sim(case) -> list:
         return []
     init = min(s.global_batch_size for s in pool)
     start = case.fastest(init, pool)
-    driver = PolluxSimDriver(case, pool, init, get_device(case.extra.get("device", "a100-80gb"))
+    driver = PolluxDriver(case, pool, init, get_device(case.extra.get("device", "a100-80gb"))
                              .devices_per_node)
     result = run_chain(case, "pollux", {"start": start.name, "init_batch_size": init}, start,
                        driver)
@@ -192,8 +158,8 @@ def run_pollux_sim(case) -> list:
 
 
 def register_pollux() -> str:
-    """Register the ``pollux`` baseline (TTP evaluation and law simulation) when adaptdl
-    imports; say what happened."""
+    """Register the ``pollux`` chain of the law simulation when adaptdl imports; say what
+    happened."""
     try:
         from importlib.metadata import version
 
@@ -201,8 +167,6 @@ def register_pollux() -> str:
     except ImportError as err:
         return (f"NOT RUN: adaptdl is not importable here ({err}); `make bootstrap` installs "
                 "it (requirements/test-env.txt), as does `make bench-env`")
-    register(Baseline("pollux", run_pollux, "tab:purple",
-                      doc="Pollux: adaptdl's GoodputFunction + fit_perf_params on the DP layout"))
-    register_sim(Chain("pollux", run_pollux_sim, "tab:purple",
-                       doc="Pollux: adaptdl's GoodputFunction + fit_perf_params, all-DP"))
+    register(Chain("pollux", run_pollux, "tab:purple",
+                   doc="Pollux: adaptdl's GoodputFunction + fit_perf_params, all-DP"))
     return f"adaptdl {version('adaptdl')} (GoodputFunction, fit_perf_params)"

@@ -1,9 +1,8 @@
-"""``cona``: plan candidate strategies, train with CONA, evaluate time-to-perplexity, plot.
+"""``cona``: plan candidate strategies, train with CONA, simulate it at scale, plot.
 
     cona plan --world 8 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
               --seq-length 1024 --global-batch-range 16,128 --device a100-80gb
     torchrun --nproc-per-node 8 -m megatron_cona.cli run <Megatron-LM flags> --cona ...
-    python scripts/cona_cpu.py ttp -- --out out   # TTP on real curves (repository launcher)
     cona scale --switch-costs 0.5,0.01 --out out/cona_scale   # law-based simulation at scale
     cona plot --log cona.jsonl --out out/cona_timeline.png
 
@@ -82,93 +81,6 @@ def _plan(args: argparse.Namespace) -> None:
         console.print(f"dropped {rej.strategy.name}: {rej.reason}")
 
 
-# -------------------------------------------------------------------------------------- ttp
-
-
-def _ttp_parser() -> argparse.ArgumentParser:
-    from megatron_cona.ttp import TTPOptions
-
-    d = TTPOptions()
-    p = argparse.ArgumentParser(prog="cona ttp", description="Time-to-perplexity on cached real "
-                                "training curves and a SIMULATED clock: every registered "
-                                "baseline, CONA and the DP bound.")
-    p.add_argument("--out", type=Path, default=d.out)
-    p.add_argument("--cache", type=Path, default=d.cache, help="curve cache directory")
-    p.add_argument("--families", type=_str_list, default=d.families,
-                   help="small models that really train: gpt, llama (comma-separated)")
-    p.add_argument("--seeds", type=_int_list, default=d.seeds)
-    p.add_argument("--variants", type=_str_list, default=d.variants,
-                   help="LR variants: sqrt (one tuned base LR, sqrt-scaled), table (per batch)")
-    p.add_argument("--batches", type=_int_list, default=d.batches)
-    p.add_argument("--user-global-batch", type=int, default=d.user_global_batch)
-    p.add_argument("--budget-samples", type=int, default=d.budget_samples,
-                   help="length of the offline planner's run; its final loss is the target")
-    p.add_argument("--interval-samples", type=int, default=d.interval_samples)
-    p.add_argument("--lr-grid", type=_float_list, default=d.lr_grid)
-    p.add_argument("--lr-multipliers", type=_float_list, default=d.lr_multipliers)
-    p.add_argument("--rampup-starts", type=_int_list, default=d.rampup_starts)
-    p.add_argument("--rampup-fractions", type=_float_list, default=d.rampup_fractions)
-    p.add_argument("--workers", type=int, default=d.workers,
-                   help="1-rank processes training curves at a time")
-    p.add_argument("--min-gain", type=float, default=d.min_gain)
-    p.add_argument("--noise-z", type=float, default=d.noise_z)
-    p.add_argument("--fresh", action="store_true", help="re-train every curve")
-    p.add_argument("--no-check-exact", dest="check_exact", action="store_false",
-                   help="skip re-training one cached curve bit-exactly")
-    p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
-    return p
-
-
-def ttp_options(argv: list[str]):
-    from megatron_cona.ttp import TTPOptions
-
-    return TTPOptions(**vars(_ttp_parser().parse_args(argv)))
-
-
-def print_ttp(report: dict) -> None:
-    """Every case's chains (registry order), the per-variant summaries, and last the result
-    line of the ``table`` variant (the ``sqrt`` one just above it)."""
-    from megatron_cona.ttp import BASELINES, result_line
-
-    clock, pred, curves = report["clock"], report["predictor"], report["curves"]
-    print(f"NOTE: {report['note']}")
-    print(f"clock: layout-switch fixed cost {clock['fixed_layout_switch_s']:.3f} s, batch switch "
-          f"{clock['batch_switch_s']:.4f} s (measured here), link "
-          f"{clock['link_bytes_per_s'] / 1e9:.0f} GB/s")
-    print(f"CONA's predictor: {pred['train_rows']} vTrain rows without group "
-          f"{pred['held_out_group']}; MAPE on the charged rows {pred['held_out_mape_pct']:.2f}%")
-    print(f"curves: {curves['loaded']} loaded from {curves['cache']}, {curves['trained']} "
-          f"trained; code {curves['code']}; bit-exact re-train: {curves['bit_exact_check']}")
-    for fam, info in report["families"].items():
-        table = ", ".join(f"{b}: {lr:.2e}" for b, lr in sorted(info["lr_table"].items(),
-                                                               key=lambda kv: int(kv[0])))
-        print(f"{fam}: base LR {info['base_lr']:.2e}; LR table {{{table}}}")
-    for case in report["cases"]:
-        print(f"{case['tag']}: target ppl {case['target_ppl']:.3f} (planner "
-              f"{case['planner_strategy']}, LR rule {case['lr_rule']})")
-        for name in [n for n in BASELINES if n in case["runs"]]:
-            run = case["runs"][name]
-            chain = " -> ".join(dict.fromkeys(p["strategy"] for p in run["points"]))
-            print(f"  {name:8s} TTP {run['ttp_s']:9.2f} s  switches {len(run['switches']):2d}  "
-                  f"{chain[:110]}")
-    for variant, metrics in report["summary"].items():
-        for name, m in metrics.items():
-            print(f"[{variant}] {name}: median {m['median']:.3f} (min {m['min']:.3f}, max "
-                  f"{m['max']:.3f}) over {len(m['values'])} cases")
-    print(f"wall {report['wall_s']:.0f} s")
-    ordered = sorted(report["summary"], key=lambda v: v == "table")
-    for variant in ordered[:-1]:
-        print(f"[{variant}] {result_line(report['summary'], variant)}")
-    print(result_line(report["summary"], ordered[-1]))
-
-
-def _ttp(rest: list[str]) -> None:
-    ttp_options(rest)  # parses first, so --help works everywhere
-    raise CliError("cona ttp trains its curves on CPU ranks through the repository's launcher "
-                   "(megatron_cpu, not installed with the plugin): run `python "
-                   f"scripts/cona_cpu.py ttp -- {' '.join(rest)}` from the repository")
-
-
 # ------------------------------------------------------------------------------------ scale
 
 
@@ -228,8 +140,8 @@ def print_scale(report: dict, law_r2: float = math.nan) -> None:
               "installed with the plugin (benchmarks/bench_cona_scale.py in `make bench-env`'s "
               "venv runs it)")
     if not math.isfinite(law_r2):
-        print("law_r2=not_run: the law check on the real Megatron-Core loop (issue 42 item 5) "
-              "is not implemented yet")
+        print("law_r2=not_run: the law check trains on the real Megatron-Core loop from the "
+              "repository (benchmarks/cona_law_check.py; bench_cona_scale.py runs it)")
     for variant in order:
         for gpus in sorted(summaries[variant]):
             print(result_line(summaries[variant], gpus, variant, checks, law_r2))
@@ -268,16 +180,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=15)
     sub.add_parser("run", help="train: megatron_cona.pretrain_gpt flags (use under torchrun)",
                    add_help=False)
-    sub.add_parser("ttp", help="time-to-perplexity evaluation (cona ttp --help)", add_help=False)
     p = sub.add_parser("scale", help="law-based simulation at the paper's scale",
                        parents=[scale_parser()], add_help=False, conflict_handler="resolve")
     p.add_argument("--switch-costs", type=_switch_costs, required=True,
                    help="FIXED,BATCH: measured seconds of a layout switch's fixed part and of "
                    "a batch switch (benchmarks/bench_cona_scale.py measures them)")
-    p = sub.add_parser("plot", help="plot a run's strategy timeline or a TTP report")
-    p.add_argument("--log", type=Path, help="--cona-log file of a run")
-    p.add_argument("--ttp", type=Path, help="ttp.json written by cona ttp (one plot per case "
-                   "into the --out directory)")
+    p = sub.add_parser("plot", help="plot a run's strategy timeline")
+    p.add_argument("--log", type=Path, required=True, help="--cona-log file of a run")
     p.add_argument("--out", type=Path, required=True)
     return parser
 
@@ -316,17 +225,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] in (["run"], ["ttp"]):
-            if argv[0] == "ttp":
-                _ttp(argv[1:])
-            else:
-                import torch
+        if argv[:1] == ["run"]:
+            import torch
 
-                if not torch.cuda.is_available() and "--help" not in argv and "-h" not in argv:
-                    raise CliError(CPU_HINT.format(cmd="pretrain --nproc N -- ..."))
-                from megatron_cona.pretrain_gpt import main as pretrain_main
+            if not torch.cuda.is_available() and "--help" not in argv and "-h" not in argv:
+                raise CliError(CPU_HINT.format(cmd="pretrain --nproc N -- ..."))
+            from megatron_cona.pretrain_gpt import main as pretrain_main
 
-                pretrain_main(argv[1:])
+            pretrain_main(argv[1:])
             return 0
         args = _parser().parse_args(argv)
         if args.command == "plan":
@@ -334,21 +240,10 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "scale":
             _scale(args, args.switch_costs)
         else:
-            from megatron_cona.plot import plot_run_timeline, plot_ttp
+            from megatron_cona.plot import plot_run_timeline
 
-            if bool(args.log) == bool(args.ttp):
-                raise CliError("plot: give exactly one of --log or --ttp")
-            if args.log:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                print(plot_run_timeline(args.log, args.out))
-            else:
-                import json
-
-                report = json.loads(args.ttp.read_text())
-                args.out.mkdir(parents=True, exist_ok=True)
-                for case in report["cases"]:
-                    print(plot_ttp(case, report["note"],
-                                   args.out / f"ttp_{case['tag'].replace('/', '_')}.png"))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            print(plot_run_timeline(args.log, args.out))
         return 0
     except (CliError, ValueError, OSError, KeyError) as err:
         print(f"cona: error: {type(err).__name__}: {err}", file=sys.stderr)

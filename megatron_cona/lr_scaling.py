@@ -1,4 +1,4 @@
-"""Learning rate that follows the global batch size when CONA (or any TTP chain) changes it.
+"""Learning rate that follows the global batch size when CONA (or any simulated chain) changes it.
 
 Rules (``--cona-lr-scaling``), with ``M0`` the batch the base learning rate was tuned for:
 - ``sqrt`` (default, for Adam/AdamW): ``lr = lr0 * sqrt(M / M0)`` (square-root scaling keeps
@@ -11,15 +11,14 @@ Rules (``--cona-lr-scaling``), with ``M0`` the batch the base learning rate was 
 - a per-batch table (:class:`TableLR`): ``lr = table[M]``, e.g. tuned by one sweep per batch.
 The scheduler's warmup/decay multiplies on top of this factor.
 
-:class:`BatchLR` is the one object every chain asks for its learning rate (the TTP evaluation
-gives every chain the same one); :func:`widen_sweep` is the one LR sweep (widened while its best
-sits at an edge).
+:class:`BatchLR` is the one object every chain asks for its learning rate (the simulation and
+the law check give every chain the same one).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from megatron_cona.gns import adascale_gain
@@ -100,28 +99,6 @@ class BatchLR:
     @property
     def name(self) -> str:
         return "table" if self.rule == "table" else f"{self.rule}@{self.base_batch}"
-
-
-def widen_sweep(evaluate: Callable[[float], float], grid: list[float], factor: float = 2.0,
-                max_widen: int = 4) -> tuple[float, dict[float, float]]:
-    """The learning rate of ``grid`` with the lowest ``evaluate(lr)`` (e.g. time to target or
-    final loss); while the best sits at the grid's edge, one more point ``factor`` beyond that
-    edge is tried (at most ``max_widen`` times). Returns (best lr, every lr tried -> score)."""
-    if not grid:
-        raise LRScalingError("LR sweep grid is empty")
-    scores = {lr: evaluate(lr) for lr in sorted(grid)}
-    for _ in range(max_widen):
-        best = min(scores, key=lambda lr: (scores[lr], lr))
-        lrs = sorted(scores)
-        if best == lrs[-1] and len(lrs) > 1:
-            new = best * factor
-        elif best == lrs[0] and len(lrs) > 1:
-            new = best / factor
-        else:
-            break
-        scores[new] = evaluate(new)
-    best = min(scores, key=lambda lr: (scores[lr], lr))
-    return best, scores
 
 
 def apply_lr_scale(scheduler, base_lr: float, base_min_lr: float, scale: float) -> None:

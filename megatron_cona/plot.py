@@ -50,35 +50,6 @@ def _timelines_and_save(fig, bottom, rows: dict[str, tuple[list, list]], note: s
     return path
 
 
-def plot_ttp(case: dict, note: str, path: Path) -> Path:
-    """One TTP case: validation loss vs simulated time of every chain (colors from the
-    baseline registry), and the strategy timelines of CONA and of the DP bound."""
-    from megatron_cona.ttp.baselines import BASELINES
-
-    runs = case["runs"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
-    for name, run in runs.items():
-        pts = run["points"]
-        color = BASELINES[name].color if name in BASELINES else None
-        top.plot([p["sim_time"] for p in pts], [p["val_loss"] for p in pts],
-                 marker="." if name != "bound" else None, color=color,
-                 ls="--" if name == "bound" else "-",
-                 label=f"{name} (TTP {run['ttp_s']:.1f}s, {len(run['switches'])} switches)")
-    top.axhline(case["target_val_loss"], color="k", ls=":", lw=0.8,
-                label=f"target ppl {case['target_ppl']:.2f}")
-    top.set_ylabel("validation loss (real)")
-    t = case["ttp_s"]
-    top.set_title(f"{case['tag']}: CONA vs planner {t['planner'] / t['cona']:.2f}x; bound "
-                  f"{t.get('bound', math.nan):.1f}s (CONA gap "
-                  f"{100 * (t['cona'] / t.get('bound', math.nan) - 1):.1f}%)", fontsize=10)
-    top.legend(fontsize=7)
-    rows = {n: ([p["sim_time"] for p in runs[n]["points"]],
-                [p["strategy"] for p in runs[n]["points"]])
-            for n in ("cona", "bound") if n in runs}
-    return _timelines_and_save(fig, bottom, rows, note, path, 120)
-
-
 def plot_sim(case: dict, note: str, path: Path) -> Path:
     """One law-simulation case: loss vs time of every chain (its best run for the far target)
     and the strategy timelines of CONA and of the per-interval oracle."""

@@ -10,8 +10,8 @@ efficiency from the gradient noise scale), asks the policy, and acts through an
   switches layouts and batches in memory (transactional reshard);
 * :class:`megatron_cona.hook.MegatronLMExecutor` -- inside Megatron-LM's own ``train()``: global
   batch changes in place; layout changes raise :class:`SwitchUnsupported` with the reason;
-* :class:`megatron_cona.ttp.chains.ReplayExecutor` -- the time-to-perplexity evaluation's simulated
-  cluster (real training progress, simulated clock).
+* :class:`megatron_cona.lawsim.chains.SimExecutor` -- the law-based simulation's cluster
+  (simulated progress and clock).
 
 The session holds no engine objects; the executor reports the measured cost of each switch back,
 and the learning rate follows the global batch through the one LR rule

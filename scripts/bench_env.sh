@@ -5,7 +5,7 @@
 #   - the project itself is put on the path with a .pth file pointing at this checkout, so the
 #     C++ engine built by the bootstrap (vllm_kvpool/_kvio*.so, Python 3.11 ABI) is reused;
 #   - Pollux's own goodput code (adaptdl 0.2.11, `adaptdl.goodput`: GoodputFunction,
-#     fit_perf_params) for benchmarks/bench_cona_ttp.py: installed --no-deps (its other
+#     fit_perf_params) for benchmarks/bench_cona_scale.py: installed --no-deps (its other
 #     requirements -- redis, pandas, portpicker, semver -- serve the scheduler and trainer we do
 #     not run; goodput.py imports only numpy, scipy and autograd);
 #   - LMCache's dependency cufile-python installs a top-level `tests` package that would shadow

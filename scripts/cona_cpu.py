@@ -7,7 +7,6 @@ ranks are started by ``megatron_cpu.launch``). The plugin (``megatron_cona``) ne
 itself; this launcher, outside the plugin, does.
 
     python scripts/cona_cpu.py pretrain --nproc 4 -- --num-layers 2 --hidden-size 64 ... --cona
-    python scripts/cona_cpu.py ttp --out out --families gpt --seeds 1234   # curves: 1-rank runs
     python scripts/cona_cpu.py demo --out out
 
 On GPUs use ``torchrun --nproc-per-node N -m megatron_cona.pretrain_gpt ...``.
@@ -82,22 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pretrain", help="megatron_cona.pretrain_gpt on N CPU ranks")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("args", nargs=argparse.REMAINDER)
-    t = sub.add_parser("ttp", help="time-to-perplexity comparison (see `cona ttp --help`)")
-    t.add_argument("args", nargs=argparse.REMAINDER)
     d = sub.add_parser("demo", help="CONA switching strategies on 4 gloo ranks")
     d.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     if args.command == "pretrain":
         rest = args.args[1:] if args.args[:1] == ["--"] else args.args
         pretrain(args.nproc, rest)
-    elif args.command == "ttp":
-        from megatron_cona.cli import print_ttp, ttp_options
-        from megatron_cona.ttp import run_ttp
-
-        rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-        from megatron_cpu.launch import run_distributed
-
-        print_ttp(run_ttp(ttp_options(rest), run_distributed, print))
     else:
         demo(args.out)
     return 0

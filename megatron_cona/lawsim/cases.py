@@ -2,7 +2,7 @@
 GPU count, candidates (memory-feasible), decision boundaries and targets.
 
 * GPT-3 1.3B on 8 GPUs runs on vTrain's measured 8x A100 iteration times (sequence 1,024: the
-  clock the live TTP evaluation has). Every other (family, GPU count) runs on the project's
+  clock vTrain measured). Every other (family, GPU count) runs on the project's
   time predictor for A100-80GB -- labelled ``predicted clock`` everywhere -- and there CONA's time
   model is that same predictor (it ranks with the clock's own numbers).
 * Candidates: (DP, TP <= 8, PP) layouts x micro-batches x power-of-two global batches, minus
@@ -11,7 +11,7 @@ GPU count, candidates (memory-feasible), decision boundaries and targets.
   the exact bound stays tractable -- every chain chooses from that same set.
 * Switch cost: the reshard planner's bytes for the busiest rank over the GPU's link bandwidth
   (NVLink within a node, InfiniBand across nodes) plus the measured fixed part of a real
-  in-memory layout switch (:class:`~megatron_cona.ttp.clock.SimulatedClock`).
+  in-memory layout switch (:class:`~megatron_cona.lawsim.clock.SimulatedClock`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megatron_cona.lawsim.clock import SimulatedClock
 from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.law import (
     CriticalBatch,
@@ -30,7 +31,6 @@ from megatron_cona.lawsim.law import (
     make_law,
 )
 from megatron_cona.policy import PolicyConfig
-from megatron_cona.ttp.clock import SimulatedClock
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 PREDICTED = "predicted clock (project time predictor, A100-80GB)"

@@ -27,12 +27,12 @@ from megatron_cona.gns import GradientNoiseScale, GradStats
 from megatron_cona.goodput import CalibratedThroughput
 from megatron_cona.lawsim.bound import exact_bound, relaxed_bound
 from megatron_cona.lawsim.cases import SimCase
+from megatron_cona.lawsim.clock import TableThroughput
 from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.probe import SimulatedProbe
 from megatron_cona.lawsim.schedules import rampup_batch, seesaw_batch
 from megatron_cona.policy import DecisionLog, SwitchPolicy
 from megatron_cona.session import ConaSession, SessionConfig
-from megatron_cona.ttp.clock import TableThroughput
 from predictors.spec import ParallelStrategy
 
 READINGS = 8  # probe readings reported per interval (each stands for 1/8 of its iterations)

@@ -98,7 +98,7 @@ class World:
 def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tuple[float, float]
                     ) -> World:
     from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
-    from megatron_cona.ttp.clock import SimulatedClock
+    from megatron_cona.lawsim.clock import SimulatedClock
     from predictors.devices import get_device
     from predictors.spec.precision import get_precision
 
@@ -133,9 +133,9 @@ def predicted_world(opts: SimOptions, family: str, gpus: int, switch_costs: tupl
 
 def vtrain_world(opts: SimOptions, switch_costs: tuple[float, float]) -> World:
     """GPT-3 1.3B on 8 A100s as vTrain measured it (sequence 1,024); CONA ranks with the
-    predictor trained without that model-size group (as in the live TTP evaluation)."""
+    predictor trained without that model-size group: CONA never saw a row the clock charges."""
     from megatron_cona.candidates import CandidateSpec, PredictorMemory, enumerate_candidates
-    from megatron_cona.ttp.clock import GPT_1_3B, HeldOutPredictor, SimulatedClock, VTrainTimes
+    from megatron_cona.lawsim.clock import GPT_1_3B, HeldOutPredictor, SimulatedClock, VTrainTimes
     from predictors.devices import get_device
     from predictors.spec.precision import get_precision
 

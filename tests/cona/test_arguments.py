@@ -87,8 +87,9 @@ def test_cli_errors_are_one_named_line(capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err
     assert err.startswith("cona: error: StrategyError") and "world_size=6" in err
-    rc = main(["plot", "--out", "x.png"])
-    assert rc == 2 and "exactly one of --log or --ttp" in capsys.readouterr().err
+    rc = main(["plot", "--log", "no-such-run.jsonl", "--out", "x.png"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "no-such-run.jsonl" in err
 
 
 def test_cli_run_without_gpu_points_to_cpu_launcher(capsys):

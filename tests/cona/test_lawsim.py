@@ -179,8 +179,8 @@ class _Times:
 
 def _small_case():
     from megatron_cona.lawsim.cases import FAMILIES, SimCase, boundaries, dynamics_for, targets
+    from megatron_cona.lawsim.clock import SimulatedClock
     from megatron_cona.policy import PolicyConfig
-    from megatron_cona.ttp.clock import SimulatedClock
     from predictors.spec import TransformerSpec
 
     model = TransformerSpec("gpt", 2, 64, 4, 256, 512)
@@ -278,7 +278,7 @@ def test_receive_side_switch_bytes_match_the_planner_where_both_run():
     """Beyond 64 GPUs the clock charges the bytes the busiest rank must receive; on 8 GPUs,
     where the full reshard plan is built, that never exceeds the plan's busiest rank and stays
     within 10% of it (the gap: a few replicas sending to many, e.g. dp2tp2pp2 -> dp8)."""
-    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+    from megatron_cona.lawsim.clock import GPT_1_3B, SimulatedClock, VTrainTimes
 
     clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.5, 0.01, 300e9)
     layouts = [(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2)]

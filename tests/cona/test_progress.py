@@ -11,10 +11,10 @@ import pytest
 from megatron_cona.executor import SingleProcessExecutor, SwitchOutcome
 from megatron_cona.gns import GradientNoiseScale, measures_noise
 from megatron_cona.goodput import CalibratedThroughput
+from megatron_cona.lawsim.clock import TableThroughput
 from megatron_cona.policy import PolicyConfig, SwitchPolicy
 from megatron_cona.progress import ProgressMonitor, fit_rate, implied_noise_scale
 from megatron_cona.session import ConaSession, SessionConfig
-from megatron_cona.ttp.clock import TableThroughput
 from predictors.spec import ParallelStrategy
 
 P = ParallelStrategy.parse

@@ -1,5 +1,5 @@
 """One CONA loop: the same ConaSession driven through the runtime's executor, the Megatron-LM
-hook's executor and the TTP replay executor (stitched curves, simulated clock) makes the same
+hook's executor and the law simulation's executor (simulated clock) makes the same
 decisions on a scripted case; the runtime really switches (batch and layout), the hook says why it cannot switch a
 layout."""
 
@@ -36,9 +36,9 @@ def _phi(iteration: int) -> float:
 def _session(executor, table):
     from megatron_cona.gns import GradientNoiseScale
     from megatron_cona.goodput import CalibratedThroughput
+    from megatron_cona.lawsim.clock import TableThroughput
     from megatron_cona.policy import PolicyConfig, SwitchPolicy
     from megatron_cona.session import ConaSession, SessionConfig
-    from megatron_cona.ttp.clock import TableThroughput
 
     cands = [P(n) for n in table]
     return ConaSession(cands, CalibratedThroughput(TableThroughput({P(n): t for n, t in
@@ -59,14 +59,26 @@ def _drive(session, table, iterations=14, on_step=None):
              round(d.gain, 9), round(d.noise_scale, 6)) for d in session.decisions]
 
 
+class _Times:
+    """The scripted table as the simulated clock's measured times."""
+
+    def __init__(self, model, table) -> None:
+        self.model, self.gpus = model, 2
+        self.table = {P(name): t for name, t in table.items()}
+
+    def lookup(self, s):
+        return self.table.get(s)
+
+    def line(self, s):
+        return None
+
+
 def _world(rank, world):
     from megatron_cona.data import VOCAB_SIZE, CorpusConfig, build_corpus
-    from megatron_cona.lr_scaling import BatchLR
+    from megatron_cona.lawsim.chains import SimExecutor
+    from megatron_cona.lawsim.clock import GPT_1_3B, SimulatedClock
     from megatron_cona.runtime import TrainConfig, build_state, train_step
     from megatron_cona.runtime.executor import RuntimeExecutor
-    from megatron_cona.ttp.chains import ReplayExecutor
-    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
-    from megatron_cona.ttp.stitch import CurveSet
     from predictors.spec import TransformerSpec
 
     spec = TransformerSpec("gpt", 2, 32, 4, 16, VOCAB_SIZE)
@@ -89,15 +101,13 @@ def _world(rank, world):
     out["hook"] = _drive(_session(hook, BATCH_ONLY), BATCH_ONLY)
     out["hook_strategy"] = hook.strategy.name
 
-    # the TTP replay: stitched curves, clock-charged switches, the session's LR rule checked
-    clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.5, 0.01, 300e9)
-    xs = [0, 64, 128, 192]
-    curves = CurveSet.from_points({4: (xs, [5.0, 4.0, 3.5, 3.2]), 8: (xs, [5.0, 4.2, 3.6, 3.3]),
-                                   16: (xs, [5.0, 4.4, 3.7, 3.4])}, 64)
-    sim = ReplayExecutor(clock, curves, BatchLR(1e-3, 8), P(START))
+    # the law simulation's cluster: clock-charged switches
+    clock = SimulatedClock(_Times(GPT_1_3B, BATCH_ONLY), 0.5, 0.01, 300e9)
+    sim = SimExecutor(clock, P(START))
     out["simulated"] = _drive(_session(sim, BATCH_ONLY), BATCH_ONLY)
     out["simulated_exec"] = sim.strategy.global_batch_size
     out["simulated_charged"] = [c for *_, c in sim.pending]
+    out["simulated_lr_scales"] = sim.lr_scales
 
     # a layout candidate wins: the runtime reshards, the hook says why it cannot
     sess = _session(runtime, WITH_LAYOUT)
@@ -129,6 +139,10 @@ def test_three_executors_drive_the_same_session():
     assert res["runtime_strategy"] == res["hook_strategy"] == chosen[-1]
     assert res["simulated_exec"] == 16  # the trainer really runs the chosen batch
     assert res["simulated_charged"] == [0.01] * len(chosen)
+    # the session's one LR rule (sqrt from the base batch 8) at every batch it moved to
+    batches = [P(name).global_batch_size for name in chosen]
+    assert res["simulated_lr_scales"][-len(batches):] == pytest.approx(
+        [math.sqrt(b / 8) for b in batches])
     assert all(ok for *_, ok in res["runtime_switches"])
     lr, expected = res["runtime_lr"]
     assert lr == pytest.approx(expected) and lr == pytest.approx(1e-3 * math.sqrt(16 / 8))

@@ -1,7 +1,8 @@
 """megatron_cona works when installed from a wheel: nothing in it imports the repository's
-CPU launcher (megatron_cpu, which setup.py does not package), and its TTP and law-simulation
-modules import from the installed copy with the repository NOT on the path, and `cona scale`
-runs from it on a tiny case."""
+CPU launcher (megatron_cpu, which setup.py does not package), no evaluation-only code is
+installed (the law check's real-curve training lives in benchmarks/), its law-simulation modules
+import from the installed copy with the repository NOT on the path, and `cona scale` runs from
+it on a tiny case."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, cwd=tmp_path)
     assert not (target / "megatron_cpu").exists()  # not packaged: nothing may need it
+    assert not (target / "megatron_cona" / "ttp").exists()  # the retired harness
+    assert not list(target.glob("**/cona_curves.py"))  # evaluation code stays in benchmarks/
     for path in (target / "megatron_cona").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
@@ -35,9 +38,8 @@ def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
     code = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
             "sys.path[:] = [p for p in sys.path "
             "if os.path.realpath(p or '.') != os.path.realpath(sys.argv[2])]; "
-            "import megatron_cona.ttp, megatron_cona.ttp.evaluate, megatron_cona.lawsim.evaluate; "
-            "import megatron_cona.cli; "
-            "print(megatron_cona.ttp.evaluate.__file__, megatron_cona.lawsim.evaluate.__file__)")
+            "import megatron_cona.lawsim.evaluate, megatron_cona.cli; "
+            "print(megatron_cona.lawsim.evaluate.__file__, megatron_cona.cli.__file__)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code, str(target), str(ROOT)], check=True,
                          capture_output=True, text=True, cwd=tmp_path, env=env).stdout

@@ -1,5 +1,5 @@
-"""The simulated cluster clock of the time-to-perplexity evaluation, and the time predictor CONA
-ranks with there -- kept independent of each other.
+"""The simulated cluster clock of the law-based simulation (GPT-3 1.3B on 8x A100 as vTrain
+measured it), and the time predictor CONA ranks with there -- kept independent of each other.
 
 * Iteration time: the measured Megatron iteration time of the target model on 8x A100 from
   vTrain (``ground_truth_single.csv``, MIT) for that (DP, TP, PP, micro, global batch). A global

@@ -1,15 +1,18 @@
-"""Real training curves of the TTP evaluation, cached with their provenance.
+"""Real training curves on the CPU ranks, kept with their provenance (benchmark support: the
+law check of ``cona_law_check.py``; never imported by the plugin).
 
-A :class:`Curve` is one real training run of a small megatron-core model on the CPU ranks: a
-fixed global batch (or Megatron's ramp-up schedule) at one learning rate, validated every
-``interval`` samples, with every iteration's gradient statistics (the squared norms the noise
-scale is estimated from). Every curve of a case starts from the same initial weights and reads
-the same sample sequence (sample ``i`` is window ``perm[i]`` of the corpus, whatever the batch).
+A :class:`Curve` is one real training run of a small megatron-core model through the CONA
+runtime: a fixed global batch at one learning rate, validated every ``interval`` samples, with
+every iteration's gradient statistics (the squared norms the noise scale is estimated from).
+Every curve of one seed starts from the same initial weights and reads the same sample sequence
+(sample ``i`` is window ``perm[i]`` of the corpus, whatever the batch).
 
-Curves are cached by a key that hashes their provenance: the source of every file that shapes
-the training (:data:`CODE_FILES`), the engine versions, the model, seed, schedule, batch and LR.
-Changing any of them (a code edit included) misses the cache; ``--fresh`` recomputes all, and
-every run re-trains one cached curve and requires it to match bit for bit.
+A curve is stored under a key hashing what it is an experiment OF (model, seed, schedule,
+batch, LR, ranks); its provenance also records what produced it (the hash of every file that
+shapes training, :data:`CODE_FILES`, and the engine versions). The key leaves those two out on
+purpose: committed curves stay findable after an unrelated edit, and whether today's code and
+engines still produce them is decided by re-training one bit for bit on every run
+(:meth:`Curve.same_numbers`), never assumed.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from megatron_cona.lr_scaling import BatchLR
 from predictors.spec import ParallelStrategy, TransformerSpec
 
 EXEC_MAX_MICRO = 16
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # every file whose code shapes a curve (training, data, gradient statistics, this module)
 CODE_FILES = ("megatron_cona/runtime/*.py", "megatron_cona/data.py", "megatron_cona/parallel.py",
               "megatron_cona/grad_probe.py", "megatron_cona/gns.py", "megatron_cona/lr_scaling.py",
-              "megatron_cona/reshard/*.py", "megatron_cona/ttp/curves.py", "megatron_cpu/*.py")
+              "megatron_cona/reshard/*.py", "benchmarks/cona_curves.py", "megatron_cpu/*.py")
 
 
 class CurveError(ValueError):
@@ -167,14 +170,20 @@ def engine_versions() -> dict[str, str]:
 
 
 def provenance(*, code: str, engines: dict, model: TransformerSpec, seed: int, schedule: dict,
-               batch: int, lr: float, ramp: dict | None = None, ranks: int) -> dict:
-    """Everything a curve depends on; its hash is the cache key."""
+               batch: int, lr: float, ranks: int) -> dict:
+    """Everything a curve depends on: the experiment (hashed into its key) and the code and
+    engines that produced it (recorded, checked by re-training)."""
     return {"code": code, "engines": engines, "model": asdict(model), "seed": seed,
-            "schedule": schedule, "batch": batch, "lr": lr, "ramp": ramp, "ranks": ranks}
+            "schedule": schedule, "batch": batch, "lr": lr, "ranks": ranks}
+
+
+PRODUCED_BY = ("code", "engines")  # recorded in the provenance, left out of the key
 
 
 def cache_key(prov: dict) -> str:
-    return hashlib.sha256(json.dumps(prov, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    experiment = {k: v for k, v in prov.items() if k not in PRODUCED_BY}
+    return hashlib.sha256(json.dumps(experiment, sort_keys=True, default=str).encode()
+                          ).hexdigest()[:20]
 
 
 class CurveCache:
@@ -191,7 +200,7 @@ class CurveCache:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        if data.get("provenance") != json.loads(json.dumps(prov, default=str)):
+        if cache_key(data.get("provenance", {})) != cache_key(prov):
             raise CurveError(f"curve cache {path}: provenance differs from its key's")
         data["stats"] = [[tuple(s) for s in it] for it in data["stats"]]
         return Curve(**data)
@@ -208,39 +217,15 @@ class CurveCache:
 # ------------------------------------------------------------------------ train a curve
 
 
-def megatron_rampup(start: int, increment: int, ramp_samples: int, final: int
-                    ) -> Callable[[int], int]:
-    """Megatron's ``--rampup-batch-size START INCREMENT SAMPLES`` with ``--global-batch-size
-    FINAL``: the global batch after ``consumed`` samples, from megatron-core's own
-    ``RampupBatchsizeNumMicroBatchesCalculator``."""
-    from megatron.core.num_microbatches_calculator import (
-        RampupBatchsizeNumMicroBatchesCalculator,
-    )
-
-    if start <= 0 or increment <= 0 or final < start or (final - start) % increment:
-        raise CurveError(f"rampup: start={start} increment={increment} final={final}: need "
-                         "0 < start <= final and (final - start) divisible by increment")
-    calc = RampupBatchsizeNumMicroBatchesCalculator(final, 1, 1, False, 0, start, increment,
-                                                    ramp_samples)
-
-    def batch(consumed: int) -> int:
-        calc.update(consumed, consistency_check=True)
-        return calc.get_current_global_batch_size()
-    return batch
-
-
 def train_curve(trainer: Trainer, prov: dict, lr_rule: BatchLR, interval: int,
                 max_samples: int, stop_loss: float | None = None,
                 progress: Callable[[int, float], None] = lambda s, v: None) -> Curve:
-    """Train from the initial weights at ``prov['batch']`` (or its ramp), validating every
-    ``interval`` samples, until one interval after ``stop_loss`` is reached, or
-    ``max_samples`` (collective)."""
-    ramp = prov.get("ramp")
-    schedule = (megatron_rampup(ramp["start"], ramp["increment"], ramp["samples"], prov["batch"])
-                if ramp else (lambda consumed: prov["batch"]))
+    """Train from the initial weights at ``prov['batch']``, validating every ``interval``
+    samples, until one interval after ``stop_loss`` is reached, or ``max_samples``
+    (collective)."""
     t0 = time.perf_counter()
     curve = Curve(cache_key(prov), prov)
-    batch = schedule(0)
+    batch = prov["batch"]
     trainer.start(lr_rule.base_lr, batch)
     trainer.set_batch(batch, lr_rule.scale(batch))
     samples, next_eval = 0, interval
@@ -250,10 +235,6 @@ def train_curve(trainer: Trainer, prov: dict, lr_rule: BatchLR, interval: int,
     losses, stats = [], []
     try:
         while samples < max_samples:
-            want = schedule(samples)
-            if want != batch:
-                batch = want
-                trainer.set_batch(batch, lr_rule.scale(batch))
             step = trainer.step()
             if not math.isfinite(step.loss):
                 raise CurveError(f"curve {prov['batch']}@{prov['lr']}: loss={step.loss} at "
@@ -270,8 +251,7 @@ def train_curve(trainer: Trainer, prov: dict, lr_rule: BatchLR, interval: int,
             curve.stats.append(stats)
             losses, stats = [], []
             progress(samples, curve.val_loss[-1])
-            # one interval past the first point at the target: a chain that enters this curve
-            # anywhere above the target can still train a whole interval on it
+            # one point past the first at the target: the crossing is bracketed
             if stop_loss is not None and sum(v <= stop_loss for v in curve.val_loss) >= 2:
                 break
     finally:
@@ -286,3 +266,58 @@ def _stat(stats: GradStats | None) -> tuple[float, int, float, int]:
         return (math.nan, 0, math.nan, 0)
     small = sum(sample.small_sq) / len(sample.small_sq)
     return (small, sample.small_batch, sample.big_sq, sample.big_batch)
+
+
+# ----------------------------------------------------------------- the tiny models and ranks
+
+
+def tiny_spec(family: str = "gpt", num_layers: int = 2, hidden_size: int = 64,
+              num_attention_heads: int = 4, seq_length: int = 64) -> TransformerSpec:
+    """The small megatron-core models CPU ranks train in minutes: GPT-style, or Llama-style
+    (GQA with 2 query groups, SwiGLU, untied embeddings)."""
+    from megatron_cona.data import VOCAB_SIZE
+
+    if family == "gpt":
+        return TransformerSpec("gpt", num_layers, hidden_size, num_attention_heads, seq_length,
+                               VOCAB_SIZE)
+    if family == "llama":
+        return TransformerSpec("llama", num_layers, hidden_size, num_attention_heads,
+                               seq_length, VOCAB_SIZE, num_query_groups=2, swiglu=True,
+                               tied_embeddings=False)
+    raise CurveError(f"family={family!r} is not 'gpt' or 'llama'")
+
+
+def measure_switch_costs(repeats: int = 3) -> tuple[float, float]:
+    """Median seconds of (the fixed part of a layout switch, a batch-only switch) of the real
+    CONA runtime on these ranks (collective): build + plan + finalize phases, Adam state
+    present as in a running job."""
+    import statistics
+
+    from megatron_cona.data import CorpusConfig, build_corpus
+    from megatron_cona.runtime import TrainConfig, build_state, switch_strategy, train_step
+
+    ranks = dist.get_world_size()
+    spec = tiny_spec()
+    corpus = build_corpus(CorpusConfig(seq_length=spec.seq_length))
+    dp = exec_strategy(2 * ranks, ranks)
+    tp = ParallelStrategy(1, ranks, 1, dp.micro_batch, dp.global_batch_size)
+    state = build_state(TrainConfig(spec), dp)
+    train_step(state, corpus.train)
+    fixed, batch = [], []
+    for _ in range(repeats):
+        for target in (tp, dp):
+            result = switch_strategy(state, target)
+            state = result.state
+            fixed.append(sum(v for k, v in result.phase_seconds.items() if k != "transfer"))
+        for target in (exec_strategy(4 * ranks, ranks), dp):
+            result = switch_strategy(state, target)
+            state = result.state
+            batch.append(result.seconds)
+    state.destroy()
+    box = [statistics.median(fixed), statistics.median(batch)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def switch_cost_worker(rank: int, world: int, repeats: int = 3) -> tuple[float, float]:
+    return measure_switch_costs(repeats)

@@ -77,7 +77,7 @@ def test_fit_perf_params_recovers_adaptdl_example_times():
 
 
 def test_split_time_uses_the_clock_line():
-    from megatron_cona.ttp.clock import GPT_1_3B, SimulatedClock, VTrainTimes
+    from megatron_cona.lawsim.clock import GPT_1_3B, SimulatedClock, VTrainTimes
 
     clock = SimulatedClock(VTrainTimes(GPT_1_3B, 8), 0.1, 0.01, 300e9)
     s = ParallelStrategy(8, 1, 1, 1, 64)

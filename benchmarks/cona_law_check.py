@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""The law check: McCandlish's hyperbola measured on our own Megatron-Core training (issue 42
+item 5), and the noise scale CONA's probe reads set against it.
+
+The law-based simulation (``bench_cona_scale.py``) drives CONA with Kaplan's and McCandlish's
+laws. This checks the law where we can train for real: a small GPT-style megatron-core model on
+one CPU rank, trained through the CONA runtime at six global batches (same initial weights,
+same sample order, the LR sqrt-scaled from one base LR: one rule, not a per-batch tuning), to
+three validation-loss targets. Per target, McCandlish et al. 2018 (arXiv:1812.06162, eq. 2.11)
+say the steps S and samples E = B * S to reach it trace
+
+    (S / S_min - 1) (E / E_min - 1) = 1,   i.e.   S(B) = S_min + E_min / B,
+
+linear in 1/B: least squares gives S_min, E_min, the critical batch B_crit = E_min / S_min and
+the R^2 of the hyperbola. The runtime's own probe (first micro-batch vs whole batch squared
+gradient norms, the readings CONA decides from) gives the simple noise scale B_noise at the
+same loss; ``k = B_crit / B_noise`` is the bias the simulator's ``noise_k*`` variants assume
+(Merrill et al. 2025 report 10-100x on OLMo).
+
+The curves are committed (``benchmarks/data/cona_law/``, one JSON per curve, provenance inside:
+code hash, engine versions, model, seed, schedule, batch, LR). Every run re-trains one of them
+(the cheapest) and requires every number to match bit for bit; a mismatch means today's code or
+engines no longer produce them, and the run fails naming how to rebuild (``--rebuild``, about
+2 minutes on 2 cores).
+
+Last line: ``law_r2=Q law_targets=T law_batches=N bcrit_over_noise=K retrain_bit_exact=yes``
+(Q the worst target's R^2, K the median k over targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cona_curves import (  # noqa: E402
+    Curve,
+    CurveCache,
+    CurveError,
+    Trainer,
+    TrainerConfig,
+    code_hash,
+    engine_versions,
+    provenance,
+    tiny_spec,
+    train_curve,
+)
+
+from megatron_cona.gns import GradientStatsError, unbiased_estimates  # noqa: E402
+from megatron_cona.lr_scaling import BatchLR  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "cona_law"
+# ``launch(fn, world_size, *args, timeout=, threads=)`` as megatron_cpu.launch.run_distributed
+Launcher = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class LawOptions:
+    data: Path = DATA
+    family: str = "gpt"
+    seed: int = 1234
+    batches: tuple[int, ...] = (4, 8, 16, 32, 64, 128)
+    targets: tuple[float, ...] = (3.0, 2.8, 2.6)  # validation loss, nats per token
+    base_lr: float = 2e-3
+    base_batch: int = 16
+    warmup_samples: int = 128
+    interval_samples: int = 64
+    val_samples: int = 128
+    max_samples: int = 32768
+    noise_window: float = 0.05  # intervals ending within this of a target feed B_noise
+
+    def __post_init__(self) -> None:
+        if len(set(self.batches)) < 3 or min(self.batches) < 2:
+            raise CurveError(f"batches={self.batches}: need >= 3 distinct batches >= 2")
+        if not self.targets or any(not math.isfinite(t) for t in self.targets):
+            raise CurveError(f"targets={self.targets}: need finite validation losses")
+
+
+def lr_rule(opts: LawOptions) -> BatchLR:
+    return BatchLR(opts.base_lr, opts.base_batch, "sqrt")
+
+
+def curve_provenance(opts: LawOptions, batch: int, code: str, engines: dict) -> dict:
+    # constant LR after warmup (min_lr_fraction 1): a decay in samples would give each batch a
+    # different LR at the same loss, which is not what the law describes
+    schedule = {"warmup_samples": opts.warmup_samples, "decay_samples": opts.max_samples,
+                "min_lr_fraction": 1.0, "interval": opts.interval_samples,
+                "val_samples": opts.val_samples, "max_samples": opts.max_samples,
+                "stop_loss": min(opts.targets), "lr_rule": asdict(lr_rule(opts))}
+    return provenance(code=code, engines=engines, model=tiny_spec(opts.family), seed=opts.seed,
+                      schedule=schedule, batch=batch, lr=lr_rule(opts).lr(batch), ranks=1)
+
+
+def _train_worker(rank: int, world: int, opts: LawOptions, provs: list[dict], write: bool
+                  ) -> list[Curve]:
+    from megatron_cona.data import CorpusConfig, build_corpus
+
+    spec = tiny_spec(opts.family)
+    corpus = build_corpus(CorpusConfig(seq_length=spec.seq_length, seed=opts.seed))
+    cache, out = CurveCache(opts.data), []
+    for prov in provs:
+        trainer = Trainer(TrainerConfig(spec, opts.seed, opts.warmup_samples,
+                                        opts.max_samples, 1.0, opts.val_samples), corpus)
+        curve = train_curve(trainer, prov, lr_rule(opts), opts.interval_samples,
+                            opts.max_samples, min(opts.targets))
+        print(f"  curve batch {prov['batch']:4d} lr {prov['lr']:.2e}: {curve.samples[-1]} "
+              f"samples, val {curve.val_loss[-1]:.3f}, {curve.wall_s:.0f}s", flush=True)
+        if write:
+            cache.put(curve)
+        out.append(curve)
+    return out
+
+
+def ensure_curves(opts: LawOptions, launch: Launcher, rebuild: bool = False,
+                  say: Callable[[str], None] = print) -> dict[int, Curve]:
+    """The committed curves, training (and writing) the missing ones; ``rebuild`` trains all."""
+    code, engines = code_hash(), engine_versions()
+    cache = CurveCache(opts.data)
+    provs = {b: curve_provenance(opts, b, code, engines) for b in opts.batches}
+    curves = {} if rebuild else {b: c for b, p in provs.items() if (c := cache.get(p))}
+    missing = [provs[b] for b in opts.batches if b not in curves]
+    if missing:
+        say(f"law check: training {len(missing)} curve(s) into {opts.data} (1 CPU rank)")
+        for curve in launch(_train_worker, 1, opts, missing, True, timeout=3600)[0]:
+            curves[curve.batch] = curve
+    return curves
+
+
+def retrain_check(opts: LawOptions, curves: dict[int, Curve], launch: Launcher) -> int:
+    """Re-train the cheapest committed curve from its recorded provenance and require a
+    bit-exact match; returns its batch."""
+    batch = min(curves, key=lambda b: (curves[b].wall_s, b))
+    want = curves[batch]
+    prov = curve_provenance(opts, batch, code_hash(), engine_versions())
+    got = launch(_train_worker, 1, opts, [prov], False, timeout=1800)[0][0]
+    if not got.same_numbers(want):
+        changed = [k for k in ("code", "engines") if want.provenance[k] != prov[k]]
+        raise CurveError(
+            f"law check: re-training the batch-{batch} curve did not reproduce the committed one "
+            f"bit for bit (changed since it was trained: {', '.join(changed) or 'nothing recorded'}"
+            f"); if the change is intended, rebuild with `python benchmarks/cona_law_check.py "
+            f"--rebuild` and commit {opts.data}")
+    return batch
+
+
+# ------------------------------------------------------------------------------ the fit
+
+
+def samples_to(curve: Curve, target: float) -> float:
+    """Samples at the first validation crossing of ``target`` (linear between the bracketing
+    points); inf if the curve never reaches it."""
+    for k in range(1, len(curve.val_loss)):
+        if curve.val_loss[k] <= target:
+            a, b = curve.val_loss[k - 1], curve.val_loss[k]
+            frac = 1.0 if a <= target else (a - target) / (a - b)
+            return curve.samples[k - 1] + frac * (curve.samples[k] - curve.samples[k - 1])
+    return math.inf
+
+
+def noise_scale_at(curves: list[Curve], target: float, window: float) -> float:
+    """The simple noise scale tr(S)/|G|^2 (samples) from the probe's readings of every
+    iteration in the intervals whose validation loss ends within ``window`` of ``target``
+    (always including the crossing interval): the two unbiased estimates averaged apart,
+    then divided (McCandlish et al.'s recommendation)."""
+    grad_sq, trace = [], []
+    for curve in curves:
+        for k in range(1, len(curve.val_loss)):
+            crossing = curve.val_loss[k] <= target < curve.val_loss[k - 1]
+            if not (crossing or abs(curve.val_loss[k] - target) <= window):
+                continue
+            for small_sq, small_b, big_sq, big_b in curve.stats[k - 1]:
+                try:
+                    g, t = unbiased_estimates(small_sq, big_sq, small_b, big_b)
+                except GradientStatsError:
+                    continue  # an iteration without a probe reading
+                grad_sq.append(g)
+                trace.append(t)
+    if not grad_sq or statistics.fmean(grad_sq) <= 0:
+        return math.nan
+    return statistics.fmean(trace) / statistics.fmean(grad_sq)
+
+
+@dataclass
+class TargetFit:
+    target: float
+    batches: list[int]
+    samples: list[float]
+    steps: list[float]
+    s_min: float
+    e_min: float
+    b_crit: float
+    r2: float
+    b_noise: float
+
+    @property
+    def k(self) -> float:
+        return self.b_crit / self.b_noise if self.b_noise > 0 else math.nan
+
+
+def fit_hyperbola(batches: list[int], steps: list[float]) -> tuple[float, float, float]:
+    """Least squares of S = S_min + E_min / B: (S_min, E_min, R^2 on S)."""
+    x = [1.0 / b for b in batches]
+    mx, my = statistics.fmean(x), statistics.fmean(steps)
+    sxx = sum((a - mx) ** 2 for a in x)
+    e_min = sum((a - mx) * (s - my) for a, s in zip(x, steps, strict=True)) / sxx
+    s_min = my - e_min * mx
+    ss_res = sum((s - s_min - e_min * a) ** 2 for a, s in zip(x, steps, strict=True))
+    ss_tot = sum((s - my) ** 2 for s in steps)
+    return s_min, e_min, 1.0 - ss_res / ss_tot if ss_tot > 0 else math.nan
+
+
+def fit_target(curves: dict[int, Curve], target: float, window: float) -> TargetFit:
+    reached = {b: e for b in sorted(curves) if math.isfinite(e := samples_to(curves[b], target))}
+    if len(reached) < 3:
+        raise CurveError(f"targets: {target} is reached by {len(reached)} of {len(curves)} "
+                         "batches; the fit needs >= 3 (raise max_samples or the target)")
+    batches = list(reached)
+    steps = [reached[b] / b for b in batches]
+    s_min, e_min, r2 = fit_hyperbola(batches, steps)
+    b_crit = e_min / s_min if s_min > 0 and e_min > 0 else math.nan
+    return TargetFit(target, batches, [reached[b] for b in batches], steps, s_min, e_min,
+                     b_crit, r2, noise_scale_at([curves[b] for b in batches], target, window))
+
+
+@dataclass
+class LawReport:
+    fits: list[TargetFit]
+    retrained_batch: int | None
+    wall_s: float
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def r2(self) -> float:
+        return min(f.r2 for f in self.fits)
+
+    @property
+    def k(self) -> float:
+        ks = [f.k for f in self.fits if math.isfinite(f.k)]
+        return statistics.median(ks) if ks else math.nan
+
+    def lines(self) -> list[str]:
+        out = [f"law target={f.target:.2f} batches={','.join(map(str, f.batches))} "
+               f"steps={','.join(f'{s:.0f}' for s in f.steps)} S_min={f.s_min:.1f} "
+               f"E_min={f.e_min:.0f} B_crit={f.b_crit:.1f} r2={f.r2:.3f} "
+               f"B_noise={f.b_noise:.2f} k={f.k:.2f}" for f in self.fits]
+        exact = "not_run" if self.retrained_batch is None else f"yes(batch={self.retrained_batch})"
+        out.append(f"law_r2={self.r2:.3f} law_targets={len(self.fits)} "
+                   f"law_batches={len(self.fits[0].batches) if self.fits else 0} "
+                   f"bcrit_over_noise={self.k:.2f} retrain_bit_exact={exact}")
+        return out
+
+
+def law_check(opts: LawOptions, launch: Launcher, rebuild: bool = False, retrain: bool = True,
+              say: Callable[[str], None] = print) -> LawReport:
+    t0 = time.time()
+    curves = ensure_curves(opts, launch, rebuild, say)
+    batch = retrain_check(opts, curves, launch) if retrain and not rebuild else None
+    fits = [fit_target(curves, t, opts.noise_window) for t in opts.targets]
+    first = next(iter(curves.values())).provenance
+    return LawReport(fits, batch, time.time() - t0,
+                     {k: first[k] for k in ("code", "engines", "model", "seed")})
+
+
+def main() -> None:
+    from megatron_cpu.launch import run_distributed
+
+    d = LawOptions()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=d.data)
+    p.add_argument("--rebuild", action="store_true",
+                   help="train every curve again and overwrite the committed ones")
+    p.add_argument("--no-retrain", action="store_true",
+                   help="skip the bit-exact re-training of one committed curve")
+    p.add_argument("--out", type=Path, help="also write the report as JSON here")
+    args = p.parse_args()
+    report = law_check(LawOptions(data=args.data), run_distributed, args.rebuild,
+                       not args.no_retrain)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"fits": [asdict(f) | {"k": f.k} for f in report.fits],
+                                        "r2": report.r2, "k": report.k,
+                                        "provenance": report.provenance}, indent=1))
+    print(f"law check: {report.wall_s:.0f}s, curves {args.data}")
+    print("\n".join(report.lines()))
+
+
+if __name__ == "__main__":
+    main()
