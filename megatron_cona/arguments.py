@@ -15,6 +15,8 @@ from megatron_cona.candidates import CandidateSpec, parse_candidate_list
 from megatron_cona.lr_scaling import RULES
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 
+STARTS = ("smallest", "configured")  # where a CONA run starts (SessionConfig.start)
+
 
 class ConaArgumentError(StrategyError):
     """A CONA or parallelism flag whose value cannot run; ``flag`` names it."""
@@ -45,6 +47,10 @@ def add_cona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="JSON-lines file receiving every ranking decision.")
     group.add_argument("--cona-lr-scaling", type=str, default="sqrt", choices=RULES,
                        help="How the learning rate follows the global batch size.")
+    group.add_argument("--cona-start", type=str, default="smallest", choices=STARTS,
+                       help="smallest: start at the smallest candidate global batch on the "
+                       "configured layout (the critical batch is smallest at the start; CONA "
+                       "grows it from the probe's readings); configured: the job's own batch.")
     group.add_argument("--cona-patience", type=int, default=2,
                        help="Consecutive qualifying rankings before a switch.")
     group.add_argument("--cona-cooldown", type=int, default=1,

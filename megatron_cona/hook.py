@@ -110,6 +110,7 @@ class ConaHook:
         self.session = session or session_from_args(
             args, settings, model, world, precision_from_args(args), self.executor,
             write_log=dist.get_rank() == 0)
+        self.session.begin()  # before train() runs its first iteration (a batch-only switch)
         self.loss_scale = loss_scale
         self._stats: GradStats | None = None
         self.probe = GradProbe()

@@ -185,6 +185,18 @@ def train(args: argparse.Namespace) -> RunSummary:
     session = (session_from_args(args, settings, spec, world, cfg.precision, executor,
                                  write_log=rank == 0) if args.cona else None)
     summary = RunSummary(timeline=[(0, start.name)])
+
+    def record_switches(it: int, since: int) -> None:
+        for record in session.switches[since:]:
+            if record.outcome.switched:
+                summary.timeline.append((it, record.new.name))
+                summary.switches.append({"iteration": it, "from": record.old.name,
+                                         "to": record.new.name,
+                                         "seconds": record.outcome.seconds,
+                                         "moved_tensors": record.outcome.moved_tensors})
+    if session is not None:
+        session.begin()
+        record_switches(0, 0)
     for it in range(1, args.train_iters + 1):
         state = executor.state
         t0 = time.perf_counter()
@@ -211,13 +223,7 @@ def train(args: argparse.Namespace) -> RunSummary:
         switches = len(session.switches)
         session.after_step(it, seconds, result.grad_stats, final=it == args.train_iters,
                            loss=result.loss)
-        for record in session.switches[switches:]:
-            if record.outcome.switched:
-                summary.timeline.append((it, record.new.name))
-                summary.switches.append({"iteration": it, "from": record.old.name,
-                                         "to": record.new.name,
-                                         "seconds": record.outcome.seconds,
-                                         "moved_tensors": record.outcome.moved_tensors})
+        record_switches(it, switches)
     state = executor.state
     state.destroy()
     return summary

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cona.arguments import ConaSettings
+from megatron_cona.arguments import STARTS, ConaSettings
 from megatron_cona.candidates import PredictorMemory, enumerate_candidates
 from megatron_cona.executor import Executor, SwitchOutcome, SwitchUnsupported
 from megatron_cona.gns import GradientNoiseScale, GradStats, measures_noise
@@ -72,6 +72,17 @@ class SessionConfig:
     # wait doubling after every experiment; 0: never
     explore_after: int = 4
     judge_intervals: int = 4  # an experiment runs at most this many intervals
+    # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
+    # global batch on the configured layout and micro-batch, since the critical batch is at its
+    # smallest when training starts (McCandlish et al. 2018 Sec 3.3; Kaplan et al. 2020 Eq 5.3)
+    # and CONA grows it from the probe's first readings, as Pollux grows from its initial batch;
+    # 'configured' -- the job's own global batch
+    start: str = "smallest"
+
+    def __post_init__(self) -> None:
+        if self.start not in STARTS:
+            raise ValueError(f"start={self.start!r} is unknown; choose one of "
+                             f"{', '.join(STARTS)}")
 
     def batch_lr(self) -> BatchLR:
         """The LR rule as multipliers of the base batch's LR."""
@@ -293,11 +304,36 @@ class ConaSession:
         return decision
 
     # --------------------------------------------------------------------------------- act
+    def begin(self) -> SwitchOutcome | None:
+        """Before the first iteration: with ``start='smallest'`` move to the smallest candidate
+        global batch that keeps the configured layout and micro-batch (a batch-only switch,
+        which every executor can make) and on which the probe reads the noise scale; None
+        when the run stays where it is."""
+        current = self.executor.strategy
+        if self.config.start != "smallest":
+            return None
+        same = [s for s in self.candidates if s.layout == current.layout
+                and s.micro_batch == current.micro_batch
+                and measures_noise(s.dp, s.num_microbatches)]
+        if not same:
+            return None
+        target = min(same, key=lambda s: s.global_batch_size)
+        if target.global_batch_size >= current.global_batch_size:
+            return None
+        log.info("CONA starts at %s (configured %s): the critical batch is smallest at the "
+                 "start; the probe's first readings decide how it grows", target.name,
+                 current.name)
+        return self._switch(0, target, judge=False)
+
     def act(self, iteration: int, decision: Decision) -> SwitchOutcome | None:
         """Carry out ``decision`` through the executor; None when nothing was to be done or the
         executor cannot (recorded in :attr:`unsupported`)."""
+        return self._switch(iteration, decision.target, judge=True)
+
+    def _switch(self, iteration: int, target: ParallelStrategy, judge: bool
+                ) -> SwitchOutcome | None:
         old = self.executor.strategy
-        target = self.executor.agree(decision.target)
+        target = self.executor.agree(target)
         if target == old:
             return None
         try:
@@ -313,7 +349,7 @@ class ConaSession:
                         outcome.error)
             return outcome
         self.policy.costs.record(old, target, outcome.seconds)
-        if old.global_batch_size != target.global_batch_size:
+        if judge and old.global_batch_size != target.global_batch_size:
             self._judging = (old, target, self._experimenting, 0)
         self.executor.set_lr_scale(self.lr_scale(target))
         return outcome
@@ -376,6 +412,6 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
                                        cooldown=args.cona_cooldown))
     times = CalibratedThroughput(base or base_throughput(model, precision, args.cona_device))
     config = SessionConfig(interval=settings.interval, base_batch=args.global_batch_size,
-                           lr_rule=args.cona_lr_scaling)
+                           lr_rule=args.cona_lr_scaling, start=args.cona_start)
     return ConaSession(candidates.kept, times, policy, GradientNoiseScale(args.cona_gns_decay),
                        config, executor, DecisionLog(args.cona_log if write_log else None))

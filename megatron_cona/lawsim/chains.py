@@ -116,7 +116,7 @@ def run_chain(case: SimCase, name: str, settings: dict, start: ParallelStrategy,
                            value("probe_effective_dims"))
     loss_rng = np.random.default_rng([case.seed + seed_offset, 1])
     s, t = case.law.s0, 0.0
-    result.points.append(SimPoint(0.0, 0.0, case.loss(s), start.name))
+    result.points.append(SimPoint(0.0, 0.0, case.loss(s), ex.strategy.name))  # after begin()
     for d, d_next in zip(case.boundaries, case.boundaries[1:], strict=False):
         strategy = ex.strategy
         tokens, batch = d_next - d, strategy.global_batch_size * seq
@@ -262,6 +262,7 @@ class SessionDriver(Driver):
     def bind(self, executor: SimExecutor) -> None:
         super().bind(executor)
         self.session = self.make(executor)
+        self.session.begin()
 
     def observe(self, seconds, stats, iterations, loss) -> None:
         self.session.observe(seconds, stats, iterations, loss=loss)

@@ -161,3 +161,65 @@ def test_hook_executor_names_why_a_layout_cannot_switch():
     with pytest.raises(SwitchUnsupported, match="dp4tp1pp1mb2gb16 -> dp4tp1pp1mb4gb16"):
         hook.switch(P("dp4tp1pp1mb4gb16"))  # micro-batch: the data loader is built for one
     assert hook.strategy == P("dp4tp1pp1mb2gb16")
+
+
+class _BatchExecutor:
+    """A single-process executor that records its switches and LR scales."""
+
+    def __init__(self, start: ParallelStrategy) -> None:
+        self.strategy, self.lr_scales = start, []
+
+    def agree(self, strategy):
+        return strategy
+
+    def switch(self, target):
+        from megatron_cona.executor import SwitchOutcome
+
+        self.strategy = target
+        return SwitchOutcome(True, 0.0)
+
+    def set_lr_scale(self, scale):
+        self.lr_scales.append(scale)
+
+
+def _start_session(start: str, current: str, names: list[str]):
+    from megatron_cona.gns import GradientNoiseScale
+    from megatron_cona.goodput import CalibratedThroughput
+    from megatron_cona.lawsim.clock import TableThroughput
+    from megatron_cona.policy import PolicyConfig, SwitchPolicy
+    from megatron_cona.session import ConaSession, SessionConfig
+
+    ex = _BatchExecutor(P(current))
+    cands = [P(n) for n in names]
+    session = ConaSession(cands, CalibratedThroughput(TableThroughput(dict.fromkeys(cands, 1.0))),
+                          SwitchPolicy(PolicyConfig()), GradientNoiseScale(0.5),
+                          SessionConfig(base_batch=P(current).global_batch_size, start=start),
+                          ex)
+    return session, ex
+
+
+def test_begin_starts_at_the_smallest_batch_on_the_configured_layout():
+    names = ["dp2tp1pp1mb2gb4", "dp2tp1pp1mb2gb8", "dp2tp1pp1mb2gb16", "dp1tp2pp1mb2gb2",
+             "dp2tp1pp1mb1gb2"]
+    session, ex = _start_session("smallest", "dp2tp1pp1mb2gb16", names)
+    outcome = session.begin()
+    # gb2 exists only on other layouts / micro-batches: a batch-only switch to gb4
+    assert outcome.switched and ex.strategy == P("dp2tp1pp1mb2gb4")
+    assert ex.lr_scales == pytest.approx([math.sqrt(4 / 16)])  # the one LR rule
+    assert [(r.old.name, r.new.name) for r in session.switches] == [
+        ("dp2tp1pp1mb2gb16", "dp2tp1pp1mb2gb4")]
+    assert session._judging is None  # nothing to compare a start against
+    # already there, or asked to keep the configured batch: nothing happens
+    assert session.begin() is None
+    session, ex = _start_session("configured", "dp2tp1pp1mb2gb16", names)
+    assert session.begin() is None and ex.strategy == P("dp2tp1pp1mb2gb16")
+
+
+def test_begin_never_starts_on_a_layout_blind_to_the_noise_scale():
+    # DP = 1: gb2 would be one micro-batch, where the probe reads no small-batch gradient
+    names = ["dp1tp2pp1mb2gb2", "dp1tp2pp1mb2gb4", "dp1tp2pp1mb2gb8"]
+    session, ex = _start_session("smallest", "dp1tp2pp1mb2gb8", names)
+    session.begin()
+    assert ex.strategy == P("dp1tp2pp1mb2gb4")
+    with pytest.raises(ValueError, match="start='tiny'"):
+        _start_session("tiny", "dp1tp2pp1mb2gb8", names)
