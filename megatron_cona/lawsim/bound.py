@@ -74,19 +74,20 @@ def _cross_prune(j: np.ndarray, t: np.ndarray, s: np.ndarray, lead: np.ndarray) 
     """Mask of the states no state of ANOTHER strategy dominates: (i, t', S') beats (j, t, S)
     when S' >= S and t' + lead[i, j] <= t, ``lead[i, j]`` the most that leaving i can cost more
     than leaving j for any next strategy (so i's state can follow j's every continuation, no
-    later and no less far along). One suffix minimum per strategy, looked up by S."""
+    later and no less far along). All states sorted by S once, descending; per strategy one
+    running minimum of its times over the states as far along or further, read at every
+    state."""
     keep = np.ones(t.size, dtype=bool)
+    order = np.lexsort((t, -s))  # furthest along first; ties: earliest first
+    s_o, t_o, j_o = s[order], t[order], j[order]
+    # states of equal S form one group: a state may be beaten by another strategy's state of
+    # the same S, so each group reads the running minimum up to its last member
+    last = np.r_[np.flatnonzero(s_o[1:] != s_o[:-1]), s_o.size - 1]
+    group_end = np.repeat(last, np.diff(np.r_[-1, last]))
     for i in np.unique(j):
-        mine = j == i
-        order = np.argsort(s[mine])
-        s_i = s[mine][order]
-        suffix = np.minimum.accumulate(t[mine][order][::-1])[::-1]  # min t' over S' >= S
-        others = np.flatnonzero(~mine)
-        pos = np.searchsorted(s_i, s[others], side="left")
-        inside = pos < s_i.size
-        best = np.full(others.size, math.inf)
-        best[inside] = suffix[pos[inside]]
-        keep[others[best + lead[i, j[others]] <= t[others]]] = False
+        best = np.minimum.accumulate(np.where(j_o == i, t_o, math.inf))[group_end]
+        beaten = (j_o != i) & (best + lead[i, j_o] <= t_o)
+        keep[order[beaten]] = False
     return keep
 
 
