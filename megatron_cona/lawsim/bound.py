@@ -74,11 +74,18 @@ def _cross_prune(j: np.ndarray, t: np.ndarray, s: np.ndarray, lead: np.ndarray) 
     """Mask of the states no state of ANOTHER strategy dominates: (i, t', S') beats (j, t, S)
     when S' >= S and t' + lead[i, j] <= t, ``lead[i, j]`` the most that leaving i can cost more
     than leaving j for any next strategy (so i's state can follow j's every continuation, no
-    later and no less far along). All states sorted by S once, descending; per strategy one
-    running minimum of its times over the states as far along or further, read at every
-    state."""
+    later and no less far along). All states sorted by S once, descending. First a cheap
+    sufficient test: a state some earlier state (any strategy) beats even with the largest
+    lead any strategy has over its own goes at once; leads obey the triangle inequality
+    (``lead[a, c] <= lead[a, b] + lead[b, c]``), so whatever a dropped state beats, its
+    dominator beats too. Then per strategy one running minimum of its times over the
+    survivors as far along or further, read at every survivor."""
     keep = np.ones(t.size, dtype=bool)
     order = np.lexsort((t, -s))  # furthest along first; ties: earliest first
+    before = np.r_[math.inf, np.minimum.accumulate(t[order])[:-1]]
+    sure = before + lead.max(axis=0)[j[order]] <= t[order]
+    keep[order[sure]] = False
+    order = order[~sure]
     s_o, t_o, j_o = s[order], t[order], j[order]
     # states of equal S form one group: a state may be beaten by another strategy's state of
     # the same S, so each group reads the running minimum up to its last member
