@@ -333,7 +333,7 @@ def run_bound(case: SimCase) -> list[SimResult]:
     """Per target the relaxed lower bound (:func:`~megatron_cona.lawsim.bound.relaxed_bound`)
     and, with ``case.exact_bound``, the exact DP with the chains' cadence and switch costs
     (:func:`~megatron_cona.lawsim.bound.exact_bound`, its S rounded up on a ``bound_snap`` grid:
-    still a bound; minutes per case at scale), with its path. The time is the tighter (larger)
+    still a bound; about a minute per 512-GPU case), with its path. The time is the tighter (larger)
     of the two: both are lower bounds."""
     names = list(case.goals)
     goals = [case.goals[n] for n in names]

@@ -55,7 +55,7 @@ class SimOptions:
     horizon: float = 20.0
     noise_z: float = 1.0
     seed: int = 0
-    # the exact DP beside the relaxation (~3.5 min per 512-GPU case on 2 cores), its S rounded
+    # the exact DP beside the relaxation (~1 min per 512-GPU case on 2 cores), its S rounded
     # up on a log grid of this relative step (keeps it a bound; 1e-5 stays within 0.01% of
     # the relaxation where the two meet)
     exact_bound: bool = False
