@@ -79,13 +79,14 @@ def main() -> None:
     t0 = time.time()
     law_r2, law_lines = math.nan, []
     if check:
-        from cona_law_check import LawOptions, law_check
+        from cona_law_check import LawOptions, law_check, plot_law
 
         from megatron_cpu.launch import run_distributed
 
         law = law_check(LawOptions(), run_distributed, say=lambda m: print(m, flush=True))
         law_r2, law_lines = law.r2, law.lines()
-        print(f"law check on our own training ({law.wall_s:.0f}s):", flush=True)
+        print(f"law check on our own training ({law.wall_s:.0f}s; plot "
+              f"{plot_law(law, opts.out / 'law_check.png')}):", flush=True)
         print("\n".join(law_lines), flush=True)
     if costs is None:
         costs = measure_switch_costs()

@@ -237,6 +237,7 @@ class LawReport:
     retrained_batch: int | None
     wall_s: float
     provenance: dict = field(default_factory=dict)
+    curves: dict[int, Curve] = field(default_factory=dict, repr=False)
 
     @property
     def r2(self) -> float:
@@ -267,7 +268,38 @@ def law_check(opts: LawOptions, launch: Launcher, rebuild: bool = False, retrain
     fits = [fit_target(curves, t, opts.noise_window) for t in opts.targets]
     first = next(iter(curves.values())).provenance
     return LawReport(fits, batch, time.time() - t0,
-                     {k: first[k] for k in ("code", "engines", "model", "seed")})
+                     {k: first[k] for k in ("code", "engines", "model", "seed")}, curves)
+
+
+def plot_law(report: LawReport, path: Path) -> Path:
+    """Left: validation loss against samples per batch, the targets dotted. Right: steps to
+    each target against 1/B with the fitted S_min + E_min/B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for batch, curve in sorted(report.curves.items()):
+        left.plot(curve.samples, curve.val_loss, label=f"batch {batch}")
+    for fit in report.fits:
+        left.axhline(fit.target, color="k", ls=":", lw=0.8)
+        x = [1.0 / b for b in fit.batches]
+        dots = right.plot(x, fit.steps, "o")[0]
+        grid = [min(x) + (max(x) - min(x)) * i / 50 for i in range(51)]
+        right.plot(grid, [fit.s_min + fit.e_min * g for g in grid], color=dots.get_color(),
+                   label=f"loss {fit.target:.2f}: B_crit {fit.b_crit:.1f}, R^2 {fit.r2:.3f}, "
+                         f"k {fit.k:.2f}")
+    left.set(xlabel="samples", ylabel="validation loss (real training)", xscale="log")
+    left.legend(fontsize=7)
+    right.set(xlabel="1 / global batch", ylabel="steps to the target",
+              title="McCandlish et al. 2018: S = S_min + E_min / B")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
@@ -281,6 +313,7 @@ def main() -> None:
     p.add_argument("--no-retrain", action="store_true",
                    help="skip the bit-exact re-training of one committed curve")
     p.add_argument("--out", type=Path, help="also write the report as JSON here")
+    p.add_argument("--plot", type=Path, help="also draw the curves and the fits here (PNG)")
     args = p.parse_args()
     report = law_check(LawOptions(data=args.data), run_distributed, args.rebuild,
                        not args.no_retrain)
@@ -289,6 +322,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"fits": [asdict(f) | {"k": f.k} for f in report.fits],
                                         "r2": report.r2, "k": report.k,
                                         "provenance": report.provenance}, indent=1))
+    if args.plot:
+        print(f"plot: {plot_law(report, args.plot)}")
     print(f"law check: {report.wall_s:.0f}s, curves {args.data}")
     print("\n".join(report.lines()))
 

@@ -29,10 +29,12 @@ from cona_curves import (  # noqa: E402
 from cona_law_check import (  # noqa: E402
     DATA,
     LawOptions,
+    LawReport,
     curve_provenance,
     fit_hyperbola,
     fit_target,
     noise_scale_at,
+    plot_law,
     samples_to,
 )
 
@@ -137,6 +139,16 @@ def test_fit_target_recovers_bcrit_and_noise_scale():
     assert noise_scale_at([curves[4]], 99.0, 0.05) != noise_scale_at([curves[4]], 3.0, 0.05)
     with pytest.raises(CurveError, match="reached by 0 of 5"):
         fit_target(curves, 1.0, 0.05)
+
+
+def test_report_line_and_plot(tmp_path):
+    curves = {b: _synthetic(b, 40.0, 400.0, 3.0, 7.0) for b in (4, 8, 16, 32, 64)}
+    report = LawReport([fit_target(curves, 3.0, 0.05)], 8, 1.0, {}, curves)
+    last = report.lines()[-1]
+    assert last.startswith("law_r2=1.000 law_targets=1 law_batches=5 bcrit_over_noise=1.43")
+    assert last.endswith("retrain_bit_exact=yes(batch=8)")
+    png = plot_law(report, tmp_path / "law.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_options_refuse_too_few_batches():
