@@ -278,9 +278,18 @@ class LoadPath:
                 self.health.failed(device, str(exc))
         self.accounts.reads_done(device, outcomes, elapsed)
         if not layer_major:
+            # One copy over the whole wave: a chunk alone is too small to split over the copy
+            # threads (``copy_many`` gives each thread several MiB), a wave is not.
+            rows = []
             for p in wave.reads:
                 if p.ok and p.buf is not None:
-                    self._scatter(p, self.copy_threads)
+                    ops = self._read_ops(p.read, p.buf.address)
+                    if ops is None:
+                        self._scatter(p, self.copy_threads)
+                    else:
+                        rows.append(ops)
+            if rows:
+                self.io.copy_many(np.concatenate(rows), threads=self.copy_threads)
             self.copier.synchronize()  # before the staging buffers are reused
             self._release(wave.reads)
 
