@@ -10,6 +10,11 @@ and times, on the same engine and the same stored chunks:
                same copy threads, same verification): the in-run bound is max over devices,
                ``frac_of_bound`` = bound / pool time, which cannot exceed 1 (if it does, the
                bound is wrong and the run says so)
+  together     every share at once as ``pool`` does, the lookup and the jobs planned before the
+               timer starts (the engine's side of the fetch alone): where the shares cannot
+               overlap as the alone parts assume (two shared cores: the host copy's threads and
+               the SSD completions compete), this is the truer bound, so the in-run bound is
+               max(max over devices of alone, together) per repetition, never below the former
   serial       a truly serial fetch in the same engine: the host share, then the SSD share(s)
 Every fetch that fills the whole prefix is checked byte-identical (XXH3-64 per layer). CPU cost is
 user+sys seconds of the process (all threads) during the fetch, per GB.
@@ -198,7 +203,7 @@ def _cpu() -> float:
 
 def pool_parts(names: list[str]) -> list[str]:
     """What a pool child measures per repetition (see the module docstring)."""
-    return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "serial"]
+    return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "together", "serial"]
 
 
 def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
@@ -242,6 +247,9 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 runs = [timed({i}) for i in order if share[i]]
                 return (sum(t for t, _ in runs), sum(r.blocks for _, r in runs),
                         all(r.ok for _, r in runs))  # fmt: skip
+            if part == "together":  # the engine's side only: planned before the timer
+                r = pool.run(pool.plan(hashes, ids))
+                return r.seconds, r.blocks, r.ok
             if part.startswith("alone:"):
                 seconds, r = timed({devs.index(part[6:])})
             else:
@@ -252,8 +260,9 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                     pool.engine.loads.verify = pool.config.verify_checksums
             return seconds, r.blocks, r.ok
 
-        parts = [p for p in spec.get("parts") or pool_parts(devs)
-                 if not p.startswith("alone:") or share[devs.index(p[6:])]]  # fmt: skip
+        parts = [q for p in spec.get("parts") or pool_parts(devs)
+                 for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
+        parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
         fetch("pool")  # untimed warm-up: first-touch costs are not the fetch's (LMCache too)
         for rep in range(spec["reps"]):
             for part in parts if rep % 2 == 0 else parts[::-1]:
@@ -661,6 +670,8 @@ def spread(xs: list[float]) -> str:
 def run(args: argparse.Namespace, log=print) -> str:
     g = args.geometry
     args.workdir.mkdir(parents=True, exist_ok=True)
+    from vllm_kvpool.probe import copy_thread_counts
+
     lmc_reason = "disabled (--no-lmcache)" if args.no_lmcache else lmcache_available()
     log(f"KV: {g.tokens} tokens x {g.layers} layers x {g.kv_heads} KV heads x head {g.head_dim}, "
         f"{g.dtype}, block {g.block_size} = {g.prefix_bytes / 2**30:.2f} GiB in {g.num_chunks} "
@@ -700,25 +711,37 @@ def run(args: argparse.Namespace, log=print) -> str:
             log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
-            pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
-                      "config": {**pool_config(g, sc["devices"], placement),
-                                 "copy_threads": threads},
-                      "gbps": gbps, "threads": threads,
-                      "cgroup": cgroup, "reps": args.reps, "parts": parts,
-                      "workdir": str(args.workdir)}
-                     for system, placement, parts in sc["pools"]]  # fmt: skip
-            # One child per system: it stores once, then times every repetition (the pool
-            # children sit between LMCache's configurations, so drift hits both).
-            lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
-                    "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
-                   for j in sc["lmcache"]]  # fmt: skip
-            for spec in [*lmc[:1], *pools, *lmc[1:]]:
-                run_child(g, spec, args.timeout, sink)
+            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink)
+            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
+            if name == "S1" and other != threads and not args.no_thread_sweep:
+                # S1 again at the other thread count, both sides equal: pool and LMCache O_DIRECT
+                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides")
+                run_scenario(g, args, f"S1-t{other}",
+                             {**sc, "pools": [("pool", "bandwidth", ["pool", "alone:*", "together"])],
+                              "lmcache": sc["lmcache"][:1]}, other, gbps, cgroup, sink)  # fmt: skip
     finally:
         if dev is not None:
             dev.close()
         (args.workdir / "ssd0.kvpool").unlink(missing_ok=True)
     return summarize(g, results, args, log)
+
+
+def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str, Any],
+                 threads: int, gbps: list[float], cgroup: str | None, sink) -> None:  # fmt: skip
+    """The children of one scenario: the pool's (one per placement) and LMCache's, all with
+    ``threads`` torch/OpenMP/copy threads."""
+    pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
+              "config": {**pool_config(g, sc["devices"], placement), "copy_threads": threads},
+              "gbps": gbps, "threads": threads, "cgroup": cgroup, "reps": args.reps,
+              "parts": parts, "workdir": str(args.workdir)}
+             for system, placement, parts in sc["pools"]]  # fmt: skip
+    # One child per system: it stores once, then times every repetition (the pool children sit
+    # between LMCache's configurations, so drift hits both).
+    lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
+            "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
+           for j in sc["lmcache"]]  # fmt: skip
+    for spec in [*lmc[:1], *pools, *lmc[1:]]:
+        run_child(g, spec, args.timeout, sink)
 
 
 def _per_rep(results: dict[str, list[Result]], scenario: str, combine) -> list[float]:
@@ -734,6 +757,19 @@ def _per_rep(results: dict[str, list[Result]], scenario: str, combine) -> list[f
 
 
 def bound_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
+    """Per repetition: the in-run bound / the pool's fetch (<= 1): the bound is the slowest
+    share alone, or the shares together without the pool's lookup and planning when that is
+    slower (the overlap the alone parts assume is not there)."""
+    together = {r.rep: r.seconds for r in results.get(f"{scenario}/together", []) if r.seconds}
+    pool = {r.rep: r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds}
+    alone = alone_fracs(results, scenario)
+    reps = [rep for rep in sorted(pool) if rep in together]
+    if len(reps) != len(alone):
+        return alone
+    return [max(a, together[rep] / pool[rep]) for a, rep in zip(alone, reps, strict=True)]
+
+
+def alone_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
     """Per repetition: max over devices of the share alone / the pool's fetch (<= 1)."""
     return _per_rep(results, scenario, lambda acc, r: max(acc, r.seconds))
 
@@ -771,7 +807,8 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     best_lmc = min(s1_lmc, key=lambda k: med(times[k])) if s1_lmc else None
     x = ratio(best_lmc, "S1/pool") if best_lmc else float("nan")
     xv = ratio(best_lmc, "S1/pool-verify") if best_lmc else float("nan")
-    fracs = {s: bound_fracs(results, s) for s in ("S1", "S1-spdk", "S2", "S3")}
+    sweep = sorted({k.split("/")[0] for k in results if k.startswith("S1-t")})
+    fracs = {s: bound_fracs(results, s) for s in ("S1", *sweep, "S1-spdk", "S2", "S3")}
     f = med(fracs["S1"]) if fracs["S1"] else float("nan")
     w = med(fracs["S3"]) if fracs["S3"] else float("nan")
     v = ratio("S1/serial", "S1/pool")
@@ -789,8 +826,10 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             f"pool-verify (host chunks hashed on every fetch too): {xv:.2f}")
     for s, fr in fracs.items():
         if fr:
-            log(f"{s}: in-run bound (max over devices of each share alone) / pool, per rep: "
-                + ", ".join(f"{x_:.2f}" for x_ in fr))
+            log(f"{s}: in-run bound (max of the slowest share alone and the shares together "
+                "unplanned) / pool, per rep: " + ", ".join(f"{x_:.2f}" for x_ in fr))
+            log(f"{s}: slowest share alone / pool, per rep: "
+                + ", ".join(f"{x_:.2f}" for x_ in alone_fracs(results, s)))
             floors = cpu_floors(results, s)
             if floors:
                 log(f"{s}: CPU floor (alone parts' user+sys CPU-s / {len(os.sched_getaffinity(0))}"
@@ -798,6 +837,15 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             if max(fr) > 1.0:
                 log(f"{s}: WARNING the pool beat its in-run bound in some repetition (> 1): the "
                     "bound's parts were measured slower than the whole; treat F as noise-limited")
+    by_threads: dict[int, tuple[float, float]] = {}  # S1 per copy-thread count: (X, F)
+    for sc in ("S1", *sweep):
+        rs = results.get(f"{sc}/pool", [])
+        if rs and times.get(f"{sc}/pool"):
+            x_t = ratio(f"{sc}/lmcache-slice-odirect", f"{sc}/pool")
+            by_threads[rs[0].threads] = (x_t, med(fracs[sc]) if fracs[sc] else float("nan"))
+            log(f"S1 at {rs[0].threads} copy thread(s) on both sides ({sc}): pool "
+                f"{med(times[f'{sc}/pool']):.3f} s, LMCache O_DIRECT / pool {x_t:.2f}, "
+                f"frac_of_bound {by_threads[rs[0].threads][1]:.2f}")
     if times.get("S1-spdk/pool") and times.get("S1/pool"):
         log(f"S1-spdk: the pool with its SSD share on SPDK / on io_uring (seconds): "
             f"{ratio('S1-spdk/pool', 'S1/pool'):.2f}; SSD share alone, SPDK / io_uring: "
@@ -808,9 +856,14 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             log(f"S3 placement gain: {what} / bandwidth = {ratio(f'S3/{other}', 'S3/pool'):.2f}")
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
+    one = by_threads.get(1, (float("nan"), float("nan")))
+    many = max(by_threads, default=0)
+    n_t = by_threads.get(many, (float("nan"), float("nan"))) if many > 1 else (float("nan"),) * 2
     return (f"ratio_vs_lmcache={x:.2f} frac_of_bound={f:.2f} ratio_vs_serial={v:.2f} "
             f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f} "
-            f"lmcache_threads={lmc_threads} pool_threads={pool_threads}")
+            f"lmcache_threads={lmc_threads} pool_threads={pool_threads} "
+            f"ratio_vs_lmcache_1t={one[0]:.2f} frac_of_bound_1t={one[1]:.2f} "
+            f"ratio_vs_lmcache_nt={n_t[0]:.2f} frac_of_bound_nt={n_t[1]:.2f} n_threads={many}")
 
 
 def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
@@ -876,6 +929,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lmcache-kernel", action="store_true",
                    help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
+    p.add_argument("--no-thread-sweep", action="store_true",
+                   help="skip S1 at the copy-thread count the probe did not pick")
     p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")
     p.add_argument("--lmcache-timeout", type=float, default=30,
                    help="S2: how long LMCache-as-documented may take before 'did not complete'")

@@ -13,8 +13,8 @@ buffers: the same host memory on both sides) and reads each request's chunks int
 of half the ring, two waves in flight, verifying every chunk's XXH3-64 as the engine's reads do.
 It sends each finished wave's ring slots over a socket pair; the engine copies them into the KV
 (``ChunkKV.read_ops`` + ``_kvio.copy_many``, the host pool's path) while the next wave is read,
-and gives the slots back. The engine asks the pool for the hit and pins it exactly as a fetch
-does; the timer runs from sending the request to the last byte in the KV.
+and gives the slots back. The engine plans the fetch (``LocalPool.plan``) and pins its chunks exactly as a
+fetch does; the timer runs from sending the request to the last byte in the KV.
 """
 
 from __future__ import annotations
@@ -95,12 +95,10 @@ class ServiceReads:
               threads: int) -> tuple[int, float, bool]:  # fmt: skip
         """(blocks, seconds, every chunk verified) of the pool's hit, read by the child."""
         kv = self.pool.engine.layout
-        hits = self.pool.pool.lookup(block_hashes)
-        jobs = self.pool.pool.load_jobs(hits, [block_ids] * self.pool.layout.num_group_tables)
-        reads = [r for r, _ in jobs]
-        entries = [e for _, e in jobs]
+        plan = self.pool.plan(block_hashes, block_ids)
+        reads = plan.reads
         ok = True
-        self.pool.pool.pin(entries)
+        self.pool.pool.pin(plan.entries)
         try:
             start = time.perf_counter()
             self.lines.send({"reads": [[r.slot, kv.nbytes(r.stored_blocks), r.checksums.get(0)]
@@ -117,8 +115,8 @@ class ServiceReads:
                 done += len(wave)
             seconds = time.perf_counter() - start
         finally:
-            self.pool.pool.unpin(entries)
-        return sum(h.num_blocks for h in hits), seconds, ok
+            self.pool.pool.unpin(plan.entries)
+        return plan.blocks, seconds, ok
 
     def close(self) -> None:
         self.lines.conn.close()

@@ -43,15 +43,16 @@ def test_pool_parts_fetch_identical_kv(bench, tmp_path, placement):
     by = {}
     for r in results:
         by.setdefault(r.system, []).append(r)
-    assert sorted(by) == ["alone:host0", "alone:ssd0", "pool", "pool-verify", "serial"]
+    assert sorted(by) == ["alone:host0", "alone:ssd0", "pool", "pool-verify", "serial",
+                          "together"]  # fmt: skip
     assert all(len(rs) == 2 and all(r.identical and r.seconds > 0 for r in rs)
                for rs in by.values())  # fmt: skip
     whole = {"host0": 2 * g.chunk_bytes, "ssd0": (g.num_chunks - 2) * g.chunk_bytes}
-    for name in ("pool", "pool-verify", "serial"):
+    for name in ("pool", "pool-verify", "together", "serial"):
         assert by[name][0].device_bytes == whole  # host full, the rest from the SSD
     assert by["alone:host0"][0].device_bytes == {"host0": whole["host0"]}
     assert by["alone:ssd0"][0].device_bytes == {"ssd0": whole["ssd0"]}
-    assert [r.system for r in results[:5]] == [r.system for r in results[5:]][::-1]  # alternating
+    assert [r.system for r in results[:6]] == [r.system for r in results[6:]][::-1]  # alternating
 
 
 def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
@@ -89,12 +90,19 @@ def test_summary_line_from_in_run_parts(bench):
                "S1/alone:ssd0": [r("alone:ssd0", 0.5, 0), r("alone:ssd0", 1.6, 1)],
                "S1/serial": [r("serial", 1.4, 0), r("serial", 2.6, 1)]}  # fmt: skip
     assert bench.bound_fracs(results, "S1") == pytest.approx([0.9, 0.8])
+    # The shares together without the pool's planning: the bound where slower than alone.
+    together = {"S1/together": [r("together", 0.95, 0), r("together", 1.5, 1)]}
+    assert bench.bound_fracs({**results, **together}, "S1") == pytest.approx([0.95, 0.8])
+    assert bench.alone_fracs({**results, **together}, "S1") == pytest.approx([0.9, 0.8])
     args = type("A", (), {"out": None})()
     line = bench.summarize(g, results, args, lambda *_: None)
     assert line.startswith("ratio_vs_lmcache=nan frac_of_bound=0.85 ratio_vs_serial=1.33 ")
     cpu = 0.1 / (g.prefix_bytes / 1e9)
-    assert line.endswith(f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} "
-                         "lmcache_threads=0 pool_threads=1")
+    assert (f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} lmcache_threads=0 pool_threads=1 "
+            in line)  # fmt: skip
+    # S1 per copy-thread count: here only the one thread the results ran with
+    assert line.endswith("ratio_vs_lmcache_1t=nan frac_of_bound_1t=0.85 ratio_vs_lmcache_nt=nan "
+                         "frac_of_bound_nt=nan n_threads=1")
 
 
 def test_children_run_with_the_pools_copy_threads(bench, tmp_path):

@@ -7,6 +7,7 @@ signals each layer, so ``wait_for_layer_load`` releases early layers first."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -43,6 +44,47 @@ class _Wave:
     ticket: int
     reads: list[_PendingRead]
     submitted: float
+
+
+BULK_BATCH_BYTES = 64 * 2**20  # host-share bytes one copy call takes (threads split it)
+
+
+def _batches(chunks: list[_PendingRead], nbytes: int) -> list[list[_PendingRead]]:
+    """Consecutive chunks in batches of at least ``nbytes`` (the last may be smaller)."""
+    out: list[list[_PendingRead]] = [[]]
+    size = 0
+    for p in chunks:
+        if size >= nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
+class _Bulk:
+    """The unverified host share of a load, in batches two threads take turns copying."""
+
+    def __init__(self, batches: list[list[_PendingRead]]) -> None:
+        self.chunks = [p for b in batches for p in b]
+        self.batches = deque(batches)
+        self.start = self.end = 0.0
+        self._lock = threading.Lock()
+
+    def take_one(self, path: LoadPath, threads: int = 1) -> bool:
+        """Copy the next batch into the KV (False: none left)."""
+        batch = pop(self.batches)
+        if batch is None:
+            return False
+        begin = time.perf_counter()
+        ops = path.layout.reads_ops([(p.read, p.buf.address) for p in batch if p.buf])
+        assert ops is not None  # ``_copied_whole`` checked each chunk has rows
+        path.io.copy_many(ops, threads=threads)
+        done = time.perf_counter()
+        with self._lock:
+            self.start = begin if not self.start else min(self.start, begin)
+            self.end = max(self.end, done)
+        return True
 
 
 class LoadPath:
@@ -131,15 +173,16 @@ class LoadPath:
         inflight: dict[int, deque[_Wave]] = defaultdict(deque)
         for d in list(queues):  # the SSDs start first: planning the host copy can wait for them
             self._fill(d, queues[d], inflight[d], fits)
-        # Unverified resident chunks (verified when saved, not on every fetch): one GIL-free copy
-        # over all of them on ``copy_threads`` threads, on the copier, while this thread keeps the
-        # SSDs busy. Verified ones are hashed and copied by this thread AND the copier, one chunk
-        # each at a time (hashing, not memory, limits one thread).
+        # Unverified resident chunks (verified when saved, not on every fetch): GIL-free copies
+        # of batches of them on ``copy_threads`` threads, on the copier, while this thread keeps
+        # the SSDs busy; when it has nothing to wait for and a core is left (fewer copy threads
+        # than cores), it copies batches too. Verified ones are hashed and copied by this thread
+        # AND the copier, one chunk each at a time (hashing, not memory, limits one thread).
         copier = None
-        if bulk:
-            ops = self.layout.reads_ops([(p.read, p.buf.address) for p in bulk if p.buf])
-            assert ops is not None  # ``_copied_whole`` checked each chunk has rows
-            copier = self.copy_thread.submit(self._copy_resident, bulk, ops)
+        shared = _Bulk(_batches(bulk, BULK_BATCH_BYTES)) if bulk else None
+        helps = self.copy_threads < len(os.sched_getaffinity(0))
+        if shared is not None:
+            copier = self.copy_thread.submit(self._copy_bulk, shared, self.copy_threads)
         elif len(host_queue) > 1:
             copier = self.copy_thread.submit(self._drain_resident, host_queue)
         last_done: dict[int, float] = {}
@@ -155,6 +198,8 @@ class LoadPath:
                     progressed = True
             if (p := pop(host_queue)) is not None:
                 self._read_resident(p, scatter=True, threads=1 if copier else self.copy_threads)
+            elif not progressed and helps and shared is not None and shared.take_one(self):
+                pass  # copied a batch of the host share while the SSDs work
             elif not progressed:
                 busy = [d for d in inflight if inflight[d]]
                 if len(busy) == 1:  # one device left: sleep in the kernel until it is done
@@ -162,8 +207,12 @@ class LoadPath:
                                       layer_major, threads)  # fmt: skip
                 else:
                     time.sleep(0.0002)
+        while helps and shared is not None and shared.take_one(self):
+            pass  # the SSDs are done: help the copier finish the host share
         if copier is not None:
             copier.result()
+        if shared is not None:
+            self._account_bulk(shared)
         if layer_major:
             plan = self.copier.prepare(self.layout, [(p.read, p.buf.view) for p in pending
                                                      if p.ok and p.buf is not None])  # fmt: skip
@@ -199,13 +248,18 @@ class LoadPath:
         core can address (else the copier moves it, layer by layer)."""
         return self.layout.read_ops(r, address) if self.copier.kv_addressable else None
 
-    def _copy_resident(self, chunks: list[_PendingRead], ops: np.ndarray) -> None:
-        start = time.perf_counter()
-        self.io.copy_many(ops, threads=self.copy_threads)
-        elapsed = time.perf_counter() - start
-        total = sum(p.nbytes for p in chunks)
+    def _copy_bulk(self, bulk: _Bulk, threads: int) -> None:
+        """The copier's side: batches of the host share until none is left."""
+        while bulk.take_one(self, threads):
+            pass
+
+    def _account_bulk(self, bulk: _Bulk) -> None:
+        """The host share's reads, once: the busy time is from the first batch's start to the
+        last one's end (batches copied at once by two threads are not charged twice)."""
+        elapsed = bulk.end - bulk.start
+        total = sum(p.nbytes for p in bulk.chunks)
         by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
-        for p in chunks:
+        for p in bulk.chunks:
             by_device[p.read.device].append(ReadOutcome(p.read, p.nbytes, "ok"))
         for device, outcomes in by_device.items():  # one pass for all: each device's share
             share = sum(o.nbytes for o in outcomes) / total
