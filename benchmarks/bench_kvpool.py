@@ -291,6 +291,78 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     return out
 
 
+def set_throttle(throttle: dict[str, Any] | None, mbps: int) -> None:
+    """Set the second SSD's read limit (the cgroup file ``Devices.setup`` wrote) mid-run."""
+    if throttle:
+        Path(throttle["file"]).write_text(f"{throttle['device']} {throttle['prefix']}"
+                                          f"{mbps * 10**6}\n")  # fmt: skip
+
+
+def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
+    """Placement that follows the devices (issue #46): per step a NEW prefix is saved (placed by
+    the pool's current weights), then fetched as ``pool``, each device's share alone and
+    ``together`` (the in-run bound, as in S1), then dropped. ``spec["throttle_mbps"][step]``
+    sets the second SSD's read limit before the step (S4: slowed to a third, then back).
+    ``spec["policy"]``: ``round_robin``, ``probe-only`` (bandwidth placement on the prior,
+    never learning) or ``adaptive`` (bandwidth placement on the estimate measured in
+    service). Results: scenario ``<scenario>:<policy>``, rep = step."""
+    import torch
+
+    from vllm_kvpool.local import LocalPool
+
+    for d in spec["config"]["devices"]:
+        if "ssd" in d and not d["ssd"]["path"].startswith("/dev/"):
+            Path(d["ssd"]["path"]).unlink(missing_ok=True)
+    kv = make_kv(g)
+    digest = kv_digest(kv)
+    names = {f"layers.{i}": t for i, t in enumerate(kv)}
+    ids = list(range(g.num_blocks))
+    scenario = f"{spec['scenario']}:{spec['policy']}"
+    out: list[Result] = []
+    with LocalPool(spec["config"], names, g.num_blocks, g.block_size, bandwidths=spec["gbps"],
+                   layout_id=f"{scenario}") as pool:  # fmt: skip
+        devs = [d.name for d in pool.config.devices]
+        for step, mbps in enumerate(spec["throttle_mbps"]):
+            set_throttle(spec.get("throttle"), mbps)
+            hashes = block_hashes(g, f"{scenario}-{step}")
+            if pool.save(hashes, ids) != g.num_chunks:
+                raise RuntimeError(f"{scenario}: step {step} stored fewer than {g.num_chunks}")
+            weights = [round(u.weight_gbps, 3) for u in pool.status().usage]
+            held = sorted({e.location.device for e in pool.pool.index.entries.values()})
+            parts = ["pool", *[f"alone:{devs[d]}" for d in held], "together"]
+            for part in parts if step % 2 == 0 else parts[::-1]:
+                before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
+                for t in kv:
+                    t.zero_()
+                cold = drop_page_cache()
+                cpu0 = _cpu()
+                if part == "together":
+                    plan = pool.plan(hashes, ids)
+                    start = time.perf_counter()
+                    r = pool.run(plan)
+                else:
+                    only = {devs.index(part[6:])} if part.startswith("alone:") else None
+                    start = time.perf_counter()
+                    r = pool.fetch(hashes, ids, devices=only)
+                seconds = time.perf_counter() - start if part != "together" else r.seconds
+                cpu_s = _cpu() - cpu0
+                moved = {k: v.bytes_read - before.get(k, 0)
+                         for k, v in pool.status().transfers.devices.items()}  # fmt: skip
+                moved = {k: b for k, b in moved.items() if b}
+                identical = r.ok and (part.startswith("alone:")
+                                      or (r.blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+                res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical,
+                             moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
+                             rep=step, threads=torch.get_num_threads(),
+                             note=json.dumps({"throttle_mbps": mbps, "weights": weights}))  # fmt: skip
+                out.append(res)
+                if emit is not None:
+                    emit(res)
+            pool.pool.clear()  # the next step's prefix finds the same free capacity
+    set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
+    return out
+
+
 def _lmcache_adapter(kv: list[Any], g: Geometry, copy: str) -> Any:
     """LMCache's GPU-connector interface over CPU KV tensors (its vLLM connector has none)."""
     import torch
@@ -460,6 +532,8 @@ def child_main(payload: str) -> int:
 
     if spec["system"].startswith("lmcache"):
         run_lmcache(g, spec, emit)
+    elif spec["system"] == "placement":
+        run_placement(g, spec, emit)
     else:
         run_pool(g, spec, emit)
     return 0
@@ -474,6 +548,7 @@ class Devices:
     second_backend: str = "uring"
     second_note: str = ""
     cgroup: str | None = None
+    throttle: dict[str, Any] | None = None  # what ``set_throttle`` writes: file, device, prefix
     _loop: str | None = None
     _backing: Path | None = None
 
@@ -504,12 +579,16 @@ class Devices:
                 cg = Path("/sys/fs/cgroup/bench_kvpool")
                 cg.mkdir(exist_ok=True)
                 (cg / "io.max").write_text(f"{major_minor} rbps={throttle_mbps * 10**6}\n")
+                dev.throttle = {"file": str(cg / "io.max"), "device": major_minor,
+                                "prefix": "rbps="}  # fmt: skip
                 how = "cgroup v2 io.max"
             elif blkio.is_dir():
                 cg = blkio / "bench_kvpool"
                 cg.mkdir(exist_ok=True)
                 (cg / "blkio.throttle.read_bps_device").write_text(
                     f"{major_minor} {throttle_mbps * 10**6}\n")
+                dev.throttle = {"file": str(cg / "blkio.throttle.read_bps_device"),
+                                "device": major_minor, "prefix": ""}  # fmt: skip
                 how = ("cgroup v1 blkio.throttle.read_bps_device (v2 io.max unavailable here: the "
                        "io controller is bound to the v1 hierarchy)")  # fmt: skip
             else:
@@ -647,16 +726,55 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
         out["S1-spdk"] = {"devices": [{"host": {"capacity": host1 * s}}, spdk], "pools": full,
                           "lmcache": []}  # fmt: skip
     if dev is not None and dev.second is not None:
-        h = max(1, host2 // 2)
-        second = {"ssd": {"path": dev.second, "backend": dev.second_backend,
-                          "capacity": (n + 1) * s}}  # fmt: skip
-        devs3 = [{"host": {"capacity": h * s, "numa_node": 0}},
-                 {"host": {"capacity": (host2 - h) * s, "numa_node": 0}}, ssd0, second]
         s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
-        out["S3"] = {"devices": devs3, "lmcache": s3_lmc,
-                     "pools": [*full, ("pool-rr", "round_robin", ["pool"]),
-                               ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
+        out["S3"] = {"devices": s3_devices(g, args, dev), "lmcache": s3_lmc,
+                     "pools": [*full, ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
     return out
+
+
+def s3_devices(g: Geometry, args: argparse.Namespace, dev: Devices) -> list[dict[str, Any]]:
+    """S3's pool: two host pools holding ``small_host_fraction`` of the prefix, the SSD file and
+    the throttled second SSD (each able to hold all of it)."""
+    n, s = g.num_chunks, slot(g)
+    host = max(1, round(n * args.small_host_fraction))
+    h = max(1, host // 2)
+    return [{"host": {"capacity": h * s, "numa_node": 0}},
+            {"host": {"capacity": (host - h) * s, "numa_node": 0}},
+            {"ssd": {"path": str(args.workdir / "ssd0.kvpool"), "backend": "uring",
+                     "capacity": (n + 1) * s}},
+            {"ssd": {"path": dev.second, "backend": dev.second_backend, "capacity": (n + 1) * s}}]
+
+
+PRIOR_ERROR = 3.0  # S3's wrong prior: the second SSD rated this many times its probed speed
+POLICIES = (("rr", "round_robin", None), ("probe-only", "bandwidth", 2**60),
+            ("adaptive", "bandwidth", None))  # (name, placement, probe.learn_after override)
+
+
+def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: list[float],
+                   threads: int, cgroup: str | None, log, sink) -> None:  # fmt: skip
+    """Issue #46's placement runs on S3's devices, 1/``placement_divisor`` of the prefix per
+    step (a new prefix saved, fetched with its in-run bound, dropped): S3p, the second SSD's
+    prior wrong by ``PRIOR_ERROR`` (overstated, as the probe once rated it) on static devices;
+    S4, the second SSD slowed to a third of its limit mid-run and back. Round robin,
+    probe-only and adaptive placement each."""
+    small = Geometry(**{**asdict(g), "tokens": g.tokens // args.placement_divisor})
+    wrong = [*gbps[:3], gbps[3] * PRIOR_ERROR]
+    t = args.throttle_mbps
+    plans = {"S3p": (wrong, [t] * args.placement_steps),
+             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * 4)}
+    log(f"[S3p] the second SSD's prior: {gbps[3]:.2f} x {PRIOR_ERROR:g} = {wrong[3]:.2f} GB/s")
+    log(f"[S4] the second SSD's read limit per step (MB/s): {plans['S4'][1]}")
+    for scenario, (prior, schedule) in plans.items():
+        for policy, placement, learn_after in POLICIES:
+            config = {**pool_config(small, s3_devices(small, args, dev), placement),
+                      "copy_threads": threads}  # fmt: skip
+            if learn_after is not None:
+                config["probe"] = {**config["probe"], "learn_after": learn_after}
+            run_child(small, {"system": "placement", "scenario": scenario, "policy": policy,
+                              "config": config, "gbps": prior, "threads": threads,
+                              "cgroup": cgroup, "throttle": dev.throttle,
+                              "throttle_mbps": schedule, "workdir": str(args.workdir)},
+                      args.timeout, sink)  # fmt: skip
 
 
 def med(xs: list[float]) -> float:
@@ -712,6 +830,8 @@ def run(args: argparse.Namespace, log=print) -> str:
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
             run_scenario(g, args, name, sc, threads, gbps, cgroup, sink)
+            if name == "S3" and dev is not None and not args.no_placement:
+                run_placements(g, args, dev, gbps, threads, cgroup, log, sink)
             other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
             if name == "S1" and other != threads and not args.no_thread_sweep:
                 # S1 again at the other thread count, both sides equal: pool and LMCache O_DIRECT
@@ -810,7 +930,7 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     sweep = sorted({k.split("/")[0] for k in results if k.startswith("S1-t")})
     fracs = {s: bound_fracs(results, s) for s in ("S1", *sweep, "S1-spdk", "S2", "S3")}
     f = med(fracs["S1"]) if fracs["S1"] else float("nan")
-    w = med(fracs["S3"]) if fracs["S3"] else float("nan")
+    w_probe = med(fracs["S3"]) if fracs["S3"] else float("nan")
     v = ratio("S1/serial", "S1/pool")
     y = ratio("S3/lmcache-slice-odirect", "S3/pool")
     pool_cpu = [r.cpu_s / (r.nbytes / 1e9) for r in results.get("S1/pool", []) if r.seconds]
@@ -846,6 +966,7 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             log(f"S1 at {rs[0].threads} copy thread(s) on both sides ({sc}): pool "
                 f"{med(times[f'{sc}/pool']):.3f} s, LMCache O_DIRECT / pool {x_t:.2f}, "
                 f"frac_of_bound {by_threads[rs[0].threads][1]:.2f}")
+    r_rr, f_multi, n_rec = placement_summary(results, log)
     if times.get("S1-spdk/pool") and times.get("S1/pool"):
         log(f"S1-spdk: the pool with its SSD share on SPDK / on io_uring (seconds): "
             f"{ratio('S1-spdk/pool', 'S1/pool'):.2f}; SSD share alone, SPDK / io_uring: "
@@ -856,6 +977,9 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             log(f"S3 placement gain: {what} / bandwidth = {ratio(f'S3/{other}', 'S3/pool'):.2f}")
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
+    # F: the adaptive placement's, the lower of S3p and S4 (the probe's S3 when not run)
+    w = f_multi if f_multi == f_multi else w_probe
+    log(f"S3 (the probe's prior, one prefix): in-run bound / pool {w_probe:.2f}")
     one = by_threads.get(1, (float("nan"), float("nan")))
     many = max(by_threads, default=0)
     n_t = by_threads.get(many, (float("nan"), float("nan"))) if many > 1 else (float("nan"),) * 2
@@ -863,7 +987,54 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f} "
             f"lmcache_threads={lmc_threads} pool_threads={pool_threads} "
             f"ratio_vs_lmcache_1t={one[0]:.2f} frac_of_bound_1t={one[1]:.2f} "
-            f"ratio_vs_lmcache_nt={n_t[0]:.2f} frac_of_bound_nt={n_t[1]:.2f} n_threads={many}")
+            f"ratio_vs_lmcache_nt={n_t[0]:.2f} frac_of_bound_nt={n_t[1]:.2f} n_threads={many} "
+            f"ratio_vs_rr_multi={r_rr:.2f} slowdown_recovery_fetches={n_rec}")
+
+
+STEADY_STEPS = 3  # S3p: the last steps, where a learning placement has settled
+
+
+def placement_summary(results: dict[str, list[Result]], log) -> tuple[float, float, str]:
+    """(ratio_vs_rr_multi, multi_frac_of_bound, slowdown_recovery_fetches) of the placement
+    runs: S3p's round robin / adaptive fetch (median over the last ``STEADY_STEPS`` steps);
+    the adaptive placement's in-run bound / fetch, the lower of S3p (last steps) and S4 (all
+    steps); and in S4 the slowed fetches the adaptive pool took before a save gave the slowed
+    device at most half the chunks it got before (its due is a third): ``none`` if it never
+    did while slowed."""
+    nan = float("nan")
+
+    def steps(key: str) -> list[Result]:
+        return sorted((r for r in results.get(key, []) if r.seconds), key=lambda r: r.rep)
+
+    def second(r: Result) -> int:  # bytes of the fetch the throttled second SSD served
+        return r.device_bytes.get("ssd1", 0)
+
+    for sc in ("S3p", "S4"):
+        for policy, _, _ in POLICIES:
+            rs = steps(f"{sc}:{policy}/pool")
+            if rs:
+                fr = bound_fracs(results, f"{sc}:{policy}")
+                log(f"{sc} {policy:10s} per step: fetch s " + " ".join(f"{r.seconds:.3f}" for r in rs)
+                    + " | second SSD MiB " + " ".join(f"{second(r) / 2**20:.0f}" for r in rs)
+                    + " | bound/fetch " + " ".join(f"{x:.2f}" for x in fr))  # fmt: skip
+    rr, ad = steps("S3p:rr/pool")[-STEADY_STEPS:], steps("S3p:adaptive/pool")[-STEADY_STEPS:]
+    ratio = med([r.seconds for r in rr]) / med([r.seconds for r in ad]) if rr and ad else nan
+    fr3 = bound_fracs(results, "S3p:adaptive")[-STEADY_STEPS:]
+    fr4 = bound_fracs(results, "S4:adaptive")
+    f = min(med(fr3) if fr3 else nan, med(fr4) if fr4 else nan) if fr3 and fr4 else nan
+    s4 = steps("S4:adaptive/pool")
+    recovery = "none"
+    slowed = [r for r in s4 if json.loads(r.note or "{}").get("throttle_mbps", 0)
+              < json.loads(s4[0].note or "{}").get("throttle_mbps", 0)] if s4 else []  # fmt: skip
+    if s4 and slowed:
+        before = med([second(r) for r in s4 if r.rep < slowed[0].rep])
+        for n, r in enumerate(slowed):
+            if second(r) <= before / 2:
+                recovery = str(n)  # fetches at the slowed speed that came before this save
+                break
+        log(f"S4: the second SSD served {before / 2**20:.0f} MiB a fetch before the slowdown; "
+            f"slowdown_recovery_fetches={recovery}")
+    return ratio, f, recovery
 
 
 def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
@@ -875,7 +1046,8 @@ def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
 
     by_scenario: dict[str, list[str]] = {}
     for key, rs in results.items():
-        if any(r.seconds for r in rs) and not key.split("/")[1].startswith("alone:"):
+        if (any(r.seconds for r in rs) and not key.split("/")[1].startswith("alone:")
+                and ":" not in key.split("/")[0]):  # placement runs: per step, in the log  # fmt: skip
             by_scenario.setdefault(key.split("/")[0], []).append(key)
     if not by_scenario:
         return
@@ -929,6 +1101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lmcache-kernel", action="store_true",
                    help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
+    p.add_argument("--no-placement", action="store_true",
+                   help="skip the placement runs (S3p: a wrong prior, S4: a device slowed)")
+    p.add_argument("--placement-steps", type=int, default=6,
+                   help="S3p: prefixes saved and fetched in turn per placement policy")
+    p.add_argument("--placement-divisor", type=int, default=8,
+                   help="S3p/S4: each step's prefix is --tokens / this")
     p.add_argument("--no-thread-sweep", action="store_true",
                    help="skip S1 at the copy-thread count the probe did not pick")
     p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")

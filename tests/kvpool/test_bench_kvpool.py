@@ -120,3 +120,45 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
     assert got and all(r.threads == 2 and r.identical for r in got)
     spec["threads"] = 1
     assert all(r.threads == 1 for r in bench.run_child(g, spec, 300, lambda r: None))
+
+
+def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
+    """S3p/S4's child: per step a new prefix placed by the pool's current weights, fetched as
+    the pool, each device's share alone and together, every whole fetch byte-identical; the
+    adaptive pool's weights move from the prior to what its own reads measured."""
+    g = tiny(bench)
+    s = bench.slot(g)
+    devices = [{"host": {"capacity": 1 * s}},
+               {"ssd": {"path": str(tmp_path / "a.kvpool"), "backend": "uring", "capacity": 6 * s}},
+               {"ssd": {"path": str(tmp_path / "b.kvpool"), "backend": "uring", "capacity": 6 * s}}]
+    config = {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 1,
+              "probe": {"learn_after": 1, "half_life": "1MiB"}}  # fmt: skip
+    spec = {"system": "placement", "scenario": "S4", "policy": "adaptive", "config": config,
+            "gbps": [50.0, 1.0, 100.0], "threads": 1, "throttle": None,
+            "throttle_mbps": [1500, 500]}  # fmt: skip
+    results = bench.run_placement(g, spec)
+    assert {r.scenario for r in results} == {"S4:adaptive"}
+    for step in (0, 1):
+        parts = {r.system: r for r in results if r.rep == step}
+        assert {"pool", "together"} <= set(parts) and any(p.startswith("alone:") for p in parts)
+        assert all(r.identical for r in parts.values())
+        assert sum(parts["pool"].device_bytes.values()) == g.prefix_bytes
+    weights = [bench.json.loads(r.note)["weights"] for r in results if r.system == "pool"]
+    assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+
+
+def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(bench):
+    g = tiny(bench)
+
+    def r(system, step, mbps, second_mib, seconds=1.0):
+        return bench.Result(system, "S4:adaptive", seconds, g.prefix_bytes, 0.1, True,
+                            {"ssd1": second_mib * 2**20}, rep=step,
+                            note=bench.json.dumps({"throttle_mbps": mbps}))  # fmt: skip
+
+    schedule = [(1500, 64), (1500, 64), (500, 64), (500, 64), (500, 32), (500, 16), (1500, 16)]
+    results = {"S4:adaptive/pool": [r("pool", i, m, b) for i, (m, b) in enumerate(schedule)],
+               "S4:adaptive/alone:ssd1": [r("alone:ssd1", i, m, b, 0.9)
+                                          for i, (m, b) in enumerate(schedule)]}  # fmt: skip
+    ratio, f, recovery = bench.placement_summary(results, lambda *_: None)
+    assert recovery == "2"  # two slowed fetches (steps 2, 3) before step 4's save halved it
+    assert ratio != ratio and f != f  # no S3p runs: nan
