@@ -33,6 +33,7 @@ from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.layout import ChunkKV, ChunkLayout
 from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import PoolStatus
+from vllm_kvpool.migration import DEFAULT_MARGIN
 from vllm_kvpool.pool import prefix_blocks
 from vllm_kvpool.pools import open_media, open_pool
 from vllm_kvpool.probe import probe_copy_threads
@@ -145,6 +146,24 @@ class LocalPool:
         invalid = self.engine.take_invalid_blocks()
         self._apply(self.engine.take_report())
         return FetchResult(plan.blocks, seconds, not invalid)
+
+    def migrate(self, bytes_per_second: float, margin: float = DEFAULT_MARGIN,
+                limit: int = 1 << 30) -> int:  # fmt: skip
+        """Start moving stored chunks off devices whose share time exceeds another's by
+        ``margin`` (``migration``), in the background at ``bytes_per_second``; fetches go on
+        meanwhile. Returns how many chunks were sent; each moves once its copy is reported
+        (any later ``fetch``, ``status`` or ``wait_moves``)."""
+        if self.service is not None:
+            raise NotImplementedError("kvpool: migration is not wired through the pool service "
+                                      "yet; run it with the in-process pool")  # fmt: skip
+        moves = self.pool.plan_moves(margin, limit)
+        self.engine.start_moves(moves, bytes_per_second)
+        return len(moves)
+
+    def wait_moves(self) -> None:
+        """Until every move started so far is copied (or failed), and settle them."""
+        self.engine.wait_moves()
+        self._apply(self.engine.take_report())
 
     def _follow_service(self) -> None:
         if self.service is not None:
