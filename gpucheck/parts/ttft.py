@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucheck.common import Budget, PartContext, RowWriter, cuda_sync, error_text
+from gpucheck.common import ROOT, Budget, PartContext, RowWriter, cuda_sync, error_text
 
 FILE = "kvio.csv"
 ERROR_ROW = {"test": "ttft", "path": "-"}
@@ -238,10 +238,19 @@ def run(ctx: PartContext, w: RowWriter, budget: Budget) -> dict:
     plan = DRY_PLAN if ctx.dry_run else GPU_PLAN
     workdir = Path(ctx.workdir)
     dtype = getattr(torch, plan.dtype)
+    summary: dict[str, Any] = {}
+    try:
+        import vllm_kvpool._kvio  # noqa: F401 - built by the kvio part of an earlier command
+    except ImportError:  # a fresh machine: build it as the kvio part does
+        from gpucheck.parts.kvio import build_kvio
+
+        t0 = time.perf_counter()
+        summary["kvio_build"] = build_kvio(ctx.kvio_prefix, workdir / "build", ROOT / "vllm_kvpool")
+        summary["kvio_build_s"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     model = build_model(plan.model, ctx.device, dtype, max(plan.prefixes) + plan.suffix)
-    summary: dict[str, Any] = {"model_build_s": round(time.perf_counter() - t0, 2),
-                               "attention": model.config._attn_implementation}  # fmt: skip
+    summary.update(model_build_s=round(time.perf_counter() - t0, 2),
+                   attention=model.config._attn_implementation)
     for tokens in plan.prefixes:
         budget.check(f"the {tokens}-token prefix")
         try:
