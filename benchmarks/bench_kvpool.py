@@ -51,8 +51,18 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
 Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
+  S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/8 the tokens per step, saved,
+     fetched (with its in-run bound) and dropped; round robin, probe-only and adaptive placement;
+     S3p: the second SSD's prior overstated 3x; S4: its read limit cut to a third for 5 of 12
+     steps, then restored.
+  S1-t<k>: S1 again at the copy-thread count the probe did not pick (1 or the cores), pool and
+     LMCache O_DIRECT with k threads each.
+
 Last line: ratio_vs_lmcache=X frac_of_bound=F ratio_vs_serial=V ratio_vs_lmcache_multi=Y
-           multi_frac_of_bound=W cpu_s_per_gb=C
+           multi_frac_of_bound=W cpu_s_per_gb=C lmcache_threads=T pool_threads=T
+           ratio_vs_lmcache_1t=X1 frac_of_bound_1t=F1 ratio_vs_lmcache_nt=XN frac_of_bound_nt=FN
+           n_threads=N ratio_vs_rr_multi=R slowdown_recovery_fetches=K
+(multi_frac_of_bound: the adaptive placement's, the lower of S3p and S4)
 """
 
 from __future__ import annotations
