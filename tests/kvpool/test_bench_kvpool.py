@@ -102,7 +102,8 @@ def test_summary_line_from_in_run_parts(bench):
             in line)  # fmt: skip
     # S1 per copy-thread count: here only the one thread the results ran with
     assert line.endswith("ratio_vs_lmcache_1t=nan frac_of_bound_1t=0.85 ratio_vs_lmcache_nt=nan "
-                         "frac_of_bound_nt=nan n_threads=1")
+                         "frac_of_bound_nt=nan n_threads=1 ratio_vs_rr_multi=nan "
+                         "slowdown_recovery_fetches=none")  # no placement runs here
 
 
 def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
