@@ -174,15 +174,21 @@ class LoadPath:
         for d in list(queues):  # the SSDs start first: planning the host copy can wait for them
             self._fill(d, queues[d], inflight[d], fits)
         # Unverified resident chunks (verified when saved, not on every fetch): GIL-free copies
-        # of batches of them on ``copy_threads`` threads, on the copier, while this thread keeps
-        # the SSDs busy; when it has nothing to wait for and a core is left (fewer copy threads
-        # than cores), it copies batches too. Verified ones are hashed and copied by this thread
-        # AND the copier, one chunk each at a time (hashing, not memory, limits one thread).
+        # of batches of them on the copier, while this thread keeps the SSDs busy and copies
+        # their waves; when it has nothing to wait for and a core is left, it copies batches
+        # too. The copier's threads leave a core to this thread while SSD reads are in the load
+        # (``copy_threads`` as many as the cores would make three threads fight over two cores:
+        # the verified path below, two threads, had been faster). Verified chunks are hashed
+        # and copied by this thread AND the copier, one chunk each at a time.
         copier = None
         shared = _Bulk(_batches(bulk, BULK_BATCH_BYTES)) if bulk else None
-        helps = self.copy_threads < len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
+        bulk_threads = self.copy_threads
+        if queues and bulk_threads >= cores:
+            bulk_threads = max(1, cores - 1)
+        helps = bulk_threads < cores
         if shared is not None:
-            copier = self.copy_thread.submit(self._copy_bulk, shared, self.copy_threads)
+            copier = self.copy_thread.submit(self._copy_bulk, shared, bulk_threads)
         elif len(host_queue) > 1:
             copier = self.copy_thread.submit(self._drain_resident, host_queue)
         last_done: dict[int, float] = {}
