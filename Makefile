@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap test lint cpptest demo bench bench-env clean gpu-check gpu-carry spdk-check
+.PHONY: bootstrap test lint cpptest demo bench bench-env clean gpu-check gpu-check-ttft gpu-carry spdk-check
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -47,6 +47,10 @@ GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --out $(or $(OUT),out/gpu-check) $(GPU_CHECK_ARGS)
+
+# The long-prefix TTFT part (docs/gpu-check.md): a second device command after gpu-check.
+gpu-check-ttft:
+	PYTHONUNBUFFERED=1 $(GPU_CHECK_PY) scripts/gpu_check.py --parts ttft --out $(or $(OUT),out/gpu-check-ttft) $(GPU_CHECK_ARGS)
 
 # Fetch the wheels and .debs a GPU run carries into .gpu-carry/ (needs PyPI and Debian).
 gpu-carry:

@@ -10,6 +10,11 @@ and times, on the same engine and the same stored chunks:
                same copy threads, same verification): the in-run bound is max over devices,
                ``frac_of_bound`` = bound / pool time, which cannot exceed 1 (if it does, the
                bound is wrong and the run says so)
+  together     every share at once as ``pool`` does, the lookup and the jobs planned before the
+               timer starts (the engine's side of the fetch alone): where the shares cannot
+               overlap as the alone parts assume (two shared cores: the host copy's threads and
+               the SSD completions compete), this is the truer bound, so the in-run bound is
+               max(max over devices of alone, together) per repetition, never below the former
   serial       a truly serial fetch in the same engine: the host share, then the SSD share(s)
 Every fetch that fills the whole prefix is checked byte-identical (XXH3-64 per layer). CPU cost is
 user+sys seconds of the process (all threads) during the fetch, per GB.
@@ -46,8 +51,18 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
 Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
+  S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/8 the tokens per step, saved,
+     fetched (with its in-run bound) and dropped; round robin, probe-only and adaptive placement;
+     S3p: the second SSD limited to half S3's read limit, its prior overstated 3x; S4: its
+     limit cut to a third for 5 of 12 steps, then restored.
+  S1-t<k>: S1 again at the copy-thread count the probe did not pick (1 or the cores), pool and
+     LMCache O_DIRECT with k threads each.
+
 Last line: ratio_vs_lmcache=X frac_of_bound=F ratio_vs_serial=V ratio_vs_lmcache_multi=Y
-           multi_frac_of_bound=W cpu_s_per_gb=C
+           multi_frac_of_bound=W cpu_s_per_gb=C lmcache_threads=T pool_threads=T
+           ratio_vs_lmcache_1t=X1 frac_of_bound_1t=F1 ratio_vs_lmcache_nt=XN frac_of_bound_nt=FN
+           n_threads=N ratio_vs_rr_multi=R slowdown_recovery_fetches=K
+(multi_frac_of_bound: the adaptive placement's, the lower of S3p and S4)
 """
 
 from __future__ import annotations
@@ -198,7 +213,7 @@ def _cpu() -> float:
 
 def pool_parts(names: list[str]) -> list[str]:
     """What a pool child measures per repetition (see the module docstring)."""
-    return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "serial"]
+    return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "together", "serial"]
 
 
 def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
@@ -242,6 +257,9 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 runs = [timed({i}) for i in order if share[i]]
                 return (sum(t for t, _ in runs), sum(r.blocks for _, r in runs),
                         all(r.ok for _, r in runs))  # fmt: skip
+            if part == "together":  # the engine's side only: planned before the timer
+                r = pool.run(pool.plan(hashes, ids))
+                return r.seconds, r.blocks, r.ok
             if part.startswith("alone:"):
                 seconds, r = timed({devs.index(part[6:])})
             else:
@@ -252,8 +270,9 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                     pool.engine.loads.verify = pool.config.verify_checksums
             return seconds, r.blocks, r.ok
 
-        parts = [p for p in spec.get("parts") or pool_parts(devs)
-                 if not p.startswith("alone:") or share[devs.index(p[6:])]]  # fmt: skip
+        parts = [q for p in spec.get("parts") or pool_parts(devs)
+                 for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
+        parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
         fetch("pool")  # untimed warm-up: first-touch costs are not the fetch's (LMCache too)
         for rep in range(spec["reps"]):
             for part in parts if rep % 2 == 0 else parts[::-1]:
@@ -279,6 +298,78 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 out.append(r)
                 if emit is not None:
                     emit(r)
+    return out
+
+
+def set_throttle(throttle: dict[str, Any] | None, mbps: int) -> None:
+    """Set the second SSD's read limit (the cgroup file ``Devices.setup`` wrote) mid-run."""
+    if throttle:
+        Path(throttle["file"]).write_text(f"{throttle['device']} {throttle['prefix']}"
+                                          f"{mbps * 10**6}\n")  # fmt: skip
+
+
+def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
+    """Placement that follows the devices (issue #46): per step a NEW prefix is saved (placed by
+    the pool's current weights), then fetched as ``pool``, each device's share alone and
+    ``together`` (the in-run bound, as in S1), then dropped. ``spec["throttle_mbps"][step]``
+    sets the second SSD's read limit before the step (S4: slowed to a third, then back).
+    ``spec["policy"]``: ``round_robin``, ``probe-only`` (bandwidth placement on the prior,
+    never learning) or ``adaptive`` (bandwidth placement on the estimate measured in
+    service). Results: scenario ``<scenario>:<policy>``, rep = step."""
+    import torch
+
+    from vllm_kvpool.local import LocalPool
+
+    for d in spec["config"]["devices"]:
+        if "ssd" in d and not d["ssd"]["path"].startswith("/dev/"):
+            Path(d["ssd"]["path"]).unlink(missing_ok=True)
+    kv = make_kv(g)
+    digest = kv_digest(kv)
+    names = {f"layers.{i}": t for i, t in enumerate(kv)}
+    ids = list(range(g.num_blocks))
+    scenario = f"{spec['scenario']}:{spec['policy']}"
+    out: list[Result] = []
+    with LocalPool(spec["config"], names, g.num_blocks, g.block_size, bandwidths=spec["gbps"],
+                   layout_id=f"{scenario}") as pool:  # fmt: skip
+        devs = [d.name for d in pool.config.devices]
+        for step, mbps in enumerate(spec["throttle_mbps"]):
+            set_throttle(spec.get("throttle"), mbps)
+            hashes = block_hashes(g, f"{scenario}-{step}")
+            if pool.save(hashes, ids) != g.num_chunks:
+                raise RuntimeError(f"{scenario}: step {step} stored fewer than {g.num_chunks}")
+            weights = [round(u.weight_gbps, 3) for u in pool.status().usage]
+            held = sorted({e.location.device for e in pool.pool.index.entries.values()})
+            parts = ["pool", *[f"alone:{devs[d]}" for d in held], "together"]
+            for part in parts if step % 2 == 0 else parts[::-1]:
+                before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
+                for t in kv:
+                    t.zero_()
+                cold = drop_page_cache()
+                cpu0 = _cpu()
+                if part == "together":
+                    plan = pool.plan(hashes, ids)
+                    start = time.perf_counter()
+                    r = pool.run(plan)
+                else:
+                    only = {devs.index(part[6:])} if part.startswith("alone:") else None
+                    start = time.perf_counter()
+                    r = pool.fetch(hashes, ids, devices=only)
+                seconds = time.perf_counter() - start if part != "together" else r.seconds
+                cpu_s = _cpu() - cpu0
+                moved = {k: v.bytes_read - before.get(k, 0)
+                         for k, v in pool.status().transfers.devices.items()}  # fmt: skip
+                moved = {k: b for k, b in moved.items() if b}
+                identical = r.ok and (part.startswith("alone:")
+                                      or (r.blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+                res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical,
+                             moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
+                             rep=step, threads=torch.get_num_threads(),
+                             note=json.dumps({"throttle_mbps": mbps, "weights": weights}))  # fmt: skip
+                out.append(res)
+                if emit is not None:
+                    emit(res)
+            pool.pool.clear()  # the next step's prefix finds the same free capacity
+    set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
     return out
 
 
@@ -451,6 +542,8 @@ def child_main(payload: str) -> int:
 
     if spec["system"].startswith("lmcache"):
         run_lmcache(g, spec, emit)
+    elif spec["system"] == "placement":
+        run_placement(g, spec, emit)
     else:
         run_pool(g, spec, emit)
     return 0
@@ -465,6 +558,7 @@ class Devices:
     second_backend: str = "uring"
     second_note: str = ""
     cgroup: str | None = None
+    throttle: dict[str, Any] | None = None  # what ``set_throttle`` writes: file, device, prefix
     _loop: str | None = None
     _backing: Path | None = None
 
@@ -495,12 +589,16 @@ class Devices:
                 cg = Path("/sys/fs/cgroup/bench_kvpool")
                 cg.mkdir(exist_ok=True)
                 (cg / "io.max").write_text(f"{major_minor} rbps={throttle_mbps * 10**6}\n")
+                dev.throttle = {"file": str(cg / "io.max"), "device": major_minor,
+                                "prefix": "rbps="}  # fmt: skip
                 how = "cgroup v2 io.max"
             elif blkio.is_dir():
                 cg = blkio / "bench_kvpool"
                 cg.mkdir(exist_ok=True)
                 (cg / "blkio.throttle.read_bps_device").write_text(
                     f"{major_minor} {throttle_mbps * 10**6}\n")
+                dev.throttle = {"file": str(cg / "blkio.throttle.read_bps_device"),
+                                "device": major_minor, "prefix": ""}  # fmt: skip
                 how = ("cgroup v1 blkio.throttle.read_bps_device (v2 io.max unavailable here: the "
                        "io controller is bound to the v1 hierarchy)")  # fmt: skip
             else:
@@ -638,16 +736,59 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
         out["S1-spdk"] = {"devices": [{"host": {"capacity": host1 * s}}, spdk], "pools": full,
                           "lmcache": []}  # fmt: skip
     if dev is not None and dev.second is not None:
-        h = max(1, host2 // 2)
-        second = {"ssd": {"path": dev.second, "backend": dev.second_backend,
-                          "capacity": (n + 1) * s}}  # fmt: skip
-        devs3 = [{"host": {"capacity": h * s, "numa_node": 0}},
-                 {"host": {"capacity": (host2 - h) * s, "numa_node": 0}}, ssd0, second]
         s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
-        out["S3"] = {"devices": devs3, "lmcache": s3_lmc,
-                     "pools": [*full, ("pool-rr", "round_robin", ["pool"]),
-                               ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
+        out["S3"] = {"devices": s3_devices(g, args, dev), "lmcache": s3_lmc,
+                     "pools": [*full, ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
     return out
+
+
+def s3_devices(g: Geometry, args: argparse.Namespace, dev: Devices) -> list[dict[str, Any]]:
+    """S3's pool: two host pools holding ``small_host_fraction`` of the prefix, the SSD file and
+    the throttled second SSD (each able to hold all of it)."""
+    n, s = g.num_chunks, slot(g)
+    host = max(1, round(n * args.small_host_fraction))
+    h = max(1, host // 2)
+    return [{"host": {"capacity": h * s, "numa_node": 0}},
+            {"host": {"capacity": (host - h) * s, "numa_node": 0}},
+            {"ssd": {"path": str(args.workdir / "ssd0.kvpool"), "backend": "uring",
+                     "capacity": (n + 1) * s}},
+            {"ssd": {"path": dev.second, "backend": dev.second_backend, "capacity": (n + 1) * s}}]
+
+
+PRIOR_ERROR = 3.0  # S3's wrong prior: the second SSD rated this many times its probed speed
+POLICIES = (("rr", "round_robin", None), ("probe-only", "bandwidth", 2**60),
+            ("adaptive", "bandwidth", None))  # (name, placement, probe.learn_after override)
+
+
+def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: list[float],
+                   threads: int, cgroup: str | None, log, sink) -> None:  # fmt: skip
+    """Issue #46's placement runs on S3's devices, 1/``placement_divisor`` of the prefix per
+    step (a new prefix saved, fetched with its in-run bound, dropped): S3p, the second SSD's
+    prior wrong by ``PRIOR_ERROR`` (overstated, as the probe once rated it) on static devices;
+    S4, the second SSD slowed to a third of its limit mid-run and back. Round robin,
+    probe-only and adaptive placement each."""
+    small = Geometry(**{**asdict(g), "tokens": g.tokens // args.placement_divisor})
+    wrong = [*gbps[:3], gbps[3] * PRIOR_ERROR]
+    t = args.throttle_mbps
+    # S3p: the second SSD held at half S3's limit (slower than the SSD file, so where chunks go
+    # matters), its prior overstated: the probe-only pool overloads it, round robin splits
+    # evenly, the adaptive one should learn its speed.
+    plans = {"S3p": (wrong, [t // 2] * args.placement_steps),
+             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * 4)}
+    log(f"[S3p] the second SSD's read limit {t // 2} MB/s, its prior: {gbps[3]:.2f} x "
+        f"{PRIOR_ERROR:g} = {wrong[3]:.2f} GB/s")
+    log(f"[S4] the second SSD's read limit per step (MB/s): {plans['S4'][1]}")
+    for scenario, (prior, schedule) in plans.items():
+        for policy, placement, learn_after in POLICIES:
+            config = {**pool_config(small, s3_devices(small, args, dev), placement),
+                      "copy_threads": threads}  # fmt: skip
+            if learn_after is not None:
+                config["probe"] = {**config["probe"], "learn_after": learn_after}
+            run_child(small, {"system": "placement", "scenario": scenario, "policy": policy,
+                              "config": config, "gbps": prior, "threads": threads,
+                              "cgroup": cgroup, "throttle": dev.throttle,
+                              "throttle_mbps": schedule, "workdir": str(args.workdir)},
+                      args.timeout, sink)  # fmt: skip
 
 
 def med(xs: list[float]) -> float:
@@ -661,6 +802,8 @@ def spread(xs: list[float]) -> str:
 def run(args: argparse.Namespace, log=print) -> str:
     g = args.geometry
     args.workdir.mkdir(parents=True, exist_ok=True)
+    from vllm_kvpool.probe import copy_thread_counts
+
     lmc_reason = "disabled (--no-lmcache)" if args.no_lmcache else lmcache_available()
     log(f"KV: {g.tokens} tokens x {g.layers} layers x {g.kv_heads} KV heads x head {g.head_dim}, "
         f"{g.dtype}, block {g.block_size} = {g.prefix_bytes / 2**30:.2f} GiB in {g.num_chunks} "
@@ -700,25 +843,39 @@ def run(args: argparse.Namespace, log=print) -> str:
             log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
-            pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
-                      "config": {**pool_config(g, sc["devices"], placement),
-                                 "copy_threads": threads},
-                      "gbps": gbps, "threads": threads,
-                      "cgroup": cgroup, "reps": args.reps, "parts": parts,
-                      "workdir": str(args.workdir)}
-                     for system, placement, parts in sc["pools"]]  # fmt: skip
-            # One child per system: it stores once, then times every repetition (the pool
-            # children sit between LMCache's configurations, so drift hits both).
-            lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
-                    "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
-                   for j in sc["lmcache"]]  # fmt: skip
-            for spec in [*lmc[:1], *pools, *lmc[1:]]:
-                run_child(g, spec, args.timeout, sink)
+            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink)
+            if name == "S3" and dev is not None and not args.no_placement:
+                run_placements(g, args, dev, gbps, threads, cgroup, log, sink)
+            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
+            if name == "S1" and other != threads and not args.no_thread_sweep:
+                # S1 again at the other thread count, both sides equal: pool and LMCache O_DIRECT
+                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides")
+                run_scenario(g, args, f"S1-t{other}",
+                             {**sc, "pools": [("pool", "bandwidth", ["pool", "alone:*", "together"])],
+                              "lmcache": sc["lmcache"][:1]}, other, gbps, cgroup, sink)  # fmt: skip
     finally:
         if dev is not None:
             dev.close()
         (args.workdir / "ssd0.kvpool").unlink(missing_ok=True)
     return summarize(g, results, args, log)
+
+
+def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str, Any],
+                 threads: int, gbps: list[float], cgroup: str | None, sink) -> None:  # fmt: skip
+    """The children of one scenario: the pool's (one per placement) and LMCache's, all with
+    ``threads`` torch/OpenMP/copy threads."""
+    pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
+              "config": {**pool_config(g, sc["devices"], placement), "copy_threads": threads},
+              "gbps": gbps, "threads": threads, "cgroup": cgroup, "reps": args.reps,
+              "parts": parts, "workdir": str(args.workdir)}
+             for system, placement, parts in sc["pools"]]  # fmt: skip
+    # One child per system: it stores once, then times every repetition (the pool children sit
+    # between LMCache's configurations, so drift hits both).
+    lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
+            "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
+           for j in sc["lmcache"]]  # fmt: skip
+    for spec in [*lmc[:1], *pools, *lmc[1:]]:
+        run_child(g, spec, args.timeout, sink)
 
 
 def _per_rep(results: dict[str, list[Result]], scenario: str, combine) -> list[float]:
@@ -734,6 +891,19 @@ def _per_rep(results: dict[str, list[Result]], scenario: str, combine) -> list[f
 
 
 def bound_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
+    """Per repetition: the in-run bound / the pool's fetch (<= 1): the bound is the slowest
+    share alone, or the shares together without the pool's lookup and planning when that is
+    slower (the overlap the alone parts assume is not there)."""
+    together = {r.rep: r.seconds for r in results.get(f"{scenario}/together", []) if r.seconds}
+    pool = {r.rep: r.seconds for r in results.get(f"{scenario}/pool", []) if r.seconds}
+    alone = alone_fracs(results, scenario)
+    reps = [rep for rep in sorted(pool) if rep in together]
+    if len(reps) != len(alone):
+        return alone
+    return [max(a, together[rep] / pool[rep]) for a, rep in zip(alone, reps, strict=True)]
+
+
+def alone_fracs(results: dict[str, list[Result]], scenario: str) -> list[float]:
     """Per repetition: max over devices of the share alone / the pool's fetch (<= 1)."""
     return _per_rep(results, scenario, lambda acc, r: max(acc, r.seconds))
 
@@ -771,9 +941,10 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
     best_lmc = min(s1_lmc, key=lambda k: med(times[k])) if s1_lmc else None
     x = ratio(best_lmc, "S1/pool") if best_lmc else float("nan")
     xv = ratio(best_lmc, "S1/pool-verify") if best_lmc else float("nan")
-    fracs = {s: bound_fracs(results, s) for s in ("S1", "S1-spdk", "S2", "S3")}
+    sweep = sorted({k.split("/")[0] for k in results if k.startswith("S1-t")})
+    fracs = {s: bound_fracs(results, s) for s in ("S1", *sweep, "S1-spdk", "S2", "S3")}
     f = med(fracs["S1"]) if fracs["S1"] else float("nan")
-    w = med(fracs["S3"]) if fracs["S3"] else float("nan")
+    w_probe = med(fracs["S3"]) if fracs["S3"] else float("nan")
     v = ratio("S1/serial", "S1/pool")
     y = ratio("S3/lmcache-slice-odirect", "S3/pool")
     pool_cpu = [r.cpu_s / (r.nbytes / 1e9) for r in results.get("S1/pool", []) if r.seconds]
@@ -789,8 +960,10 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             f"pool-verify (host chunks hashed on every fetch too): {xv:.2f}")
     for s, fr in fracs.items():
         if fr:
-            log(f"{s}: in-run bound (max over devices of each share alone) / pool, per rep: "
-                + ", ".join(f"{x_:.2f}" for x_ in fr))
+            log(f"{s}: in-run bound (max of the slowest share alone and the shares together "
+                "unplanned) / pool, per rep: " + ", ".join(f"{x_:.2f}" for x_ in fr))
+            log(f"{s}: slowest share alone / pool, per rep: "
+                + ", ".join(f"{x_:.2f}" for x_ in alone_fracs(results, s)))
             floors = cpu_floors(results, s)
             if floors:
                 log(f"{s}: CPU floor (alone parts' user+sys CPU-s / {len(os.sched_getaffinity(0))}"
@@ -798,6 +971,16 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             if max(fr) > 1.0:
                 log(f"{s}: WARNING the pool beat its in-run bound in some repetition (> 1): the "
                     "bound's parts were measured slower than the whole; treat F as noise-limited")
+    by_threads: dict[int, tuple[float, float]] = {}  # S1 per copy-thread count: (X, F)
+    for sc in ("S1", *sweep):
+        rs = results.get(f"{sc}/pool", [])
+        if rs and times.get(f"{sc}/pool"):
+            x_t = ratio(f"{sc}/lmcache-slice-odirect", f"{sc}/pool")
+            by_threads[rs[0].threads] = (x_t, med(fracs[sc]) if fracs[sc] else float("nan"))
+            log(f"S1 at {rs[0].threads} copy thread(s) on both sides ({sc}): pool "
+                f"{med(times[f'{sc}/pool']):.3f} s, LMCache O_DIRECT / pool {x_t:.2f}, "
+                f"frac_of_bound {by_threads[rs[0].threads][1]:.2f}")
+    r_rr, f_multi, n_rec = placement_summary(results, log)
     if times.get("S1-spdk/pool") and times.get("S1/pool"):
         log(f"S1-spdk: the pool with its SSD share on SPDK / on io_uring (seconds): "
             f"{ratio('S1-spdk/pool', 'S1/pool'):.2f}; SSD share alone, SPDK / io_uring: "
@@ -808,9 +991,64 @@ def summarize(g: Geometry, results: dict[str, list[Result]], args: argparse.Name
             log(f"S3 placement gain: {what} / bandwidth = {ratio(f'S3/{other}', 'S3/pool'):.2f}")
     if args.out is not None:
         plot(results, args.out / "bench_kvpool.png", g)
+    # F: the adaptive placement's, the lower of S3p and S4 (the probe's S3 when not run)
+    w = f_multi if f_multi == f_multi else w_probe
+    log(f"S3 (the probe's prior, one prefix): in-run bound / pool {w_probe:.2f}")
+    one = by_threads.get(1, (float("nan"), float("nan")))
+    many = max(by_threads, default=0)
+    n_t = by_threads.get(many, (float("nan"), float("nan"))) if many > 1 else (float("nan"),) * 2
     return (f"ratio_vs_lmcache={x:.2f} frac_of_bound={f:.2f} ratio_vs_serial={v:.2f} "
             f"ratio_vs_lmcache_multi={y:.2f} multi_frac_of_bound={w:.2f} cpu_s_per_gb={c:.2f} "
-            f"lmcache_threads={lmc_threads} pool_threads={pool_threads}")
+            f"lmcache_threads={lmc_threads} pool_threads={pool_threads} "
+            f"ratio_vs_lmcache_1t={one[0]:.2f} frac_of_bound_1t={one[1]:.2f} "
+            f"ratio_vs_lmcache_nt={n_t[0]:.2f} frac_of_bound_nt={n_t[1]:.2f} n_threads={many} "
+            f"ratio_vs_rr_multi={r_rr:.2f} slowdown_recovery_fetches={n_rec}")
+
+
+STEADY_STEPS = 3  # S3p: the last steps, where a learning placement has settled
+
+
+def placement_summary(results: dict[str, list[Result]], log) -> tuple[float, float, str]:
+    """(ratio_vs_rr_multi, multi_frac_of_bound, slowdown_recovery_fetches) of the placement
+    runs: S3p's round robin / adaptive fetch (median over the last ``STEADY_STEPS`` steps);
+    the adaptive placement's in-run bound / fetch, the lower of S3p (last steps) and S4 (all
+    steps); and in S4 the slowed fetches the adaptive pool took before a save gave the slowed
+    device fewer bytes than it got before the slowdown (the issue's "a slowed device gets fewer
+    new chunks within N fetches"): ``none`` if it never did while slowed."""
+    nan = float("nan")
+
+    def steps(key: str) -> list[Result]:
+        return sorted((r for r in results.get(key, []) if r.seconds), key=lambda r: r.rep)
+
+    def second(r: Result) -> int:  # bytes of the fetch the throttled second SSD served
+        return r.device_bytes.get("ssd1", 0)
+
+    for sc in ("S3p", "S4"):
+        for policy, _, _ in POLICIES:
+            rs = steps(f"{sc}:{policy}/pool")
+            if rs:
+                fr = bound_fracs(results, f"{sc}:{policy}")
+                log(f"{sc} {policy:10s} per step: fetch s " + " ".join(f"{r.seconds:.3f}" for r in rs)
+                    + " | second SSD MiB " + " ".join(f"{second(r) / 2**20:.0f}" for r in rs)
+                    + " | bound/fetch " + " ".join(f"{x:.2f}" for x in fr))  # fmt: skip
+    rr, ad = steps("S3p:rr/pool")[-STEADY_STEPS:], steps("S3p:adaptive/pool")[-STEADY_STEPS:]
+    ratio = med([r.seconds for r in rr]) / med([r.seconds for r in ad]) if rr and ad else nan
+    fr3 = bound_fracs(results, "S3p:adaptive")[-STEADY_STEPS:]
+    fr4 = bound_fracs(results, "S4:adaptive")
+    f = min(med(fr3) if fr3 else nan, med(fr4) if fr4 else nan) if fr3 and fr4 else nan
+    s4 = steps("S4:adaptive/pool")
+    recovery = "none"
+    slowed = [r for r in s4 if json.loads(r.note or "{}").get("throttle_mbps", 0)
+              < json.loads(s4[0].note or "{}").get("throttle_mbps", 0)] if s4 else []  # fmt: skip
+    if s4 and slowed:
+        before = med([second(r) for r in s4 if r.rep < slowed[0].rep])
+        for n, r in enumerate(slowed):
+            if second(r) < before:
+                recovery = str(n)  # fetches at the slowed speed that came before this save
+                break
+        log(f"S4: the second SSD served {before / 2**20:.0f} MiB a fetch before the slowdown; "
+            f"slowdown_recovery_fetches={recovery}")
+    return ratio, f, recovery
 
 
 def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
@@ -822,7 +1060,8 @@ def plot(results: dict[str, list[Result]], path: Path, g: Geometry) -> None:
 
     by_scenario: dict[str, list[str]] = {}
     for key, rs in results.items():
-        if any(r.seconds for r in rs) and not key.split("/")[1].startswith("alone:"):
+        if (any(r.seconds for r in rs) and not key.split("/")[1].startswith("alone:")
+                and ":" not in key.split("/")[0]):  # placement runs: per step, in the log  # fmt: skip
             by_scenario.setdefault(key.split("/")[0], []).append(key)
     if not by_scenario:
         return
@@ -876,6 +1115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lmcache-kernel", action="store_true",
                    help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
+    p.add_argument("--no-placement", action="store_true",
+                   help="skip the placement runs (S3p: a wrong prior, S4: a device slowed)")
+    p.add_argument("--placement-steps", type=int, default=6,
+                   help="S3p: prefixes saved and fetched in turn per placement policy")
+    p.add_argument("--placement-divisor", type=int, default=8,
+                   help="S3p/S4: each step's prefix is --tokens / this")
+    p.add_argument("--no-thread-sweep", action="store_true",
+                   help="skip S1 at the copy-thread count the probe did not pick")
     p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")
     p.add_argument("--lmcache-timeout", type=float, default=30,
                    help="S2: how long LMCache-as-documented may take before 'did not complete'")

@@ -16,6 +16,11 @@ the service, i.e. the ``RemotePool`` and shared host pools a vLLM engine uses).
           present its fingerprint, get the host pools' fds and map them (median of 7).
   mla     TP=2 rank processes (vLLM's worker role), an MLA layout (the same latents on every
           rank) stored once vs the same layout kept per rank: ``mla_bytes_ratio`` (goal 1/TP).
+  ssd_io  where an SSD chunk is read (issue #43): the engine's worker reads it with io_uring
+          + O_DIRECT (today) vs a process in the service's place reads it into shared memory
+          and the engine copies it in place (``support/service_reads.py``), one prefix on the
+          SSD only, alternating: ``ssd_io_engine_vs_service`` = median service-side time /
+          median engine-side time (above 1: reading in the engine is faster).
   soak    two engines and the daemon; one engine saving in a loop is killed with SIGKILL (after
           reserving chunks it half-wrote), the other keeps fetching and checking: wrong bytes.
 
@@ -24,7 +29,7 @@ the service, i.e. the ``RemotePool`` and shared host pools a vLLM engine uses).
 
 Results are appended to ``<out>/kvpool_node.jsonl`` as they come. The soak line comes second to
 last; the last line: shared_hit_rate=H single_engine_hit_rate=H1 mla_bytes_ratio=M
-attach_overhead_ms=A fetch_ratio_vs_in_process=R
+attach_overhead_ms=A fetch_ratio_vs_in_process=R ssd_io_engine_vs_service=S
 """
 
 from __future__ import annotations
@@ -160,6 +165,45 @@ def bench_fetch(work: Path, res: Results, reps: int, layers: int,
     return ratio, attach
 
 
+def bench_ssd_io(work: Path, res: Results, reps: int, layers: int, blocks: int) -> float:
+    """Issue #43: where an SSD chunk is read. (a) the engine's worker reads it (today), (b) a
+    process in the service's place reads it into shared memory and the engine copies it in place
+    (``support/service_reads.py``); one prefix held on the SSD only, same engine, same copy
+    threads and the same host memory for staging, repetitions alternating.
+    Returns median (b) / median (a): above 1, the engine-side reads are faster."""
+    d = work / "ssd_io"
+    d.mkdir()
+    sock = d / "run" / "pool.sock"
+    chunk_bytes = 2 * layers * 8192
+    ssd = f"{(blocks // 2 + 8) * chunk_bytes // 2**20 + 2}MiB"
+    cfg = pool_config(d, sock, host="", ssd=ssd, copy_threads=min(8, os.cpu_count() or 1),
+                      backend="uring", staging="16MiB")  # fmt: skip
+    daemon = Daemon(cfg, sock, d / "daemon.log")
+    try:
+        e = EngineProcess(cfg, d / "engine.log", kv=(layers, blocks))
+        req = {"seq": 11, "blocks": blocks}
+        e.call("save", **req)
+        times: dict[str, list[float]] = {"engine": [], "service": []}
+        order = [("engine", "fetch"), ("service", "fetch_service_reads")]
+        for rep in range(reps + 1):  # the first round warms both paths up, untimed
+            for name, op in order if rep % 2 == 0 else order[::-1]:
+                got = e.call(op, **req)
+                if got["hit_blocks"] != blocks or got["wrong_bytes"] or not got["ok"]:
+                    raise SystemExit(f"ssd_io {name}: {got}")
+                if rep:
+                    times[name].append(got["seconds"])
+        e.stop()
+    finally:
+        daemon.stop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["service"] / med["engine"]
+    mib = blocks * layers * 8192 / 2**20
+    res.add("ssd_io", layers=layers, blocks=blocks, mib=mib, seconds=times, median_s=med,
+            gbps={k: mib * 2**20 / v / 1e9 for k, v in med.items()},
+            ssd_io_engine_vs_service=ratio)  # fmt: skip
+    return ratio
+
+
 def bench_mla(work: Path, res: Results) -> float:
     runs = {"replicated": start_tp(work / "mla", True, 2),
             "per_rank": start_tp(work / "mla-per-rank", False, 2)}  # fmt: skip
@@ -240,6 +284,8 @@ def main() -> int:
         h, h1 = bench_trace(work, res, 24 if args.short else 96)
         r, a = bench_fetch(work, res, 3 if args.short else 9, 8 if args.short else 32,
                            64 if args.short else 512)  # fmt: skip
+        sio = bench_ssd_io(work, res, 3 if args.short else 9, 8 if args.short else 32,
+                           64 if args.short else 1024)  # fmt: skip
         m = bench_mla(work, res)
         soak = bench_soak(work, res, 10 if args.short else 60)
     finally:
@@ -248,7 +294,8 @@ def main() -> int:
     res.add("total", seconds=time.monotonic() - t0)
     print(soak)
     print(f"shared_hit_rate={h:.3f} single_engine_hit_rate={h1:.3f} mla_bytes_ratio={m:.3f} "
-          f"attach_overhead_ms={a:.1f} fetch_ratio_vs_in_process={r:.3f}")
+          f"attach_overhead_ms={a:.1f} fetch_ratio_vs_in_process={r:.3f} "
+          f"ssd_io_engine_vs_service={sio:.3f}")
     return 0
 
 

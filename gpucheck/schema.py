@@ -31,7 +31,7 @@ def _cols(*cols: Col) -> tuple[Col, ...]:
 
 # (1) build of vllm_kvpool._kvio + the transfer engine's GPU path and plain cudaMemcpyAsync.
 KVIO = _cols(
-    Col("test", "str", True),  # build | fetch | fetch_profile | engine | memcpy | copy_diag
+    Col("test", "str", True),  # build | fetch | fetch_profile | engine | memcpy | copy_diag | ttft
     Col("path", "str", True),  # e.g. gpu->host_pool, file->gpu, h2d_pinned
     Col("bytes", "int"),
     Col("seconds", "float", True),

@@ -33,15 +33,15 @@ PAGE_BYTES = 4 * PAGE_SHAPE[0] * PAGE_SHAPE[1] * PAGE_SHAPE[2] * PAGE_SHAPE[3]
 
 
 def pool_config(workdir: Path, socket_path: Path, host: str = "1MiB", ssd: str = "2MiB",
-                chunk_tokens: int = 32, autostart: bool = False,
-                copy_threads: int = 0) -> dict[str, Any]:  # fmt: skip
+                chunk_tokens: int = 32, autostart: bool = False, copy_threads: int = 0,
+                backend: str = "posix", staging: str = "1MiB") -> dict[str, Any]:  # fmt: skip
     devices: list[dict[str, Any]] = []
     if host:
         devices.append({"host": {"capacity": host, "bandwidth_gbps": 2.0}})
     if ssd:
         devices.append({"ssd": {"path": str(workdir / "ssd.bin"), "capacity": ssd,
-                                "backend": "posix", "bandwidth_gbps": 1.0}})  # fmt: skip
-    return {"chunk_tokens": chunk_tokens, "devices": devices, "staging": "1MiB",
+                                "backend": backend, "bandwidth_gbps": 1.0}})  # fmt: skip
+    return {"chunk_tokens": chunk_tokens, "devices": devices, "staging": staging,
             "copy_threads": copy_threads,
             "service": {"socket": str(socket_path), "autostart": autostart,
                         "start_timeout": 60}}  # fmt: skip
@@ -244,6 +244,7 @@ def _engine_main(config: dict[str, Any], layers: int, num_blocks: int) -> None:
     print(json.dumps({"attach_ms": (time.perf_counter() - t0) * 1e3, "pid": os.getpid()}),
           flush=True)  # fmt: skip
     held = []
+    service_reads = None
     for line in sys.stdin:
         cmd = json.loads(line)
         op, seq, blocks = cmd["op"], cmd.get("seq", 0), cmd.get("blocks", 0)
@@ -259,13 +260,19 @@ def _engine_main(config: dict[str, Any], layers: int, num_blocks: int) -> None:
             for t in kv.values():
                 t.zero_()
             r = pool.fetch(hashes, ids)
-            wrong = 0
-            for name, t in kv.items():
-                layer = int(name.removeprefix("layer"))
-                for b in range(r.blocks):
-                    want = pattern(block_seed(cmd, b), b, layer)
-                    wrong += int((t[b] != want).sum()) * 4
-            out = {"hit_blocks": r.blocks, "ok": r.ok, "seconds": r.seconds, "wrong_bytes": wrong}
+            out = {"hit_blocks": r.blocks, "ok": r.ok, "seconds": r.seconds,
+                   "wrong_bytes": _wrong_bytes(kv, cmd, r.blocks)}  # fmt: skip
+        elif op == "fetch_service_reads":  # #43's option (b): the SSD read by another process
+            if service_reads is None:
+                from support.service_reads import ServiceReads
+
+                ssd = next(d for d, h in enumerate(pool.handlers) if not h.resident)
+                service_reads = ServiceReads(pool, ssd, sys.stderr.buffer)
+            for t in kv.values():
+                t.zero_()
+            blocks_hit, seconds, ok = service_reads.fetch(hashes, ids, pool.engine.loads.copy_threads)
+            out = {"hit_blocks": blocks_hit, "ok": ok, "seconds": seconds,
+                   "wrong_bytes": _wrong_bytes(kv, cmd, blocks_hit)}  # fmt: skip
         elif op == "pin":  # hold leases on the stored prefix (as a load in flight does)
             entries = [h.entry for h in pool.pool.lookup(hashes)]
             pool.pool.pin(entries)
@@ -302,7 +309,19 @@ def _engine_main(config: dict[str, Any], layers: int, num_blocks: int) -> None:
             out = {"error": f"unknown op {op}"}
         print(json.dumps(out), flush=True)
     pool.pool.unpin(held)
+    if service_reads is not None:
+        service_reads.close()
     pool.close()
+
+
+def _wrong_bytes(kv: dict[str, torch.Tensor], cmd: dict[str, Any], blocks: int) -> int:
+    """Bytes of the first ``blocks`` blocks that differ from the sequence's pattern."""
+    wrong = 0
+    for name, t in kv.items():
+        layer = int(name.removeprefix("layer"))
+        for b in range(blocks):
+            wrong += int((t[b] != pattern(block_seed(cmd, b), b, layer)).sum()) * 4
+    return wrong
 
 
 def _rank_main(config: dict[str, Any], layout: dict[str, Any], rank: int, world: int) -> None:

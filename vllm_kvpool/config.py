@@ -102,6 +102,17 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Background moves of stored chunks off a device whose share time (its stored bytes over
+    its measured read bandwidth) exceeds another's by ``margin`` (``migration``)."""
+
+    enabled: bool = False
+    margin: float = 0.25  # relative excess of a share time that starts moves
+    bandwidth: int = 64 * 2**20  # bytes per second the moves may copy, on average
+    every: float = 5.0  # seconds between two plans of moves
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     devices: tuple[DeviceConfig, ...]
     chunk_tokens: int = 256
@@ -117,6 +128,7 @@ class PoolConfig:
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
     service: ServiceConfig | None = None  # None: the pool lives in this engine (the default)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def check_block_size(self, block_size: int) -> int:
         """Validate chunk_tokens against vLLM's block size; returns blocks per chunk."""
@@ -148,6 +160,7 @@ class PoolConfig:
             "save_decode": self.save_decode,
             "staging": self.staging,
             "device_retry_seconds": self.device_retry_seconds,
+            "migration": vars(self.migration).copy(),
             **({"service": vars(self.service).copy()} if self.service else {}),
         }
 
@@ -251,7 +264,8 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
              "verify_checksums", "copy_threads", "save_decode", "staging",
-             "device_retry_seconds", "service"}  # fmt: skip
+             "device_retry_seconds", "service", "migration"}  # fmt: skip
+_MIGRATION_KEYS = {"enabled", "margin", "bandwidth", "every"}
 _SERVICE_KEYS = {"socket", "autostart", "start_timeout"}
 _PROBE_KEYS = {"enabled", "seconds", "size", "learn_after", "half_life"}
 
@@ -285,8 +299,27 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),
-        service=_parse_service(raw.get("service")),
+        service=(service := _parse_service(raw.get("service"))),
+        migration=_parse_migration(raw.get("migration", {}), service),
     )
+
+
+def _parse_migration(raw: Any, service: ServiceConfig | None) -> MigrationConfig:
+    raw = _check_keys(raw, _MIGRATION_KEYS, "migration")
+    enabled = bool_field(raw, "enabled", False, "migration")
+    if enabled and service is not None:
+        raise PoolConfigError("migration.enabled", "not available with the pool service yet "
+                                                   "(an in-process pool only)")  # fmt: skip
+    margin = float_field(raw, "margin", 0.25, "migration")
+    every = float_field(raw, "every", 5.0, "migration")
+    assert margin is not None and every is not None
+    if margin < 0 or every <= 0:
+        raise PoolConfigError("migration.margin" if margin < 0 else "migration.every",
+                              "must be >= 0" if margin < 0 else "must be > 0")  # fmt: skip
+    bandwidth = parse_size(raw.get("bandwidth", 64 * 2**20), "migration.bandwidth")
+    if bandwidth <= 0:
+        raise PoolConfigError("migration.bandwidth", "must be > 0 bytes per second")
+    return MigrationConfig(enabled, margin, bandwidth, every)
 
 
 def _parse_service(raw: Any) -> ServiceConfig | None:

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from vllm_kvpool.metrics import GAUGE, reduce_counters
-from vllm_kvpool.protocol import ChunkSave, LoadRequest, WorkerReport
+from vllm_kvpool.protocol import ChunkMove, ChunkSave, LoadRequest, WorkerReport
 
 
 @dataclass
@@ -24,6 +24,8 @@ class PoolStepMetadata(KVConnectorMetadata):
     saves: list[ChunkSave] = field(default_factory=list)
     deferred_free: list[str] = field(default_factory=list)  # finished, blocks kept for saves
     service_epoch: str = ""  # the pool service's run this step's jobs belong to ("": in process)
+    moves: list[ChunkMove] = field(default_factory=list)  # background migration (``migration``)
+    move_rate: float = 0.0  # bytes per second the moves may copy
 
 
 @dataclass

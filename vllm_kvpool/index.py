@@ -36,6 +36,9 @@ class ChunkEntry:
     dead: bool = False  # dropped from the index while still being read: free its slot later
     validated: bool = True  # False: restored after a restart, checksum not yet seen on a read
     restored: bool = False  # written by a previous run (found in an SSD's index at start-up)
+    moving: bool = False  # a background copy to another device is under way (``migration``)
+    # (device, slot) of copies the chunk moved away from, freed once no load reads them
+    superseded: list[tuple[int, int]] = field(default_factory=list)
 
     def matching_blocks(self, hashes: Sequence[BlockHash]) -> int:
         n = 0

@@ -29,13 +29,15 @@ import torch
 from vllm_kvpool.config import PoolConfig, load_pool_config
 from vllm_kvpool.engine import TransferEngine
 from vllm_kvpool.handlers import MediumHandler
+from vllm_kvpool.index import ChunkEntry
 from vllm_kvpool.layout import ChunkKV, ChunkLayout
 from vllm_kvpool.layout import build as layouts
 from vllm_kvpool.metrics import PoolStatus
+from vllm_kvpool.migration import DEFAULT_MARGIN
 from vllm_kvpool.pool import prefix_blocks
 from vllm_kvpool.pools import open_media, open_pool
 from vllm_kvpool.probe import probe_copy_threads
-from vllm_kvpool.protocol import LoadRequest, WorkerReport
+from vllm_kvpool.protocol import ChunkRead, LoadRequest, WorkerReport
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,15 @@ class FetchResult:
     blocks: int  # blocks found in the pool and copied into the KV
     seconds: float  # from issuing the loads to the last byte in the KV
     ok: bool  # every chunk verified (False: some blocks must be recomputed)
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """A fetch planned by the pool (``LocalPool.plan``), not yet run."""
+
+    blocks: int  # blocks of the hit the reads fill
+    reads: tuple[ChunkRead, ...]
+    entries: list[ChunkEntry]  # the chunks read (pinned while they are)
 
 
 class LocalPool:
@@ -95,6 +106,11 @@ class LocalPool:
         load of a hit: the window at the hit's end of sliding-window groups); with ``devices``,
         only that prefix's chunks held on those devices (one share of the fetch alone: the
         blocks of the other chunks are left as they are)."""
+        return self.run(self.plan(block_hashes, block_ids, devices), timeout)
+
+    def plan(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+             devices: Collection[int] | None = None) -> FetchPlan:  # fmt: skip
+        """The pool's side of ``fetch``: the lookup and the chunks' read jobs, nothing moved."""
         hits = self.pool.lookup(block_hashes)
         self._follow_service()
         jobs = self.pool.load_jobs(hits, self._group_ids(block_ids))
@@ -102,29 +118,52 @@ class LocalPool:
             hits = [h for h in hits if h.entry.location.device in devices]
             jobs = [(r, e) for r, e in jobs if r.device in devices]
         entries = [e for _, e in jobs]
-        self._requests += 1
-        req_id = f"local-{self._requests}"
         if devices is None:  # a share fetched alone is a measurement, not a lookup
             self.pool.record_lookup(len(block_hashes) * self.block_size,
                                     prefix_blocks(hits) * self.block_size)  # fmt: skip
             if jobs:
                 self.pool.record_load(entries)
-        reads = tuple(r for r, _ in jobs)
-        self.pool.pin(entries)
+        return FetchPlan(sum(h.num_blocks for h in hits), tuple(r for r, _ in jobs), entries)
+
+    def run(self, plan: FetchPlan, timeout: float = 600.0) -> FetchResult:
+        """The engine's side of ``fetch``: run a plan's reads (its chunks pinned meanwhile);
+        ``seconds`` from issuing them to the last byte in the KV."""
+        self._requests += 1
+        req_id = f"local-{self._requests}"
+        self.pool.pin(plan.entries)
         try:
             start = time.perf_counter()
-            self.engine.start_loads([LoadRequest(req_id, reads, is_async=True)])
+            self.engine.start_loads([LoadRequest(req_id, plan.reads, is_async=True)])
             deadline = start + timeout
             while req_id not in self.engine.take_finished([])[1]:
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(f"kvpool: fetch of {len(reads)} chunks took over {timeout} s")
+                    raise TimeoutError(f"kvpool: fetch of {len(plan.reads)} chunks took over "
+                                       f"{timeout} s")  # fmt: skip
                 time.sleep(0.0002)
             seconds = time.perf_counter() - start
         finally:
-            self.pool.unpin(entries)
+            self.pool.unpin(plan.entries)
         invalid = self.engine.take_invalid_blocks()
         self._apply(self.engine.take_report())
-        return FetchResult(sum(h.num_blocks for h in hits), seconds, not invalid)
+        return FetchResult(plan.blocks, seconds, not invalid)
+
+    def migrate(self, bytes_per_second: float, margin: float = DEFAULT_MARGIN,
+                limit: int = 1 << 30) -> int:  # fmt: skip
+        """Start moving stored chunks off devices whose share time exceeds another's by
+        ``margin`` (``migration``), in the background at ``bytes_per_second``; fetches go on
+        meanwhile. Returns how many chunks were sent; each moves once its copy is reported
+        (any later ``fetch``, ``status`` or ``wait_moves``)."""
+        if self.service is not None:
+            raise NotImplementedError("kvpool: migration is not wired through the pool service "
+                                      "yet; run it with the in-process pool")  # fmt: skip
+        moves = self.pool.plan_moves(margin, limit)
+        self.engine.start_moves(moves, bytes_per_second)
+        return len(moves)
+
+    def wait_moves(self) -> None:
+        """Until every move started so far is copied (or failed), and settle them."""
+        self.engine.wait_moves()
+        self._apply(self.engine.take_report())
 
     def _follow_service(self) -> None:
         if self.service is not None:

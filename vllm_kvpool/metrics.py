@@ -89,6 +89,9 @@ class LookupCounters:
     invalidated: int = 0  # corrupt / failed chunks dropped from the index
     restored: int = 0  # SSD chunks found again at start-up (a previous run's)
     restored_hits: int = 0  # chunk loads served from those
+    moves_planned: int = 0  # stored chunks sent to another device (``migration``)
+    moves_done: int = 0  # of those, now served from their new device
+    moves_failed: int = 0  # a copy failed or the chunk was dropped meanwhile: it stayed
 
     @property
     def hit_rate(self) -> float:

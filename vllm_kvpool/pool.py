@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm_kvpool.config import PoolConfig
 from vllm_kvpool.eviction import evict_lru
 from vllm_kvpool.index import BlockHash, ChunkEntry, ChunkHit, ChunkIndex, ChunkLocation
 from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.metrics import DeviceUsage, LookupCounters, PoolStatus, TransferCounters
+from vllm_kvpool.migration import DEFAULT_MARGIN, pick_moves
 from vllm_kvpool.persist import RestoredChunk
 from vllm_kvpool.placement import DeviceWeights, Placement
-from vllm_kvpool.protocol import ChunkRead, ChunkSave, WorkerReport
+from vllm_kvpool.protocol import ChunkMove, ChunkRead, ChunkSave, WorkerReport
 
 logger = logging.getLogger("vllm_kvpool")
 
@@ -119,6 +120,7 @@ class UnifiedPool:
         self.placement = Placement(config.placement, len(config.devices))
         self.lookups = LookupCounters()
         self.transfers = TransferCounters()
+        self.moves: dict[BlockHash, tuple[int, int, set[int]]] = {}  # key -> dst, slot, ranks
 
     # -- lookups ---------------------------------------------------------------------------
     def match(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
@@ -168,11 +170,75 @@ class UnifiedPool:
         invalidated by the same worker report), so a restored chunk counts as validated.
         ``completed`` False: the reader went away (an engine died), nothing was verified."""
         for e in entries:
-            e.readers -= 1
             if completed and not e.dead:
                 e.validated = True
-            if e.dead and e.readers == 0:
+            self._unpin(e)
+
+    def _unpin(self, e: ChunkEntry) -> None:
+        e.readers -= 1
+        if e.readers == 0:
+            if e.dead:
                 self._release(e)
+            else:
+                self._free_superseded(e)
+
+    # -- migration -------------------------------------------------------------------------
+    def plan_moves(self, margin: float = DEFAULT_MARGIN, limit: int = 1 << 30) -> list[ChunkMove]:
+        """Background moves of stored chunks off devices whose share time (``migration``)
+        exceeds another's by ``margin``: destination slots reserved, the chunks pinned (never
+        evicted meanwhile; loads keep reading the old copy). Newest chunks move first (the
+        prefixes in use). The workers copy them (``ChunkMove``); ``apply_report`` swaps."""
+        n = len(self.config.devices)
+        movable: list[list[ChunkEntry]] = [[] for _ in range(n)]
+        stored = [0] * n
+        for e in reversed(list(self.index.oldest_first())):  # newest first
+            stored[e.location.device] += e.location.nbytes
+            if (e.committed and not e.readers and not e.dead and not e.moving
+                    and not self.weights.failed[e.location.device]):  # fmt: skip
+                movable[e.location.device].append(e)
+        picks = pick_moves(stored, self.weights.effective(), self._free_slots(),
+                           [[e.location.nbytes for e in m] for m in movable], margin, limit)  # fmt: skip
+        jobs = []
+        for src, i, dst in picks:
+            e = movable[src][i]
+            slot = self.slots[dst].take()
+            e.readers += 1  # pinned until the move settles
+            e.moving = True
+            self.moves[e.key] = (dst, slot, set())
+            jobs.append(ChunkMove(e.key, e.location.device, e.location.slot, dst, slot,
+                                  e.location.num_blocks, dict(e.checksums), e.block_hashes))  # fmt: skip
+        self.lookups.moves_planned += len(jobs)
+        return jobs
+
+    def _settle_move(self, key: BlockHash, rank: int, copied: bool) -> None:
+        """One rank's copy of a moving chunk is done (``copied``) or failed. Once every rank
+        copied it, the chunk's location is the new slot; the old one is freed once no load
+        reads it. A failed copy, or a chunk dropped meanwhile, gives the new slot back."""
+        move = self.moves.get(key)
+        if move is None:
+            return
+        dst, slot, ranks = move
+        entry = self.index.get(key)
+        if copied and entry is not None and entry.moving and not entry.dead:
+            ranks.add(rank)
+            if len(ranks) < self.world_size:
+                return
+            old = entry.location
+            entry.location = replace(old, device=dst, slot=slot)
+            entry.superseded.append((old.device, old.slot))
+            self.lookups.moves_done += 1
+        else:
+            self.slots[dst].give(slot)
+            self.lookups.moves_failed += 1
+        del self.moves[key]
+        if entry is not None:
+            entry.moving = False
+            self._unpin(entry)
+
+    def _free_superseded(self, e: ChunkEntry) -> None:
+        for device, slot in e.superseded:
+            self.slots[device].give(slot)
+        e.superseded.clear()
 
     def restore(self, device: int, chunks: Sequence[RestoredChunk]) -> int:
         """Index chunks a previous run left on ``device`` (oldest first, so LRU order holds);
@@ -308,6 +374,8 @@ class UnifiedPool:
             if self.weights.failed[device] and device not in report.failed_devices:
                 logger.warning("kvpool: %s works again; it takes new chunks", names[device])
                 self.restore_device(device)
+        for key, rank, copied in report.moved:
+            self._settle_move(key, rank, copied)
         for device, op, nbytes, seconds in report.observations:
             if self.weights.observe(device, op, nbytes, seconds):
                 logger.info("kvpool: %s: measured %.2f GB/s replaces the probe's %.2f as its "
@@ -340,3 +408,4 @@ class UnifiedPool:
 
     def _release(self, entry: ChunkEntry) -> None:
         self.slots[entry.location.device].give(entry.location.slot)
+        self._free_superseded(entry)

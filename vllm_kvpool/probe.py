@@ -9,7 +9,9 @@ probe: the fewest threads that reach its best bandwidth.
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -20,6 +22,7 @@ from vllm_kvpool.native import kvio
 
 MAX_COPY_THREADS = 8  # memory bandwidth is saturated well before this on current servers
 THREADS_WITHIN = 0.9  # fewest threads reaching this fraction of the best probed copy
+COPY_ROUNDS = 5  # turns each thread count gets in the copy probe
 PROBE_PAGE = 64 * 2**10  # a KV page: 16 tokens x 8 KV heads x 128 x bf16 x (K, V)
 
 
@@ -29,11 +32,15 @@ def copy_thread_counts(cpus: int) -> list[int]:
     return sorted({min(2**i, limit) for i in range(limit.bit_length() + 1)})
 
 
-def copy_gbps(threads: int, nbytes: int, seconds: float, page: int = PROBE_PAGE) -> float:
-    """GB/s of a fetch-like host copy: ``nbytes`` in ``page``-sized ops into pages in shuffled
-    order (a fetch scatters chunk pages over the KV). One large contiguous memcpy does not
-    predict it: here one thread copies 10.8 GB/s contiguous but 6.7 GB/s scattered, and two
-    threads 8.1 and 9.6 GB/s."""
+def copy_gbps(threads: Sequence[int], nbytes: int, seconds: float, rounds: int = COPY_ROUNDS,
+              page: int = PROBE_PAGE) -> dict[int, float]:  # fmt: skip
+    """GB/s of a fetch-like host copy per thread count: ``nbytes`` in ``page``-sized ops into
+    pages in shuffled order (a fetch scatters chunk pages over the KV). One large contiguous
+    memcpy does not predict it: here one thread copies 10.8 GB/s contiguous but 6.7 GB/s
+    scattered, and two threads 8.1 and 9.6 GB/s. The counts take turns over ``rounds`` rounds
+    (order reversed every other round) and each gets the median of its rounds: a count timed
+    once, in one stretch, got whatever the machine's neighbours did then, and on a shared VM
+    the choice between 1 and 2 threads flipped between runs."""
     n = max(1, nbytes // page)
     src = np.ones(n * page, dtype=np.uint8)
     dst = np.zeros(n * page, dtype=np.uint8)
@@ -43,11 +50,16 @@ def copy_gbps(threads: int, nbytes: int, seconds: float, page: int = PROBE_PAGE)
     ops[:, 1] = np.uint64(src.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
     ops[:, 2] = page
     io = kvio()
-    io.copy_many(ops, threads=threads)  # first touch
-    moved, start = 0, time.perf_counter()
-    while moved < 2 * n * page or time.perf_counter() - start < seconds:
-        moved += io.copy_many(ops, threads=threads)
-    return moved / (time.perf_counter() - start) / 1e9
+    io.copy_many(ops, threads=max(threads))  # first touch
+    each = seconds / (rounds * len(threads))
+    runs: dict[int, list[float]] = {t: [] for t in threads}
+    for r in range(rounds):
+        for t in threads if r % 2 == 0 else threads[::-1]:
+            moved, start = 0, time.perf_counter()
+            while moved < n * page or time.perf_counter() - start < each:
+                moved += io.copy_many(ops, threads=t)
+            runs[t].append(moved / (time.perf_counter() - start) / 1e9)
+    return {t: statistics.median(g) for t, g in runs.items()}
 
 
 def probe_copy_threads(config: PoolConfig) -> int:
@@ -59,7 +71,7 @@ def probe_copy_threads(config: PoolConfig) -> int:
     counts = copy_thread_counts(len(os.sched_getaffinity(0)))
     if not config.probe.enabled or len(counts) == 1:
         return counts[-1]
-    gbps = {t: copy_gbps(t, config.probe.size, config.probe.seconds / len(counts)) for t in counts}
+    gbps = copy_gbps(counts, config.probe.size, config.probe.seconds)
     best = max(gbps.values())
     return min(t for t in counts if gbps[t] >= THREADS_WITHIN * best)
 

@@ -38,6 +38,23 @@ class ChunkRead:
 
 
 @dataclass(frozen=True)
+class ChunkMove:
+    """Copy a stored chunk to another device's slot (background migration, ``migration``):
+    read from ``device``/``slot`` (verified against ``checksums``), written to
+    ``dest_device``/``dest_slot`` with its index record (``block_hashes``); the chunk stays
+    where it was until every rank reported its copy."""
+
+    key: bytes
+    device: int
+    slot: int
+    dest_device: int
+    dest_slot: int
+    num_blocks: int
+    checksums: dict[int, int]  # worker rank -> checksum of that rank's shard
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class LoadRequest:
     req_id: str
     reads: tuple[ChunkRead, ...]
@@ -55,6 +72,7 @@ class WorkerReport:
     recovered_devices: list[int] = field(default_factory=list)  # failed, now working again
     # (device, "read" | "write", bytes, busy seconds): the bandwidth measured in service
     observations: list[tuple[int, str, int, float]] = field(default_factory=list)
+    moved: list[tuple[bytes, int, bool]] = field(default_factory=list)  # key, rank, copied
     counters: TransferCounters = field(default_factory=TransferCounters)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
@@ -64,10 +82,11 @@ class WorkerReport:
         self.failed_devices.update(other.failed_devices)
         self.recovered_devices += other.recovered_devices
         self.observations += other.observations
+        self.moved += other.moved
         self.counters.merge(other.counters)
         return self
 
     def is_empty(self) -> bool:
         return not (self.committed or self.failed_saves or self.corrupt or self.failed_devices
-                    or self.recovered_devices or self.observations
+                    or self.recovered_devices or self.observations or self.moved
                     or not self.counters.is_empty())  # fmt: skip

@@ -67,6 +67,7 @@ class PoolScheduler:
         self._stats_sent: dict[str, float] = {}
         self._gauges_sent: dict[str, float] = {}
         self._status_written = 0.0
+        self._moves_planned = 0.0  # monotonic time of the last plan of moves
 
     # -- lookups and loads -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
@@ -112,6 +113,7 @@ class PoolScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolStepMetadata:
         meta, self._next_meta = self._next_meta, PoolStepMetadata()
         meta.service_epoch = getattr(self.pool, "epoch", "")
+        self._plan_moves(meta)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -134,6 +136,17 @@ class PoolScheduler:
             state.computed = cached.num_computed_tokens[i]
             self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
         return meta
+
+    def _plan_moves(self, meta: PoolStepMetadata) -> None:
+        """Every ``migration.every`` seconds, with no earlier move still copying: the stored
+        chunks to move in the background (``migration``; the pool pins them meanwhile)."""
+        mig = self.pool_config.migration
+        now = time.monotonic()
+        if not mig.enabled or now - self._moves_planned < mig.every or self.pool.moves:
+            return
+        self._moves_planned = now
+        meta.moves = self.pool.plan_moves(mig.margin)
+        meta.move_rate = float(mig.bandwidth)
 
     def _plan_saves(self, state: _RequestState, num_done: int, meta: PoolStepMetadata) -> None:
         """Save full chunks once computed (prompt, and generated tokens with ``save_decode``)

@@ -75,8 +75,9 @@ class PoolWorker:
     def finish_step(self, meta: PoolStepMetadata | None) -> None:
         if meta is None or self.engine is None:
             return
-        if self.saves:  # a rank reading another's copy has nothing to write
+        if self.saves:  # a rank reading another's copy has nothing to write (nor to move)
             self.engine.finish_step_saves(meta.saves)
+            self.engine.start_moves(meta.moves, meta.move_rate)
         self.engine.wait_sync_loads()
 
     def flush_saves(self) -> None:

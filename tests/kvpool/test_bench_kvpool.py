@@ -43,15 +43,16 @@ def test_pool_parts_fetch_identical_kv(bench, tmp_path, placement):
     by = {}
     for r in results:
         by.setdefault(r.system, []).append(r)
-    assert sorted(by) == ["alone:host0", "alone:ssd0", "pool", "pool-verify", "serial"]
+    assert sorted(by) == ["alone:host0", "alone:ssd0", "pool", "pool-verify", "serial",
+                          "together"]  # fmt: skip
     assert all(len(rs) == 2 and all(r.identical and r.seconds > 0 for r in rs)
                for rs in by.values())  # fmt: skip
     whole = {"host0": 2 * g.chunk_bytes, "ssd0": (g.num_chunks - 2) * g.chunk_bytes}
-    for name in ("pool", "pool-verify", "serial"):
+    for name in ("pool", "pool-verify", "together", "serial"):
         assert by[name][0].device_bytes == whole  # host full, the rest from the SSD
     assert by["alone:host0"][0].device_bytes == {"host0": whole["host0"]}
     assert by["alone:ssd0"][0].device_bytes == {"ssd0": whole["ssd0"]}
-    assert [r.system for r in results[:5]] == [r.system for r in results[5:]][::-1]  # alternating
+    assert [r.system for r in results[:6]] == [r.system for r in results[6:]][::-1]  # alternating
 
 
 def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
@@ -89,12 +90,20 @@ def test_summary_line_from_in_run_parts(bench):
                "S1/alone:ssd0": [r("alone:ssd0", 0.5, 0), r("alone:ssd0", 1.6, 1)],
                "S1/serial": [r("serial", 1.4, 0), r("serial", 2.6, 1)]}  # fmt: skip
     assert bench.bound_fracs(results, "S1") == pytest.approx([0.9, 0.8])
+    # The shares together without the pool's planning: the bound where slower than alone.
+    together = {"S1/together": [r("together", 0.95, 0), r("together", 1.5, 1)]}
+    assert bench.bound_fracs({**results, **together}, "S1") == pytest.approx([0.95, 0.8])
+    assert bench.alone_fracs({**results, **together}, "S1") == pytest.approx([0.9, 0.8])
     args = type("A", (), {"out": None})()
     line = bench.summarize(g, results, args, lambda *_: None)
     assert line.startswith("ratio_vs_lmcache=nan frac_of_bound=0.85 ratio_vs_serial=1.33 ")
     cpu = 0.1 / (g.prefix_bytes / 1e9)
-    assert line.endswith(f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} "
-                         "lmcache_threads=0 pool_threads=1")
+    assert (f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} lmcache_threads=0 pool_threads=1 "
+            in line)  # fmt: skip
+    # S1 per copy-thread count: here only the one thread the results ran with
+    assert line.endswith("ratio_vs_lmcache_1t=nan frac_of_bound_1t=0.85 ratio_vs_lmcache_nt=nan "
+                         "frac_of_bound_nt=nan n_threads=1 ratio_vs_rr_multi=nan "
+                         "slowdown_recovery_fetches=none")  # no placement runs here
 
 
 def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
@@ -112,3 +121,45 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
     assert got and all(r.threads == 2 and r.identical for r in got)
     spec["threads"] = 1
     assert all(r.threads == 1 for r in bench.run_child(g, spec, 300, lambda r: None))
+
+
+def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
+    """S3p/S4's child: per step a new prefix placed by the pool's current weights, fetched as
+    the pool, each device's share alone and together, every whole fetch byte-identical; the
+    adaptive pool's weights move from the prior to what its own reads measured."""
+    g = tiny(bench)
+    s = bench.slot(g)
+    devices = [{"host": {"capacity": 1 * s}},
+               {"ssd": {"path": str(tmp_path / "a.kvpool"), "backend": "uring", "capacity": 6 * s}},
+               {"ssd": {"path": str(tmp_path / "b.kvpool"), "backend": "uring", "capacity": 6 * s}}]
+    config = {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 1,
+              "probe": {"learn_after": 1, "half_life": "1MiB"}}  # fmt: skip
+    spec = {"system": "placement", "scenario": "S4", "policy": "adaptive", "config": config,
+            "gbps": [50.0, 1.0, 100.0], "threads": 1, "throttle": None,
+            "throttle_mbps": [1500, 500]}  # fmt: skip
+    results = bench.run_placement(g, spec)
+    assert {r.scenario for r in results} == {"S4:adaptive"}
+    for step in (0, 1):
+        parts = {r.system: r for r in results if r.rep == step}
+        assert {"pool", "together"} <= set(parts) and any(p.startswith("alone:") for p in parts)
+        assert all(r.identical for r in parts.values())
+        assert sum(parts["pool"].device_bytes.values()) == g.prefix_bytes
+    weights = [bench.json.loads(r.note)["weights"] for r in results if r.system == "pool"]
+    assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+
+
+def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(bench):
+    g = tiny(bench)
+
+    def r(system, step, mbps, second_mib, seconds=1.0):
+        return bench.Result(system, "S4:adaptive", seconds, g.prefix_bytes, 0.1, True,
+                            {"ssd1": second_mib * 2**20}, rep=step,
+                            note=bench.json.dumps({"throttle_mbps": mbps}))  # fmt: skip
+
+    schedule = [(1500, 64), (1500, 64), (500, 64), (500, 64), (500, 48), (500, 16), (1500, 16)]
+    results = {"S4:adaptive/pool": [r("pool", i, m, b) for i, (m, b) in enumerate(schedule)],
+               "S4:adaptive/alone:ssd1": [r("alone:ssd1", i, m, b, 0.9)
+                                          for i, (m, b) in enumerate(schedule)]}  # fmt: skip
+    ratio, f, recovery = bench.placement_summary(results, lambda *_: None)
+    assert recovery == "2"  # two slowed fetches (steps 2, 3) before step 4's save gave it less
+    assert ratio != ratio and f != f  # no S3p runs: nan

@@ -69,6 +69,14 @@ def test_sizes():
         ({"devices": [{"host": {"capacity": "1GiB"}}], "chunk": 5}, "chunk"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "save_decode": "yes"}, "save_decode"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"enabled": 1}}, "probe.enabled"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "migration": {"margin": -1}},
+         "migration.margin"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "migration": {"bandwidth": 0}},
+         "migration.bandwidth"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "migration": {"rate": 1}},
+         "migration.rate"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "migration": {"enabled": True},
+          "service": True}, "migration.enabled"),
     ],
 )  # fmt: skip
 def test_malformed_configs_name_the_field(raw, field):

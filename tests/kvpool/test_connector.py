@@ -235,3 +235,30 @@ def test_stats_hook_and_status_file(model_dir, tmp_path):
     # the intervals aggregated above.
     assert {k: v for k, v in summary.items() if k.startswith("probe_GBps:")} == {
         f"probe_GBps:{u.name}": round(u.probe_gbps, 2) for u in status.usage}, len(h.kv_stats)
+
+
+def test_background_migration_moves_chunks_off_a_slowed_device(model_dir, tmp_path):
+    """With ``migration`` on, once a device's share time exceeds the others' (its reads measured
+    slow), the scheduler plans moves in the step metadata, the worker copies them in the
+    background and the chunks are served byte-identical from their new devices."""
+    cfg = make_vllm_config(model_dir, {**pool_cfg(tmp_path, host="2MiB"),
+                                       "migration": {"enabled": True, "every": 0.001,
+                                                     "bandwidth": "64MiB"}})  # fmt: skip
+    h = Harness.build(cfg, num_blocks=128)
+    save_first_request(h)
+    pool = h.connector.pool
+    slow = 2
+    before = sum(e.location.device == slow for e in pool.index.entries.values())
+    assert before
+    pool.weights.observe(slow, "read", 10**9, 10.0)  # measured at 0.1 GB/s (prior 2.0)
+    pool.weights.observe(slow, "read", 10**9, 10.0)
+    for _ in range(20):  # idle steps: plans go down, copies come back in the reports
+        h.step()
+        h.worker.engine.wait_moves()
+        if not pool.moves and pool.lookups.moves_done:
+            break
+    after = sum(e.location.device == slow for e in pool.index.entries.values())
+    assert pool.lookups.moves_done == before - after > 0 and pool.lookups.moves_failed == 0
+    got, _ = run_and_capture(h, "B", PROMPT + [5, 6], 20)
+    for name in h.kv:
+        assert torch.equal(got[name], expected(h, PROMPT, 20)[name])

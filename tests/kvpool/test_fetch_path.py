@@ -136,3 +136,38 @@ def test_fetches_are_counted_as_lookups(tmp_path):
         lookups = pool.status().lookups
         assert lookups.hit_rate == pytest.approx(BLOCKS / (BLOCKS + 4))
         assert lookups.loads == 1  # the miss loaded nothing; the share alone is not counted
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_host_share_in_batches_the_loader_helps_with(tmp_path, monkeypatch, copy_threads):
+    """The unverified host share goes in batches the copier and, with a core to spare, the
+    loader thread take turns on: every byte lands once, and the host device's busy time is
+    charged once for the whole share. With SSD reads in the load the copier leaves the loader a
+    core (2 cores: one copier thread, whatever ``copy_threads`` says)."""
+    from vllm_kvpool.engine import loads
+
+    monkeypatch.setattr(loads, "BULK_BATCH_BYTES", 1)  # one chunk per batch
+    monkeypatch.setattr(loads.os, "sched_getaffinity", lambda _: {0, 1})
+    takers = []
+    real = loads._Bulk.take_one
+
+    def spy(self, path, threads=1):
+        took = real(self, path, threads)
+        if took:
+            takers.append((loads.threading.current_thread().name, threads))
+        return took
+
+    monkeypatch.setattr(loads._Bulk, "take_one", spy)
+    kv = make_kv(2)
+    want = {k: t.clone() for k, t in kv.items()}
+    with LocalPool(config(tmp_path, copy_threads=copy_threads), kv, BLOCKS, BLOCK) as pool:
+        pool.save(HASHES, IDS)
+        host = len(on(pool, "host"))
+        for _ in range(3):
+            r = fetch_all(pool, kv)
+            assert r.ok and r.blocks == BLOCKS
+            for k in kv:
+                assert torch.equal(kv[k], want[k]), k
+        assert len(takers) == 3 * host  # each chunk copied once per fetch
+        assert ("kvpool-copy", 1) in takers and all(t == 1 for _, t in takers)
+        assert pool.status().transfers.devices["host0"].chunks_read == 3 * host

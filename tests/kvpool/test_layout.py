@@ -55,3 +55,36 @@ def test_chunk_ops_needs_contiguous_cpu_pages():
     kv = {"l": torch.randn(BLOCKS, BLOCK_TOKENS, HEADS, HEAD2).transpose(1, 2)}  # HND view
     layout = GroupKV.from_kv_caches(kv, ["l"], BLOCKS)
     assert layout.chunk_ops([0, 1], 0, True) is None
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_reads_ops_of_many_chunks_move_what_each_chunks_rows_move(uniform):
+    """A wave's or a host share's rows planned at once (``ChunkKV.reads_ops``) put every chunk in
+    the same KV pages as each chunk's own ``read_ops``, mixed with partial reads too."""
+    from vllm_kvpool.layout import ChunkKV, ChunkLayout, GroupLayout
+    from vllm_kvpool.protocol import ChunkRead
+
+    def bound(seed: int) -> ChunkKV:
+        group = make_layout(seed, uniform)
+        layout = ChunkLayout((GroupLayout(0, tuple(f"layer.{i}" for i in range(3)),
+                                          group.block_bytes, BLOCK_TOKENS),), 2)  # fmt: skip
+        return ChunkKV(layout, [group])
+
+    stored, rng = 2, torch.Generator().manual_seed(5)
+    src = bound(0)
+    chunks = torch.randint(0, 256, (4, stored * src.groups[0].block_bytes), dtype=torch.uint8,
+                           generator=rng)  # fmt: skip
+    whole = [((3, 4), ((0, 2),)), ((9, 0), ((0, 2),)), ((15, 7), ((0, 2),)), ((1, 2), ((0, 2),))]
+    for reads in (whole, [*whole[:2], ((11,), ((1, 1),)), whole[3]]):
+        jobs = [(ChunkRead(b"k", 0, 0, stored, {}, ids, sections), chunks[i].data_ptr())
+                for i, (ids, sections) in enumerate(reads)]  # fmt: skip
+        at_once, one_by_one = bound(1), bound(1)
+        ops = at_once.reads_ops(jobs)
+        assert ops is not None
+        kvio().copy_many(ops, threads=2)
+        for read, addr in jobs:
+            kvio().copy_many(one_by_one.read_ops(read, addr), threads=1)
+        for a, b in zip(at_once.groups[0].layers, one_by_one.groups[0].layers, strict=True):
+            assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))  # NaNs
+        untouched = bound(1).groups[0].layers[0].tensor.view(torch.uint8)
+        assert not torch.equal(at_once.groups[0].layers[0].tensor.view(torch.uint8), untouched)

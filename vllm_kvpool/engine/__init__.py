@@ -18,11 +18,12 @@ from vllm_kvpool.device_copy import Copier, copier_for
 from vllm_kvpool.engine.accounting import Accounts
 from vllm_kvpool.engine.health import DeviceHealth
 from vllm_kvpool.engine.loads import LoadPath
+from vllm_kvpool.engine.moves import MovePath
 from vllm_kvpool.engine.saves import SavePath
 from vllm_kvpool.engine.threads import TaskThread
 from vllm_kvpool.handlers import MediumHandler
 from vllm_kvpool.layout.kv import COPY_THREADS, ChunkKV
-from vllm_kvpool.protocol import ChunkSave, LoadRequest, WorkerReport
+from vllm_kvpool.protocol import ChunkMove, ChunkSave, LoadRequest, WorkerReport
 
 
 class TransferEngine:
@@ -47,6 +48,7 @@ class TransferEngine:
         self.saves = SavePath(tiers, layout, self.accounts, self.health, saver, reaper)
         self.loads = LoadPath(tiers, layout, self.copier, self.accounts, self.health, loader,
                               copy_thread, rank, verify_checksums, max(1, copy_threads))  # fmt: skip
+        self.moves = MovePath(tiers, layout, self.accounts, rank)
 
     # -- saves -----------------------------------------------------------------------------
     def save_layer(self, saves: Sequence[ChunkSave], layer_name: str) -> None:
@@ -76,6 +78,14 @@ class TransferEngine:
     def wait_sync_loads(self) -> None:
         self.loads.wait_sync()
 
+    # -- migration -------------------------------------------------------------------------
+    def start_moves(self, moves: Sequence[ChunkMove], bytes_per_second: float) -> None:
+        """Copy stored chunks to their new slots in the background (``migration``)."""
+        self.moves.start(moves, bytes_per_second)
+
+    def wait_moves(self) -> None:
+        self.moves.drain()
+
     # -- reporting -------------------------------------------------------------------------
     def take_finished(self, deferred_free: Sequence[str]) -> tuple[set[str], set[str], set[str]]:
         """See ``Accounts.take_finished``."""
@@ -91,7 +101,9 @@ class TransferEngine:
     def close(self) -> None:
         try:
             self.wait_all()
+            self.moves.drain()
         finally:
+            self.moves.close()
             for thread in self._threads:
                 thread.shutdown()
             self.copier.close()  # unregisters the host memory before the handlers free it

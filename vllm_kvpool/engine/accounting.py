@@ -67,6 +67,12 @@ class Accounts:
         if error and checksum is None:
             logger.warning("kvpool: save of a chunk to %s failed: %s", name, error)
 
+    # -- moves -----------------------------------------------------------------------------
+    def move_done(self, key: bytes, copied: bool) -> None:
+        """A background copy of a chunk to its new slot finished (``copied``) or failed."""
+        with self._lock:
+            self._report.moved.append((key, self.rank, copied))
+
     # -- loads -----------------------------------------------------------------------------
     def reads_done(self, device: int, outcomes: Sequence[ReadOutcome], seconds: float) -> None:
         """One transfer's reads from ``device``: the good bytes counted as read in ``seconds``

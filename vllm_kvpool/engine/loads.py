@@ -7,6 +7,7 @@ signals each layer, so ``wait_for_layer_load`` releases early layers first."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -43,6 +44,47 @@ class _Wave:
     ticket: int
     reads: list[_PendingRead]
     submitted: float
+
+
+BULK_BATCH_BYTES = 64 * 2**20  # host-share bytes one copy call takes (threads split it)
+
+
+def _batches(chunks: list[_PendingRead], nbytes: int) -> list[list[_PendingRead]]:
+    """Consecutive chunks in batches of at least ``nbytes`` (the last may be smaller)."""
+    out: list[list[_PendingRead]] = [[]]
+    size = 0
+    for p in chunks:
+        if size >= nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
+class _Bulk:
+    """The unverified host share of a load, in batches two threads take turns copying."""
+
+    def __init__(self, batches: list[list[_PendingRead]]) -> None:
+        self.chunks = [p for b in batches for p in b]
+        self.batches = deque(batches)
+        self.start = self.end = 0.0
+        self._lock = threading.Lock()
+
+    def take_one(self, path: LoadPath, threads: int = 1) -> bool:
+        """Copy the next batch into the KV (False: none left)."""
+        batch = pop(self.batches)
+        if batch is None:
+            return False
+        begin = time.perf_counter()
+        ops = path.layout.reads_ops([(p.read, p.buf.address) for p in batch if p.buf])
+        assert ops is not None  # ``_copied_whole`` checked each chunk has rows
+        path.io.copy_many(ops, threads=threads)
+        done = time.perf_counter()
+        with self._lock:
+            self.start = begin if not self.start else min(self.start, begin)
+            self.end = max(self.end, done)
+        return True
 
 
 class LoadPath:
@@ -125,41 +167,58 @@ class LoadPath:
             for p in resident:
                 self._read_resident(p, scatter=False)
         host_queue: deque[_PendingRead] = deque()
-        bulk: list[tuple[_PendingRead, np.ndarray]] = []
+        bulk: list[_PendingRead] = []
         for p in [] if layer_major else resident:
-            ops = self._unverified_ops(p)
-            if ops is None:
-                host_queue.append(p)
-            else:
-                bulk.append((p, ops))
-        # Unverified resident chunks (verified when saved, not on every fetch): one GIL-free copy
-        # over all of them on ``copy_threads`` threads, on the copier, while this thread keeps the
-        # SSDs busy. Verified ones are hashed and copied by this thread AND the copier, one chunk
-        # each at a time (hashing, not memory, limits one thread).
+            (bulk if self._copied_whole(p) else host_queue).append(p)
+        inflight: dict[int, deque[_Wave]] = defaultdict(deque)
+        for d in list(queues):  # the SSDs start first: planning the host copy can wait for them
+            self._fill(d, queues[d], inflight[d], fits)
+        # Unverified resident chunks (verified when saved, not on every fetch): GIL-free copies
+        # of batches of them on the copier, while this thread keeps the SSDs busy and copies
+        # their waves; when it has nothing to wait for and a core is left, it copies batches
+        # too. The copier's threads leave a core to this thread while SSD reads are in the load
+        # (``copy_threads`` as many as the cores would make three threads fight over two cores:
+        # the verified path below, two threads, had been faster). Verified chunks are hashed
+        # and copied by this thread AND the copier, one chunk each at a time.
         copier = None
-        if bulk:
-            copier = self.copy_thread.submit(self._copy_resident, bulk)
+        shared = _Bulk(_batches(bulk, BULK_BATCH_BYTES)) if bulk else None
+        cores = len(os.sched_getaffinity(0))
+        bulk_threads = self.copy_threads
+        if queues and bulk_threads >= cores:
+            bulk_threads = max(1, cores - 1)
+        helps = bulk_threads < cores
+        if shared is not None:
+            copier = self.copy_thread.submit(self._copy_bulk, shared, bulk_threads)
         elif len(host_queue) > 1:
             copier = self.copy_thread.submit(self._drain_resident, host_queue)
-        inflight: dict[int, deque[_Wave]] = defaultdict(deque)
         last_done: dict[int, float] = {}
         while host_queue or any(queues.values()) or any(inflight.values()):
             progressed = False
+            # While the copier's threads copy the host share, a wave is scattered on one thread:
+            # more would only contend with them for the same cores.
+            threads = 1 if copier is not None and not copier.done() else self.copy_threads
             for d in list(queues):
                 self._fill(d, queues[d], inflight[d], fits)
                 while inflight[d] and self.tiers[d].poll(inflight[d][0].ticket):
-                    self._finish_wave(d, inflight[d].popleft(), last_done, layer_major)
+                    self._finish_wave(d, inflight[d].popleft(), last_done, layer_major, threads)
                     progressed = True
             if (p := pop(host_queue)) is not None:
                 self._read_resident(p, scatter=True, threads=1 if copier else self.copy_threads)
+            elif not progressed and helps and shared is not None and shared.take_one(self):
+                pass  # copied a batch of the host share while the SSDs work
             elif not progressed:
                 busy = [d for d in inflight if inflight[d]]
                 if len(busy) == 1:  # one device left: sleep in the kernel until it is done
-                    self._finish_wave(busy[0], inflight[busy[0]].popleft(), last_done, layer_major)
+                    self._finish_wave(busy[0], inflight[busy[0]].popleft(), last_done,
+                                      layer_major, threads)  # fmt: skip
                 else:
                     time.sleep(0.0002)
+        while helps and shared is not None and shared.take_one(self):
+            pass  # the SSDs are done: help the copier finish the host share
         if copier is not None:
             copier.result()
+        if shared is not None:
+            self._account_bulk(shared)
         if layer_major:
             plan = self.copier.prepare(self.layout, [(p.read, p.buf.view) for p in pending
                                                      if p.ok and p.buf is not None])  # fmt: skip
@@ -179,27 +238,34 @@ class LoadPath:
             return r.checksums.get(self.rank)
         return None
 
-    def _unverified_ops(self, p: _PendingRead) -> np.ndarray | None:
-        """Copy rows of a resident chunk that needs no verification and goes to the KV whole."""
+    def _copied_whole(self, p: _PendingRead) -> bool:
+        """Whether a resident chunk needs no verification and goes to the KV whole by the C++
+        copy (its buffer is then taken): such chunks are copied together."""
         r = p.read
-        if self._expected(r) is not None or not self.layout.whole_read(r):
-            return None
+        if (self._expected(r) is not None or not self.layout.whole_read(r)
+                or not self.copier.kv_addressable):  # fmt: skip
+            return False
         p.buf = self.tiers[r.device].load_buffer(r.slot, p.nbytes)
         assert p.buf is not None  # resident media never run out of buffers
-        return self._read_ops(r, p.buf.address)
+        return True
 
     def _read_ops(self, r: ChunkRead, address: int) -> np.ndarray | None:
         """The C++ copy rows of a read from ``address``; None unless the KV is host memory the
         core can address (else the copier moves it, layer by layer)."""
         return self.layout.read_ops(r, address) if self.copier.kv_addressable else None
 
-    def _copy_resident(self, chunks: list[tuple[_PendingRead, np.ndarray]]) -> None:
-        start = time.perf_counter()
-        self.io.copy_many(np.concatenate([ops for _, ops in chunks]), threads=self.copy_threads)
-        elapsed = time.perf_counter() - start
-        total = sum(p.nbytes for p, _ in chunks)
+    def _copy_bulk(self, bulk: _Bulk, threads: int) -> None:
+        """The copier's side: batches of the host share until none is left."""
+        while bulk.take_one(self, threads):
+            pass
+
+    def _account_bulk(self, bulk: _Bulk) -> None:
+        """The host share's reads, once: the busy time is from the first batch's start to the
+        last one's end (batches copied at once by two threads are not charged twice)."""
+        elapsed = bulk.end - bulk.start
+        total = sum(p.nbytes for p in bulk.chunks)
         by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
-        for p, _ in chunks:
+        for p in bulk.chunks:
             by_device[p.read.device].append(ReadOutcome(p.read, p.nbytes, "ok"))
         for device, outcomes in by_device.items():  # one pass for all: each device's share
             share = sum(o.nbytes for o in outcomes) / total
@@ -253,7 +319,7 @@ class LoadPath:
                 return
 
     def _finish_wave(self, device: int, wave: _Wave, last_done: dict[int, float],
-                     layer_major: bool) -> None:  # fmt: skip
+                     layer_major: bool, threads: int) -> None:  # fmt: skip
         handler = self.tiers[device]
         results = handler.wait(wave.ticket)
         now = time.perf_counter()
@@ -278,9 +344,16 @@ class LoadPath:
                 self.health.failed(device, str(exc))
         self.accounts.reads_done(device, outcomes, elapsed)
         if not layer_major:
-            for p in wave.reads:
-                if p.ok and p.buf is not None:
-                    self._scatter(p, self.copy_threads)
+            # One copy over the whole wave: a chunk alone is too small to split over the copy
+            # threads (``copy_many`` gives each thread several MiB), a wave is not.
+            staged = [p for p in wave.reads if p.ok and p.buf is not None]
+            rows = self.layout.reads_ops([(p.read, p.buf.address) for p in staged if p.buf]) \
+                if self.copier.kv_addressable else None  # fmt: skip
+            if rows is not None:
+                self.io.copy_many(rows, threads=threads)
+            else:
+                for p in staged:
+                    self._scatter(p, threads)
             self.copier.synchronize()  # before the staging buffers are reused
             self._release(wave.reads)
 
