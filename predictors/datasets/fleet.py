@@ -114,7 +114,9 @@ def load_torchtitan() -> list[FleetRow]:
                                     int(r["cp"]))  # fmt: skip
         if strategy.world_size != int(r["gpus"]):
             raise FleetDataError(f"{TORCHTITAN_CSV}: {r['model']}: dp*tp*pp*cp != gpus")
+        # torchtitan's TP plan shards the norms' sequence (SequenceParallel) whenever tp > 1
         options = TrainingOptions(fsdp=dp * strategy.cp > 1, tp_comm_overlap=_flag(r["async_tp"]),
+                                  sequence_parallel=strategy.tp > 1,
                                   virtual_pipeline=int(r["virtual_pipeline"]),
                                   recompute=r["activation_checkpointing"],
                                   compiled=_flag(r["compile"]), framework="torchtitan")  # fmt: skip

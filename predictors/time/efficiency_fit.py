@@ -40,7 +40,7 @@ class EfficiencyFit:
         self.rows = list(rows)
         self.devices = [get_device(r.device) for r in self.rows]
         self.precisions = [get_precision(r.precision) for r in self.rows]
-        self.works = [step_work(r.spec, r.strategy, p, d)
+        self.works = [step_work(r.spec, r.strategy, p, d, r.options)
                       for r, p, d in zip(self.rows, self.precisions, self.devices, strict=True)]  # fmt: skip
 
     def predict(self, efficiency: dict[str, float], index: Sequence[int]) -> list[float]:

@@ -116,3 +116,39 @@ def test_context_parallel_bad_input_names_the_field():
         ParallelStrategy(1, 1, 1, 1, 1, cp=2).check(2, unfused)
     with pytest.raises(StrategyError, match="cp=0"):
         ParallelStrategy(1, 1, 1, cp=0)
+
+
+def test_sequence_parallel_shards_the_norms_not_the_gemms():
+    """Megatron's --sequence-parallel: norms, dropout and residual adds run on seq / tp tokens,
+    the GEMMs and attention on the gathered sequence (unchanged), the pipeline sends a shard."""
+    gpt = TransformerSpec("gpt", 4, 256, 4, 256, 1024)
+    s = ParallelStrategy(1, 4, 2, 1, 4)
+    p = get_precision("bf16-mixed")
+    plain = step_work(gpt, s, p, H100)
+    sp = step_work(gpt, s, p, H100, TrainingOptions(sequence_parallel=True))
+
+    def total(work, op_class, attr):
+        return sum(getattr(r, attr) for r in work.fwd_bwd.records if r.op_class == op_class)
+
+    for op_class in ("matmul", "attention"):
+        assert total(sp, op_class, "flops") == pytest.approx(total(plain, op_class, "flops"))
+    norms = [r for r in plain.fwd_bwd.records if "layer_norm" in r.name]
+    sp_norms = [r for r in sp.fwd_bwd.records if "layer_norm" in r.name]
+    # the embedding/head shard's final norm is not sequence-parallel: one norm of 2 L + 1,
+    # L = 2 layers on the (critical) stage
+    layer_bytes = sum(r.bytes for r in norms) * 2 * 2 / (2 * 2 + 1)
+    head_bytes = sum(r.bytes for r in norms) - layer_bytes
+    assert sum(r.bytes for r in sp_norms) == pytest.approx(layer_bytes / 4 + head_bytes, rel=0.02)
+    assert sp.pp_bytes == pytest.approx(plain.pp_bytes / 4)
+    assert sp.tp_bytes == pytest.approx(plain.tp_bytes)  # all-gather + reduce-scatter
+    # tp = 1: the flag changes nothing
+    one = ParallelStrategy(4, 1, 2, 1, 8)
+    assert (step_work(gpt, one, p, H100, TrainingOptions(sequence_parallel=True)).fwd_bwd.total()
+            == step_work(gpt, one, p, H100).fwd_bwd.total())
+
+
+def test_sequence_parallel_needs_the_sequence_to_split_over_tp():
+    odd = TransformerSpec("gpt", 4, 256, 4, 250, 1024)
+    with pytest.raises(StrategyError, match="sequence_parallel"):
+        step_work(odd, ParallelStrategy(1, 4, 1, 1, 1), get_precision("bf16-mixed"), H100,
+                  TrainingOptions(sequence_parallel=True))

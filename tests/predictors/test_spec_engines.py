@@ -97,12 +97,13 @@ def test_megatron_flags_carry_the_schedule_options():
         p.add_argument(flag)
     for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
                  "--use-distributed-optimizer", "--overlap-grad-reduce",
-                 "--overlap-param-gather", "--tp-comm-overlap", "--use-flash-attn"):  # fmt: skip
+                 "--overlap-param-gather", "--tp-comm-overlap", "--sequence-parallel",
+                 "--use-flash-attn"):  # fmt: skip
         p.add_argument(flag, action="store_true")
     strategy = ParallelStrategy(1, 2, 2, 1, 8, cp=2)
     options = TrainingOptions(overlap_grad_reduce=True, tp_comm_overlap=True, virtual_pipeline=2,
                               distributed_optimizer=True, overlap_param_gather=True,
-                              recompute="full")  # fmt: skip
+                              sequence_parallel=True, recompute="full")  # fmt: skip
     unfused = replace(GQA, attention="unfused")
     args = p.parse_args(megatron_args(unfused, strategy, options))
     assert from_megatron_args(args, 8, "llama", GQA.vocab_size) == (unfused, strategy, options)
