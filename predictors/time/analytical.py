@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
+from predictors.time.efficiency import FRAMEWORK_FP8_KEY, FRAMEWORK_FUSION_KEY, FRAMEWORK_GEMM_KEY
 from predictors.time.network import (
     NO_COMM,
     Topology,
@@ -44,6 +45,10 @@ MATMUL_CLASSES = tuple(MATMUL_EFFICIENCY)
 # Device.efficiency key of torch.compile's factor on the non-GEMM kernels' time (fused
 # elementwise chains); unfitted: 1 (no fusion assumed)
 COMPILED_KEY = "compiled"
+# Device.efficiency key of the share of the datasheet bandwidth memory-bound kernels reach (a
+# device fact, shared by every framework); unfitted: 1
+MEMORY_KEY = "memory"
+FP8_KEYS = ("fp8", "mxfp8")
 # Transformer Engine's DelayedScaling: once per step one fused kernel updates every fp8
 # tensor's amax history and scale (nvte_delayed_scaling_recipe_amax_and_scale_update_after_
 # reduction); the amaxes are all-reduced across the data/tensor-parallel group after each
@@ -59,7 +64,7 @@ GPU_KERNEL_GAP = 2e-6
 
 
 def dtype_key(record: OpRecord) -> str:
-    if record.dtype_class in ("fp8", "mxfp8"):
+    if record.dtype_class in FP8_KEYS:
         return record.dtype_class
     if record.dtype == "bfloat16":
         return "bf16"
@@ -72,7 +77,10 @@ def efficiency(op_class: str, key: str, device: Device) -> float:
     """Share of the dtype's peak a kernel of ``op_class`` reaches on ``device``: the fitted
     value where the device carries one, else the roofline default."""
     fitted = device.efficiency.get(f"{op_class}:{key}")
-    return default_efficiency(op_class, key) if fitted is None else fitted
+    own = default_efficiency(op_class, key) if fitted is None else fitted
+    if key in FP8_KEYS:
+        own *= device.efficiency.get(FRAMEWORK_FP8_KEY, 1.0)
+    return own * device.efficiency.get(FRAMEWORK_GEMM_KEY, 1.0)
 
 
 def default_efficiency(op_class: str, key: str) -> float:
@@ -90,7 +98,9 @@ def op_time(record: OpRecord, device: Device) -> float:
         if device.kind == "gpu":
             busy += device.gemm_latency
     else:
-        busy = record.bytes / device.vector_bw(key)
+        eff = device.efficiency
+        busy = (record.bytes / (device.vector_bw(key) * eff.get(MEMORY_KEY, 1.0))
+                * eff.get(FRAMEWORK_FUSION_KEY, 1.0))  # fmt: skip
     if device.kind == "gpu":
         return max(busy + GPU_KERNEL_GAP, device.launch_overhead)
     return busy + device.launch_overhead
