@@ -7,7 +7,8 @@ with ``m`` micro-batches on ``pp`` stages, ``v`` model chunks per stage, interle
 ``v > 1``): ``m * slot + (pp - 1) * slot / v`` — the bubble is ``(p - 1) / (v m)`` of the ideal
 time — where a slot is one micro-batch's compute (plus full or selective recomputation) + the
 exposed TP collectives (hidden under the GEMMs with TP overlap) + the PP sends (``2 v`` per
-micro-batch: every chunk boundary, forward and backward) + the exposed CP ring sends (hidden
+micro-batch: every chunk boundary, forward and backward; with interleaving overlapped with the
+chunks' compute, Megatron's default) + the exposed CP ring sends (hidden
 under attention) + FSDP gathers not hidden under compute; then ``+`` the exposed DP gradient
 reduction over DP x CP (bucketed; reduce-scatter + all-gather with the distributed optimizer,
 each overlappable) ``+`` the optimizer step (``1 / (dp cp)`` of it when sharded). Every
@@ -205,6 +206,11 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     vp = options.virtual_pipeline
     # interleaving: every model chunk boundary is a send; the bubble shrinks by vp
     p2p = p2p_cost(work.pp_bytes, groups.pp.spans_nodes, topo).times(2 * vp) if s.pp > 1 else NO_COMM
+    p2p_exposed = p2p.seconds
+    if vp > 1 and options.overlap_p2p_comm:
+        # Megatron's interleaved schedule posts each chunk's sends and receives before the
+        # next chunk's compute and waits after it: only what is longer than that is exposed
+        p2p_exposed = max(0.0, p2p.seconds - compute)
     bucket_elements = max(DDP_BUCKET_ELEMENTS, 1_000_000 * s.dp)
     buckets = max(1, math.ceil(work.dp_grad_elements / bucket_elements))
     # the distributed optimizer reduce-scatters gradients and all-gathers the updated
@@ -234,11 +240,11 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     opt = trace_time(work.optimizer, device) / (grad.size if sharded else 1)
     m = s.num_microbatches
     fp8_mb, fp8_step = _fp8_recipe_costs(work, groups, topo, device)
-    slot = compute + tp_exposed + p2p.seconds + fsdp_exposed + fp8_mb + cp_exposed
+    slot = compute + tp_exposed + p2p_exposed + fsdp_exposed + fp8_mb + cp_exposed
     bubble = (s.pp - 1) * slot / vp  # bubble / ideal time = (p - 1) / (v * m)
     total = m * slot + bubble + dp_exposed + opt + fp8_step
     per_iter = tp.times(m) + p2p.times(m) + dp + fsdp_mb.times(m) + cp.times(m)
-    return Breakdown(compute, tp_exposed, p2p.seconds, bubble, dp_exposed, opt, total,
+    return Breakdown(compute, tp_exposed, p2p_exposed, bubble, dp_exposed, opt, total,
                      tp.seconds, dp.seconds, per_iter.intra_bytes, per_iter.inter_bytes,
                      groups.nodes, groups.tp.nodes, groups.dp.nodes, groups.pp.nodes,
                      recompute, fsdp_exposed, m * fp8_mb + fp8_step, cp_exposed,

@@ -31,13 +31,30 @@ def _toy_work() -> StepWork:
 @pytest.mark.parametrize("vp", [1, 2, 4])
 def test_interleaved_bubble_is_p_minus_1_over_v_m_and_p2p_grows_with_v(vp):
     s = ParallelStrategy(1, 1, 4, 1, 8)  # m = 8 micro-batches on 4 stages
-    b = iteration_time(_toy_work(), s, H100, TrainingOptions(virtual_pipeline=vp))
+    blocking = TrainingOptions(virtual_pipeline=vp, overlap_p2p_comm=False)
+    b = iteration_time(_toy_work(), s, H100, blocking)
     one = iteration_time(_toy_work(), s, H100, TrainingOptions())
     m, p = s.num_microbatches, s.pp
     slot = b.compute_mb + b.tp_comm_mb + b.pp_p2p_mb
     assert b.bubble / (m * slot) == pytest.approx((p - 1) / (vp * m))
     # every model chunk boundary is a send, forward and backward: 2 v sends per micro-batch
     assert b.pp_p2p_mb == pytest.approx(vp * one.pp_p2p_mb)
+
+
+def test_interleaved_sends_overlap_the_chunks_compute_as_megatron_runs_them():
+    """Megatron's default overlap_p2p_comm: with interleaving only sends longer than the
+    micro-batch's compute are exposed; without interleaving they block whatever the flag."""
+    s = ParallelStrategy(1, 1, 4, 1, 8)
+    heavy = replace(_toy_work(), pp_bytes=8e10)  # sends far longer than the toy compute
+    for work in (_toy_work(), heavy):
+        raw = iteration_time(work, s, H100, TrainingOptions(virtual_pipeline=2,
+                                                            overlap_p2p_comm=False))  # fmt: skip
+        hidden = iteration_time(work, s, H100, TrainingOptions(virtual_pipeline=2))
+        assert hidden.pp_p2p_mb == pytest.approx(max(0.0, raw.pp_p2p_mb - raw.compute_mb))
+        assert hidden.total < raw.total
+    plain = [iteration_time(heavy, s, H100, TrainingOptions(overlap_p2p_comm=flag))
+             for flag in (True, False)]  # fmt: skip
+    assert plain[0].total == plain[1].total
 
 
 def test_recompute_full_reruns_forward_selective_only_the_non_gemm_part():
