@@ -339,7 +339,9 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
       roofline's default efficiencies;
     * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
       predictions (both runs of a pair belong to the held-out model);
-    * ``megatron_h100``: ``new_model``'s predictions of the Megatron-LM H100 table's rows."""
+    * ``megatron_h100``: ``new_model``'s predictions of the Megatron-LM H100 table's rows;
+    * ``context_parallel``: ``new_model``'s predictions of the rows with CP > 1 (ring
+      attention)."""
     from predictors.datasets.fleet import MEGATRON_CSV, load_fleet
 
     rows = load_fleet("develop")
@@ -349,14 +351,20 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
     frameworks = [r.fit_group.split("/")[1] for r in rows]
     new_framework = folds.leave_group_out("fleet_new_framework", frameworks)
     unborrowed = folds.leave_group_out("fleet_new_framework_defaults", frameworks, defaults=True)
-    megatron = {r.name for r in rows if r.source == MEGATRON_CSV}
-    picked = [row for row in new_model.rows if row[0] in megatron]
     return {"new_model": new_model, "new_gpus": new_gpus, "new_framework": new_framework,
             "new_framework_defaults": unborrowed,
             "pair_error": pair_error(new_model, rows),
-            "megatron_h100": FleetResult("megatron_h100", mape([p for _, p, _ in picked],
-                                                               [m for _, _, m in picked]),
-                                         {}, picked)}  # fmt: skip
+            "megatron_h100": _rows_of(new_model, "megatron_h100",
+                                      {r.name for r in rows if r.source == MEGATRON_CSV}),
+            "context_parallel": _rows_of(new_model, "context_parallel",
+                                         {r.name for r in rows if r.strategy.cp > 1})}  # fmt: skip
+
+
+def _rows_of(result: FleetResult, name: str, names: set[str]) -> FleetResult:
+    """``result``'s predictions of the rows ``names`` and their MAPE."""
+    picked = [row for row in result.rows if row[0] in names]
+    return FleetResult(name, mape([p for _, p, _ in picked], [m for _, _, m in picked]), {},
+                       picked)  # fmt: skip
 
 
 def evaluate_fleet_final(fitter=None) -> FleetResult:
