@@ -101,6 +101,19 @@ def predict_megatron_time(spec: Any, strategy: str, precision: str, device: str)
             "device": res.device, "calibrated": res.calibrated}
 
 
+def megatron_step_columns() -> tuple[str, ...]:
+    """Columns of the predictors' file of timed Megatron-Core steps."""
+    from predictors.datasets.fleet import MEGATRON_STEP_COLUMNS
+
+    return MEGATRON_STEP_COLUMNS
+
+
+def megatron_steps_file(gpu_slug: str) -> str:
+    from predictors.datasets.fleet import megatron_steps_file
+
+    return megatron_steps_file(gpu_slug)
+
+
 def write_device_profile(measurements_csv: Any, profile: dict) -> None:
     """The device a time-measurement CSV was taken on, where ``predict``'s loaders look."""
     import json
