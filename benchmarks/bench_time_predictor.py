@@ -116,6 +116,11 @@ def fleet_splits(out: Path | None) -> dict[str, float]:
           f"runs, leave-one-model-out): MAPE {mh.mape:.2f}%")
     for name, pred, meas, err in mh.per_row():
         print(f"    {name:<16} measured {meas:7.3f} s  predicted {pred:7.3f} s  {err:+6.1f}%")
+    cp = res["context_parallel"]
+    print(f"  CP rows (ring attention; torchtitan 8B and 405B at CP 2-8), leave-one-model-out: "
+          f"MAPE {cp.mape:.2f}% over {len(cp.rows)} runs (development)")
+    for name, pred, meas, err in cp.per_row():
+        print(f"    {name:<64} measured {meas:8.3f} s  predicted {pred:8.3f} s  {err:+6.1f}%")
     print(f"F DEVELOPMENT fleet bf16/fp8 pair error ({len(f.rows)} pairs, leave-one-model-out "
           f"predictions): {f.mape:.2f}%")
     for name, pred, meas, err in f.per_row():

@@ -79,6 +79,41 @@ def predict_time(spec: Any, micro_batch: int, precision: str, device: str) -> di
             "device": res.device, "calibrated": res.calibrated}
 
 
+def megatron_runtime_spec(family: str, layers: int, hidden: int, heads: int, seq: int,
+                          vocab: int) -> Any:
+    """The text tower as CONA's runtime builds it in Megatron-Core: the local layer spec's
+    unfused core attention (``DotProductAttention``: scores, fused softmax, context)."""
+    from dataclasses import replace
+
+    return replace(transformer_spec(family, layers, hidden, heads, seq, vocab),
+                   attention="unfused")
+
+
+def predict_megatron_time(spec: Any, strategy: str, precision: str, device: str) -> dict:
+    """Seconds per iteration predicted for a Megatron-Core run of ``spec`` (framework
+    ``megatron``, Megatron's default options)."""
+    from predictors.spec import ParallelStrategy, TrainingOptions
+    from predictors.time.predictor import predict
+
+    res = predict(spec, ParallelStrategy.parse(strategy), precision, device,
+                  options=TrainingOptions(framework="megatron"))  # fmt: skip
+    return {"seconds": res.seconds, "analytical_s": res.analytical_seconds,
+            "device": res.device, "calibrated": res.calibrated}
+
+
+def megatron_step_columns() -> tuple[str, ...]:
+    """Columns of the predictors' file of timed Megatron-Core steps."""
+    from predictors.datasets.fleet import MEGATRON_STEP_COLUMNS
+
+    return MEGATRON_STEP_COLUMNS
+
+
+def megatron_steps_file(gpu_slug: str) -> str:
+    from predictors.datasets.fleet import megatron_steps_file
+
+    return megatron_steps_file(gpu_slug)
+
+
 def write_device_profile(measurements_csv: Any, profile: dict) -> None:
     """The device a time-measurement CSV was taken on, where ``predict``'s loaders look."""
     import json
@@ -203,6 +238,23 @@ def cona_train_config(spec: Any, precision: str) -> Any:
     from megatron_cona.runtime import TrainConfig
 
     return TrainConfig(spec, precision=precision, lr=1e-3, lr_warmup_samples=0)
+
+
+def cona_step_precision(on_gpu: bool) -> tuple[str, str]:
+    """(precision, why) of the kit's timed Megatron-Core steps: fp8 where Transformer Engine is
+    importable and CONA's runtime builds fp8, else bf16 (fp32 on a CPU dry run)."""
+    from megatron_cona.runtime.config import SUPPORTED_PRECISIONS
+
+    if not on_gpu:
+        return "fp32", "cpu dry run"
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "bf16-mixed", "fp8: Transformer Engine is not importable here"
+    if "fp8" not in SUPPORTED_PRECISIONS:
+        return "bf16-mixed", ("fp8: Transformer Engine is here, but CONA's runtime builds "
+                              "Megatron-Core's local layer spec (no fp8)")
+    return "fp8", "Transformer Engine"
 
 
 def cona_token_dataset(vocab: int, seq: int) -> Any:

@@ -8,10 +8,13 @@
 * time: the ``ok`` rows go to ``time_<gpu>.csv`` (every column of ``time.csv``, provenance
   included; ``predict collect``'s loader reads it) with ``time_<gpu>.device.json``: the device
   table's entry for the detected GPU with NVML's memory size.
+* megatron: the megatron part's ``ok`` ``timed_step`` rows (Megatron-Core steps through CONA's
+  runtime) go to ``time_<gpu>_megatron.csv``, which the time predictor's fleet loader reads as
+  framework ``megatron`` development rows (``predictors.datasets.fleet.load_megatron_steps``).
 * ``--train``: retrains the memory residual model on the merged ground truth and trains the GPU
   family's time correction (``predictors/models/time_<family>``) on the time rows.
 
-``--parts memory`` or ``--parts time`` folds one file only (a rerun of one part goes to its own
+``--parts memory``, ``--parts time`` or ``--parts megatron`` folds one file only (a rerun of one part goes to its own
 folder); ``--commit SHA`` names the commit that was sent, where the device machine's copy of the
 tree reported another (its ``git_commit`` is whatever HEAD the copied tree carried).
 
@@ -113,18 +116,54 @@ def fold_time(results: Path, data_dir: Path, run: dict) -> tuple[Path, int]:
     return target, len(new)
 
 
+def fold_megatron(results: Path, data_dir: Path, run: dict) -> tuple[Path, int]:
+    """The megatron part's ``ok`` ``timed_step`` rows into ``time_<gpu>_megatron.csv`` (the
+    predictors' fleet loader reads every such file as framework megatron rows); rows of the
+    same spec, strategy, precision and run date already there are skipped."""
+    prov = run["provenance"]
+    columns = adapters.megatron_step_columns()
+    target = data_dir / adapters.megatron_steps_file(gpu_slug(prov["gpu"]))
+    rows = []
+    for r in _rows(results / "megatron.csv"):
+        if r["event"] != "timed_step" or r["status"] != "ok":
+            continue
+        d = json.loads(r["detail"])
+        spec = d["spec"]
+        rows.append({"model": f"{spec['family']}-h{spec['hidden_size']}-l{spec['num_layers']}",
+                     "spec_json": json.dumps(spec, sort_keys=True), "strategy": r["strategy"],
+                     "precision": r["precision"], "seconds": r["seconds"],
+                     "median_s": d["median_s"], "min_s": d["min_s"],
+                     "iterations": r["iteration"],
+                     "pred_seconds_before": d.get("pred_seconds", ""),
+                     **{k: r[k] for k in ("gpu", "driver", "cuda", "torch", "date")},
+                     "git_commit": prov["git_commit"]})  # fmt: skip
+    existing = _rows(target)
+    key = lambda r: (r["spec_json"], r["strategy"], r["precision"], r["date"])  # noqa: E731
+    seen = {key(r) for r in existing}
+    new = [r for r in rows if key(r) not in seen]
+    if new:
+        with open(target, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            if not existing:
+                w.writeheader()
+            w.writerows(new)
+    return target, len(new)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpucheck.fold", description=__doc__.splitlines()[0])
     p.add_argument("results", type=Path, help="a folder written by scripts/gpu_check.py")
     p.add_argument("--data-dir", type=Path, default=ROOT / "predictors" / "data")
     p.add_argument("--train", action="store_true", help="retrain the memory and time models")
     p.add_argument("--models-dir", type=Path, default=ROOT / "predictors" / "models")
-    p.add_argument("--parts", default="memory,time", help="memory, time or both (default)")
+    p.add_argument("--parts", default="memory,time,megatron",
+                   help="any of memory, time, megatron (default: all three)")
     p.add_argument("--commit", default=None, help="the commit sent to the device machine")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts or parts - {"memory", "time"}:
-        print(f"fold: error: --parts={args.parts!r}: memory and/or time", file=sys.stderr)
+    if not parts or parts - {"memory", "time", "megatron"}:
+        print(f"fold: error: --parts={args.parts!r}: any of memory, time, megatron",
+              file=sys.stderr)
         return 2
     try:
         run = load_run(args.results, args.commit)
@@ -134,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         if "time" in parts:
             time_path, time_rows = fold_time(args.results, args.data_dir, run)
             print(f"time: {time_rows} GPU rows in {time_path} (+ device profile)")
+        if "megatron" in parts:
+            mc_path, mc_rows = fold_megatron(args.results, args.data_dir, run)
+            print(f"megatron: {mc_rows} timed Megatron-Core steps in {mc_path}")
     except FoldError as exc:
         print(f"fold: error: {exc}", file=sys.stderr)
         return 2

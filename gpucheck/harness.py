@@ -43,10 +43,11 @@ class PartSpec:
 
 PARTS = (
     PartSpec("device", "device.csv", 25, 60, "NVML detection into predictors' Device vs table"),
-    PartSpec("kvio", "kvio.csv", 135, 60, "_kvio build + transfer engine GPU path vs memcpy"),
+    PartSpec("kvio", "kvio.csv", 110, 60, "_kvio build + transfer engine GPU path vs memcpy"),
     PartSpec("memory", "memory.csv", 135, 150, "memory ground truth vs the memory predictor"),
     PartSpec("time", "time.csv", 105, 120, "time ground truth vs the time predictor"),
-    PartSpec("megatron", "megatron.csv", 80, 150, "GPTModel through CONA's runtime"),
+    PartSpec("megatron", "megatron.csv", 105, 150, "GPTModel through CONA's runtime, timed "
+             "Megatron-Core steps"),
     # The five above fill one 600-s device command; the TTFT part is a second one (--parts ttft).
     PartSpec("ttft", "kvio.csv", 180, 60, "long-prefix TTFT: pool fetch + new suffix vs recompute",
              in_default_run=False),

@@ -68,7 +68,10 @@ TIME = _cols(
 )
 # (4) megatron-core GPTModel through CONA's runtime: steps, batch switch, 1-rank reshard.
 MEGATRON = _cols(
-    Col("event", "str", True),  # init | train | switch_batch | reshard | forward_after_reshard | train_after | reference_without_reshard
+    # init | train | switch_batch | reshard | forward_after_reshard | train_after |
+    # reference_without_reshard | timed_step (seconds: 20 % quantile; detail: times, spec,
+    # ranks, the time predictor's pred_seconds / pred_error_pct)
+    Col("event", "str", True),
     Col("strategy", "str", True), Col("iteration", "int"), Col("loss", "float"),
     Col("seconds", "float", True), Col("consumed_samples", "int"), Col("backend", "str", True),
     Col("precision", "str"), Col("detail", "json"),

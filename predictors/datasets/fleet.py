@@ -9,6 +9,8 @@ measured seconds per iteration.
 * ``megatron_h100_weak_scaling.csv``: the Megatron-LM README's H100 table (48-6,144 GPUs).
 * ``time_h200.csv``: this project's own training step timed on one H200 by the GPU kit
   (4 shapes x 10 precisions; framework ``pytorch``), measured here rather than published.
+* ``time_<gpu>_megatron.csv``: Megatron-Core steps the GPU kit times through CONA's runtime
+  (framework ``megatron``), once a kit run with them is folded.
 
 Each row has a ``use``: ``develop`` rows are fitted on and selected with, inside the folds of
 :mod:`predictors.time.evaluate`; ``final`` rows form the split frozen before any tuning and scored
@@ -21,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from predictors.datasets import data_path
 from predictors.datasets.public import MEGATRON_CSV, PublicRow, load_megatron_weak_scaling
@@ -34,7 +37,12 @@ NARAYANAN_CSV = "megatron_narayanan2021_a100.csv"
 FLEET_FILES = (TORCHTITAN_CSV, FOUNDRY_CSV, NARAYANAN_CSV, MEGATRON_CSV)  # published tables
 # measured by this project's GPU kit (provenance: data/README.md and data/gpu/README.md)
 H200_STEP_CSV = "time_h200.csv"
-MEASURED_FILES = (H200_STEP_CSV,)
+# Megatron-Core steps the GPU kit times through CONA's runtime (its megatron part's timed_step
+# rows), one file per GPU written by ``python -m gpucheck.fold``: framework megatron
+MEGATRON_STEPS_GLOB = "time_*_megatron.csv"
+MEGATRON_STEP_COLUMNS = ("model", "spec_json", "strategy", "precision", "seconds", "median_s",
+                         "min_s", "iterations", "pred_seconds_before", "gpu", "driver", "cuda",
+                         "torch", "date", "git_commit")  # fmt: skip
 USES = ("develop", "final")
 # the tables' precision labels -> this package's precision table
 PRECISION_OF = {
@@ -114,7 +122,9 @@ def load_torchtitan() -> list[FleetRow]:
                                     int(r["cp"]))  # fmt: skip
         if strategy.world_size != int(r["gpus"]):
             raise FleetDataError(f"{TORCHTITAN_CSV}: {r['model']}: dp*tp*pp*cp != gpus")
+        # torchtitan's TP plan shards the norms' sequence (SequenceParallel) whenever tp > 1
         options = TrainingOptions(fsdp=dp * strategy.cp > 1, tp_comm_overlap=_flag(r["async_tp"]),
+                                  sequence_parallel=strategy.tp > 1,
                                   virtual_pipeline=int(r["virtual_pipeline"]),
                                   recompute=r["activation_checkpointing"],
                                   compiled=_flag(r["compile"]), framework="torchtitan")  # fmt: skip
@@ -229,12 +239,49 @@ def load_h200_steps() -> list[FleetRow]:
     return out
 
 
+def megatron_steps_file(gpu_slug: str) -> str:
+    """The file of one GPU's Megatron-Core steps (matches :data:`MEGATRON_STEPS_GLOB`)."""
+    return f"time_{gpu_slug}_megatron.csv"
+
+
+def load_megatron_steps(data_dir: Path | None = None) -> list[FleetRow]:
+    """The GPU kit's timed Megatron-Core steps (:data:`MEGATRON_STEP_COLUMNS`, every file of
+    :data:`MEGATRON_STEPS_GLOB`) as development rows: framework megatron on the GPU the row
+    names, the spec as the runtime built it, the leave-one-model-out group the shape. None
+    until a kit run with them has been folded."""
+    from predictors.devices import match_gpu_name
+
+    out = []
+    for path in sorted((data_dir or data_path(".")).glob(MEGATRON_STEPS_GLOB)):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                device = match_gpu_name(r["gpu"], 0)
+                if device is None:
+                    raise FleetDataError(f"{path.name}: gpu={r['gpu']!r} is not a known GPU")
+                spec = TransformerSpec(**json.loads(r["spec_json"]))
+                strategy = ParallelStrategy.parse(r["strategy"])
+                out.append(FleetRow(f"mcorestep-{r['model']}-{strategy.name}-{r['precision']}",
+                                    spec, strategy, _known_precision(r["precision"], path.name),
+                                    device.name, TrainingOptions(framework="megatron"),
+                                    float(r["seconds"]), source=path.name,
+                                    model=f"mcore-{r['model']}", use="develop"))  # fmt: skip
+    return out
+
+
+def _known_precision(name: str, file: str) -> str:
+    from predictors.spec.precision import PRECISIONS
+
+    if name not in PRECISIONS:
+        raise FleetDataError(f"{file}: precision={name!r} is not in the precision table")
+    return name
+
+
 def load_fleet(use: str | None = None) -> list[FleetRow]:
     """Every fleet row (``use``: only ``develop`` or only ``final`` rows)."""
     if use is not None:
         _use(use, "load_fleet")
     rows = (load_torchtitan() + load_llm_foundry() + load_narayanan() + load_megatron_h100()
-            + load_h200_steps())
+            + load_h200_steps() + load_megatron_steps())
     return [r for r in rows if use is None or r.use == use]
 
 

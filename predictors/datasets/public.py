@@ -16,8 +16,10 @@ from predictors.datasets import data_path
 from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
 
 MEGATRON_CSV = "megatron_h100_weak_scaling.csv"
+# --tp-comm-overlap needs --sequence-parallel in Megatron-LM (arguments.py asserts it)
 MEGATRON_OPTIONS = TrainingOptions(overlap_grad_reduce=True, tp_comm_overlap=True,
-                                   distributed_optimizer=True, overlap_param_gather=True)
+                                   distributed_optimizer=True, overlap_param_gather=True,
+                                   sequence_parallel=True)
 
 
 def megatron_flops(spec: TransformerSpec, batch: int) -> float:

@@ -99,7 +99,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
     (a number of GiB, or a card key of :data:`overheads.CARDS` such as ``"141"``). ``margin``
     fixes the relative safety margin; by default it is the model's predicted uncertainty.
     ``tp``/``pp``: Megatron-Core tensor/pipeline parallel sizes (the prediction is the first
-    pipeline stage's rank); ``num_microbatches`` per iteration (default: ``pp``, a full
+    pipeline stage's rank, with its own depth where ``strategy`` splits the layers unevenly:
+    ``first_stage_layers``); ``num_microbatches`` per iteration (default: ``pp``, a full
     pipeline); ``batch`` is the micro-batch. ``model`` is a preset name, a model or a text tower
     alone (:func:`predictors.memory.presets.as_memory_model`); ``seq`` defaults to the text
     tower's ``seq_length``. ``strategy`` (the one :class:`ParallelStrategy`) gives ``batch``,
@@ -121,11 +122,19 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec, *, batch: int 
         batch, dp, tp, pp = strategy.micro_batch, strategy.dp, strategy.tp, strategy.pp
         num_microbatches = strategy.num_microbatches
     spec = as_memory_model(model)
+    first_stage = None  # the first stage's depth where the strategy sets an uneven split
+    if strategy is not None and strategy.uneven:
+        if spec.text is None:
+            raise ShardingError(f"strategy {strategy.name}: an uneven pipeline split needs a "
+                                "text tower")
+        first_stage = strategy.stage_layers(spec.text.num_layers)[0]
     if seq is None:
         seq = spec.text.seq_length if spec.text is not None else PRESET_SEQ
     if tp < 1 or pp < 1:
         raise ShardingError(f"tp={tp}, pp={pp} must be >= 1")
-    if pp > 1:
+    if first_stage is not None:  # Megatron's --decoder-first-pipeline-num-layers
+        spec = spec.with_layers(None, first_stage)
+    elif pp > 1:
         if spec.text is None or spec.text.num_layers % pp:
             layers = spec.text.num_layers if spec.text else 0
             raise ShardingError(f"pp={pp} must divide the text tower's num_layers={layers}")

@@ -142,8 +142,11 @@ def megatron_args(t: TransformerSpec, strategy: ParallelStrategy,
              "--overlap-grad-reduce": options.overlap_grad_reduce,
              "--overlap-param-gather": options.overlap_param_gather,
              "--tp-comm-overlap": options.tp_comm_overlap,
+             "--sequence-parallel": options.sequence_parallel,
              "--use-flash-attn": t.attention == "flash"}  # fmt: skip
     argv += [f for f, on in flags.items() if on]
+    if not options.overlap_p2p_comm:
+        argv.append("--no-overlap-p2p-communication")
     if options.recompute != "none":
         argv += ["--recompute-granularity", options.recompute]
         if options.recompute == "full":
@@ -193,5 +196,7 @@ def from_megatron_args(args: argparse.Namespace, world_size: int, family: str = 
         virtual_pipeline=args.num_layers // (pp * per_stage) if per_stage else 1,
         distributed_optimizer=bool(get("use_distributed_optimizer")),
         overlap_param_gather=bool(get("overlap_param_gather")),
+        sequence_parallel=bool(get("sequence_parallel")),
+        overlap_p2p_comm=bool(get("overlap_p2p_comm", True)),
         recompute=get("recompute_granularity") or "none")
     return spec, strategy, options

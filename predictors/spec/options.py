@@ -30,6 +30,13 @@ class TrainingOptions:
     virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     distributed_optimizer: bool = False  # ZeRO-1: reduce-scatter grads, all-gather params
     overlap_param_gather: bool = False  # the all-gather runs under the next forward
+    # interleaved 1F1B: each chunk's pipeline sends/receives overlap the next chunk's compute
+    # (Megatron-LM's default; --no-overlap-p2p-communication turns it off; without
+    # interleaving Megatron runs them blocking whatever the flag says)
+    overlap_p2p_comm: bool = True
+    # Megatron's --sequence-parallel (required by its --tp-comm-overlap; torchtitan's TP plan
+    # always): with tp > 1 the norms, dropout and residual adds run on seq / tp tokens
+    sequence_parallel: bool = False
     # PyTorch FSDP FULL_SHARD / ZeRO-3 over the DP group: parameters all-gathered before each
     # micro-batch's forward and again before its backward, gradients reduce-scattered
     fsdp: bool = False

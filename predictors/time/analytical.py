@@ -7,7 +7,8 @@ with ``m`` micro-batches on ``pp`` stages, ``v`` model chunks per stage, interle
 ``v > 1``): ``m * slot + (pp - 1) * slot / v`` — the bubble is ``(p - 1) / (v m)`` of the ideal
 time — where a slot is one micro-batch's compute (plus full or selective recomputation) + the
 exposed TP collectives (hidden under the GEMMs with TP overlap) + the PP sends (``2 v`` per
-micro-batch: every chunk boundary, forward and backward) + the exposed CP ring sends (hidden
+micro-batch: every chunk boundary, forward and backward; with interleaving overlapped with the
+chunks' compute, Megatron's default) + the exposed CP ring sends (hidden
 under attention) + FSDP gathers not hidden under compute; then ``+`` the exposed DP gradient
 reduction over DP x CP (bucketed; reduce-scatter + all-gather with the distributed optimizer,
 each overlappable) ``+`` the optimizer step (``1 / (dp cp)`` of it when sharded). Every
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
+from predictors.time.efficiency import FRAMEWORK_FP8_KEY, FRAMEWORK_FUSION_KEY, FRAMEWORK_GEMM_KEY
 from predictors.time.network import (
     NO_COMM,
     Topology,
@@ -44,6 +46,10 @@ MATMUL_CLASSES = tuple(MATMUL_EFFICIENCY)
 # Device.efficiency key of torch.compile's factor on the non-GEMM kernels' time (fused
 # elementwise chains); unfitted: 1 (no fusion assumed)
 COMPILED_KEY = "compiled"
+# Device.efficiency key of the share of the datasheet bandwidth memory-bound kernels reach (a
+# device fact, shared by every framework); unfitted: 1
+MEMORY_KEY = "memory"
+FP8_KEYS = ("fp8", "mxfp8")
 # Transformer Engine's DelayedScaling: once per step one fused kernel updates every fp8
 # tensor's amax history and scale (nvte_delayed_scaling_recipe_amax_and_scale_update_after_
 # reduction); the amaxes are all-reduced across the data/tensor-parallel group after each
@@ -59,7 +65,7 @@ GPU_KERNEL_GAP = 2e-6
 
 
 def dtype_key(record: OpRecord) -> str:
-    if record.dtype_class in ("fp8", "mxfp8"):
+    if record.dtype_class in FP8_KEYS:
         return record.dtype_class
     if record.dtype == "bfloat16":
         return "bf16"
@@ -72,7 +78,10 @@ def efficiency(op_class: str, key: str, device: Device) -> float:
     """Share of the dtype's peak a kernel of ``op_class`` reaches on ``device``: the fitted
     value where the device carries one, else the roofline default."""
     fitted = device.efficiency.get(f"{op_class}:{key}")
-    return default_efficiency(op_class, key) if fitted is None else fitted
+    own = default_efficiency(op_class, key) if fitted is None else fitted
+    if key in FP8_KEYS:
+        own *= device.efficiency.get(FRAMEWORK_FP8_KEY, 1.0)
+    return own * device.efficiency.get(FRAMEWORK_GEMM_KEY, 1.0)
 
 
 def default_efficiency(op_class: str, key: str) -> float:
@@ -90,7 +99,9 @@ def op_time(record: OpRecord, device: Device) -> float:
         if device.kind == "gpu":
             busy += device.gemm_latency
     else:
-        busy = record.bytes / device.vector_bw(key)
+        eff = device.efficiency
+        busy = (record.bytes / (device.vector_bw(key) * eff.get(MEMORY_KEY, 1.0))
+                * eff.get(FRAMEWORK_FUSION_KEY, 1.0))  # fmt: skip
     if device.kind == "gpu":
         return max(busy + GPU_KERNEL_GAP, device.launch_overhead)
     return busy + device.launch_overhead
@@ -195,6 +206,11 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     vp = options.virtual_pipeline
     # interleaving: every model chunk boundary is a send; the bubble shrinks by vp
     p2p = p2p_cost(work.pp_bytes, groups.pp.spans_nodes, topo).times(2 * vp) if s.pp > 1 else NO_COMM
+    p2p_exposed = p2p.seconds
+    if vp > 1 and options.overlap_p2p_comm:
+        # Megatron's interleaved schedule posts each chunk's sends and receives before the
+        # next chunk's compute and waits after it: only what is longer than that is exposed
+        p2p_exposed = max(0.0, p2p.seconds - compute)
     bucket_elements = max(DDP_BUCKET_ELEMENTS, 1_000_000 * s.dp)
     buckets = max(1, math.ceil(work.dp_grad_elements / bucket_elements))
     # the distributed optimizer reduce-scatters gradients and all-gathers the updated
@@ -224,11 +240,11 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     opt = trace_time(work.optimizer, device) / (grad.size if sharded else 1)
     m = s.num_microbatches
     fp8_mb, fp8_step = _fp8_recipe_costs(work, groups, topo, device)
-    slot = compute + tp_exposed + p2p.seconds + fsdp_exposed + fp8_mb + cp_exposed
+    slot = compute + tp_exposed + p2p_exposed + fsdp_exposed + fp8_mb + cp_exposed
     bubble = (s.pp - 1) * slot / vp  # bubble / ideal time = (p - 1) / (v * m)
     total = m * slot + bubble + dp_exposed + opt + fp8_step
     per_iter = tp.times(m) + p2p.times(m) + dp + fsdp_mb.times(m) + cp.times(m)
-    return Breakdown(compute, tp_exposed, p2p.seconds, bubble, dp_exposed, opt, total,
+    return Breakdown(compute, tp_exposed, p2p_exposed, bubble, dp_exposed, opt, total,
                      tp.seconds, dp.seconds, per_iter.intra_bytes, per_iter.inter_bytes,
                      groups.nodes, groups.tp.nodes, groups.dp.nodes, groups.pp.nodes,
                      recompute, fsdp_exposed, m * fp8_mb + fp8_step, cp_exposed,

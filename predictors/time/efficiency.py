@@ -1,22 +1,31 @@
-"""Per-device-family, per-framework, per-precision kernel efficiencies fitted on development
-fleet rows.
+"""Kernel efficiencies of a device family, shared by every framework, and the few factors a
+framework adds, fitted on development fleet rows.
 
 The roofline prices a GEMM at ``FLOPs / (peak(dtype) x efficiency)``. Instead of assumed
 shares of peak (:data:`predictors.time.analytical.MATMUL_EFFICIENCY`, the fallback), each device
-family under each framework (:data:`predictors.spec.FRAMEWORKS`: ``h100/torchtitan``,
-``a100/megatron``, ...) gets its own, fitted on the rows it is trained with (a framework's
-fused kernels, FSDP implementation and compiler decide how much of the peak its GEMMs and
-everything around them reach; a fit for one framework is not used for another):
+family (``h100``, ``a100``, ...) gets its own, fitted jointly on the rows of every framework
+(a device's kernels are hardware facts: the same cuBLAS / cuDNN / flash kernels under each):
 
 * ``matmul:<dtype>`` per precision's GEMM dtype (``bf16``, ``fp16``), and per fp8 recipe
   ``matmul:<precision>`` (``fp8`` = TE delayed scaling, ``fp8-current`` = torchao/TE
   tensorwise current scaling, ``fp8-rowwise``): the recipes' GEMMs and casts reach different
   shares of the same fp8 peak;
 * ``attention:<dtype>``: the fused attention kernel;
+* ``memory``: the share of the datasheet bandwidth memory-bound kernels reach;
 * ``compiled``: torch.compile's factor on the non-GEMM kernels' time;
 * ``gemm_latency``: the fixed cost of a GEMM beyond ``FLOPs / rate`` (``Device.gemm_latency``),
   which makes the efficiency depend on the GEMM's size: a GEMM of ``F`` FLOPs reaches
   ``e F / (F + gemm_latency x rate x e)`` of peak, small ones far less than large ones.
+
+What a framework changes (:data:`FRAMEWORK_FACTORS`, keys ``framework:<name>:<factor>``) is
+fitted beside them where the family's rows span more than one framework: ``gemm`` (its GEMM and
+attention kernels' speed relative to the family's: Transformer Engine's kernels, FSDP's
+contention), ``fusion`` (its memory-bound kernels' time: fused kernels, copies) and ``fp8`` (its
+fp8 library's GEMMs and casts relative to the recipe's efficiency; fitted where two or more
+frameworks have fp8 rows). The factors
+are normalised to a geometric mean of 1 over the fitted frameworks, so the family's own
+efficiencies are a typical framework's and a framework without a fit of its own (a new one, or
+one held out) is priced as that typical framework: factors 1.
 
 A key is fitted only where the training rows exercise it; everything else keeps the
 roofline default. The fit is :mod:`predictors.time.efficiency_fit`'s; held-out evaluations
@@ -38,6 +47,16 @@ from predictors.spec.precision import Precision, get_precision
 
 # Device fields fitted beside the efficiencies, with their grids
 DEVICE_GRIDS = {"gemm_latency": (0.0, 5e-6, 20e-6)}
+# What the framework running the step adds to its device's efficiencies, as factors resolved
+# into Device.efficiency for one framework (resolve; unfitted: 1, the typical framework's):
+# its GEMM/attention kernels' speed relative to the device family's efficiencies, its fusion
+# of the memory-bound kernels (their time multiplied), its fp8 GEMMs' on top of "gemm"
+FRAMEWORK_GEMM_KEY = "framework:gemm"
+FRAMEWORK_FUSION_KEY = "framework:fusion"
+FRAMEWORK_FP8_KEY = "framework:fp8"
+# {factor: the Device.efficiency key the roofline (predictors.time.analytical) reads it from}
+FRAMEWORK_FACTORS = {"gemm": FRAMEWORK_GEMM_KEY, "fusion": FRAMEWORK_FUSION_KEY,
+                     "fp8": FRAMEWORK_FP8_KEY}
 SHIPPED = Path(__file__).parents[1] / "models" / "efficiency.json"
 
 
@@ -76,15 +95,26 @@ def for_precision(device: Device, precision: Precision) -> Device:
 
 
 def fit_group(device: Device, options: TrainingOptions) -> str:
-    """Key of the efficiencies that price a run: ``<device family>/<framework>``."""
+    """``<device family>/<framework>``: the device's shared efficiencies and the framework's
+    factors that price a run."""
     return f"{device.family}/{options.framework}"
 
 
-def device_group(group: str) -> str:
-    """``<device family>/*`` of a fit group: the family's efficiencies fitted on the rows of
-    every framework, for a framework with no fit of its own there (a device's kernels are the
-    same under every framework; what a framework changes is fitted where its rows show it)."""
-    return group.split("/")[0] + "/*"
+def framework_key(framework: str, factor: str) -> str:
+    """Fitted key of one of :data:`FRAMEWORK_FACTORS` for ``framework``."""
+    return f"framework:{framework}:{factor}"
+
+
+def resolve(fitted: dict[str, float], framework: str) -> dict[str, float]:
+    """A family's fitted values as one framework's run sees them: the shared efficiencies, and
+    the framework's factors under the keys the roofline reads (absent: the typical
+    framework's, 1)."""
+    out = {k: v for k, v in fitted.items() if not k.startswith("framework:")}
+    for factor, key in FRAMEWORK_FACTORS.items():
+        value = fitted.get(framework_key(framework, factor))
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def apply(device: Device, fitted: dict[str, float]) -> Device:
@@ -97,18 +127,17 @@ def apply(device: Device, fitted: dict[str, float]) -> Device:
 
 @functools.lru_cache(maxsize=1)
 def shipped_efficiencies() -> dict[str, dict[str, float]]:
-    """{fit group: fitted values} shipped in ``predictors/models/efficiency.json`` (fitted on
-    every development fleet row by ``predict train --fleet``), or {}."""
+    """{device family: fitted values} shipped in ``predictors/models/efficiency.json`` (fitted
+    on every development fleet row by ``predict train --fleet``), or {}."""
     if not SHIPPED.exists():
         return {}
-    return json.loads(SHIPPED.read_text())["groups"]
+    return json.loads(SHIPPED.read_text())["families"]
 
 
 def with_efficiency(device: Device, options: TrainingOptions,
                     fitted: dict[str, dict[str, float]]) -> tuple[Device, bool]:  # fmt: skip
-    """``device`` with the fitted values of its family under ``options.framework`` (else those
-    fitted on the family's rows of every framework) and whether there were any (unchanged
-    without a fit: the roofline's defaults)."""
-    group = fit_group(device, options)
-    own = fitted.get(group) or fitted.get(device_group(group))
-    return (apply(device, own), True) if own else (device, False)
+    """``device`` with its family's fitted values as ``options.framework`` sees them
+    (:func:`resolve`) and whether there were any (unchanged without a fit: the roofline's
+    defaults)."""
+    own = fitted.get(device.family)
+    return (apply(device, resolve(own, options.framework)), True) if own else (device, False)

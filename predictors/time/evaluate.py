@@ -250,70 +250,60 @@ class FleetResult:
 
 
 class FleetFolds:
-    """Held-out splits over fleet rows: per fit group (device family and framework), the kernel
-    efficiencies (:class:`predictors.time.efficiency_fit.EfficiencyFit`) are fitted on the fold's
-    training rows only and the held-out rows are priced with them. A group without a training
-    row in the fold (a framework held out) is priced with its device family's efficiencies
-    fitted on the fold's rows of every other framework (``<family>/*``), or the roofline's
-    defaults where there are none. ``fitter(group_rows)`` builds the fitter (a test passes one
-    that records what it was fitted on)."""
+    """Held-out splits over fleet rows: per device family, the kernel efficiencies and the
+    factors of the frameworks with training rows (:class:`predictors.time.efficiency_fit.
+    EfficiencyFit`) are fitted on the fold's training rows only and the held-out rows are priced
+    with them; a framework without training rows in the fold (held out) is priced as the
+    family's typical framework (factors 1). ``fitter(family_rows)`` builds the fitter (a test
+    passes one that records what it was fitted on)."""
 
     def __init__(self, rows, fitter=None) -> None:
-        from predictors.time.efficiency import device_group
         from predictors.time.efficiency_fit import EfficiencyFit
 
         self.rows = list(rows)
-        by_group: dict[str, list[int]] = {}
+        by_family: dict[str, list[int]] = {}
         for i, r in enumerate(self.rows):
-            by_group.setdefault(r.fit_group, []).append(i)
-            by_group.setdefault(device_group(r.fit_group), []).append(i)
-        self.family_index = by_group
+            by_family.setdefault(r.fit_group.split("/")[0], []).append(i)
+        self.family_index = by_family
         self._make = fitter or EfficiencyFit
         self.fits: dict[str, object] = {}
         self._cache: dict[tuple[str, frozenset], dict[str, float]] = {}
 
-    def _fit(self, group: str):
-        if group not in self.fits:  # built on first use: a device group traces its rows again
-            self.fits[group] = self._make([self.rows[i] for i in self.family_index[group]])
-        return self.fits[group]
+    def _fit(self, family: str):
+        if family not in self.fits:
+            self.fits[family] = self._make([self.rows[i] for i in self.family_index[family]])
+        return self.fits[family]
 
-    def _fitted(self, group: str, train: set[int]) -> dict[str, float]:
-        local = frozenset(j for j, i in enumerate(self.family_index[group]) if i in train)
-        key = (group, local)
+    def _fitted(self, family: str, train: set[int]) -> dict[str, float]:
+        local = frozenset(j for j, i in enumerate(self.family_index[family]) if i in train)
+        key = (family, local)
         if key not in self._cache:
-            self._cache[key] = self._fit(group).fit(sorted(local))
+            self._cache[key] = self._fit(family).fit(sorted(local))
         return self._cache[key]
 
-    def predict(self, train: set[int], test: list[int], borrow: bool = True
+    def predict(self, train: set[int], test: list[int], defaults: bool = False
                 ) -> tuple[dict[int, float], dict]:  # fmt: skip
-        """Predictions on ``test`` of efficiencies fitted on ``train`` (per fit group; a group
-        without training rows borrows its device family's, or with ``borrow=False`` keeps the
-        roofline's defaults)."""
-        from predictors.time.efficiency import device_group
-
+        """Predictions on ``test`` of efficiencies fitted on ``train`` per device family (with
+        ``defaults`` the roofline's default efficiencies instead, nothing fitted)."""
         out, fitted, wanted = {}, {}, set(test)
-        for group, idx in self.family_index.items():
+        for family, idx in self.family_index.items():
             held = [j for j, i in enumerate(idx) if i in wanted]
-            if not held or group == device_group(group):
+            if not held:
                 continue
-            if not borrow or any(i in train for i in idx):
-                eff = self._fitted(group, train)
-            else:  # no row of this framework on this device family in the fold
-                eff = self._fitted(device_group(group), train)
-                fitted[device_group(group)] = eff
-            fitted[group] = eff
-            for j, p in zip(held, self._fit(group).predict(eff, held), strict=True):
+            eff = {} if defaults else self._fitted(family, train)
+            fitted[family] = eff
+            for j, p in zip(held, self._fit(family).predict(eff, held), strict=True):
                 out[idx[j]] = p
         return out, fitted
 
-    def leave_group_out(self, name: str, groups: Sequence[str], borrow: bool = True
+    def leave_group_out(self, name: str, groups: Sequence[str], defaults: bool = False
                         ) -> FleetResult:  # fmt: skip
         preds: dict[int, float] = {}
         per_group, fitted = {}, {}
         everything = set(range(len(self.rows)))
         for g in sorted(set(groups), key=str):
             test = [i for i, x in enumerate(groups) if x == g]
-            pred, fitted[str(g)] = self.predict(everything - set(test), test, borrow)
+            pred, fitted[str(g)] = self.predict(everything - set(test), test, defaults)
             preds.update(pred)
             per_group[str(g)] = mape([pred[i] for i in test], [self.rows[i].seconds for i in test])
         return self._result(name, preds, per_group, fitted)
@@ -344,11 +334,14 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
     * ``new_model``: leave one model out (a new model on a known fleet);
     * ``new_gpus``: leave one GPU count out;
     * ``new_framework``: leave one framework out (its rows priced with their device family's
-      efficiencies fitted on the other frameworks' rows: how far those transfer);
-      ``new_framework_defaults`` the same rows at the roofline's default efficiencies;
+      efficiencies fitted on the other frameworks' rows, as the typical framework: how far
+      the device's efficiencies transfer); ``new_framework_defaults`` the same rows at the
+      roofline's default efficiencies;
     * ``pair_error``: the bf16/fp8 speed ratio of each pair from the leave-one-model-out
       predictions (both runs of a pair belong to the held-out model);
-    * ``megatron_h100``: ``new_model``'s predictions of the Megatron-LM H100 table's rows."""
+    * ``megatron_h100``: ``new_model``'s predictions of the Megatron-LM H100 table's rows;
+    * ``context_parallel``: ``new_model``'s predictions of the rows with CP > 1 (ring
+      attention)."""
     from predictors.datasets.fleet import MEGATRON_CSV, load_fleet
 
     rows = load_fleet("develop")
@@ -357,15 +350,21 @@ def evaluate_fleet(fitter=None) -> dict[str, FleetResult]:
     new_gpus = folds.leave_group_out("fleet_new_gpus", [str(r.gpus) for r in rows])
     frameworks = [r.fit_group.split("/")[1] for r in rows]
     new_framework = folds.leave_group_out("fleet_new_framework", frameworks)
-    unborrowed = folds.leave_group_out("fleet_new_framework_defaults", frameworks, borrow=False)
-    megatron = {r.name for r in rows if r.source == MEGATRON_CSV}
-    picked = [row for row in new_model.rows if row[0] in megatron]
+    unborrowed = folds.leave_group_out("fleet_new_framework_defaults", frameworks, defaults=True)
     return {"new_model": new_model, "new_gpus": new_gpus, "new_framework": new_framework,
             "new_framework_defaults": unborrowed,
             "pair_error": pair_error(new_model, rows),
-            "megatron_h100": FleetResult("megatron_h100", mape([p for _, p, _ in picked],
-                                                               [m for _, _, m in picked]),
-                                         {}, picked)}  # fmt: skip
+            "megatron_h100": _rows_of(new_model, "megatron_h100",
+                                      {r.name for r in rows if r.source == MEGATRON_CSV}),
+            "context_parallel": _rows_of(new_model, "context_parallel",
+                                         {r.name for r in rows if r.strategy.cp > 1})}  # fmt: skip
+
+
+def _rows_of(result: FleetResult, name: str, names: set[str]) -> FleetResult:
+    """``result``'s predictions of the rows ``names`` and their MAPE."""
+    picked = [row for row in result.rows if row[0] in names]
+    return FleetResult(name, mape([p for _, p, _ in picked], [m for _, _, m in picked]), {},
+                       picked)  # fmt: skip
 
 
 def evaluate_fleet_final(fitter=None) -> FleetResult:

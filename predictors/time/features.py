@@ -60,17 +60,19 @@ def _split(trace: Trace) -> tuple[Trace, Trace]:
 
 @functools.lru_cache(maxsize=4096)  # a CPU data set has ~600 distinct parts
 def _part_trace(part: str, spec: TransformerSpec, tp: int, batch: int, precision: str,
-                target: str) -> tuple[Trace, Trace]:  # fmt: skip
-    """(forward+backward, optimizer) trace of one layer shard or the embedding/head shard."""
+                target: str, sequence_parallel: bool = False) -> tuple[Trace, Trace]:  # fmt: skip
+    """(forward+backward, optimizer) trace of one layer shard or the embedding/head shard (a
+    sequence-parallel layer takes and returns its rank's ``seq / tp`` tokens)."""
     p = get_precision(precision)
     s, h = spec.seq_length, spec.hidden_size
     if part == "layer":
+        local = s // tp if sequence_parallel else s
 
         def model():
-            return TransformerLayer(spec, tp)
+            return TransformerLayer(spec, tp, sequence_parallel=sequence_parallel)
 
         def batch_fn():
-            x = torch.randn(batch, s, h, dtype=p.param_dtype, requires_grad=True)
+            x = torch.randn(batch, local, h, dtype=p.param_dtype, requires_grad=True)
             return Batch([x], x)
 
         loss = lambda out, _: out.float().sum()  # noqa: E731 - the layer's output feeds the next
@@ -91,15 +93,15 @@ def _part_trace(part: str, spec: TransformerSpec, tp: int, batch: int, precision
 
 
 def _at_batch(part: str, spec: TransformerSpec, tp: int, micro: int, precision: str,
-              target: str) -> tuple[Trace, Trace]:  # fmt: skip
+              target: str, sequence_parallel: bool = False) -> tuple[Trace, Trace]:  # fmt: skip
     # the unfused attention merges (batch, heads) into one GEMM batch: at batch 1 autograd can
     # view where it copies at any larger batch, so its traces are taken at 2 and 3 (affine in
     # the batch either way; batch 1 is then priced with the copies of the larger batches)
     base = 2 if spec.attention == "unfused" else 1
-    one = _part_trace(part, spec, tp, base, precision, target)
+    one = _part_trace(part, spec, tp, base, precision, target, sequence_parallel)
     if micro == base:
         return one
-    two = _part_trace(part, spec, tp, base + 1, precision, target)
+    two = _part_trace(part, spec, tp, base + 1, precision, target, sequence_parallel)
     return one[0].scaled(two[0], micro - base), one[1]
 
 
@@ -122,13 +124,19 @@ def _full_context(layer: Trace, cp: int) -> Trace:
 
 
 def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precision: Precision,
-                     device: Device) -> StepWork:  # fmt: skip
+                     device: Device, options: TrainingOptions = DEFAULT_OPTIONS) -> StepWork:  # fmt: skip
     strategy.check(strategy.world_size, spec)
     target = target_of(device)
     cp = strategy.cp
     key = replace(_canonical(spec), seq_length=spec.seq_length // cp)  # a rank's tokens
+    sp = options.sequence_parallel and strategy.tp > 1
+    if sp and key.seq_length % strategy.tp:
+        from predictors.spec import StrategyError
+
+        raise StrategyError(f"sequence_parallel=True: a rank's {key.seq_length} tokens do not "
+                            f"split over tp={strategy.tp}")  # fmt: skip
     layer_step, layer_opt = _at_batch("layer", key, strategy.tp, strategy.micro_batch,
-                                      precision.name, target)  # fmt: skip
+                                      precision.name, target, sp)  # fmt: skip
     layer_step = _full_context(layer_step, cp)
     # an fp8 recipe covers the layers' linears only: TE keeps the embedding and LM head in
     # the high-precision dtype (te.Linear is not used there; LLM Foundry does the same)
@@ -142,6 +150,10 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     optimizer = layer_opt.repeated(layers) + head_opt
     act_width = _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8
     act_bytes = strategy.micro_batch * key.seq_length * spec.hidden_size * act_width
+    # the TP collectives move whole activations either way (sequence parallelism's
+    # all-gather + reduce-scatter are the two halves of the all-reduce it replaces); the
+    # pipeline sends a sequence-parallel rank's shard only
+    pp_bytes = act_bytes / strategy.tp if sp else act_bytes
     head_dim = spec.hidden_size // spec.num_attention_heads
     kv_block = 2 * strategy.micro_batch * key.seq_length * spec.kv_heads // strategy.tp * head_dim
     cp_sends = 3 * (cp - 1) * layers  # per layer: K,V forward; K,V and dK,dV backward
@@ -155,7 +167,7 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         tp_collectives=4 * layers if strategy.tp > 1 else 0,
         dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
         dp_grad_elements=grad_elems,
-        pp_bytes=act_bytes,
+        pp_bytes=pp_bytes,
         fp8_tensors=sum(r.name == "_scaled_mm" for r in fwd_bwd.records),
         fp8_recipe=precision.recipe,
         cp_bytes=cp_sends * kv_block * act_width,
@@ -198,9 +210,9 @@ def module_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision
 
 
 def step_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision,
-              device: Device) -> StepWork:  # fmt: skip
+              device: Device, options: TrainingOptions = DEFAULT_OPTIONS) -> StepWork:  # fmt: skip
     if isinstance(spec, TransformerSpec):
-        return transformer_work(spec, strategy, precision, device)
+        return transformer_work(spec, strategy, precision, device, options)
     return module_work(spec, strategy, precision, device)
 
 
@@ -229,7 +241,7 @@ def features_and_breakdown(spec: ZooModel, strategy: ParallelStrategy,
     if not precision_aware:
         p = get_precision("fp32")
     device = for_precision(device, p)
-    work = step_work(spec, strategy, p, device)
+    work = step_work(spec, strategy, p, device, options)
     est = iteration_time(work, strategy, device, options, topology)
     m = strategy.num_microbatches
     f: dict[str, float] = {

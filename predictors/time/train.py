@@ -107,16 +107,18 @@ def train_measurement_model(data: str | Path, precision_aware: bool = True,
 
 
 def train_fleet_efficiencies(out_dir: str | Path) -> Path:
-    """Kernel efficiencies per device family and framework fitted on every ``develop`` fleet
-    row (:mod:`predictors.datasets.fleet`, :func:`predictors.time.efficiency_fit.fit_by_group`), written to
+    """Kernel efficiencies per device family and its frameworks' factors fitted on every
+    ``develop`` fleet row (:mod:`predictors.datasets.fleet`,
+    :func:`predictors.time.efficiency_fit.fit_by_family`), written to
     ``out_dir/efficiency.json``. The ``final`` rows are never fitted on."""
-    from predictors.datasets.fleet import FLEET_FILES, MEASURED_FILES, load_fleet
-    from predictors.time.efficiency_fit import fit_by_group
+    from predictors.datasets.fleet import load_fleet
+    from predictors.time.efficiency_fit import fit_by_family
 
     rows = load_fleet("develop")
-    blob = {"training_data": f"develop rows of {', '.join(FLEET_FILES + MEASURED_FILES)} "
+    sources = list(dict.fromkeys(r.source for r in rows))  # in load order
+    blob = {"training_data": f"develop rows of {', '.join(sources)} "
                              f"({len(rows)} runs)",
-            "groups": fit_by_group(rows)}  # fmt: skip
+            "families": fit_by_family(rows)}  # fmt: skip
     path = Path(out_dir) / "efficiency.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(blob, indent=2) + "\n")

@@ -37,12 +37,51 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class _SequenceGather(torch.autograd.Function):
+    """Sequence parallelism's all-gather of the ``seq / tp`` shards before the column-parallel
+    GEMMs (backward: reduce-scatter). The collective's bytes are the network model's; here only
+    its full-length output appears, as an allocation (no kernel is traced for it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: int) -> torch.Tensor:
+        ctx.tp = tp
+        b, s, h = x.shape
+        return x.new_empty(b, s * tp, h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b, s, h = grad.shape
+        return grad.new_empty(b, s // ctx.tp, h), None
+
+
+class _SequenceScatter(torch.autograd.Function):
+    """Sequence parallelism's reduce-scatter after the row-parallel GEMMs (backward:
+    all-gather): what follows (dropout, residual add, norm) runs on ``seq / tp`` tokens."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: int) -> torch.Tensor:
+        ctx.tp = tp
+        b, s, h = x.shape
+        return x.new_empty(b, s // tp, h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b, s, h = grad.shape
+        return grad.new_empty(b, s * ctx.tp, h), None
+
+
 class TransformerLayer(nn.Module):
     """One TP shard of a GPT (pre-LN, GELU), Llama (RMSNorm, RoPE, GQA, SwiGLU) or BERT
-    (post-LN, bidirectional) layer."""
+    (post-LN, bidirectional) layer. With ``sequence_parallel`` (Megatron's
+    ``--sequence-parallel``, torchtitan's TP plan) the layer's input and output are the rank's
+    ``seq / tp`` tokens: norms, dropout and residual adds run on that shard, the attention and
+    MLP on the gathered sequence."""
 
-    def __init__(self, spec: TransformerSpec, tp: int = 1, dropout: float | None = None) -> None:
+    def __init__(self, spec: TransformerSpec, tp: int = 1, dropout: float | None = None,
+                 sequence_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel and tp > 1
         self.family = spec.family
         self.attention = spec.attention
         h = spec.hidden_size
@@ -68,7 +107,14 @@ class TransformerLayer(nn.Module):
             self.register_buffer("cos", emb.cos(), persistent=False)
             self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        return _SequenceGather.apply(x, self.tp) if self.sequence_parallel else x
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return _SequenceScatter.apply(x, self.tp) if self.sequence_parallel else x
+
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._gather(x)
         b, s, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -88,7 +134,7 @@ class TransformerLayer(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=self.family != "bert")
         o = self.proj(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-        return F.dropout(o, self.dropout, self.training)
+        return F.dropout(self._reduce(o), self.dropout, self.training)
 
     def _unfused_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Megatron's classic core attention, as vTrain's own GPT model runs it (VIA-Research/
@@ -105,13 +151,13 @@ class TransformerLayer(nn.Module):
         return torch.bmm(probs, v3).view(b, n, s, d)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
+        y = self.fc1(self._gather(x))
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y)
-        return F.dropout(self.fc2(y), self.dropout, self.training)
+        return F.dropout(self._reduce(self.fc2(y)), self.dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "bert":  # post-LN

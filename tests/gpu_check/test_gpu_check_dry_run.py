@@ -102,7 +102,8 @@ def test_megatron_trains_switches_batch_and_reshards_exactly(dry_run):
     rows = _rows(dry_run, "megatron.csv")
     events = [r["event"] for r in rows]
     assert events == ["init", "train", "train", "switch_batch", "train", "reshard",
-                      "forward_after_reshard", "train_after", "reference_without_reshard"], events
+                      "forward_after_reshard", "train_after", "reference_without_reshard",
+                      "timed_step", "timed_step"], events
     assert all(r["status"] == "ok" and r["backend"] == "gloo" for r in rows), rows
     consumed = [int(r["consumed_samples"]) for r in rows if r["event"] in ("train", "train_after")]
     assert consumed == [8, 16, 32, 48]  # global batch 8, then 16 after the switch
@@ -115,3 +116,21 @@ def test_megatron_trains_switches_batch_and_reshards_exactly(dry_run):
     assert forward["loss_before"] == forward["loss_after"]
     ref = json.loads(next(r for r in rows if r["event"] == "reference_without_reshard")["detail"])
     assert ref["losses"] == ref["with_reshard"]
+
+
+@pytest.mark.slow
+def test_megatron_core_steps_are_timed_at_tp_1_and_2_beside_the_time_predictor(dry_run):
+    """#44 item 4: Megatron-Core steps through CONA's runtime at TP 1 and TP 2 (two gloo ranks
+    on the CPU), each with its timed iterations and the time predictor's answer for framework
+    megatron on the spec the runtime builds (the local layer spec's unfused attention)."""
+    rows = [r for r in _rows(dry_run, "megatron.csv") if r["event"] == "timed_step"]
+    assert [r["strategy"] for r in rows] == ["dp1tp1pp1mb2gb8", "dp1tp2pp1mb2gb8"]
+    for r, ranks in zip(rows, (1, 2), strict=True):
+        detail = json.loads(r["detail"])
+        assert detail["ranks"] == ranks and detail["framework"] == "megatron"
+        assert len(detail["times"]) == int(r["iteration"]) == 2
+        assert float(r["seconds"]) == pytest.approx(min(detail["times"]))  # 20 % quantile of two
+        assert math.isfinite(float(r["loss"]))
+        assert detail["spec"]["attention"] == "unfused" and r["precision"] == "fp32"
+        assert detail["pred_seconds"] > 0 and detail["pred_device"].startswith("cpu")
+

@@ -96,3 +96,38 @@ def test_fold_one_part_with_the_sent_commit(tmp_path, capsys):
     assert fold([str(results), "--data-dir", str(data), "--commit", "not-a-sha"]) == 2
     assert fold([str(results), "--data-dir", str(data), "--parts", "kvio"]) == 2
     assert "commit='not-a-sha'" in capsys.readouterr().err
+
+
+def test_fold_writes_timed_megatron_steps_the_fleet_loader_reads(tmp_path):
+    """#44 item 4: the megatron part's timed_step rows become framework-megatron development
+    rows of the time predictor's fleet (the TP 2 row skipped on a one-GPU machine is not)."""
+    from predictors.datasets.fleet import load_megatron_steps
+    from predictors.time.efficiency_fit import EfficiencyFit
+
+    out = tmp_path / "results"
+    out.mkdir()
+    spec = {"attention": "unfused", "family": "llama", "ffn_hidden_size": None,
+            "hidden_size": 64, "num_attention_heads": 4, "num_layers": 2,
+            "num_query_groups": None, "seq_length": 32, "swiglu": True,
+            "tied_embeddings": False, "vocab_size": 128}  # fmt: skip
+    w = RowWriter(out / "megatron.csv", columns("megatron.csv"), PROV)
+    w.write(event="init", strategy="dp1tp1pp1mb2gb8", seconds=1.0, backend="nccl", status="ok")
+    w.write(event="timed_step", strategy="dp1tp1pp1mb2gb8", iteration=6, loss=9.5,
+            seconds=0.0123, backend="nccl", precision="bf16-mixed", status="ok",
+            detail={"spec": spec, "framework": "megatron", "ranks": 1, "median_s": 0.0125,
+                    "min_s": 0.0121, "times": [0.0121] * 6, "pred_seconds": 0.011})  # fmt: skip
+    w.write(event="timed_step", strategy="dp1tp2pp1mb2gb8", seconds=0, backend="nccl",
+            precision="bf16-mixed", status="skipped", detail={"spec": spec, "ranks": 2})
+    w.close()
+    (out / "run.json").write_text(json.dumps({"dry_run": False, "provenance": PROV}))
+    data = tmp_path / "data"
+    data.mkdir()
+    assert fold([str(out), "--data-dir", str(data), "--parts", "megatron"]) == 0
+    assert fold([str(out), "--data-dir", str(data), "--parts", "megatron"]) == 0  # no double
+    rows = load_megatron_steps(data)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r.options.framework, r.device, r.strategy.name, r.precision, r.seconds) == (
+        "megatron", "h200", "dp1tp1pp1mb2gb8", "bf16-mixed", 0.0123)
+    assert r.spec.attention == "unfused" and r.spec.swiglu and r.model == "mcore-llama-h64-l2"
+    assert EfficiencyFit(rows).predict({}, [0])[0] > 0  # priced like any fleet row

@@ -31,7 +31,8 @@ class RecordingFitter:
 
     def predict(self, efficiency, index):
         for i in index:
-            assert self.rows[i].name not in efficiency["seen"], "a held-out row reached the fit"
+            # {}: the roofline's defaults, nothing fitted
+            assert self.rows[i].name not in efficiency.get("seen", ()), "a held-out row reached the fit"
         return [1.0 for _ in index]
 
 
@@ -82,7 +83,7 @@ SPEC = TransformerSpec("llama", 2, 4096, 32, 4096, 32000, num_query_groups=8, sw
 
 
 def test_fit_recovers_known_efficiencies():
-    truth = {"gemm_latency": 0.0, "matmul:bf16": 0.3981, "attention:bf16": 0.2512}
+    truth = {"gemm_latency": 0.0, "matmul:bf16": 0.3981, "attention:bf16": 0.2512, "memory": 1.0}
     # sequence lengths apart: attention grows with s^2, the GEMMs with s, so the two separate
     rows = [SimpleNamespace(spec=replace(SPEC, seq_length=seq),
                             strategy=ParallelStrategy(dp, 1, 1, mb, dp * mb * 2),
@@ -92,7 +93,42 @@ def test_fit_recovers_known_efficiencies():
     fit = EfficiencyFit(rows)
     for r, t in zip(rows, fit.predict(truth, range(len(rows))), strict=True):
         r.seconds = t
+    # one framework: no framework factors (they could not be told from the family's values)
     assert fit.fit(range(len(rows))) == pytest.approx(truth)
+
+
+def test_framework_factors_are_normalised_to_the_typical_framework_at_the_same_prices():
+    from predictors.time.efficiency_fit import _normalised
+
+    rows = [SimpleNamespace(spec=replace(SPEC, seq_length=seq),
+                            strategy=ParallelStrategy(1, 1, 1, 1, 1), precision=p, device="h100-80gb",
+                            options=TrainingOptions(framework=fw), seconds=1.0)
+            for seq, p, fw in ((1024, "bf16-mixed", "torchtitan"), (4096, "fp8", "megatron"),
+                               (2048, "fp8", "llm-foundry"), (1024, "bf16-mixed", "megatron"))]  # fmt: skip
+    fit = EfficiencyFit(rows)
+    index = range(len(rows))
+    assert fit.frameworks_of(index, "gemm") == ["llm-foundry", "megatron", "torchtitan"]
+    assert fit.frameworks_of(index, "fp8") == ["llm-foundry", "megatron"]
+    raw = {"matmul:bf16": 0.5, "attention:bf16": 0.3, "matmul:fp8": 0.4, "memory": 0.8,
+           "framework:torchtitan:gemm": 0.6, "framework:megatron:gemm": 1.5,
+           "framework:llm-foundry:gemm": 0.9, "framework:torchtitan:fusion": 2.0,
+           "framework:megatron:fusion": 0.5, "framework:llm-foundry:fusion": 1.0,
+           "framework:megatron:fp8": 1.2, "framework:llm-foundry:fp8": 0.7}  # fmt: skip
+    norm = _normalised(raw, {x: fit.frameworks_of(index, x) for x in ("gemm", "fusion", "fp8")})
+    for factor, names in (("gemm", ("torchtitan", "megatron", "llm-foundry")),
+                          ("fusion", ("torchtitan", "megatron", "llm-foundry")),
+                          ("fp8", ("megatron", "llm-foundry"))):  # fmt: skip
+        product = 1.0
+        for f in names:
+            product *= norm[f"framework:{f}:{factor}"]
+        assert product == pytest.approx(1.0, rel=1e-3)
+    assert fit.predict(norm, index) == pytest.approx(fit.predict(raw, index), rel=1e-3)
+    # a framework without a fit of its own is the typical one: factors 1
+    typical = fit.predict({k: v for k, v in norm.items() if "megatron" not in k}, [3])
+    assert typical != pytest.approx(fit.predict(norm, [3]), rel=1e-3)
+    plain = EfficiencyFit([SimpleNamespace(**{**vars(rows[3]),
+                                              "options": TrainingOptions(framework="pytorch")})])
+    assert plain.predict(norm, [0]) == pytest.approx(typical)
 
 
 def test_an_fp8_recipe_prices_at_its_own_fitted_efficiency():
@@ -112,21 +148,22 @@ def test_held_out_framework_is_priced_by_its_device_family_fitted_on_the_others(
     folds = evaluate.FleetFolds(rows, RecordingFitter)
     res = folds.leave_group_out("new_framework", [r.fit_group.split("/")[1] for r in rows])
     assert sorted(n for n, _, _ in res.rows) == sorted(r.name for r in rows)
-    # torchtitan held out: its H100 rows priced with h100/* fitted on the LLM Foundry rows only
-    assert res.efficiencies["torchtitan"]["h100/*"]["seen"] == {"e1", "e2"}
-    assert res.efficiencies["torchtitan"]["h100/torchtitan"]["seen"] == {"e1", "e2"}
+    # torchtitan held out: its H100 rows priced with the family fitted on LLM Foundry's only
+    assert res.efficiencies["torchtitan"]["h100"]["seen"] == {"e1", "e2"}
     # Megatron held out: no other framework on A100, an empty fit (the roofline's defaults)
-    assert res.efficiencies["megatron"]["a100/*"]["seen"] == frozenset()
-    assert res.efficiencies["llm-foundry"]["h100/*"]["seen"] == {"a1", "a2", "b1"}
+    assert res.efficiencies["megatron"]["a100"]["seen"] == frozenset()
+    assert res.efficiencies["llm-foundry"]["h100"]["seen"] == {"a1", "a2", "b1"}
 
 
-def test_a_framework_without_its_own_fit_gets_its_device_familys():
+def test_a_framework_without_its_own_factors_is_priced_as_the_typical_one():
     from predictors.time.efficiency import with_efficiency
 
-    fitted = {"h100/*": {"matmul:bf16": 0.5}, "h100/torchtitan": {"matmul:bf16": 0.3}}
+    fitted = {"h100": {"matmul:bf16": 0.5, "framework:torchtitan:gemm": 0.8,
+                       "framework:torchtitan:fusion": 1.5}}  # fmt: skip
     h100 = get_device("h100-80gb")
     own, ok = with_efficiency(h100, TrainingOptions(framework="torchtitan"), fitted)
-    assert ok and own.efficiency == {"matmul:bf16": 0.3}
+    assert ok and own.efficiency == {"matmul:bf16": 0.5, "framework:gemm": 0.8,
+                                     "framework:fusion": 1.5}  # fmt: skip
     family, ok = with_efficiency(h100, TrainingOptions(framework="megatron"), fitted)
     assert ok and family.efficiency == {"matmul:bf16": 0.5}
     none, ok = with_efficiency(get_device("a100-80gb"), TrainingOptions(), fitted)
@@ -155,3 +192,13 @@ def test_no_split_of_the_real_development_rows_fits_on_its_held_out_rows():
         assert {n for n, _, _ in res.rows} == {r.name for r in rows}
     # the framework split holds every H200 step out at once (group "pytorch")
     assert "pytorch" in res.per_group and len(res.per_group) == 4
+
+
+def test_context_parallel_rows_are_scored_from_the_held_out_predictions():
+    RecordingFitter.calls = []
+    res = evaluate.evaluate_fleet(RecordingFitter)
+    cp = {r.name for r in fleet.load_fleet("develop") if r.strategy.cp > 1}
+    assert len(cp) == 6  # torchtitan's 8B and 405B at CP 2, 4, 8
+    assert {n for n, _, _ in res["context_parallel"].rows} == cp
+    held_out = {n: p for n, p, _ in res["new_model"].rows}
+    assert all(held_out[n] == p for n, p, _ in res["context_parallel"].rows)

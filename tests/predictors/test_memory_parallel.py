@@ -34,6 +34,30 @@ def test_pp_first_stage_holds_inflight_microbatches():
         predict_peak_memory(MODEL, tp=3)
 
 
+def test_uneven_pipeline_split_prices_the_first_stages_own_depth():
+    """Megatron's --decoder-first-pipeline-num-layers: the first stage holds its own depth (30
+    layers as 6 + 2 x 10 + 4 on pp=4 where pp does not divide the depth: accepted), with the
+    same in-flight micro-batches as an even split."""
+    from dataclasses import replace
+
+    from predictors.memory.presets import as_memory_model
+    from predictors.spec import ParallelStrategy, StrategyError
+
+    deep = as_memory_model(MODEL)
+    model30 = deep.with_layers(None, 30)
+    uneven = ParallelStrategy(1, 1, 4, 1, 8, first_stage_layers=6, last_stage_layers=4)
+    got = predict_peak_memory(model30, seq=2048, precision="bf16-mixed", strategy=uneven)
+    even6 = predict_peak_memory(deep.with_layers(None, 24), seq=2048, precision="bf16-mixed",
+                                strategy=ParallelStrategy(1, 1, 4, 1, 8))  # fmt: skip
+    # the first stage of both holds 6 layers and 4 micro-batches
+    assert got.components == even6.components and got.inflight_microbatches == 4
+    with pytest.raises(ShardingError, match="pp=4"):
+        predict_peak_memory(model30, seq=2048, strategy=replace(uneven, first_stage_layers=None,
+                                                               last_stage_layers=None))
+    with pytest.raises(StrategyError, match="first_stage_layers=7"):
+        predict_peak_memory(model30, seq=2048, strategy=replace(uneven, first_stage_layers=7))
+
+
 def test_per_rank_components_by_hand():
     comps = {"parameters": 800, "gradients": 400, "optimizer_states": 1600, "activations": 340,
              "transient": 80, "inputs": 10, "workspace": 32}  # fmt: skip

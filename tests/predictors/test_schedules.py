@@ -31,13 +31,30 @@ def _toy_work() -> StepWork:
 @pytest.mark.parametrize("vp", [1, 2, 4])
 def test_interleaved_bubble_is_p_minus_1_over_v_m_and_p2p_grows_with_v(vp):
     s = ParallelStrategy(1, 1, 4, 1, 8)  # m = 8 micro-batches on 4 stages
-    b = iteration_time(_toy_work(), s, H100, TrainingOptions(virtual_pipeline=vp))
+    blocking = TrainingOptions(virtual_pipeline=vp, overlap_p2p_comm=False)
+    b = iteration_time(_toy_work(), s, H100, blocking)
     one = iteration_time(_toy_work(), s, H100, TrainingOptions())
     m, p = s.num_microbatches, s.pp
     slot = b.compute_mb + b.tp_comm_mb + b.pp_p2p_mb
     assert b.bubble / (m * slot) == pytest.approx((p - 1) / (vp * m))
     # every model chunk boundary is a send, forward and backward: 2 v sends per micro-batch
     assert b.pp_p2p_mb == pytest.approx(vp * one.pp_p2p_mb)
+
+
+def test_interleaved_sends_overlap_the_chunks_compute_as_megatron_runs_them():
+    """Megatron's default overlap_p2p_comm: with interleaving only sends longer than the
+    micro-batch's compute are exposed; without interleaving they block whatever the flag."""
+    s = ParallelStrategy(1, 1, 4, 1, 8)
+    heavy = replace(_toy_work(), pp_bytes=8e10)  # sends far longer than the toy compute
+    for work in (_toy_work(), heavy):
+        raw = iteration_time(work, s, H100, TrainingOptions(virtual_pipeline=2,
+                                                            overlap_p2p_comm=False))  # fmt: skip
+        hidden = iteration_time(work, s, H100, TrainingOptions(virtual_pipeline=2))
+        assert hidden.pp_p2p_mb == pytest.approx(max(0.0, raw.pp_p2p_mb - raw.compute_mb))
+        assert hidden.total < raw.total
+    plain = [iteration_time(heavy, s, H100, TrainingOptions(overlap_p2p_comm=flag))
+             for flag in (True, False)]  # fmt: skip
+    assert plain[0].total == plain[1].total
 
 
 def test_recompute_full_reruns_forward_selective_only_the_non_gemm_part():
@@ -116,3 +133,39 @@ def test_context_parallel_bad_input_names_the_field():
         ParallelStrategy(1, 1, 1, 1, 1, cp=2).check(2, unfused)
     with pytest.raises(StrategyError, match="cp=0"):
         ParallelStrategy(1, 1, 1, cp=0)
+
+
+def test_sequence_parallel_shards_the_norms_not_the_gemms():
+    """Megatron's --sequence-parallel: norms, dropout and residual adds run on seq / tp tokens,
+    the GEMMs and attention on the gathered sequence (unchanged), the pipeline sends a shard."""
+    gpt = TransformerSpec("gpt", 4, 256, 4, 256, 1024)
+    s = ParallelStrategy(1, 4, 2, 1, 4)
+    p = get_precision("bf16-mixed")
+    plain = step_work(gpt, s, p, H100)
+    sp = step_work(gpt, s, p, H100, TrainingOptions(sequence_parallel=True))
+
+    def total(work, op_class, attr):
+        return sum(getattr(r, attr) for r in work.fwd_bwd.records if r.op_class == op_class)
+
+    for op_class in ("matmul", "attention"):
+        assert total(sp, op_class, "flops") == pytest.approx(total(plain, op_class, "flops"))
+    norms = [r for r in plain.fwd_bwd.records if "layer_norm" in r.name]
+    sp_norms = [r for r in sp.fwd_bwd.records if "layer_norm" in r.name]
+    # the embedding/head shard's final norm is not sequence-parallel: one norm of 2 L + 1,
+    # L = 2 layers on the (critical) stage
+    layer_bytes = sum(r.bytes for r in norms) * 2 * 2 / (2 * 2 + 1)
+    head_bytes = sum(r.bytes for r in norms) - layer_bytes
+    assert sum(r.bytes for r in sp_norms) == pytest.approx(layer_bytes / 4 + head_bytes, rel=0.02)
+    assert sp.pp_bytes == pytest.approx(plain.pp_bytes / 4)
+    assert sp.tp_bytes == pytest.approx(plain.tp_bytes)  # all-gather + reduce-scatter
+    # tp = 1: the flag changes nothing
+    one = ParallelStrategy(4, 1, 2, 1, 8)
+    assert (step_work(gpt, one, p, H100, TrainingOptions(sequence_parallel=True)).fwd_bwd.total()
+            == step_work(gpt, one, p, H100).fwd_bwd.total())
+
+
+def test_sequence_parallel_needs_the_sequence_to_split_over_tp():
+    odd = TransformerSpec("gpt", 4, 256, 4, 250, 1024)
+    with pytest.raises(StrategyError, match="sequence_parallel"):
+        step_work(odd, ParallelStrategy(1, 4, 1, 1, 1), get_precision("bf16-mixed"), H100,
+                  TrainingOptions(sequence_parallel=True))

@@ -97,11 +97,15 @@ def test_megatron_flags_carry_the_schedule_options():
         p.add_argument(flag)
     for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
                  "--use-distributed-optimizer", "--overlap-grad-reduce",
-                 "--overlap-param-gather", "--tp-comm-overlap", "--use-flash-attn"):  # fmt: skip
+                 "--overlap-param-gather", "--tp-comm-overlap", "--sequence-parallel",
+                 "--use-flash-attn"):  # fmt: skip
         p.add_argument(flag, action="store_true")
+    p.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm")  # fmt: skip
     strategy = ParallelStrategy(1, 2, 2, 1, 8, cp=2)
     options = TrainingOptions(overlap_grad_reduce=True, tp_comm_overlap=True, virtual_pipeline=2,
                               distributed_optimizer=True, overlap_param_gather=True,
+                              sequence_parallel=True, overlap_p2p_comm=False,
                               recompute="full")  # fmt: skip
     unfused = replace(GQA, attention="unfused")
     args = p.parse_args(megatron_args(unfused, strategy, options))
