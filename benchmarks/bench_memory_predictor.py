@@ -359,6 +359,8 @@ def llava_outcomes(path: Path = LLAVA_OUTCOMES) -> tuple[int, int]:
     preset, batch, sequence, image size, ZeRO stage over the GPUs, checkpointing, the frozen
     vision tower and the card. LoRA rows are listed but not scored (not modelled)."""
     from predictors.memory.api import predict_peak_memory
+    from predictors.memory.presets import as_memory_model
+    from predictors.spec import ParallelStrategy, TrainingOptions
 
     right = scored = 0
     with path.open() as f:
@@ -368,11 +370,11 @@ def llava_outcomes(path: Path = LLAVA_OUTCOMES) -> tuple[int, int]:
         if r["lora"] == "1":
             print(f"  {r['name']:34s} {r['outcome']:4s} not scored: LoRA is not modelled")
             continue
-        p = predict_peak_memory(r["model"], batch=int(r["batch"]), seq=int(r["seq"]),
-                                image_res=int(r["image_res"]), precision="bf16",
-                                zero=int(r["zero"]), dp=int(r["gpus"]),
-                                checkpointing=r["checkpointing"], frozen=("vision",),
-                                capacity_gib=r["capacity_gib"])
+        model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
+                                frozen=("vision",))
+        strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
+        options = TrainingOptions.for_zero_stage(int(r["zero"]), recompute=r["checkpointing"])
+        p = predict_peak_memory(model, strategy, options, "bf16", r["capacity_gib"])
         ok = p.fits == (r["outcome"] == "fits")
         right, scored = right + ok, scored + 1
         print(f"  {r['name']:34s} {r['outcome']:4s} predicted {'fits' if p.fits else 'OOM':4s} "

@@ -162,17 +162,19 @@ def memory_presets() -> dict[str, Any]:
     return PRESETS
 
 
-def memory_scaled(base: str, width: float, depth: int, vocab: int, image_res: int | None) -> Any:
+def memory_scaled(base: str, width: float, depth: int, vocab: int, image_res: int | None,
+                  seq: int | None = None) -> Any:
     from predictors.memory.presets import PRESETS, scaled
 
-    spec = scaled(PRESETS[base], width, depth, vocab=vocab)
+    spec = scaled(PRESETS[base], width, depth, vocab=vocab).with_seq(seq)
     return spec.at_resolution(image_res) if image_res and spec.vision is not None else spec
 
 
-def memory_config(**kw) -> Any:
-    from predictors.memory.config import TrainConfig
+def memory_step(batch: int, precision: str, checkpointing: str = "none") -> Any:
+    """One GPU's step in the one vocabulary: the micro-batch, recompute and precision."""
+    from predictors.memory.config import Step
 
-    return TrainConfig(**kw)
+    return Step.data_parallel(batch, precision, recompute=checkpointing)
 
 
 def build_memory_model(spec: Any, cfg: Any) -> Any:
@@ -185,27 +187,23 @@ def build_memory_model(spec: Any, cfg: Any) -> Any:
 def memory_inputs(spec: Any, model: Any, cfg: Any) -> dict:
     from predictors.memory.build import make_inputs
 
-    return make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+    return make_inputs(spec, model, cfg.batch, spec.seq_length or 0, spec.images_per_sample)
 
 
 def memory_row_fields(spec: Any, cfg: Any) -> dict:
     """key/spec/config columns exactly as ``predict collect-memory`` writes them."""
     import json
-    from dataclasses import asdict
 
-    from predictors.memory.collect import row_key, spec_to_json
+    from predictors.memory.collect import row_config, row_key, spec_to_json
 
     return {"key": row_key(spec, cfg), "spec": spec_to_json(spec),
-            "config": json.dumps(asdict(cfg))}
+            "config": json.dumps(row_config(spec, cfg))}
 
 
 def predict_memory(spec: Any, cfg: Any, capacity_gib: float) -> dict:
     from predictors.memory.api import predict_peak_memory
 
-    p = predict_peak_memory(spec, batch=cfg.batch, seq=cfg.seq, image_res=cfg.image_res,
-                            images_per_sample=cfg.images_per_sample, precision=cfg.precision,
-                            checkpointing=cfg.checkpointing, attention=cfg.attention,
-                            frozen=cfg.frozen, capacity_gib=capacity_gib)
+    p = predict_peak_memory(spec, cfg.strategy, cfg.options, cfg.precision, capacity_gib)
     return {"peak_reserved": p.peak_reserved, "trained_on": p.trained_on}
 
 
@@ -214,7 +212,8 @@ def predict_memory_traced(spec: Any, cfg: Any, optimizer: str, device: str = "h2
     real module on fake tensors with the chosen AdamW implementation, device-level output."""
     from predictors.memory.module import predict_spec_memory
 
-    p = predict_spec_memory(spec, cfg, optimizer=f"adamw:{optimizer}", device=device)
+    p = predict_spec_memory(spec, cfg.strategy, cfg.options, cfg.precision, device,
+                            optimizer=f"adamw:{optimizer}")
     return {"peak_reserved": p.max_memory_reserved, "peak_allocated": p.max_memory_allocated,
             "device_used": p.device_used}
 

@@ -9,7 +9,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
+from predictors.spec import (
+    DEFAULT_OPTIONS,
+    ParallelStrategy,
+    StrategyError,
+    TrainingOptions,
+    TransformerSpec,
+)
 from predictors.spec.precision import Precision
 
 log = logging.getLogger("megatron_cona.candidates")
@@ -206,6 +212,6 @@ class PredictorMemory:
                    precision: Precision) -> float:
         from predictors.memory.api import predict_peak_memory
 
-        return predict_peak_memory(model, strategy=strategy, precision=precision.name,
-                                   capacity_gib=self.capacity_gib, options=self.options,
+        return predict_peak_memory(model, strategy, self.options or DEFAULT_OPTIONS, precision,
+                                   self.capacity_gib,
                                    architecture=self.architecture).device_total

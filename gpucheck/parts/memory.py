@@ -114,9 +114,8 @@ def grid(tiny: bool) -> list[Point]:
 
 def _preset(point: Point):
     base, width, depth, vocab, res, seq, batch = PRESET_MODELS[point.size][point.family]
-    spec = adapters.memory_scaled(base, width, depth, vocab or 8192, res)
-    cfg = adapters.memory_config(batch=batch, seq=seq, precision=point.precision,
-                                 checkpointing=point.checkpointing)
+    spec = adapters.memory_scaled(base, width, depth, vocab or 8192, res, seq)
+    cfg = adapters.memory_step(batch, point.precision, point.checkpointing)
     return spec, cfg
 
 

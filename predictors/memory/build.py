@@ -11,7 +11,9 @@ from ..spec.engines import hf_text_config, hf_vision_config
 from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
 from . import kernels
 
-_ATTN_IMPL = {"flash": kernels.ATTN_IMPL, "eager": "eager", "sdpa": "sdpa"}
+# the spec's attention (predictors.spec.ATTENTION_IMPLS) as transformers names it; "sdpa" is
+# the real-GPU stand-in for "flash"
+_ATTN_IMPL = {"flash": kernels.ATTN_IMPL, "unfused": "eager", "sdpa": "sdpa"}
 
 
 def vision_config(v: VisionTowerSpec, attention: str = "flash"):

@@ -52,7 +52,8 @@ def add_subcommands(subparsers) -> None:
                    help="presets: dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it "
                         "(replaces --batch and --dp; the first pipeline stage's rank)")
     m.add_argument("--checkpointing", default="none", choices=["none", "full"])
-    m.add_argument("--attention", default="flash", choices=["flash", "eager"])
+    m.add_argument("--attention", default="flash", choices=["flash", "unfused", "eager"],
+                   help="eager: unfused (transformers' name for it)")
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
     m.add_argument("--capacity-gib", default=None,
                    help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
@@ -92,20 +93,31 @@ def _named_errors(handler):
 def _memory(args) -> int:
     if args.model in ("mlp", "cnn", "module"):
         return _memory_module(args)
-    from ..spec import ParallelStrategy
     from .api import predict_peak_memory
 
-    frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
+    model, strategy, options = _memory_job(args)
     if args.trace:
-        return _memory_spec_traced(args, frozen)
-    pred = predict_peak_memory(
-        args.model, batch=args.batch, seq=args.seq, image_res=args.image_res,
-        images_per_sample=args.images_per_sample, precision=args.precision, zero=args.zero,
-        dp=args.dp, checkpointing=args.checkpointing, attention=args.attention, frozen=frozen,
-        capacity_gib=args.capacity_gib or "80", margin=args.margin,
-        strategy=ParallelStrategy.parse(args.strategy) if args.strategy else None)
+        return _memory_spec_traced(args, model, strategy, options)
+    pred = predict_peak_memory(model, strategy, options, args.precision,
+                               args.capacity_gib or "80", margin=args.margin)
     print(pred.format())
     return 0 if pred.fits else 2
+
+
+def _memory_job(args):
+    """The model, strategy and options the flags describe (the one vocabulary)."""
+    from ..spec import ParallelStrategy, TrainingOptions
+    from .presets import as_memory_model
+
+    frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
+    model = as_memory_model(args.model, seq=args.seq, image_res=args.image_res,
+                            images_per_sample=args.images_per_sample,
+                            attention="unfused" if args.attention == "eager" else args.attention,
+                            frozen=frozen)
+    strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
+                else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
+    return model, strategy, TrainingOptions.for_zero_stage(args.zero,
+                                                           recompute=args.checkpointing)
 
 
 def _memory_module(args) -> int:
@@ -143,20 +155,16 @@ def _memory_module(args) -> int:
     return 0 if pred.fits else 2
 
 
-def _memory_spec_traced(args, frozen: tuple[str, ...] | None) -> int:
+def _memory_spec_traced(args, model, strategy, options) -> int:
     import json
 
-    from .config import TrainConfig
     from .module import predict_spec_memory
 
-    cfg = TrainConfig(batch=args.batch, seq=args.seq, image_res=args.image_res,
-                      images_per_sample=args.images_per_sample, precision=args.precision,
-                      zero=args.zero, dp=args.dp, checkpointing=args.checkpointing,
-                      attention=args.attention, frozen=frozen)
     device = args.device or {"24": "l40s", "40": "a100-40gb", "141": "h200"}.get(
         str(args.capacity_gib), "h100-80gb")
-    pred = predict_spec_memory(args.model, cfg, optimizer=args.optimizer,
-                               framework=args.framework, device=device,
+    pred = predict_spec_memory(model, strategy, options, args.precision, device,
+                               optimizer=args.optimizer,
+                               framework=args.framework,
                                capacity_gib=None if args.capacity_gib is None
                                else float(args.capacity_gib), margin=args.margin,
                                context_mib=args.context_mib)

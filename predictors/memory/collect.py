@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
-from .config import TrainConfig
+from ..spec.precision import get_precision
+from .config import Step
 from .presets import PRESETS, scaled
 from .simulate import simulate_step
 
@@ -32,8 +33,8 @@ FAMILY_BASES = {
 SIZES = {"s": (0.125, 2), "m": (0.25, 3), "l": (1.0, 2)}  # tracing cost grows with depth only
 
 
-def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
-    """(model, config, size tag) triples; ``quick`` keeps a handful for tests."""
+def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, Step, str]]:
+    """(model, step, size tag) triples; ``quick`` keeps a handful for tests."""
     precisions = ("fp32", "bf16", "bf16-pure", "bf16-mixed")
     for family, base in FAMILY_BASES.items():
         for size, (width, depth) in SIZES.items():
@@ -45,16 +46,14 @@ def grid(quick: bool = False) -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
             for prec in precisions[:2] if quick else precisions:
                 # quick: configurations the shipped grid does not contain (batch 2, seq 384)
                 for batch in (2,) if quick else (1, 4):
-                    seq = (384 if quick else 512) if spec.text is not None else 1
+                    at_seq = spec.with_seq(384 if quick else 512)
                     for ckpt in ("none", "full"):
-                        if ckpt == "full" and (quick or cfg_autocast(prec)):
+                        if ckpt == "full" and (quick or get_precision(prec).autocast):
                             continue  # autocast x recompute: traceable now, not in the shipped grid yet
-                        frozen = None
-                        yield spec, TrainConfig(batch=batch, seq=seq, precision=prec,
-                                                checkpointing=ckpt, frozen=frozen), size
+                        yield at_seq, Step.data_parallel(batch, prec, recompute=ckpt), size
                 if family == "llava" and not quick:  # frozen vision tower (LLaVA stage 2)
-                    yield spec, TrainConfig(batch=4, seq=512, precision=prec,
-                                            frozen=("vision",)), size
+                    yield (replace(spec.with_seq(512), frozen=("vision",)), Step.data_parallel(4, prec),
+                           size)
 
 
 # Full-size models (shapes of the public checkpoints) at batch sizes that straddle the 24-141 GiB
@@ -72,18 +71,24 @@ XL = [
 ]
 
 
-def grid_xl() -> Iterator[tuple[ModelSpec, TrainConfig, str]]:
+def grid_xl() -> Iterator[tuple[ModelSpec, Step, str]]:
     for name, prec, batch, seq in XL:
-        yield PRESETS[name], TrainConfig(batch=batch, seq=seq, precision=prec), "xl"
+        yield PRESETS[name].with_seq(seq), Step.data_parallel(batch, prec), "xl"
 
 
-def cfg_autocast(prec: str) -> bool:
-    return TrainConfig(precision=prec).prec.autocast
+# The CSV's ``config`` column (the columns a row was first written with, kept so every row
+# reads the same): what of the model and step a row varies beyond its ``spec`` column
+def row_config(spec: ModelSpec, step: Step) -> dict:
+    return {"batch": step.batch, "seq": spec.seq_length or 1, "image_res": None,
+            "images_per_sample": spec.images_per_sample, "precision": step.precision.name,
+            "zero": step.zero, "dp": step.dp, "checkpointing": step.checkpointing,
+            "attention": "eager" if spec.attention == "unfused" else spec.attention,
+            "frozen": list(spec.frozen)}
 
 
-def row_key(spec: ModelSpec, cfg: TrainConfig) -> str:
-    return json.dumps([spec.name, spec.vision and spec.vision.image_size, asdict(cfg)],
-                      sort_keys=True, default=str)
+def row_key(spec: ModelSpec, step: Step) -> str:
+    return json.dumps([spec.name, spec.vision and spec.vision.image_size,
+                       row_config(spec, step)], sort_keys=True, default=str)
 
 
 def spec_to_json(spec: ModelSpec) -> str:
@@ -94,15 +99,21 @@ def spec_from_json(text: str) -> ModelSpec:
     d = json.loads(text)
     v = d.pop("vision")
     t = d.pop("text")
-    d["default_frozen"] = tuple(d["default_frozen"])
+    # rows written before the one vocabulary named the frozen towers default_frozen
+    d["frozen"] = tuple(d.pop("default_frozen", None) or d.get("frozen", ()))
     return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TransformerSpec(**t), **d)
 
 
-def cfg_from_row(row: dict) -> TrainConfig:
+def job_from_row(row: dict) -> tuple[ModelSpec, Step]:
+    """The model and step a CSV row measured (its ``spec`` and ``config`` columns; a null
+    ``frozen`` keeps the spec's own, an ``image_res`` rebuilds the vision tower at it)."""
     d = json.loads(row["config"])
-    if d.get("frozen") is not None:
-        d["frozen"] = tuple(d["frozen"])
-    return TrainConfig(**d)
+    spec = spec_from_json(row["spec"]).with_seq(d["seq"]).at_resolution(d["image_res"])
+    spec = spec.with_attention("unfused" if d["attention"] == "eager" else d["attention"])
+    spec = replace(spec, images_per_sample=d["images_per_sample"],
+                   frozen=spec.frozen if d["frozen"] is None else tuple(d["frozen"]))
+    return spec, Step.data_parallel(d["batch"], d["precision"], recompute=d["checkpointing"],
+                                    zero=d["zero"], dp=d["dp"])
 
 
 def collect(out: Path = GROUND_TRUTH_CSV, quick: bool = False, device: str = "sim") -> Path:
@@ -115,7 +126,7 @@ def collect(out: Path = GROUND_TRUTH_CSV, quick: bool = False, device: str = "si
     done = set()
     if out.exists():
         with out.open() as f:
-            done = {r["key"] for r in csv.DictReader(f)}
+            done = {row_key(*job_from_row(r)) for r in csv.DictReader(f)}
     points = list(grid(quick)) + ([] if quick else list(grid_xl()))
     todo = [(s, c, z) for s, c, z in points if row_key(s, c) not in done]
     new_file = not out.exists() or not done
@@ -129,7 +140,7 @@ def collect(out: Path = GROUND_TRUTH_CSV, quick: bool = False, device: str = "si
                 m, gt = measure_cuda(spec, cfg), "cuda"
             row = {"key": row_key(spec, cfg), "ground_truth": gt, "family": spec.family,
                    "size": size, "model": spec.name, "spec": spec_to_json(spec),
-                   "config": json.dumps(asdict(cfg)),
+                   "config": json.dumps(row_config(spec, cfg)),
                    "peak_allocated": m["peak_allocated"], "peak_reserved": m["peak_reserved"],
                    "peak_phase": m["peak_phase"], "trace_seconds": round(m["trace_seconds"], 3)}
             if writer is None:

@@ -1,100 +1,97 @@
-"""One GPU's training step as the memory predictor walks it (:class:`TrainConfig`), and the token
-counts a model and step imply. The model is :class:`predictors.spec.ModelSpec` (towers:
-an optional vision encoder, a projector, an optional language model; a ViT alone gets a linear
-classification head); ``build.py`` turns it into real ``transformers`` modules (random init,
-nothing downloaded)."""
+"""One GPU's training step as the memory predictor walks it, in the one vocabulary of
+:mod:`predictors.spec`: the model (:class:`~predictors.spec.ModelSpec`: its towers, sequence
+length, attention, frozen towers, images per sample), the :class:`~predictors.spec.ParallelStrategy`
+(micro-batch, data-parallel degree), the :class:`~predictors.spec.TrainingOptions` (ZeRO stage:
+distributed optimizer / gradient sharding / FSDP; recompute) and the precision
+(:class:`Step`); and the token counts a model and step imply. ``build.py`` turns a model into
+real ``transformers`` modules (random init, nothing downloaded)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..spec.model import ModelSpec, ModelSpecError, ResolutionError, UnknownModelError
+from ..spec.model import TOWERS, ModelSpec, ModelSpecError, ResolutionError
+from ..spec.options import DEFAULT_OPTIONS, TrainingOptions
 from ..spec.precision import Precision, get_precision
+from ..spec.strategy import ParallelStrategy
 
 
 class ShardingError(ModelSpecError):
     """A ZeRO stage / data-parallel degree combination that cannot shard this model."""
 
 
-CHECKPOINTING = ("none", "full")
-ATTENTION = ("flash", "eager")
-TOWERS = ("vision", "projector", "llm", "head")
+CHECKPOINTING = ("none", "full")  # the recompute modes the memory predictor models
+SINGLE_GPU = ParallelStrategy(1, 1, 1)
+
+__all__ = ["CHECKPOINTING", "SINGLE_GPU", "TOWERS", "Shapes", "ShardingError", "Step",
+           "resolve_shapes"]
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """One training step on one GPU (data-parallel degree only shards under ZeRO)."""
+class Step:
+    """What one GPU's training step runs besides the model: the strategy (its micro-batch is
+    the step's batch, its ``dp`` what ZeRO shards over), the options and the precision. Only
+    ties the three together; every fact lives in its own vocabulary type."""
 
-    batch: int = 1
-    seq: int = 512  # LLM sequence length, image tokens included
-    image_res: int | None = None  # None: the vision tower's native resolution
-    images_per_sample: int = 1
-    precision: str = "bf16"
-    zero: int = 0  # 0: plain DDP, 1: optimizer states (+fp32 master), 2: +grads, 3: +params
-    dp: int = 1
-    checkpointing: str = "none"
-    attention: str = "flash"
-    frozen: tuple[str, ...] | None = None  # None: the model's default_frozen
+    strategy: ParallelStrategy = SINGLE_GPU
+    options: TrainingOptions = DEFAULT_OPTIONS
+    precision: Precision = field(default_factory=lambda: get_precision("bf16"))
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.seq < 1 or self.images_per_sample < 0:
-            raise ModelSpecError(
-                f"batch={self.batch}, seq={self.seq}, images_per_sample="
-                f"{self.images_per_sample} must be positive"
-            )
-        get_precision(self.precision)
-        if self.zero not in (0, 1, 2, 3):
-            raise ShardingError(f"zero={self.zero} must be one of 0, 1, 2, 3")
-        if self.dp < 1:
-            raise ShardingError(f"dp={self.dp} must be >= 1")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ModelSpecError(f"checkpointing={self.checkpointing!r}; choose {CHECKPOINTING}")
-        if self.attention not in ATTENTION:
-            raise ModelSpecError(f"attention={self.attention!r}; choose {ATTENTION}")
-        for t in self.frozen or ():
-            if t not in TOWERS:
-                raise UnknownModelError(f"frozen tower {t!r} unknown; choose from {TOWERS}")
+        object.__setattr__(self, "precision", get_precision(self.precision))
+        if self.options.recompute not in CHECKPOINTING:
+            raise ModelSpecError(f"recompute={self.options.recompute!r} is not modelled by the "
+                                 f"memory predictor; choose one of {CHECKPOINTING}")
+
+    @classmethod
+    def data_parallel(cls, batch: int, precision: str | Precision, *, recompute: str = "none",
+                      zero: int = 0, dp: int = 1) -> Step:
+        """``batch`` samples per GPU over ``dp`` ranks at ZeRO stage ``zero``."""
+        return cls(ParallelStrategy(dp, 1, 1, micro_batch=batch),
+                   TrainingOptions.for_zero_stage(zero, recompute=recompute), precision)
 
     @property
-    def prec(self) -> Precision:
-        return get_precision(self.precision)
+    def batch(self) -> int:
+        return self.strategy.micro_batch
 
-    def frozen_towers(self, model: ModelSpec) -> tuple[str, ...]:
-        return model.default_frozen if self.frozen is None else self.frozen
+    @property
+    def dp(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def zero(self) -> int:
+        return self.options.zero_stage
+
+    @property
+    def checkpointing(self) -> str:
+        return self.options.recompute
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """Token counts a (model, config) pair implies."""
+    """Token counts a (model, step) pair implies."""
 
     images: int  # images in the step
     patches: int  # patch tokens per image (no CLS)
     vision_tokens: int  # tokens per image inside the ViT (CLS included for CLIP)
     image_tokens: int  # tokens each sample's images contribute to the LLM sequence
-    seq: int
+    seq: int  # tokens per sample of the text tower (0: no text tower)
 
 
-def resolve_shapes(model: ModelSpec, cfg: TrainConfig) -> Shapes:
+def resolve_shapes(model: ModelSpec, step: Step) -> Shapes:
     """Check resolution/sequence consistency and derive token counts (named errors if not)."""
+    seq = model.seq_length or 0
     if model.vision is None:
-        return Shapes(0, 0, 0, 0, cfg.seq)
+        return Shapes(0, 0, 0, 0, seq)
     v = model.vision
-    res = cfg.image_res or v.image_size
-    if res % v.patch_size:
-        raise ResolutionError(
-            f"image_res={res} is not divisible by the vision patch_size={v.patch_size}"
-        )
-    if res != v.image_size:
-        raise ResolutionError(
-            f"image_res={res} differs from the vision tower's image_size={v.image_size}; "
-            "build the model at that resolution (its position table depends on it)"
-        )
+    res = v.image_size
     patches = (res // v.patch_size) ** 2
-    images = cfg.batch * max(cfg.images_per_sample, 1)
-    image_tokens = patches * max(cfg.images_per_sample, 1)
-    if model.text is not None and image_tokens >= cfg.seq:
+    per_sample = max(model.images_per_sample, 1)
+    images = step.batch * per_sample
+    image_tokens = patches * per_sample
+    if model.text is not None and image_tokens >= seq:
         raise ResolutionError(
-            f"seq={cfg.seq} must exceed the {image_tokens} image tokens of "
-            f"{max(cfg.images_per_sample, 1)} image(s) at image_res={res}"
+            f"seq={seq} must exceed the {image_tokens} image tokens of "
+            f"{per_sample} image(s) at image_res={res}"
         )
-    return Shapes(images, patches, patches + int(v.has_cls), image_tokens, cfg.seq)
+    return Shapes(images, patches, patches + int(v.has_cls), image_tokens, seq)

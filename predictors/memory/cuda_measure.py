@@ -14,18 +14,17 @@ import torch
 from ..spec.model import ModelSpec
 from ..step import Batch, TrainingStep
 from .build import make_inputs
-from .config import ShardingError, TrainConfig, resolve_shapes
+from .config import ShardingError, Step, resolve_shapes
 from .simulate import prepare_model
 
 GROUND_TRUTH_CUDA = "cuda: torch.cuda.max_memory_reserved of a real step"
 
 
-def measure_cuda(spec: ModelSpec, cfg: TrainConfig, steps: int = 2) -> dict:
+def measure_cuda(spec: ModelSpec, cfg: Step, steps: int = 2) -> dict:
     if not torch.cuda.is_available():
         raise RuntimeError("collect-memory --device cuda needs a CUDA build of torch and a GPU")
     if cfg.zero:
         raise ShardingError("the measured ground truth runs one rank without ZeRO (zero=0)")
-    spec = spec.at_resolution(cfg.image_res)
     resolve_shapes(spec, cfg)
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
@@ -38,7 +37,7 @@ def measure_cuda(spec: ModelSpec, cfg: TrainConfig, steps: int = 2) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         with torch.device("cuda"):
-            kw = make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+            kw = make_inputs(spec, model, cfg.batch, spec.seq_length or 0, spec.images_per_sample)
         step(Batch((), kw["labels"], kw))
     torch.cuda.synchronize()
     out = {"ground_truth": GROUND_TRUTH_CUDA,

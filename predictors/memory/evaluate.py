@@ -15,7 +15,7 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .collect import GROUND_TRUTH_CSV, cfg_from_row, spec_from_json
+from .collect import GROUND_TRUTH_CSV, job_from_row
 from .model import MemoryModel
 from .overheads import CARDS, HOPPER
 from .phases import walk_phases
@@ -53,7 +53,7 @@ class EvalReport:
 
 def load_rows(path: Path = GROUND_TRUTH_CSV) -> list[Row]:
     with path.open() as f:
-        return [Row(spec_from_json(r["spec"]), cfg_from_row(r), int(r["peak_reserved"]),
+        return [Row(*job_from_row(r), int(r["peak_reserved"]),
                     r["family"], r["size"], r["ground_truth"],
                     measured_allocated=int(r["peak_allocated"])) for r in csv.DictReader(f)]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
 from ..spec.precision import Precision
-from .config import Shapes, TrainConfig, resolve_shapes
+from .config import Shapes, Step, resolve_shapes
 
 F32 = 4
 
@@ -190,7 +190,7 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
     parts += [n * f * dt.mm] * (4 if trainable else 3)  # gate, silu, up (, gate*up for down)
     parts += [linear_saved(n, h, f, False, dt, input_low=False, **lin)] * 2
     parts.append(linear_saved(n, f, h, False, dt, input_low=True, **lin))
-    largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "eager" else 0)
+    largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "unfused" else 0)
     return [x for x in parts if x], largest
 
 
@@ -211,7 +211,7 @@ def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, atten
     parts += [n * f * dt.mm] * (3 if v.family == "clip" else 2)  # quick_gelu vs tanh-gelu
     parts.append(linear_saved(n, h, f, True, dt, input_low=False, **lin))
     parts.append(linear_saved(n, f, h, True, dt, input_low=True, **lin))
-    largest = max(n * f * dt.mm, images * heads * tokens * tokens * F32 if attention == "eager" else 0)
+    largest = max(n * f * dt.mm, images * heads * tokens * tokens * F32 if attention == "unfused" else 0)
     return [x for x in parts if x], largest
 
 
@@ -223,13 +223,12 @@ def _vit_weight_cache(v: VisionTowerSpec, dt: _Dt) -> int:
 
 
 # -- whole model ------------------------------------------------------------------------------------
-def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
+def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     """Per-layer factorization of ``spec`` trained under ``cfg`` (one GPU, before sharding)."""
-    spec = spec.at_resolution(cfg.image_res)
     shapes: Shapes = resolve_shapes(spec, cfg)
-    p = cfg.prec
+    p = cfg.precision
     dt = _Dt.of(p)
-    frozen = set(cfg.frozen_towers(spec))
+    frozen = set(spec.frozen)
     fz = Factorization()
     wbytes = dt.w
 
@@ -249,7 +248,7 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         images = shapes.images if spec.multimodal else cfg.batch
         tok = shapes.vision_tokens
         used = v.num_layers - 1 if spec.multimodal else v.num_layers  # LLaVA reads layer -2
-        parts, largest = vit_layer_saved(v, images, tok, dt, cfg.attention, train_v)
+        parts, largest = vit_layer_saved(v, images, tok, dt, spec.attention, train_v)
         per = sum(parts)
         if not train_v:
             parts, per, largest = [], 0, 0
@@ -299,13 +298,13 @@ def factorize(spec: ModelSpec, cfg: TrainConfig) -> Factorization:
         grad_flows = grad_flows or train_p
     if t is not None:
         train_t = "llm" not in frozen
-        n = cfg.batch * cfg.seq
+        n = cfg.batch * t.seq_length
         needs = train_t or grad_flows
-        parts, largest = llama_layer_saved(t, cfg.batch, cfg.seq, dt, cfg.attention, train_t)
+        parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t)
         per = sum(parts)
         if not needs:
             parts, per, largest = [], 0, 0
-        emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * cfg.seq * (t.hidden_size // t.num_attention_heads) * dt.res
+        emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * t.seq_length * (t.hidden_size // t.num_attention_heads) * dt.res
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
         add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)

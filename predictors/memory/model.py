@@ -26,7 +26,7 @@ from .allocator import (
     SMALL_SIZE,
     MiB,
 )
-from .config import TrainConfig
+from .config import Step
 from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
@@ -80,7 +80,7 @@ def packing_estimate(fz: Factorization, est: PeakEstimate) -> float:
     return _segments(sizes)
 
 
-def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER
+def features(spec: ModelSpec, cfg: Step, overheads: CudaOverheads = HOPPER
              ) -> tuple[dict[str, float], PeakEstimate, int]:
     """Residual features, the analytical estimate, and the allocator replay's reserved peak
     (the base the residual multiplies)."""
@@ -88,7 +88,7 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
     est = walk_phases(spec, cfg, overheads, fz)
     total = max(est.peak_allocated, 1)
     replayed = replay_reserved(fz, cfg, overheads)
-    p = cfg.prec
+    p = cfg.precision
     largest = max((x.largest for x in fz.layers), default=0)
     f = {
         "log_analytic": math.log(total),
@@ -97,7 +97,7 @@ def features(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPE
         "autocast": float(p.autocast),
         "masters": float(p.master_weights_fp32),
         "checkpointing": float(cfg.checkpointing == "full"),
-        "eager": float(cfg.attention == "eager"),
+        "eager": float(spec.attention == "unfused"),
         "frozen_share": sum(x.params for x in fz.layers if not x.trainable)
         / max(sum(x.params for x in fz.layers), 1),
         "log_tensors": math.log(fz.num_param_tensors + 1),
@@ -195,19 +195,19 @@ class MemoryModel:
     def _row(self, feats: dict[str, float]) -> np.ndarray:
         return np.array([[feats[k] for k in self.feature_names]])
 
-    def predict(self, spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER
+    def predict(self, spec: ModelSpec, cfg: Step, overheads: CudaOverheads = HOPPER
                 ) -> tuple[int, PeakEstimate, float]:
         """(predicted peak reserved, analytical estimate, safety margin)."""
         feats, est, replayed = features(spec, cfg, overheads)
         predicted = int(replayed * math.exp(self.residual(feats)))
         return predicted, est, self.margin(predicted)
 
-    def predict_reserved(self, spec: ModelSpec, cfg: TrainConfig,
+    def predict_reserved(self, spec: ModelSpec, cfg: Step,
                          overheads: CudaOverheads = HOPPER) -> int:
         return self.predict(spec, cfg, overheads)[0]
 
     @classmethod
-    def fit(cls, pairs: list[tuple[ModelSpec, TrainConfig, int]], trained_on: str = "",
+    def fit(cls, pairs: list[tuple[ModelSpec, Step, int]], trained_on: str = "",
             overheads: CudaOverheads = HOPPER) -> MemoryModel:
         """Residual model on all ``pairs``. The margins are calibrated on out-of-family errors:
         each model family is held out in turn (the way a new family is met in use), so no

@@ -24,11 +24,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
-from ..spec.precision import get_precision
+from ..spec.options import DEFAULT_OPTIONS, TrainingOptions
+from ..spec.precision import Precision, get_precision
+from ..spec.strategy import ParallelStrategy
 from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
 from .build import make_inputs
-from .config import TrainConfig, resolve_shapes
+from .config import SINGLE_GPU, ShardingError, Step, resolve_shapes
 from .device import DEVICES, DeviceProfile, DistributedSpec, get_device
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
@@ -255,22 +257,30 @@ def _module_tensors(build: Callable[[], nn.Module], precision: str) -> list[list
                 for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
-def predict_spec_memory(model: str | ModelSpec | TransformerSpec, cfg: TrainConfig, *,
+def predict_spec_memory(model: str | ModelSpec | TransformerSpec,
+                        strategy: ParallelStrategy = SINGLE_GPU,
+                        options: TrainingOptions = DEFAULT_OPTIONS,
+                        precision: str | Precision = "bf16",
+                        device: str | DeviceProfile = "h100-80gb", *,
                         optimizer: OptimizerSpec | str = "adamw", framework: str = "ddp",
-                        device: str | DeviceProfile = "h100-80gb",
                         capacity_gib: float | None = None, margin: float | None = None,
                         context_mib: float | None = None) -> DeviceMemoryPrediction:
     """A preset or :class:`ModelSpec` (LLaVA-like, LLM, ViT) through the traced path: the same
     ``transformers`` module the presets build, with the chosen optimizer implementation and
-    device-level output. Traces the full depth (seconds to a minute for 7B models)."""
+    device-level output, one rank of ``strategy.dp`` under the options' ZeRO stage (``tp`` and
+    ``pp`` are not traced). Traces the full depth (seconds to a minute for 7B models)."""
+    if (strategy.tp, strategy.pp, strategy.cp) != (1, 1, 1):
+        raise ShardingError(f"strategy {strategy.name}: the traced path runs data parallelism "
+                            "only (tp=pp=cp=1)")
+    cfg = Step(strategy, options, precision)
     spec = as_memory_model(model)
-    spec = spec.at_resolution(cfg.image_res)
     resolve_shapes(spec, cfg)
     with torch.device("meta"):
-        kw = make_inputs(spec, _TokenIds(), cfg.batch, cfg.seq, cfg.images_per_sample)
+        kw = make_inputs(spec, _TokenIds(), cfg.batch, spec.seq_length or 0,
+                         spec.images_per_sample)
     return predict_module_memory(
         lambda: prepare_model(spec, cfg), (), kw["labels"], kwargs=kw,
-        loss_fn=loss_from_output, optimizer=optimizer, precision=cfg.precision,
+        loss_fn=loss_from_output, optimizer=optimizer, precision=cfg.precision.name,
         distributed=DistributedSpec(dp=cfg.dp, zero=cfg.zero, framework=framework),
         device=device, capacity_gib=capacity_gib, margin=margin, context_mib=context_mib)
 

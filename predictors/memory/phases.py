@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..spec.model import ModelSpec
-from .config import ShardingError, TrainConfig
+from .config import ShardingError, Step
 from .factorize import F32, Factorization, factorize
 from .overheads import CudaOverheads
 from .zero import zero3_params
@@ -35,10 +35,10 @@ class PeakEstimate:
     phase_peaks: dict[str, int] = field(default_factory=dict)
 
 
-def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
+def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
                 fz: Factorization | None = None) -> PeakEstimate:
     fz = fz or factorize(spec, cfg)
-    p = cfg.prec
+    p = cfg.precision
     w = fz.layers[0].param_bytes // max(fz.layers[0].params, 1) if fz.layers else F32
     dp = cfg.dp
     shard_opt = dp if cfg.zero >= 1 else 1
@@ -78,7 +78,7 @@ def walk_phases(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads,
     live_grad = 0
     remaining = all_acts - fz.loss_saved + fz.held_output
     # a checkpointed layer re-materializes its un-checkpointed saves during its backward
-    full = factorize(spec, replace(cfg, checkpointing="none")).layers \
+    full = factorize(spec, replace(cfg, options=replace(cfg.options, recompute="none"))).layers \
         if cfg.checkpointing == "full" else None
     for i in range(len(fz.layers) - 1, -1, -1):
         layer = fz.layers[i]

@@ -37,7 +37,7 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("qwen-vl-1.5b-like", "qwen-vl", SIGLIP_SO_378, QWEN2_1_5B),
         # BLIP-2 trains only the bridge between a frozen ViT and a frozen LLM. The bridge here is
         # LLaVA's MLP projector, not a Q-Former (stated simplification).
-        ModelSpec("blip2-3b-like", "blip2", EVA_G_224, LLAMA_3B, default_frozen=("vision", "llm")),
+        ModelSpec("blip2-3b-like", "blip2", EVA_G_224, LLAMA_3B, frozen=("vision", "llm")),
         ModelSpec("llama-7b-like", "llm", None, LLAMA_7B),
         ModelSpec("qwen2-1.5b-like", "llm", None, QWEN2_1_5B),
         ModelSpec("vit-l-like", "vit", CLIP_L_224),
@@ -86,11 +86,24 @@ def memory_text_tower(t: TransformerSpec) -> TransformerSpec:
                    ffn_hidden_size=t.ffn if t.swiglu else 2 * t.ffn // 3)
 
 
-def as_memory_model(model: str | ModelSpec | TransformerSpec) -> ModelSpec:
-    """A preset name, a model or a text tower alone, as the model the memory predictor walks."""
+def as_memory_model(model: str | ModelSpec | TransformerSpec, *, seq: int | None = None,
+                    image_res: int | None = None, images_per_sample: int | None = None,
+                    attention: str | None = None,
+                    frozen: tuple[str, ...] | None = None) -> ModelSpec:
+    """A preset name, a model or a text tower alone, as the model the memory predictor walks;
+    the keywords set the model's own facts (None keeps them): the text tower's sequence length
+    (image tokens included), the vision tower's resolution, images per sample, the attention
+    implementation of every tower and the frozen towers."""
     if isinstance(model, str):
-        return get_preset(model)
-    if isinstance(model, TransformerSpec):
+        model = get_preset(model)
+    elif isinstance(model, TransformerSpec):
         model = ModelSpec(f"{model.family}-{model.num_layers}l-h{model.hidden_size}", "llm",
                           text=model)
-    return model if model.text is None else replace(model, text=memory_text_tower(model.text))
+    if model.text is not None:
+        model = replace(model, text=memory_text_tower(model.text))
+    model = model.with_seq(seq).at_resolution(image_res)
+    if attention is not None:
+        model = model.with_attention(attention)
+    if images_per_sample is not None:
+        model = replace(model, images_per_sample=images_per_sample)
+    return model if frozen is None else replace(model, frozen=frozen)

@@ -9,7 +9,7 @@ reserved peak is the base the residual model multiplies (and a feature)."""
 from __future__ import annotations
 
 from .allocator import CachingAllocatorSim
-from .config import TrainConfig
+from .config import Step
 from .factorize import F32, Factorization, LayerMemory
 from .overheads import CudaOverheads
 
@@ -34,11 +34,11 @@ def _shard(sizes: list[int], degree: int) -> list[int]:
     return [-(-s // degree) for s in sizes]
 
 
-def replay_reserved(fz: Factorization, cfg: TrainConfig, overheads: CudaOverheads) -> int:
+def replay_reserved(fz: Factorization, cfg: Step, overheads: CudaOverheads) -> int:
     """Reserved peak of the replayed steady-state (second) step on one rank. ZeRO stage 1
     shards fp32 masters and Adam states over ``dp``, stage 2 also gradients, stage 3 also
     parameters (each layer's full parameters gathered around its forward and backward)."""
-    p = cfg.prec
+    p = cfg.precision
     sim = CachingAllocatorSim()
     ratio = (F32 / max(p.param_dtype.itemsize, 1))
     opt_dp = cfg.dp if cfg.zero >= 1 else 1

@@ -28,7 +28,7 @@ from ..spec.precision import get_precision
 from ..step import Batch, LossFn, TrainingStep, default_loss
 from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
-from .config import ShardingError, TrainConfig, resolve_shapes
+from .config import ShardingError, Step, resolve_shapes
 from .overheads import HOPPER, CudaOverheads
 from .tracker import MemoryTracker
 
@@ -64,22 +64,22 @@ def loss_from_output(out, target):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def prepare_model(spec: ModelSpec, cfg: TrainConfig, emulate: bool = True) -> torch.nn.Module:
+def prepare_model(spec: ModelSpec, cfg: Step, emulate: bool = True) -> torch.nn.Module:
     """Build, freeze and (optionally) checkpoint a model for ``cfg``."""
-    model = build_model(spec, cfg.attention, emulate)
+    model = build_model(spec, spec.attention, emulate)
     model.train()
     towers = tower_modules(spec, model)
-    for name in cfg.frozen_towers(spec):
+    for name in spec.frozen:
         if name in towers:
             towers[name].requires_grad_(False)
     if cfg.checkpointing == "full":
         target = model.vision_tower if spec.text is None else model
         kwargs: dict = {"use_reentrant": False}
-        if emulate and cfg.prec.autocast:
+        if emulate and cfg.precision.autocast:
             # Real autocast state is restored for the recompute by torch.utils.checkpoint; the
             # emulation is a TorchFunctionMode it does not know, so re-enter it for recompute.
             kwargs["context_fn"] = lambda: (contextlib.nullcontext(),
-                                            _recompute_autocast(cfg.precision))
+                                            _recompute_autocast(cfg.precision.name))
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
@@ -91,19 +91,18 @@ def _recompute_autocast(precision: str):
         yield
 
 
-def simulate_step(spec: ModelSpec, cfg: TrainConfig, overheads: CudaOverheads = HOPPER,
+def simulate_step(spec: ModelSpec, cfg: Step, overheads: CudaOverheads = HOPPER,
                   steps: int = 2) -> Measurement:
     """Trace ``steps`` training steps of ``spec`` under ``cfg``; report the last one's peaks."""
     if cfg.zero:
         raise ShardingError("the traced ground truth runs one rank without ZeRO (zero=0)")
-    spec = spec.at_resolution(cfg.image_res)
     resolve_shapes(spec, cfg)
 
     def batch(model: torch.nn.Module) -> Batch:
-        kw = make_inputs(spec, model, cfg.batch, cfg.seq, cfg.images_per_sample)
+        kw = make_inputs(spec, model, cfg.batch, spec.seq_length or 0, spec.images_per_sample)
         return Batch((), kw["labels"], kw)
 
-    return trace_step(lambda: prepare_model(spec, cfg), batch, cfg.precision,
+    return trace_step(lambda: prepare_model(spec, cfg), batch, cfg.precision.name,
                       loss_fn=loss_from_output, overheads=overheads, steps=steps)
 
 

@@ -23,6 +23,7 @@ class ResolutionError(ModelSpecError):
 ATTENTION_IMPLS = ("flash", "unfused")
 VISION_FAMILIES = ("clip", "siglip")
 PROJECTORS = ("mlp2x_gelu", "linear")
+TOWERS = ("vision", "projector", "llm", "head")  # what a model may train with frozen weights
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,12 @@ class VisionTowerSpec:
     ffn_hidden_size: int
     patch_size: int = 14
     image_size: int = 336  # the resolution the position table is built for
+    attention: str = "flash"  # as TransformerSpec.attention ("unfused": HF's eager attention)
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ModelSpecError(f"vision attention={self.attention!r} must be one of "
+                                 f"{ATTENTION_IMPLS}")
         if self.family not in VISION_FAMILIES:
             raise UnknownModelError(
                 f"vision family={self.family!r} is unknown; choose {VISION_FAMILIES}")
@@ -107,7 +112,9 @@ class VisionTowerSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     """A model: a text tower, a vision tower, or both joined by a projector. ``family`` (llava |
-    qwen-vl | blip2 | llm | vit) groups models for held-out evaluation."""
+    qwen-vl | blip2 | llm | vit) groups models for held-out evaluation. ``frozen``: the towers
+    trained with frozen weights (of :data:`TOWERS`); ``images_per_sample``: images each
+    sample's text interleaves (a multimodal model's input)."""
 
     name: str
     family: str
@@ -115,11 +122,22 @@ class ModelSpec:
     text: TransformerSpec | None = None
     projector: str = "mlp2x_gelu"
     num_classes: int = 1000  # ViT classification head (no text tower)
-    default_frozen: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
+    images_per_sample: int = 1
 
     def __post_init__(self) -> None:
         if self.vision is None and self.text is None:
             raise ModelSpecError(f"model {self.name!r} has neither a vision nor a text tower")
+        for tower in self.frozen:
+            if tower not in TOWERS:
+                raise UnknownModelError(f"frozen tower {tower!r} unknown; choose from {TOWERS}")
+        if self.images_per_sample < 0:
+            raise ModelSpecError(f"images_per_sample={self.images_per_sample} must be >= 0")
+        if self.text is not None and self.vision is not None and (
+                self.text.attention != self.vision.attention):
+            raise ModelSpecError(f"model {self.name!r}: text attention={self.text.attention!r} "
+                                 f"and vision attention={self.vision.attention!r} differ (one "
+                                 "attention implementation runs the whole model)")
         if self.projector not in PROJECTORS:
             raise UnknownModelError(f"projector={self.projector!r} unknown; choose {PROJECTORS}")
 
@@ -132,6 +150,28 @@ class ModelSpec:
     @property
     def multimodal(self) -> bool:
         return self.vision is not None and self.text is not None
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation both towers run (one of :data:`ATTENTION_IMPLS`)."""
+        return (self.text or self.vision).attention
+
+    @property
+    def seq_length(self) -> int | None:
+        """Tokens per sample of the text tower, image tokens included (None: no text tower)."""
+        return self.text.seq_length if self.text is not None else None
+
+    def with_attention(self, attention: str) -> ModelSpec:
+        """The same model with every tower on ``attention``."""
+        v = self.vision and replace(self.vision, attention=attention)
+        t = self.text and replace(self.text, attention=attention)
+        return replace(self, vision=v, text=t)
+
+    def with_seq(self, seq_length: int | None) -> ModelSpec:
+        """The same model trained at ``seq_length`` tokens per sample (None: unchanged)."""
+        if seq_length is None or self.text is None or seq_length == self.text.seq_length:
+            return self
+        return replace(self, text=replace(self.text, seq_length=seq_length))
 
     def at_resolution(self, image_res: int | None) -> ModelSpec:
         """The same model with its vision position table built for ``image_res``."""

@@ -40,6 +40,10 @@ class TrainingOptions:
     # PyTorch FSDP FULL_SHARD / ZeRO-3 over the DP group: parameters all-gathered before each
     # micro-batch's forward and again before its backward, gradients reduce-scattered
     fsdp: bool = False
+    # DeepSpeed ZeRO-2 on top of the distributed optimizer: gradients partitioned too, each
+    # rank keeping only its shard (Megatron's distributed optimizer keeps the full gradient
+    # buffer and reduce-scatters it; with this flag the memory predictor drops the rest)
+    shard_gradients: bool = False
     recompute: str = "none"  # one of RECOMPUTE_MODES
     # torch.compile (Inductor): elementwise chains fused into fewer kernels
     compiled: bool = False
@@ -55,8 +59,26 @@ class TrainingOptions:
         if self.fsdp and self.distributed_optimizer:
             raise StrategyError("fsdp=True and distributed_optimizer=True are two ZeRO modes; "
                                 "choose one")
+        if self.shard_gradients and not self.distributed_optimizer:
+            raise StrategyError("shard_gradients=True (ZeRO-2) needs distributed_optimizer=True")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise StrategyError("overlap_param_gather=True needs distributed_optimizer=True")
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage these options amount to: 0 none, 1 optimizer states and fp32 masters
+        sharded (distributed optimizer), 2 + gradients, 3 + parameters (FSDP)."""
+        if self.fsdp:
+            return 3
+        return 2 if self.shard_gradients else int(self.distributed_optimizer)
+
+    @classmethod
+    def for_zero_stage(cls, stage: int, **kw) -> TrainingOptions:
+        """Options of ZeRO stage ``stage`` (0-3; see :attr:`zero_stage`), other fields ``kw``."""
+        if stage not in (0, 1, 2, 3):
+            raise StrategyError(f"zero={stage} must be one of 0, 1, 2, 3")
+        return cls(distributed_optimizer=stage in (1, 2), shard_gradients=stage == 2,
+                   fsdp=stage == 3, **kw)
 
 
 DEFAULT_OPTIONS = TrainingOptions()

@@ -86,17 +86,17 @@ def test_tracker_sees_allocations_frees_and_saved_tensors():
 def test_replay_shards_like_the_analytical_walk(precision):
     """The tensor-level replay applies ZeRO 1/2/3 as the phase walk does: each stage lowers
     the replayed reserved peak, which stays within fragmentation range of the analytical one."""
-    from predictors.memory.config import TrainConfig
+    from predictors.memory.config import Step
     from predictors.memory.factorize import factorize
     from predictors.memory.overheads import HOPPER
     from predictors.memory.phases import walk_phases
     from predictors.memory.presets import get_preset
     from predictors.memory.replay import replay_reserved
 
-    spec = get_preset("llava-1.5-7b-like")
+    spec = get_preset("llava-1.5-7b-like").with_seq(1024)
     last = None
     for zero in (0, 1, 2, 3):
-        cfg = TrainConfig(batch=1, seq=1024, precision=precision, zero=zero, dp=8)
+        cfg = Step.data_parallel(1, precision, zero=zero, dp=8)
         fz = factorize(spec, cfg)
         replayed = replay_reserved(fz, cfg, HOPPER)
         analytical = walk_phases(spec, cfg, HOPPER, fz).peak_allocated

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from predictors.memory.config import TrainConfig
+from predictors.memory.config import Step
 from predictors.memory.decompose import decompose_module, saved_by_layer
 from predictors.memory.factorize import factorize
 from predictors.memory.overheads import HOPPER
@@ -19,17 +21,17 @@ from predictors.step import cast_floating_
 TINY_V = VisionTowerSpec("clip", 3, 64, 4, 256, patch_size=14, image_size=56)
 TINY_T = TransformerSpec("llama", 2, 64, 4, 512, 1000, ffn_hidden_size=172, num_query_groups=2,
                          swiglu=True, tied_embeddings=False)
-TINY_LLAVA = ModelSpec("tiny-llava", "llava", TINY_V, TINY_T)
+TINY_LLAVA = ModelSpec("tiny-llava", "llava", TINY_V, TINY_T).with_seq(64)
 TINY_QWENVL = ModelSpec(
     "tiny-qwenvl", "qwen-vl", VisionTowerSpec("siglip", 2, 64, 4, 256, 14, 56),
     TransformerSpec("qwen2", 2, 64, 4, 512, 1000, ffn_hidden_size=172, num_query_groups=2,
-                    swiglu=True, tied_embeddings=False))
+                    swiglu=True, tied_embeddings=False)).with_seq(64)
 
 
-def _module_layers(spec: ModelSpec, cfg: TrainConfig):
+def _module_layers(spec: ModelSpec, cfg: Step):
     with FakeTensorMode():
         model = prepare_model(spec, cfg)
-        cast_floating_(model, cfg.prec.param_dtype)  # what TrainingStep does
+        cast_floating_(model, cfg.precision.param_dtype)  # what TrainingStep does
         return decompose_module(model)
 
 
@@ -39,7 +41,8 @@ def test_parameter_counts_equal_the_module(name):
     if spec.vision is not None:
         spec = spec.at_resolution(spec.vision.patch_size * 8)
     # fp32: the step's low-precision cast currently unties tied embeddings (see board)
-    cfg = TrainConfig(batch=1, seq=256 if spec.text else 1, precision="fp32")
+    spec = spec.with_seq(256)
+    cfg = Step.data_parallel(1, "fp32")
     mod = _module_layers(spec, cfg)
     fz = factorize(spec, cfg)
     for layer in fz.layers:
@@ -52,7 +55,7 @@ def test_parameter_counts_equal_the_module(name):
 
 
 def test_gradient_and_optimizer_bytes_equal_the_traced_step():
-    cfg = TrainConfig(batch=1, seq=64, precision="fp32")
+    cfg = Step.data_parallel(1, "fp32")
     m = simulate_step(TINY_LLAVA, cfg)
     fz = factorize(TINY_LLAVA, cfg)
     est = walk_phases(TINY_LLAVA, cfg, HOPPER)
@@ -69,30 +72,32 @@ def test_gradient_and_optimizer_bytes_equal_the_traced_step():
 
 
 def test_frozen_towers_drop_gradients_and_optimizer_states():
-    cfg = TrainConfig(batch=2, seq=64, precision="bf16-pure", frozen=("vision", "llm"))
-    fz = factorize(TINY_LLAVA, cfg)
+    cfg = Step.data_parallel(2, "bf16-pure")
+    frozen_llava = replace(TINY_LLAVA, frozen=("vision", "llm"))
+    fz = factorize(frozen_llava, cfg)
     trainable = {x.tower for x in fz.layers if x.trainable}
     assert trainable == {"projector"}
-    m = simulate_step(TINY_LLAVA, cfg)
+    m = simulate_step(frozen_llava, cfg)
     proj = next(x for x in fz.layers if x.name == "projector")
     assert m.breakdown["optimizer_state"] == 2 * proj.param_bytes + 4 * 4  # 4 step tensors
     # nothing upstream of the frozen vision tower needs a gradient: it saves nothing
     measured = saved_by_layer(m.saved_by_module)
     assert all(measured.get(f"vision.layers.{i}", 0) == 0 for i in range(3))
     assert all(x.saved == 0 for x in fz.layers if x.tower == "vision")
-    est = walk_phases(TINY_LLAVA, cfg, HOPPER)
+    est = walk_phases(frozen_llava, cfg, HOPPER)
     assert est.components["optimizer_states"] < fz.total("param_bytes", "projector") * 3
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
-@pytest.mark.parametrize("attention", ["flash", "eager"])
+@pytest.mark.parametrize("attention", ["flash", "unfused"])
 def test_block_activations_equal_the_tracker(precision, attention):
     """Attention + MLP blocks (decoder and ViT encoder layers, their Linears) save exactly what
     the dispatch-level tracker sees in a real forward under FakeTensorMode."""
-    cfg = TrainConfig(batch=2, seq=64, precision=precision, attention=attention)
-    measured = saved_by_layer(simulate_step(TINY_LLAVA, cfg, steps=1).saved_by_module)
-    fz = factorize(TINY_LLAVA, cfg)
-    low = cfg.prec.param_dtype.itemsize
+    cfg = Step.data_parallel(2, precision)
+    llava = TINY_LLAVA.with_attention(attention)
+    measured = saved_by_layer(simulate_step(llava, cfg, steps=1).saved_by_module)
+    fz = factorize(llava, cfg)
+    low = cfg.precision.param_dtype.itemsize
     tokens = 2 * (TINY_V.num_patches() + 1)
     for layer in fz.layers:
         if ".layers." not in layer.name:
@@ -110,7 +115,7 @@ def test_block_activations_equal_the_tracker(precision, attention):
 
 def test_whole_model_activations_within_two_percent():
     for spec in (TINY_LLAVA, TINY_QWENVL):
-        cfg = TrainConfig(batch=2, seq=64, precision="bf16")
+        cfg = Step.data_parallel(2, "bf16")
         measured = sum(simulate_step(spec, cfg, steps=1).saved_by_module.values())
         fz = factorize(spec, cfg)
         predicted = fz.total("saved") + fz.loss_saved

@@ -12,7 +12,7 @@ import torch
 from predictors.datasets.gpumemnet import load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import MiB
 from predictors.memory.cli import main
-from predictors.memory.config import ShardingError, TrainConfig
+from predictors.memory.config import ShardingError, Step
 from predictors.memory.device import DistributedSpec, get_device
 from predictors.memory.gpumemnet import (
     GeneratedMLP,
@@ -238,20 +238,22 @@ def test_module_factory_from_cli(capsys):
 def test_a_spec_through_the_traced_path_is_the_simulators_step():
     """A preset spec goes through the same trace as the simulated ground truth: with fused
     AdamW (what that trace runs) the reserved peaks are equal; foreach Adam adds its temporary."""
-    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192)
-    cfg = TrainConfig(batch=2, seq=128, precision="bf16")
+    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192).with_seq(128)
+    cfg = Step.data_parallel(2, "bf16")
     sim = simulate_step(spec, cfg)
-    fused = predict_spec_memory(spec, cfg, optimizer="adamw:fused", device="h100-80gb")
+    fused = predict_spec_memory(spec, cfg.strategy, precision="bf16", device="h100-80gb",
+                                optimizer="adamw:fused")
     assert fused.max_memory_reserved == sim.peak_reserved
     assert fused.max_memory_allocated == sim.peak_allocated
-    foreach = predict_spec_memory(spec, cfg, optimizer="adamw", device="h100-80gb")
+    foreach = predict_spec_memory(spec, cfg.strategy, precision="bf16", device="h100-80gb",
+                                  optimizer="adamw")
     assert foreach.max_memory_allocated > fused.max_memory_allocated
 
 
 def test_checkpointing_under_autocast_traces_and_saves_less():
     """The autocast emulation is re-entered for the recompute (it used to fail there)."""
-    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192)
-    none, full = (simulate_step(spec, TrainConfig(batch=4, seq=256, precision="bf16",
-                                                  checkpointing=c)) for c in ("none", "full"))
+    spec = scaled(PRESETS["llama-7b-like"], 0.125, 2, vocab=8192).with_seq(256)
+    none, full = (simulate_step(spec, Step.data_parallel(4, "bf16", recompute=c))
+                  for c in ("none", "full"))
     assert full.breakdown["activation"] < 0.7 * none.breakdown["activation"]
     assert full.peak_allocated < none.peak_allocated

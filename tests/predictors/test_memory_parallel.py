@@ -4,13 +4,15 @@ import pytest
 
 from predictors.memory.api import per_rank_components, predict_peak_memory
 from predictors.memory.config import ShardingError
+from predictors.memory.presets import as_memory_model
+from predictors.spec import ParallelStrategy
 
 MODEL = "llama-7b-like"  # 32 layers, hidden 4096, 32 heads
 
 
 def test_tp_splits_states_not_the_context():
-    one = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed")
-    tp4 = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed", tp=4)
+    one = predict_peak_memory(MODEL, precision="bf16-mixed")
+    tp4 = predict_peak_memory(MODEL, ParallelStrategy(1, 4, 1), precision="bf16-mixed")
     for k in ("parameters", "optimizer_states"):
         assert tp4.components[k] == one.components[k] // 4
     # activations: (10 + 24/4) / 34 of a layer's (flash attention: no s x s scores)
@@ -21,17 +23,16 @@ def test_tp_splits_states_not_the_context():
 
 
 def test_pp_first_stage_holds_inflight_microbatches():
-    pp4 = predict_peak_memory(MODEL, batch=1, seq=2048, precision="bf16-mixed", pp=4,
-                              num_microbatches=8)  # fmt: skip
-    stage = predict_peak_memory(MODEL, batch=1, seq=2048,
-                                precision="bf16-mixed", pp=4, num_microbatches=1)  # fmt: skip
+    pp4 = predict_peak_memory(MODEL, ParallelStrategy(1, 1, 4, global_batch=8),
+                              precision="bf16-mixed")
+    stage = predict_peak_memory(MODEL, ParallelStrategy(1, 1, 4), precision="bf16-mixed")
     assert pp4.inflight_microbatches == 4 and stage.inflight_microbatches == 1
     assert pp4.components["activations"] == 4 * stage.components["activations"]
     assert pp4.components["parameters"] == stage.components["parameters"]
     with pytest.raises(ShardingError, match="pp=5"):
-        predict_peak_memory(MODEL, pp=5)
+        predict_peak_memory(MODEL, ParallelStrategy(1, 1, 5))
     with pytest.raises(ShardingError, match="tp=3"):
-        predict_peak_memory(MODEL, tp=3)
+        predict_peak_memory(MODEL, ParallelStrategy(1, 3, 1))
 
 
 def test_uneven_pipeline_split_prices_the_first_stages_own_depth():
@@ -40,22 +41,21 @@ def test_uneven_pipeline_split_prices_the_first_stages_own_depth():
     same in-flight micro-batches as an even split."""
     from dataclasses import replace
 
-    from predictors.memory.presets import as_memory_model
-    from predictors.spec import ParallelStrategy, StrategyError
+    from predictors.spec import StrategyError
 
     deep = as_memory_model(MODEL)
     model30 = deep.with_layers(None, 30)
     uneven = ParallelStrategy(1, 1, 4, 1, 8, first_stage_layers=6, last_stage_layers=4)
-    got = predict_peak_memory(model30, seq=2048, precision="bf16-mixed", strategy=uneven)
-    even6 = predict_peak_memory(deep.with_layers(None, 24), seq=2048, precision="bf16-mixed",
-                                strategy=ParallelStrategy(1, 1, 4, 1, 8))  # fmt: skip
+    got = predict_peak_memory(model30, uneven, precision="bf16-mixed")
+    even6 = predict_peak_memory(deep.with_layers(None, 24), ParallelStrategy(1, 1, 4, 1, 8),
+                                precision="bf16-mixed")
     # the first stage of both holds 6 layers and 4 micro-batches
     assert got.components == even6.components and got.inflight_microbatches == 4
     with pytest.raises(ShardingError, match="pp=4"):
-        predict_peak_memory(model30, seq=2048, strategy=replace(uneven, first_stage_layers=None,
-                                                               last_stage_layers=None))
+        predict_peak_memory(model30, replace(uneven, first_stage_layers=None,
+                                             last_stage_layers=None))
     with pytest.raises(StrategyError, match="first_stage_layers=7"):
-        predict_peak_memory(model30, seq=2048, strategy=replace(uneven, first_stage_layers=7))
+        predict_peak_memory(model30, replace(uneven, first_stage_layers=7))
 
 
 def test_per_rank_components_by_hand():

@@ -7,10 +7,17 @@ import pytest
 from predictors.memory.api import predict_peak_memory
 from predictors.memory.cli import main
 from predictors.memory.collect import GROUND_TRUTH_CSV, collect
-from predictors.memory.config import ShardingError
 from predictors.memory.evaluate import evaluate, load_rows
 from predictors.memory.model import MIN_MARGIN, MemoryModel
-from predictors.spec import ResolutionError, UnknownModelError
+from predictors.memory.presets import as_memory_model
+from predictors.spec import (
+    ModelSpecError,
+    ParallelStrategy,
+    ResolutionError,
+    StrategyError,
+    TrainingOptions,
+    UnknownModelError,
+)
 
 # Stated agreement with the project's own simulator (docs/predictors-memory.md): held-out MAPE
 # against its simulated rows; the H200 rows' error is a benchmark figure, not a test threshold.
@@ -48,19 +55,21 @@ def test_heldout_family_and_size_mape_on_shipped_data():
 
 
 def test_api_breakdown_and_verdict():
-    small = predict_peak_memory("llava-1.5-7b-like", batch=1, seq=1024, precision="bf16-mixed",
-                                zero=1, dp=8, checkpointing="full", capacity_gib="80")
+    llava_1k = as_memory_model("llava-1.5-7b-like", seq=1024)
+    zero1_full = TrainingOptions.for_zero_stage(1, recompute="full")
+    small = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
+                                "80")
     assert small.fits and small.peak_reserved >= small.peak_allocated_analytical * 0.9
     assert MIN_MARGIN <= small.margin < 0.5  # predicted by the shipped margin model
-    fixed = predict_peak_memory("llava-1.5-7b-like", batch=1, seq=1024, precision="bf16-mixed",
-                                zero=1, dp=8, checkpointing="full", margin=0.05)
+    fixed = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
+                                margin=0.05)
     assert fixed.margin == 0.05 and fixed.peak_reserved == small.peak_reserved
     assert small.components["optimizer_states"] < small.components["parameters"]
-    big = predict_peak_memory("llava-1.5-7b-like", batch=16, seq=2048, precision="fp32",
-                              capacity_gib="24")
+    big = predict_peak_memory("llava-1.5-7b-like", ParallelStrategy(1, 1, 1, micro_batch=16),
+                              precision="fp32", capacity_gib="24")
     assert not big.fits
-    frozen = predict_peak_memory("llava-1.5-7b-like", batch=1, seq=1024, precision="bf16",
-                                 frozen=("vision", "llm"))
+    frozen = predict_peak_memory(as_memory_model(llava_1k, frozen=("vision", "llm")),
+                                 precision="bf16")
     # only the projector trains: fp32 exp_avg + exp_avg_sq (+ a 512 B step block per tensor)
     proj = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
     assert frozen.components["optimizer_states"] == 2 * 4 * proj + 4 * 512
@@ -70,13 +79,17 @@ def test_named_errors():
     with pytest.raises(UnknownModelError):
         predict_peak_memory("gpt-17-like")
     with pytest.raises(ResolutionError):
-        predict_peak_memory("llava-1.5-7b-like", image_res=330)
-    with pytest.raises(ResolutionError):
-        predict_peak_memory("llava-1.5-7b-like", seq=300)
-    with pytest.raises(ShardingError):
-        predict_peak_memory("llava-1.5-7b-like", zero=4, dp=8)
-    with pytest.raises(ShardingError):
-        predict_peak_memory("llava-1.5-7b-like", zero=1, dp=0)
+        as_memory_model("llava-1.5-7b-like", image_res=330)
+    with pytest.raises(ResolutionError, match="seq=300"):
+        predict_peak_memory(as_memory_model("llava-1.5-7b-like", seq=300))
+    with pytest.raises(StrategyError, match="zero=4"):
+        TrainingOptions.for_zero_stage(4)
+    with pytest.raises(StrategyError, match="dp=0"):
+        ParallelStrategy(0, 1, 1)
+    with pytest.raises(UnknownModelError, match="frozen tower 'decoder'"):
+        as_memory_model("llava-1.5-7b-like", frozen=("decoder",))
+    with pytest.raises(ModelSpecError, match="recompute='selective'"):
+        predict_peak_memory("llava-1.5-7b-like", options=TrainingOptions(recompute="selective"))
 
 
 def test_cli_prints_breakdown_and_verdict(capsys):

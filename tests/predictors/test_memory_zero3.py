@@ -1,9 +1,11 @@
 """One ZeRO-3 model for both paths, and a LLaVA-style step (frozen vision tower, ZeRO-3,
 activation checkpointing) against states computed by hand."""
 
+from dataclasses import replace
+
 import torch
 
-from predictors.memory.config import TrainConfig
+from predictors.memory.config import Step
 from predictors.memory.device import DistributedSpec
 from predictors.memory.factorize import factorize
 from predictors.memory.module import predict_module_memory
@@ -11,14 +13,16 @@ from predictors.memory.overheads import HOPPER
 from predictors.memory.phases import walk_phases
 from predictors.memory.presets import get_preset
 from predictors.memory.zero import zero3_params
+from predictors.spec import ParallelStrategy, TrainingOptions
 
 MB = 2**20
 
 
 def test_llava_frozen_vision_zero3_checkpointing_hand_computed():
-    spec = get_preset("llava-1.5-7b-like").with_layers(2, 2)
-    cfg = TrainConfig(batch=2, seq=1024, precision="bf16-mixed", zero=3, dp=8,
-                      checkpointing="full", frozen=("vision",))  # fmt: skip
+    spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
+                   frozen=("vision",))
+    cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2),
+               TrainingOptions.for_zero_stage(3, recompute="full"), "bf16-mixed")
     # parameters by hand (CLIP-L/14 at 336 px, LLaMA-7B shapes, LLaVA's 2-layer MLP projector)
     hv, fv, h, f, vocab = 1024, 4096, 4096, 11008, 32064
     vis_embed = 3 * 14 * 14 * hv + hv + (24 * 24 + 1) * hv + 2 * hv  # patch conv, cls, pos, LN

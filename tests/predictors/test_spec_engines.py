@@ -139,10 +139,11 @@ def test_memory_predictor_takes_the_text_tower_and_strategy_cona_ranks():
 
     gpt = TransformerSpec("gpt", 24, 2048, 16, 2048, 50304)
     strategy = ParallelStrategy(2, 2, 2, micro_batch=2, global_batch=16)
-    got = predict_peak_memory(gpt, strategy=strategy, precision="bf16")
+    got = predict_peak_memory(gpt, strategy, precision="bf16")
     llama = replace(gpt, family="llama", swiglu=True, ffn_hidden_size=2 * 4 * 2048 // 3)
-    by_hand = predict_peak_memory(ModelSpec("by-hand", "llm", text=llama), batch=2, seq=2048,
-                                  dp=2, tp=2, pp=2, num_microbatches=4, precision="bf16")
+    by_hand = predict_peak_memory(ModelSpec("by-hand", "llm", text=llama),
+                                  ParallelStrategy(2, 2, 2, micro_batch=2, global_batch=16),
+                                  precision="bf16")
     assert got.device_total == by_hand.device_total and got.components == by_hand.components
 
 
@@ -163,11 +164,12 @@ def test_memory_predictor_takes_the_one_training_options():
     strategy = ParallelStrategy(4, 2, 1, micro_batch=2, global_batch=16)
     for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
                                  1, "full"), (TrainingOptions(fsdp=True), 3, "none")):  # fmt: skip
-        got = predict_peak_memory("llama-7b-like", strategy=strategy, options=options)
-        want = predict_peak_memory("llama-7b-like", batch=2, dp=4, tp=2, num_microbatches=2,
-                                   zero=zero, checkpointing=ckpt)
-        assert (got.config.zero, got.config.checkpointing) == (zero, ckpt)
-        assert got.device_total == want.device_total
+        got = predict_peak_memory("llama-7b-like", strategy, options)
+        assert (got.step.zero, got.step.checkpointing) == (zero, ckpt)
+        stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt)
+        assert stage.zero_stage == zero
+        assert got.device_total == predict_peak_memory("llama-7b-like", strategy,
+                                                       stage).device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
 
