@@ -43,6 +43,9 @@ class Step:
             raise ModelSpecError(f"recompute={self.options.recompute!r} is not modelled by the "
                                  f"memory predictor; choose one of {CHECKPOINTING}")
 
+    def __hash__(self) -> int:  # a Precision holds a dict (extra_features): hash its name
+        return hash((self.strategy, self.options, self.precision.name))
+
     @classmethod
     def data_parallel(cls, batch: int, precision: str | Precision, *, recompute: str = "none",
                       zero: int = 0, dp: int = 1) -> Step:

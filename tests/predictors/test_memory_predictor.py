@@ -6,7 +6,7 @@ import pytest
 
 from predictors.memory.api import predict_peak_memory
 from predictors.memory.cli import main
-from predictors.memory.collect import GROUND_TRUTH_CSV, collect
+from predictors.memory.collect import GROUND_TRUTH_CSV, collect, row_key
 from predictors.memory.evaluate import evaluate, load_rows
 from predictors.memory.model import MIN_MARGIN, MemoryModel
 from predictors.memory.presets import as_memory_model
@@ -32,8 +32,8 @@ def test_shipped_model_meets_stated_mape_on_freshly_collected_configs(tmp_path):
     out = collect(tmp_path / "gt.csv", quick=True)
     rows = load_rows(out)
     assert rows and all(r.ground_truth == "sim" for r in rows)
-    shipped = {(r.spec.name, r.cfg) for r in load_rows(GROUND_TRUTH_CSV)}
-    assert not any((r.spec.name, r.cfg) in shipped for r in rows)
+    shipped = {row_key(r.spec, r.cfg) for r in load_rows(GROUND_TRUTH_CSV)}
+    assert not any(row_key(r.spec, r.cfg) in shipped for r in rows)
     model = MemoryModel.load()
     ape = [abs(model.predict_reserved(r.spec, r.cfg) / r.measured - 1) for r in rows]
     assert 100 * sum(ape) / len(ape) <= STATED_MAPE_UNSEEN
@@ -84,6 +84,9 @@ def test_named_errors():
         predict_peak_memory(as_memory_model("llava-1.5-7b-like", seq=300))
     with pytest.raises(StrategyError, match="zero=4"):
         TrainingOptions.for_zero_stage(4)
+    with pytest.raises(StrategyError, match="shard_gradients=True"):
+        TrainingOptions(shard_gradients=True)
+    assert TrainingOptions.for_zero_stage(2).zero_stage == 2
     with pytest.raises(StrategyError, match="dp=0"):
         ParallelStrategy(0, 1, 1)
     with pytest.raises(UnknownModelError, match="frozen tower 'decoder'"):
@@ -101,3 +104,28 @@ def test_cli_prints_breakdown_and_verdict(capsys):
     assert "trained on" in out
     assert main(["memory", "--model", "nope"]) == 1
     assert "UnknownModelError" in capsys.readouterr().err
+
+
+def test_ground_truth_rows_round_trip_to_the_one_vocabulary():
+    """A row's spec/config columns read back as the model and step written, and a row written
+    before the fold (``default_frozen``, ``frozen: null``, ``attention: eager``) reads as the
+    same job in the spec's own terms."""
+    import json
+    from dataclasses import replace
+
+    from predictors.memory.collect import job_from_row, row_config, spec_to_json
+    from predictors.memory.config import Step
+    from predictors.memory.presets import get_preset
+
+    spec = replace(as_memory_model("blip2-3b-like", seq=512, attention="unfused"),
+                   frozen=("vision",))
+    step = Step.data_parallel(4, "bf16-mixed", recompute="full", zero=2, dp=8)
+    row = {"spec": spec_to_json(spec), "config": json.dumps(row_config(spec, step))}
+    assert job_from_row(row) == (spec, step)
+    legacy_spec = json.loads(spec_to_json(get_preset("blip2-3b-like")))
+    legacy_spec["default_frozen"] = legacy_spec.pop("frozen")
+    del legacy_spec["vision"]["attention"]  # the vision tower had no attention field then
+    config = {**row_config(spec, step), "frozen": None, "attention": "eager"}
+    got, got_step = job_from_row({"spec": json.dumps(legacy_spec), "config": json.dumps(config)})
+    assert got.frozen == ("vision", "llm") and got.attention == "unfused"
+    assert got.seq_length == 512 and got_step == step and got_step.zero == 2
