@@ -38,7 +38,8 @@ from predictors.time.trace import FP8_TRANSPOSE
 # Grids of the development: the efficiency grid (shares of peak, log-spaced 0.1-1.0) was set
 # before any fold was scored; the compiled grid was widened once after an in-sample fit hit
 # its floor; fitting comm_latency and launch_overhead too was tried and dropped (worse
-# leave-one-model-out), and the per-GEMM cost's grid cut to three values (runtime). A
+# leave-one-model-out) before the GPU kit's host-bound rows joined; launch_overhead is fitted
+# since (#44 F: better M, G, X), and the per-GEMM cost's grid cut to three values (runtime). A
 # framework's factors span 1/4-4x the family's (log-spaced, set with the joint fit, #44)
 EFFICIENCY_GRID = tuple(round(0.1 * 10 ** (i / 15), 4) for i in range(16))
 COMPILED_GRID = (0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.7, 0.85, 1.0, 1.2)
