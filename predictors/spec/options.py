@@ -31,15 +31,19 @@ class Fp8Kernels:
     # run as predictors.autocast's Python emulation (a TorchFunctionMode that sees every torch
     # call, an autograd.Function per linear): more host work per kernel than the plain step
     python_emulation: bool = False
+    # the recipe whose GEMM efficiency each per-tensor-scaled recipe (delayed, current) prices
+    # at where the framework runs them through one GEMM call (None: each recipe its own)
+    tensorwise_gemm: str | None = None
 
 
 # Transformer Engine (Megatron-Core, LLM Foundry) and torchao under torch.compile (torchtitan):
 # te.Linear / Float8Linear on the layers only, the transposes fused into the cast (the default).
 # This project's eager step (predictors.autocast.Fp8LinearEmulation, as the GPU kit times it)
 # turns every F.linear into fp8 GEMMs, the LM head included, and makes each transposed operand
-# with a standalone ``.t().contiguous()`` copy, all under a Python emulation
+# with a standalone ``.t().contiguous()`` copy, all under a Python emulation; its delayed and
+# current scaling differ only in the casts (one ``torch._scaled_mm`` call for both)
 FP8_KERNELS = {"pytorch": Fp8Kernels(covers_head=True, fused_transpose=False,
-                                     python_emulation=True)}
+                                     python_emulation=True, tensorwise_gemm="fp8")}
 
 
 def fp8_kernels(framework: str) -> Fp8Kernels:

@@ -67,9 +67,13 @@ FRAMEWORK_FACTORS = {"gemm": FRAMEWORK_GEMM_KEY, "fusion": FRAMEWORK_FUSION_KEY,
 SHIPPED = Path(__file__).parents[1] / "models" / "efficiency.json"
 
 
-def gemm_key(precision: Precision) -> str:
-    """Efficiency key of the precision's GEMMs (an fp8 recipe has its own)."""
+def gemm_key(precision: Precision, framework: str = "megatron") -> str:
+    """Efficiency key of the precision's GEMMs (an fp8 recipe has its own, unless
+    ``framework`` runs it through another's GEMM: ``Fp8Kernels.tensorwise_gemm``)."""
     if precision.recipe is not None:
+        shared = fp8_kernels(framework).tensorwise_gemm
+        if shared and precision.recipe.scaling in ("delayed", "current"):
+            return f"matmul:{shared}"
         return f"matmul:{precision.name}"
     return f"matmul:{_dtype(precision)}"
 
@@ -98,7 +102,7 @@ def for_precision(device: Device, precision: Precision, framework: str = "megatr
     if fp8_kernels(framework).python_emulation:
         host = device.launch_overhead * device.efficiency.get(EMULATION_HOST_KEY, 1.0)
         device = replace(device, launch_overhead=host)
-    fitted = device.efficiency.get(gemm_key(precision))
+    fitted = device.efficiency.get(gemm_key(precision, framework))
     if fitted is None:
         return device
     column = f"matmul:{precision.recipe.rate_column}"

@@ -92,7 +92,7 @@ class EfficiencyFit:
         keys: list[str] = []
         for i in index:
             p = self.precisions[i]
-            for k in (gemm_key(p), attention_key(p)):
+            for k in (gemm_key(p, self.frameworks[i]), attention_key(p)):
                 if k not in keys:
                     keys.append(k)
             if self.rows[i].options.compiled and COMPILED_KEY not in keys:

@@ -161,6 +161,11 @@ def test_the_kits_fp8_step_is_priced_as_it_runs_and_te_frameworks_are_unchanged(
     assert for_precision(host, p, "llm-foundry").launch_overhead == dev.launch_overhead
     assert for_precision(host, get_precision("bf16-mixed"), "pytorch").launch_overhead == \
         dev.launch_overhead
+    # the kit's delayed and current scaling call one _scaled_mm: one GEMM efficiency
+    current = replace(dev, efficiency={"matmul:fp8": 0.4, "matmul:fp8-current": 0.7})
+    fp8_current = get_precision("fp8-current")
+    assert for_precision(current, fp8_current, "pytorch").efficiency["matmul:fp8"] == 0.4
+    assert for_precision(current, fp8_current, "torchtitan").efficiency["matmul:fp8"] == 0.7
 
 
 def test_unknown_framework_names_the_field():
