@@ -21,6 +21,37 @@ FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch")
 
 
 @dataclass(frozen=True)
+class Fp8Kernels:
+    """How a framework's fp8 linears run: whether the recipe covers the LM head too, and
+    whether each fp8 operand's transposed copy (the backward GEMMs' layout) is written by the
+    fused cast-transpose kernel or is a standalone transposing copy."""
+
+    covers_head: bool = False
+    fused_transpose: bool = True
+    # run as predictors.autocast's Python emulation (a TorchFunctionMode that sees every torch
+    # call, an autograd.Function per linear): more host work per kernel than the plain step
+    python_emulation: bool = False
+    # the recipe whose GEMM efficiency each per-tensor-scaled recipe (delayed, current) prices
+    # at where the framework runs them through one GEMM call (None: each recipe its own)
+    tensorwise_gemm: str | None = None
+
+
+# Transformer Engine (Megatron-Core, LLM Foundry) and torchao under torch.compile (torchtitan):
+# te.Linear / Float8Linear on the layers only, the transposes fused into the cast (the default).
+# This project's eager step (predictors.autocast.Fp8LinearEmulation, as the GPU kit times it)
+# turns every F.linear into fp8 GEMMs, the LM head included, and makes each transposed operand
+# with a standalone ``.t().contiguous()`` copy, all under a Python emulation; its delayed and
+# current scaling differ only in the casts (one ``torch._scaled_mm`` call for both)
+FP8_KERNELS = {"pytorch": Fp8Kernels(covers_head=True, fused_transpose=False,
+                                     python_emulation=True, tensorwise_gemm="fp8")}
+
+
+def fp8_kernels(framework: str) -> Fp8Kernels:
+    """The fp8 kernels ``framework`` runs (:data:`FP8_KERNELS`, else TE's)."""
+    return FP8_KERNELS.get(framework, Fp8Kernels())
+
+
+@dataclass(frozen=True)
 class TrainingOptions:
     """Framework settings that decide how much communication hides under compute (Megatron's
     flags of the same names). Defaults are Megatron's defaults."""

@@ -33,7 +33,7 @@ from predictors.time.network import (
     topology_of,
 )
 from predictors.time.network import p2p as p2p_cost
-from predictors.time.trace import OpRecord, Trace
+from predictors.time.trace import FP8_TRANSPOSE, OpRecord, Trace
 
 # Fraction of peak a well-shaped kernel reaches: the roofline's fallback where no efficiency
 # was fitted for the device family (Device.efficiency, fitted by predictors.time.efficiency on
@@ -50,6 +50,13 @@ COMPILED_KEY = "compiled"
 # device fact, shared by every framework); unfitted: 1
 MEMORY_KEY = "memory"
 FP8_KEYS = ("fp8", "mxfp8")
+# Device.efficiency key of the share of the bandwidth a standalone transposing copy of an fp8
+# tensor reaches (eager ``.t().contiguous()``; fitted per device family where rows run it).
+# Unfitted: the bound without cache reuse, one side's 1-byte accesses strided so each uses
+# one byte of a 32-byte sector (CUDA C++ Best Practices Guide, "Coalesced Access to Global
+# Memory": strided accesses): 2 bytes moved per element cost 1 + 32
+TRANSPOSE_KEY = "transpose:fp8"
+TRANSPOSE_EFFICIENCY = 2 / 33
 # Transformer Engine's DelayedScaling: once per step one fused kernel updates every fp8
 # tensor's amax history and scale (nvte_delayed_scaling_recipe_amax_and_scale_update_after_
 # reduction); the amaxes are all-reduced across the data/tensor-parallel group after each
@@ -100,8 +107,10 @@ def op_time(record: OpRecord, device: Device) -> float:
             busy += device.gemm_latency
     else:
         eff = device.efficiency
-        busy = (record.bytes / (device.vector_bw(key) * eff.get(MEMORY_KEY, 1.0))
-                * eff.get(FRAMEWORK_FUSION_KEY, 1.0))  # fmt: skip
+        bw = device.vector_bw(key) * eff.get(MEMORY_KEY, 1.0)
+        if record.name == FP8_TRANSPOSE:
+            bw *= eff.get(TRANSPOSE_KEY, TRANSPOSE_EFFICIENCY)
+        busy = record.bytes / bw * eff.get(FRAMEWORK_FUSION_KEY, 1.0)
     if device.kind == "gpu":
         return max(busy + GPU_KERNEL_GAP, device.launch_overhead)
     return busy + device.launch_overhead

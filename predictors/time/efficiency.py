@@ -43,10 +43,17 @@ import torch
 
 from predictors.devices import Device
 from predictors.spec import TrainingOptions
+from predictors.spec.options import fp8_kernels
 from predictors.spec.precision import Precision, get_precision
 
 # Device fields fitted beside the efficiencies, with their grids
-DEVICE_GRIDS = {"gemm_latency": (0.0, 5e-6, 20e-6)}
+# (launch_overhead: the host's cost per kernel of an eager step, which sets the time of the
+# GPU kit's small steps: they are host-bound)
+DEVICE_GRIDS = {"gemm_latency": (0.0, 5e-6, 20e-6),
+                "launch_overhead": (10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 60e-6, 80e-6)}
+# Device.efficiency key of the factor on the host's cost per kernel while a step runs under a
+# Python emulation of its precision's library (predictors.spec.options.Fp8Kernels); unfitted: 1
+EMULATION_HOST_KEY = "host:emulation"
 # What the framework running the step adds to its device's efficiencies, as factors resolved
 # into Device.efficiency for one framework (resolve; unfitted: 1, the typical framework's):
 # its GEMM/attention kernels' speed relative to the device family's efficiencies, its fusion
@@ -60,9 +67,13 @@ FRAMEWORK_FACTORS = {"gemm": FRAMEWORK_GEMM_KEY, "fusion": FRAMEWORK_FUSION_KEY,
 SHIPPED = Path(__file__).parents[1] / "models" / "efficiency.json"
 
 
-def gemm_key(precision: Precision) -> str:
-    """Efficiency key of the precision's GEMMs (an fp8 recipe has its own)."""
+def gemm_key(precision: Precision, framework: str = "megatron") -> str:
+    """Efficiency key of the precision's GEMMs (an fp8 recipe has its own, unless
+    ``framework`` runs it through another's GEMM: ``Fp8Kernels.tensorwise_gemm``)."""
     if precision.recipe is not None:
+        shared = fp8_kernels(framework).tensorwise_gemm
+        if shared and precision.recipe.scaling in ("delayed", "current"):
+            return f"matmul:{shared}"
         return f"matmul:{precision.name}"
     return f"matmul:{_dtype(precision)}"
 
@@ -82,12 +93,16 @@ def _dtype(p: Precision) -> str:
     return "tf32" if p.tf32 else "fp32"
 
 
-def for_precision(device: Device, precision: Precision) -> Device:
+def for_precision(device: Device, precision: Precision, framework: str = "megatron") -> Device:
     """``device`` with its fp8 GEMM efficiency set to the recipe's own fitted one (the traced
-    fp8 GEMMs all price at the ``matmul:fp8`` / ``matmul:mxfp8`` key)."""
+    fp8 GEMMs all price at the ``matmul:fp8`` / ``matmul:mxfp8`` key), and the host's cost per
+    kernel of ``framework``'s step at ``precision`` (a Python emulation costs more)."""
     if precision.recipe is None:
         return device
-    fitted = device.efficiency.get(gemm_key(precision))
+    if fp8_kernels(framework).python_emulation:
+        host = device.launch_overhead * device.efficiency.get(EMULATION_HOST_KEY, 1.0)
+        device = replace(device, launch_overhead=host)
+    fitted = device.efficiency.get(gemm_key(precision, framework))
     if fitted is None:
         return device
     column = f"matmul:{precision.recipe.rate_column}"

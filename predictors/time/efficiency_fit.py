@@ -9,17 +9,21 @@ import math
 from collections.abc import Sequence
 
 from predictors.devices import Device, get_device
+from predictors.spec.options import fp8_kernels
 from predictors.spec.precision import RATE_COLUMNS, get_precision
 from predictors.time.analytical import (
     COMPILED_KEY,
     FP8_KEYS,
     MATMUL_CLASSES,
     MEMORY_KEY,
+    TRANSPOSE_EFFICIENCY,
+    TRANSPOSE_KEY,
     default_efficiency,
     iteration_time,
 )
 from predictors.time.efficiency import (
     DEVICE_GRIDS,
+    EMULATION_HOST_KEY,
     FRAMEWORK_FACTORS,
     apply,
     attention_key,
@@ -29,16 +33,24 @@ from predictors.time.efficiency import (
     resolve,
 )
 from predictors.time.features import step_work
+from predictors.time.trace import FP8_TRANSPOSE
 
 # Grids of the development: the efficiency grid (shares of peak, log-spaced 0.1-1.0) was set
 # before any fold was scored; the compiled grid was widened once after an in-sample fit hit
 # its floor; fitting comm_latency and launch_overhead too was tried and dropped (worse
-# leave-one-model-out), and the per-GEMM cost's grid cut to three values (runtime). A
+# leave-one-model-out) before the GPU kit's host-bound rows joined; launch_overhead is fitted
+# since (#44 F: better M, G, X), and the per-GEMM cost's grid cut to three values (runtime). A
 # framework's factors span 1/4-4x the family's (log-spaced, set with the joint fit, #44)
 EFFICIENCY_GRID = tuple(round(0.1 * 10 ** (i / 15), 4) for i in range(16))
 COMPILED_GRID = (0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.7, 0.85, 1.0, 1.2)
 FACTOR_GRID = tuple(round(0.25 * 2 ** (i / 4), 4) for i in range(17))
-GRIDS = {COMPILED_KEY: COMPILED_GRID, **DEVICE_GRIDS}
+# standalone fp8 transposes: from the no-reuse sector bound's neighbourhood (1/50) to full
+# bandwidth, log-spaced (#44 item F)
+TRANSPOSE_GRID = tuple(round(0.02 * 50 ** (i / 15), 4) for i in range(16))
+# the emulation's host cost: 1-4x the plain step's per kernel
+EMULATION_HOST_GRID = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
+GRIDS = {COMPILED_KEY: COMPILED_GRID, TRANSPOSE_KEY: TRANSPOSE_GRID,
+         EMULATION_HOST_KEY: EMULATION_HOST_GRID, **DEVICE_GRIDS}
 MAX_SWEEPS = 4  # coordinate descent stops earlier when a sweep improves nothing
 COARSE_STEP = 3  # the first sweep scans every third grid value, then walks to a neighbour
 
@@ -61,7 +73,8 @@ class EfficiencyFit:
 
     def _price(self, efficiency: dict[str, float], i: int) -> float:
         r, p = self.rows[i], self.precisions[i]
-        dev = for_precision(apply(self.devices[i], resolve(efficiency, self.frameworks[i])), p)
+        framework = self.frameworks[i]
+        dev = for_precision(apply(self.devices[i], resolve(efficiency, framework)), p, framework)
         return iteration_time(self.works[i], r.strategy, dev, r.options).total
 
     def _error(self, efficiency: dict[str, float], i: int) -> float:
@@ -79,11 +92,17 @@ class EfficiencyFit:
         keys: list[str] = []
         for i in index:
             p = self.precisions[i]
-            for k in (gemm_key(p), attention_key(p)):
+            for k in (gemm_key(p, self.frameworks[i]), attention_key(p)):
                 if k not in keys:
                     keys.append(k)
             if self.rows[i].options.compiled and COMPILED_KEY not in keys:
                 keys.append(COMPILED_KEY)
+            if (p.recipe and fp8_kernels(self.frameworks[i]).python_emulation
+                    and EMULATION_HOST_KEY not in keys):
+                keys.append(EMULATION_HOST_KEY)
+            if TRANSPOSE_KEY not in keys and any(
+                    r.name == FP8_TRANSPOSE for r, _ in self.works[i].fwd_bwd.unique()):
+                keys.append(TRANSPOSE_KEY)
         factors = [framework_key(f, x) for x in FRAMEWORK_FACTORS
                    for f in self.frameworks_of(index, x)]  # fmt: skip
         return keys + [MEMORY_KEY] + factors + list(DEVICE_GRIDS)
@@ -196,10 +215,12 @@ def _is_fp8(dtype: str) -> bool:
 
 
 def _default(key: str, device: Device) -> float:
-    if key in (COMPILED_KEY, MEMORY_KEY) or key.startswith("framework:"):
+    if key in (COMPILED_KEY, MEMORY_KEY, EMULATION_HOST_KEY) or key.startswith("framework:"):
         return 1.0
     if key in DEVICE_GRIDS:
         return getattr(device, key)
+    if key == TRANSPOSE_KEY:
+        return TRANSPOSE_EFFICIENCY
     op_class, dtype = key.split(":", 1)
     if dtype not in RATE_COLUMNS:  # an fp8 recipe's own key: its rate column's default
         dtype = get_precision(dtype).recipe.rate_column

@@ -20,12 +20,13 @@ import torch
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
+from predictors.spec.options import fp8_kernels
 from predictors.spec.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.step import Batch
 from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.time.efficiency import for_precision
 from predictors.time.network import Topology
-from predictors.time.trace import OP_CLASSES, Trace, trace_step
+from predictors.time.trace import FP8_TRANSPOSE, OP_CLASSES, Trace, trace_step
 from predictors.time.zoo import EmbeddingHead, TransformerLayer, ZooModel, build, make_batch
 
 # features of the traced kernels that only vary with precision (the entry's own encoding,
@@ -138,11 +139,17 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     layer_step, layer_opt = _at_batch("layer", key, strategy.tp, strategy.micro_batch,
                                       precision.name, target, sp)  # fmt: skip
     layer_step = _full_context(layer_step, cp)
-    # an fp8 recipe covers the layers' linears only: TE keeps the embedding and LM head in
-    # the high-precision dtype (te.Linear is not used there; LLM Foundry does the same)
-    head_precision = precision.recipe.fallback if precision.recipe else precision.name
+    # an fp8 recipe covers the layers' linears only under TE: it keeps the embedding and LM
+    # head in the high-precision dtype (te.Linear is not used there; LLM Foundry does the
+    # same); the project's eager step runs every linear in fp8 (Fp8Kernels)
+    fp8 = fp8_kernels(options.framework)
+    head_precision = (precision.recipe.fallback if precision.recipe and not fp8.covers_head
+                      else precision.name)  # fmt: skip
     head_step, head_opt = _at_batch("head", key, strategy.tp, strategy.micro_batch,
                                     head_precision, target)  # fmt: skip
+    if fp8.fused_transpose:  # the cast kernel writes the transposed copy: no kernel of its own
+        layer_step, head_step = (Trace([r for r in t.records if r.name != FP8_TRANSPOSE])
+                                 for t in (layer_step, head_step))  # fmt: skip
     # every stage runs each micro-batch in lock-step with its neighbours, so the deepest stage
     # (of an uneven split too) sets the pipeline's pace
     layers = strategy.max_stage_layers(spec.num_layers)
@@ -240,7 +247,7 @@ def features_and_breakdown(spec: ZooModel, strategy: ParallelStrategy,
     p = get_precision(precision)
     if not precision_aware:
         p = get_precision("fp32")
-    device = for_precision(device, p)
+    device = for_precision(device, p, options.framework)
     work = step_work(spec, strategy, p, device, options)
     est = iteration_time(work, strategy, device, options, topology)
     m = strategy.num_microbatches

@@ -27,6 +27,10 @@ aten = torch.ops.aten
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# record name of an fp8 operand's transposed copy (the backward GEMMs' layout): a standalone
+# copy kernel in eager PyTorch, written by the fused cast-transpose under Transformer Engine
+# (predictors.spec.options.Fp8Kernels decides per framework which one a step runs)
+FP8_TRANSPOSE = "fp8_transpose"
 
 # ---------------------------------------------------------------------------------------------
 # FLOP formulas missing from torch.utils.flop_counter: the CPU flash-attention kernels.
@@ -80,7 +84,7 @@ def classify(name: str, phase: str, casts: bool) -> str:
         return "conv"
     if name in OPTIMIZER_OPS or (phase == "optimizer" and name.startswith("_foreach")):
         return "optimizer"
-    if name in ("_to_copy", "copy_", "clone", "contiguous", "_copy_from"):
+    if name in ("_to_copy", "copy_", "clone", "contiguous", "_copy_from", FP8_TRANSPOSE):
         return "cast" if casts else "copy"
     for cls, names in (("norm", NORM_OPS), ("softmax", SOFTMAX_OPS), ("loss", LOSS_OPS),
                        ("embedding", EMBEDDING_OPS), ("reduction", REDUCTION_OPS)):  # fmt: skip
@@ -219,7 +223,7 @@ class OpTracer(TorchDispatchMode):
         if not ins and all(t.dim() == 0 for t in outs):
             return  # a scalar constant (fp8 scale): a persistent buffer in real code
         if name in ("clone", "contiguous") and ins and ins[0].dtype in FP8:
-            return  # fp8 transposed copy: written by the fused cast-transpose kernel (TE)
+            name = FP8_TRANSPOSE
         floats = [t for t in ins + outs if t.is_floating_point()]
         pool = [t for t in ins if t.is_floating_point()] or floats
         if not pool:

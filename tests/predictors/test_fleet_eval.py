@@ -83,7 +83,8 @@ SPEC = TransformerSpec("llama", 2, 4096, 32, 4096, 32000, num_query_groups=8, sw
 
 
 def test_fit_recovers_known_efficiencies():
-    truth = {"gemm_latency": 0.0, "matmul:bf16": 0.3981, "attention:bf16": 0.2512, "memory": 1.0}
+    truth = {"gemm_latency": 0.0, "launch_overhead": 20e-6, "matmul:bf16": 0.3981,
+             "attention:bf16": 0.2512, "memory": 1.0}
     # sequence lengths apart: attention grows with s^2, the GEMMs with s, so the two separate
     rows = [SimpleNamespace(spec=replace(SPEC, seq_length=seq),
                             strategy=ParallelStrategy(dp, 1, 1, mb, dp * mb * 2),
@@ -135,6 +136,36 @@ def test_an_fp8_recipe_prices_at_its_own_fitted_efficiency():
     dev = replace(get_device("h100-80gb"), efficiency={"matmul:fp8-rowwise": 0.3})
     assert for_precision(dev, get_precision("fp8-rowwise")).efficiency["matmul:fp8"] == 0.3
     assert "matmul:fp8" not in for_precision(dev, get_precision("fp8")).efficiency
+
+
+def test_the_kits_fp8_step_is_priced_as_it_runs_and_te_frameworks_are_unchanged():
+    from predictors.time.efficiency import EMULATION_HOST_KEY
+    from predictors.time.features import step_work
+    from predictors.time.trace import FP8_TRANSPOSE
+
+    s, p, dev = ParallelStrategy(1, 1, 1, 2, 2), get_precision("fp8"), get_device("h100-80gb")
+
+    def work(framework):
+        return step_work(SPEC, s, p, dev, TrainingOptions(framework=framework)).fwd_bwd.records
+
+    kit, te = work("pytorch"), work("llm-foundry")
+    # eager .t().contiguous() copies in the kit's step; TE writes them inside the cast
+    assert any(r.name == FP8_TRANSPOSE and r.op_class == "copy" for r in kit)
+    assert not any(r.name == FP8_TRANSPOSE for r in te)
+    # the kit runs every linear in fp8, the LM head too: more fp8 GEMMs than TE's layers only
+    fp8_gemms = [sum(r.name == "_scaled_mm" for r in rs) for rs in (kit, te)]
+    assert fp8_gemms[0] > fp8_gemms[1] > 0
+    # the Python emulation's host cost applies to the kit's fp8 step only
+    host = replace(dev, efficiency={EMULATION_HOST_KEY: 2.0})
+    assert for_precision(host, p, "pytorch").launch_overhead == 2 * dev.launch_overhead
+    assert for_precision(host, p, "llm-foundry").launch_overhead == dev.launch_overhead
+    assert for_precision(host, get_precision("bf16-mixed"), "pytorch").launch_overhead == \
+        dev.launch_overhead
+    # the kit's delayed and current scaling call one _scaled_mm: one GEMM efficiency
+    current = replace(dev, efficiency={"matmul:fp8": 0.4, "matmul:fp8-current": 0.7})
+    fp8_current = get_precision("fp8-current")
+    assert for_precision(current, fp8_current, "pytorch").efficiency["matmul:fp8"] == 0.4
+    assert for_precision(current, fp8_current, "torchtitan").efficiency["matmul:fp8"] == 0.7
 
 
 def test_unknown_framework_names_the_field():
