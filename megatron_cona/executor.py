@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_cona.lr_scaling import apply_lr_scale
+from megatron_cona.lr_scaling import BaseLR, apply_lr_scale
 from predictors.spec import ParallelStrategy
 
 
@@ -69,8 +69,8 @@ class ExecutorBase:
     scheduler: object
 
     def capture_lr(self) -> None:
-        """The base peak/floor LR every later scale multiplies (read once, at start)."""
-        self.base_lr, self.base_min_lr = self.scheduler.max_lr, self.scheduler.min_lr
+        """The configured peak/floor LRs every later scale multiplies (read once, at start)."""
+        self.base_lr = BaseLR(self.scheduler)
 
     def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
         """Rank 0's choice, on every rank."""
@@ -79,4 +79,4 @@ class ExecutorBase:
         return ParallelStrategy.parse(box[0])
 
     def set_lr_scale(self, scale: float) -> None:
-        apply_lr_scale(self.scheduler, self.base_lr, self.base_min_lr, scale)
+        apply_lr_scale(self.scheduler, self.base_lr, scale)

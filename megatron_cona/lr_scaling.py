@@ -101,10 +101,47 @@ class BatchLR:
         return "table" if self.rule == "table" else f"{self.rule}@{self.base_batch}"
 
 
-def apply_lr_scale(scheduler, base_lr: float, base_min_lr: float, scale: float) -> None:
-    """Set a megatron ``OptimizerParamScheduler``'s peak and floor LR to ``scale`` times the base
-    ones and push the result into the optimizer (warmup/decay keep their sample-based shape).
-    The one place any CONA loop changes the learning rate."""
-    scheduler.max_lr = base_lr * scale
-    scheduler.min_lr = base_min_lr * scale
+# what makes megatron-core's param groups distinct (``_get_param_groups``): groups of one key
+# get the same configured LR whatever the layout, so a rebuilt optimizer's groups find theirs
+GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel")
+
+
+class BaseLR:
+    """A megatron ``OptimizerParamScheduler``'s peak and floor LR as the job configured them,
+    and each kind of optimizer param group's own ``max_lr`` / ``min_lr``: megatron-core's
+    ``get_lr`` reads a group's own values before the scheduler's, so a scale applied to the
+    scheduler alone never reaches a group that carries them."""
+
+    def __init__(self, scheduler) -> None:
+        self.max_lr, self.min_lr = scheduler.max_lr, scheduler.min_lr
+        self.groups: dict[tuple, tuple[float | None, float | None]] = {}
+        self.learn(scheduler.optimizer.param_groups)
+
+    def learn(self, groups) -> None:
+        """Record the configured LRs of kinds of group not seen yet (a switch rebuilds the
+        optimizer, and a pipeline stage may hold kinds of parameters another did not)."""
+        for group in groups:
+            self.groups.setdefault(_group_key(group),
+                                   (group.get("max_lr"), group.get("min_lr")))
+
+
+def _group_key(group: dict) -> tuple:
+    return tuple(group.get(k) for k in GROUP_KEY)
+
+
+def apply_lr_scale(scheduler, base: BaseLR, scale: float) -> None:
+    """Set a megatron ``OptimizerParamScheduler``'s peak and floor LR, and every param group's
+    own, to ``scale`` times the configured ones and push the result into the optimizer
+    (warmup/decay keep their sample-based shape). The one place any CONA loop changes the
+    learning rate."""
+    scheduler.max_lr = base.max_lr * scale
+    scheduler.min_lr = base.min_lr * scale
+    groups = scheduler.optimizer.param_groups
+    base.learn(groups)  # a rebuilt optimizer's groups carry the configured (unscaled) LRs
+    for group in groups:
+        max_lr, min_lr = base.groups[_group_key(group)]
+        if max_lr is not None:
+            group["max_lr"] = max_lr * scale
+        if min_lr is not None:
+            group["min_lr"] = min_lr * scale
     scheduler.step(increment=0)

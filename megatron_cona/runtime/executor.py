@@ -22,8 +22,9 @@ def max_over_world(seconds: float) -> float:
 
 
 class RuntimeExecutor(ExecutorBase):
-    """Owns the running :class:`TrainState`; ``state`` changes when a switch commits (the
-    scheduler survives a switch, so the base LR captured at start stays valid)."""
+    """Owns the running :class:`TrainState`; ``state`` changes when a switch commits. A layout
+    switch builds a new optimizer and scheduler from the job's config, so the LRs captured at
+    start stay the configured ones and the session's next scale applies to the new pair."""
 
     def __init__(self, state: TrainState, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.state = state

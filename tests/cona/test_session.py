@@ -91,7 +91,9 @@ def _world(rank, world):
     out["runtime"] = _drive(sess, BATCH_ONLY,
                             on_step=lambda: train_step(runtime.state, corpus.train))
     out["runtime_strategy"] = runtime.state.strategy.name
-    out["runtime_lr"] = (runtime.state.scheduler.max_lr,
+    # what the optimizer really steps with (megatron-core reads each param group's own max_lr
+    # before the scheduler's: scaling the scheduler alone changed nothing)
+    out["runtime_lr"] = ([g["lr"] for g in runtime.state.optimizer.param_groups],
                          1e-3 * sess.lr_scale(runtime.state.strategy))
     out["runtime_switches"] = [(r.old.name, r.new.name, r.outcome.switched)
                                for r in sess.switches]
@@ -115,6 +117,9 @@ def _world(rank, world):
     out["layout_switches"] = [(r.new.name, r.outcome.switched, r.outcome.moved_tensors)
                               for r in sess.switches]
     out["layout_loss_finite"] = math.isfinite(train_step(runtime.state, corpus.train).loss)
+    # the layout switch rebuilt optimizer and scheduler from the config: the scale still holds
+    out["layout_lr"] = ([g["lr"] for g in runtime.state.optimizer.param_groups],
+                        1e-3 * sess.lr_scale(runtime.state.strategy))
     hook = MegatronLMExecutor(P(START), runtime.state.scheduler)
     sess = _session(hook, WITH_LAYOUT)
     _drive(sess, WITH_LAYOUT)
@@ -144,8 +149,11 @@ def test_three_executors_drive_the_same_session():
     assert res["simulated_lr_scales"][-len(batches):] == pytest.approx(
         [math.sqrt(b / 8) for b in batches])
     assert all(ok for *_, ok in res["runtime_switches"])
-    lr, expected = res["runtime_lr"]
-    assert lr == pytest.approx(expected) and lr == pytest.approx(1e-3 * math.sqrt(16 / 8))
+    lrs, expected = res["runtime_lr"]
+    assert expected == pytest.approx(1e-3 * math.sqrt(16 / 8))
+    assert len(lrs) == 2 and lrs == pytest.approx([expected] * len(lrs))  # decay and no-decay
+    lrs, expected = res["layout_lr"]
+    assert lrs == pytest.approx([expected] * len(lrs))
     # layout: the runtime moved tensors; the hook recorded why it could not
     assert ("dp1tp2pp1mb2gb16", True, True) in res["layout_switches"]
     assert res["layout_loss_finite"]
@@ -154,7 +162,7 @@ def test_three_executors_drive_the_same_session():
 
 
 def test_hook_executor_names_why_a_layout_cannot_switch():
-    sched = SimpleNamespace(max_lr=1e-3, min_lr=1e-4)
+    sched = SimpleNamespace(max_lr=1e-3, min_lr=1e-4, optimizer=SimpleNamespace(param_groups=[]))
     hook = MegatronLMExecutor(P("dp4tp1pp1mb2gb16"), sched)
     with pytest.raises(SwitchUnsupported, match="train\\(\\) holds the model, optimizer"):
         hook.switch(P("dp2tp2pp1mb2gb16"))
