@@ -217,6 +217,30 @@ def test_engine_loads_through_the_device_copier(tmp_path, fake, verify, mode):
         assert not kv[k][:skip].any()  # the skipped blocks were not written
 
 
+def test_a_restarted_services_new_host_memory_is_pinned_before_loads_copy_from_it(tmp_path,
+                                                                                  fake):
+    """The pool service restarted: its engines map new shared memory (``adopt``); the copier
+    registers it as it did the first mapping, so loads from it are still DMA from pinned
+    memory."""
+    kv = pool_kv(0)
+    want = {k: t.clone() for k, t in kv.items()}
+    with LocalPool(pool_config(tmp_path, False), kv, BLOCKS, BLOCK) as pool:
+        host = next(h for h in pool.handlers if h.resident)
+        fresh = host.io.HostPool(host.pool.capacity, name="restarted")
+        fake.clear()
+        host.adopt(fresh)  # what the remote pool's re-attach does with the new memfd
+        assert ("register", fresh.address) in [c[:2] for c in fake.calls]
+        assert pool.save(HASHES, IDS) == 16  # into the new mapping
+        for t in kv.values():
+            t.zero_()
+        fake.clear()
+        assert pool.fetch(HASHES, IDS).ok
+        copies = fake.of("copy")
+        assert copies and all(pinned for *_, pinned in copies)
+    for k in kv:
+        assert torch.equal(kv[k], want[k]), k
+
+
 # -- CudaCopier's registration glue (torch's cudart stubbed: no GPU here) -----------------------
 class _Cudart:
     def __init__(self, err: int) -> None:

@@ -41,6 +41,7 @@ class TransferEngine:
         for handler in tiers:  # the host memory loads copy from (pinned for a GPU's DMA)
             for address, nbytes in handler.host_regions():
                 self.copier.register_host(address, nbytes)
+            handler.watch_host_regions(self.copier.register_host)  # a restarted service's
         self._threads = [TaskThread(f"kvpool-{n}") for n in ("save", "load", "reap", "copy")]
         saver, loader, reaper, copy_thread = self._threads
         self.accounts = Accounts(rank, [h.name for h in tiers])

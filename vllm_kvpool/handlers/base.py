@@ -116,6 +116,7 @@ class MediumHandler(ABC):
         self._lock = threading.Lock()
         self._done: dict[int, list[Outcome]] = {}  # tickets completed at submit
         self._tickets = itertools.count(1)
+        self._region_watchers: list[Callable[[int, int], None]] = []
 
     @property
     def name(self) -> str:
@@ -191,6 +192,15 @@ class MediumHandler(ABC):
         """(address, bytes) of the host memory loads are copied to the KV from (a device
         copier pins it once, ``device_copy``)."""
         return []
+
+    def watch_host_regions(self, callback: Callable[[int, int], None]) -> None:
+        """``callback(address, nbytes)`` for every host region this medium maps from now on
+        (a pool service that restarted hands out new shared memory: a GPU copier pins it)."""
+        self._region_watchers.append(callback)
+
+    def _new_host_region(self, address: int, nbytes: int) -> None:
+        for callback in self._region_watchers:
+            callback(address, nbytes)
 
     def retire(self, slots: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """Forget ``slots`` durably (persistent media erase their index records)."""

@@ -49,6 +49,7 @@ class HostMemoryHandler(MediumHandler):
         self._retired.append(self.pool)
         self.pool = pool
         self._bytes = torch.frombuffer(self.pool, dtype=torch.uint8)
+        self._new_host_region(pool.address, pool.capacity)
 
     def address(self, slot: int) -> int:
         return self.pool.address + slot * self.slot_bytes
