@@ -36,6 +36,10 @@ logger = logging.getLogger("vllm_kvpool")
 # Below this mean run length a layer is staged and gathered: one DMA per chunk plus one kernel
 # beats many small DMAs (each costs a few microseconds of driver and copy-engine setup).
 SHORT_RUN_BYTES = 256 << 10
+# host memory is registered in pieces of this size: pinning a pool of tens of GiB in one
+# cudaHostRegister call blocks for seconds and, where the driver or RLIMIT_MEMLOCK refuses the
+# whole, pins nothing; pieces pin what they can and each one that fails stays pageable
+REGISTER_PIECE_BYTES = 1 << 30
 
 LoadReads = Sequence[tuple[ChunkRead, torch.Tensor]]  # (read, the chunk's host bytes)
 
@@ -137,8 +141,10 @@ class DeviceCopier(Copier):
         with self._lock:
             if address in self._registered or not nbytes:
                 return
-            if self._register(address, nbytes):
-                self._registered[address] = nbytes
+            for start in range(address, address + nbytes, REGISTER_PIECE_BYTES):
+                size = min(REGISTER_PIECE_BYTES, address + nbytes - start)
+                if self._register(start, size):
+                    self._registered[start] = size
 
     @property
     def pinned_bytes(self) -> int:

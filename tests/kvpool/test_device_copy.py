@@ -275,3 +275,28 @@ def test_cuda_registration_through_torch_cudart(monkeypatch, caplog, err):
     copier.close()
     assert copier.pinned_bytes == 0
     assert (("unregister", 4096) in cudart.calls) == (err == 0)  # only what was registered
+
+
+def test_large_host_memory_is_registered_in_pieces(monkeypatch):
+    from vllm_kvpool import device_copy
+    from vllm_kvpool.device_copy import CudaCopier, DeviceCopier
+
+    class _Refusing(_Cudart):  # the driver refuses one piece: the others are still pinned
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+            super().cudaHostRegister(ptr, size, flags)
+            return 1 if ptr == 4096 + (1 << 20) else 0
+
+    cudart = _Refusing(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(device_copy, "REGISTER_PIECE_BYTES", 1 << 20)
+    copier = CudaCopier.__new__(CudaCopier)
+    DeviceCopier.__init__(copier)
+    copier.register_host(4096, (3 << 20) + 512)  # 3 whole pieces and a tail
+    starts = [4096 + (i << 20) for i in range(4)]
+    assert cudart.calls == [("register", s, 1 << 20, 0) for s in starts[:3]] + [
+        ("register", starts[3], 512, 0)]
+    assert copier.pinned_bytes == (2 << 20) + 512  # the refused piece stays pageable
+    monkeypatch.setattr(copier, "_sync", lambda: None)
+    copier.close()
+    assert [c for c in cudart.calls if c[0] == "unregister"] == [
+        ("unregister", s) for s in (starts[0], starts[2], starts[3])]
