@@ -216,6 +216,55 @@ def pool_parts(names: list[str]) -> list[str]:
     return ["pool", "pool-verify", *[f"alone:{n}" for n in names], "together", "serial"]
 
 
+def fetch_part(pool: Any, hashes: list, ids: list[int], part: str,
+               order: list[int] | None = None) -> tuple[float, int, bool]:
+    """(seconds, blocks, all verified) of one part: ``pool`` / ``pool-verify`` and
+    ``alone:<device>`` time the whole ``fetch`` call (lookup, job planning, copies: the window
+    LMCache's ``retrieve()`` is timed over); ``together`` is the engine's side only, planned
+    before the timer; ``serial`` fetches the devices of ``order`` one after another."""
+    devs = [d.name for d in pool.config.devices]
+
+    def timed(devices: set[int] | None = None) -> tuple[float, Any]:
+        start = time.perf_counter()
+        r = pool.fetch(hashes, ids, devices=devices)
+        return time.perf_counter() - start, r
+
+    if part == "serial":
+        runs = [timed({i}) for i in order or ()]
+        return (sum(t for t, _ in runs), sum(r.blocks for _, r in runs),
+                all(r.ok for _, r in runs))  # fmt: skip
+    if part == "together":
+        r = pool.run(pool.plan(hashes, ids))
+        return r.seconds, r.blocks, r.ok
+    if part.startswith("alone:"):
+        seconds, r = timed({devs.index(part[6:])})
+    else:
+        pool.engine.loads.verify = part == "pool-verify"
+        try:
+            seconds, r = timed()
+        finally:
+            pool.engine.loads.verify = pool.config.verify_checksums
+    return seconds, r.blocks, r.ok
+
+
+def measure_part(pool: Any, kv: list[Any], hashes: list, ids: list[int], part: str,
+                 order: list[int] | None = None
+                 ) -> tuple[float, int, bool, float, dict[str, int], bool]:
+    """One part measured as every part is: the KV zeroed and the page cache dropped first;
+    (seconds, blocks, ok) of :func:`fetch_part`, its CPU seconds, the bytes it read per device
+    and whether the drop made it cold."""
+    before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
+    for t in kv:
+        t.zero_()
+    cold = drop_page_cache()
+    cpu0 = _cpu()
+    seconds, blocks, ok = fetch_part(pool, hashes, ids, part, order)
+    cpu_s = _cpu() - cpu0
+    moved = {k: v.bytes_read - before.get(k, 0)
+             for k, v in pool.status().transfers.devices.items()}  # fmt: skip
+    return seconds, blocks, ok, cpu_s, {k: b for k, b in moved.items() if b}, cold
+
+
 def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     """The pool through its public engine API (``vllm_kvpool.local.LocalPool``): stored once,
     then ``spec["reps"]`` repetitions of every part of ``pool_parts``."""
@@ -244,48 +293,16 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
         share = {i: sum(e.location.nbytes for e in pool.pool.index.entries.values()
                         if e.location.device == i) for i in range(len(devs))}  # fmt: skip
 
-        def timed(devices: set[int] | None = None) -> tuple[float, Any]:
-            """The whole ``fetch`` call (lookup, job planning, copies), the window LMCache's
-            ``retrieve()`` is timed over."""
-            start = time.perf_counter()
-            r = pool.fetch(hashes, ids, devices=devices)
-            return time.perf_counter() - start, r
-
-        def fetch(part: str) -> tuple[float, int, bool]:
-            """(seconds, blocks, all verified) of one part."""
-            if part == "serial":
-                runs = [timed({i}) for i in order if share[i]]
-                return (sum(t for t, _ in runs), sum(r.blocks for _, r in runs),
-                        all(r.ok for _, r in runs))  # fmt: skip
-            if part == "together":  # the engine's side only: planned before the timer
-                r = pool.run(pool.plan(hashes, ids))
-                return r.seconds, r.blocks, r.ok
-            if part.startswith("alone:"):
-                seconds, r = timed({devs.index(part[6:])})
-            else:
-                pool.engine.loads.verify = part == "pool-verify"
-                try:
-                    seconds, r = timed()
-                finally:
-                    pool.engine.loads.verify = pool.config.verify_checksums
-            return seconds, r.blocks, r.ok
-
+        serial = [i for i in order if share[i]]
         parts = [q for p in spec.get("parts") or pool_parts(devs)
                  for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
         parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
-        fetch("pool")  # untimed warm-up: first-touch costs are not the fetch's (LMCache too)
+        fetch_part(pool, hashes, ids, "pool")  # untimed warm-up: first-touch costs are not the
+        # fetch's (LMCache's warm-up too)
         for rep in range(spec["reps"]):
             for part in parts if rep % 2 == 0 else parts[::-1]:
-                before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
-                for t in kv:
-                    t.zero_()
-                cold = drop_page_cache()
-                cpu0 = _cpu()
-                seconds, blocks, ok = fetch(part)
-                cpu_s = _cpu() - cpu0
-                moved = {k: v.bytes_read - before.get(k, 0)
-                         for k, v in pool.status().transfers.devices.items()}  # fmt: skip
-                moved = {k: b for k, b in moved.items() if b}
+                seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids,
+                                                                       part, serial)
                 if part.startswith("alone:"):
                     want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens // g.block_size
                     identical = ok and blocks == want
@@ -341,26 +358,10 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             held = sorted({e.location.device for e in pool.pool.index.entries.values()})
             parts = ["pool", *[f"alone:{devs[d]}" for d in held], "together"]
             for part in parts if step % 2 == 0 else parts[::-1]:
-                before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
-                for t in kv:
-                    t.zero_()
-                cold = drop_page_cache()
-                cpu0 = _cpu()
-                if part == "together":
-                    plan = pool.plan(hashes, ids)
-                    start = time.perf_counter()
-                    r = pool.run(plan)
-                else:
-                    only = {devs.index(part[6:])} if part.startswith("alone:") else None
-                    start = time.perf_counter()
-                    r = pool.fetch(hashes, ids, devices=only)
-                seconds = time.perf_counter() - start if part != "together" else r.seconds
-                cpu_s = _cpu() - cpu0
-                moved = {k: v.bytes_read - before.get(k, 0)
-                         for k, v in pool.status().transfers.devices.items()}  # fmt: skip
-                moved = {k: b for k, b in moved.items() if b}
-                identical = r.ok and (part.startswith("alone:")
-                                      or (r.blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+                seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids,
+                                                                       part)
+                identical = ok and (part.startswith("alone:")
+                                    or (blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
                 res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical,
                              moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
                              rep=step, threads=torch.get_num_threads(),
