@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_LEARN_AFTER = 256 * 2**20  # bytes before the measured figure replaces the probe's
-DEFAULT_HALF_LIFE = 1 * 2**30  # bytes after which an observation's weight has halved
+DEFAULT_HALF_LIFE = 1 * 2**30  # bytes the pool moves (in that direction) that halve a weight
 OPS = ("read", "write")  # the directions measured
 STALE_DIVISOR = 8  # recent evidence below learn_after / this: blended back toward the prior
 
