@@ -3,13 +3,20 @@
 Every load and save an engine runs reports, per device, the bytes it moved and the time the
 device was busy with them (overlapping waves charged once: the time since the device's previous
 completion, so the figure is the throughput at the queue depth the pool really uses). The
-estimate is the ratio of two exponentially decayed sums, bytes over busy seconds, decayed by
-bytes moved (``half_life`` bytes halve the weight of what came before): a byte-weighted EWMA
-of throughput, so many small transfers and one large one count alike, and a slow transfer
-weighs in with its full (longer) time rather than as one sample among many.
+estimate is the ratio of two exponentially decayed sums, bytes over busy seconds: a
+byte-weighted EWMA of throughput, so many small transfers and one large one count alike, and a
+slow transfer weighs in with its full (longer) time rather than as one sample among many.
+
+What came before is decayed by the bytes the whole pool moved in that direction (``half_life``
+bytes halve its weight; ``DeviceWeights`` ages every device by each observation), not by the
+device's own bytes: a device that placement gave a small share would otherwise keep a slow spell
+for many fetches (a device slowed, given fewer chunks, then recovered, never won its share back).
 
 The probe's figure is the prior: it stays the estimate until ``learn_after`` bytes have moved,
-then the measured one replaces it.
+then the measured one replaces it. When a device's recent evidence runs thin (its decayed bytes
+below ``learn_after / STALE_DIVISOR``: placement gave it next to nothing for several half-lives),
+the prior fills in the missing bytes, so a starved device's estimate drifts back toward the
+probe's figure and it is tried again instead of keeping a stale figure forever.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_LEARN_AFTER = 256 * 2**20  # bytes before the measured figure replaces the probe's
-DEFAULT_HALF_LIFE = 1 * 2**30  # bytes after which an observation's weight has halved
+DEFAULT_HALF_LIFE = 1 * 2**30  # bytes the pool moves (in that direction) that halve a weight
 OPS = ("read", "write")  # the directions measured
+STALE_DIVISOR = 8  # recent evidence below learn_after / this: blended back toward the prior
 
 
 def check_observation(nbytes: object, seconds: object) -> tuple[str, str] | None:
@@ -44,15 +52,22 @@ class RateEstimate:
     _seconds: float = 0.0
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        """Fold one transfer in: ``nbytes`` moved in ``seconds`` of the device's busy time."""
+        """Fold one transfer in: ``nbytes`` moved in ``seconds`` of the device's busy time
+        (what came before ages by ``nbytes``, as :meth:`age`)."""
         if (bad := check_observation(nbytes, seconds)) is not None:
             raise ValueError(f"{bad[0]}: {bad[1]}")
         if nbytes == 0:
             return  # nothing moved (every read failed): no evidence either way
-        keep = 0.5 ** (nbytes / self.half_life)
-        self._bytes = self._bytes * keep + nbytes
-        self._seconds = self._seconds * keep + seconds
+        self.age(nbytes)
+        self._bytes += nbytes
+        self._seconds += seconds
         self.moved += nbytes
+
+    def age(self, nbytes: int) -> None:
+        """``nbytes`` moved somewhere in the pool: what this device showed before weighs less."""
+        keep = 0.5 ** (nbytes / self.half_life)
+        self._bytes *= keep
+        self._seconds *= keep
 
     @property
     def measured_gbps(self) -> float | None:
@@ -63,9 +78,15 @@ class RateEstimate:
 
     @property
     def gbps(self) -> float:
-        """The current estimate: measured, else the probe's prior."""
+        """The current estimate: measured (the prior filling in what recent evidence lacks
+        when it is thin), else the probe's prior."""
         measured = self.measured_gbps
-        return self.prior_gbps if measured is None else measured
+        if measured is None:
+            return self.prior_gbps
+        missing = self.learn_after / STALE_DIVISOR - self._bytes
+        if missing <= 0 or self.prior_gbps <= 0:
+            return measured
+        return (self._bytes + missing) / (self._seconds + missing / (self.prior_gbps * 1e9)) / 1e9
 
     def reset(self) -> None:
         """Forget what was measured (a device that failed and came back): the prior again."""

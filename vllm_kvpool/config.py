@@ -80,7 +80,7 @@ class ProbeConfig:
     size: int = 64 * 2**20  # bytes moved per probe pass
     # The measured bandwidth (``bandwidth``) replaces the probe's once this many bytes moved
     learn_after: int = DEFAULT_LEARN_AFTER
-    half_life: int = DEFAULT_HALF_LIFE  # bytes after which a measurement's weight has halved
+    half_life: int = DEFAULT_HALF_LIFE  # bytes the pool moves before a measurement weighs half
 
 
 def default_service_socket() -> str:

@@ -153,9 +153,14 @@ class DeviceWeights:
             raise ValueError(f"op: {op!r} is not one of {', '.join(OPS)}")
         if self.failed[device]:
             return False  # a failing device's timings describe its errors, not its speed
-        est = self.reads[device] if op == "read" else self.writes[device]
+        estimates = self.reads if op == "read" else self.writes
+        est = estimates[device]
         before = est.measured_gbps is None
         est.observe(nbytes, seconds)
+        if nbytes:  # every other device's evidence ages by the pool's bytes, not only its own
+            for other in estimates:
+                if other is not est:
+                    other.age(nbytes)
         return op == "read" and before and est.measured_gbps is not None
 
     def fail(self, device: int) -> None:

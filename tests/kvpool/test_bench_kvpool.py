@@ -89,21 +89,31 @@ def test_summary_line_from_in_run_parts(bench):
                "S1/alone:host0": [r("alone:host0", 0.9, 0), r("alone:host0", 1.0, 1)],
                "S1/alone:ssd0": [r("alone:ssd0", 0.5, 0), r("alone:ssd0", 1.6, 1)],
                "S1/serial": [r("serial", 1.4, 0), r("serial", 2.6, 1)]}  # fmt: skip
-    assert bench.bound_fracs(results, "S1") == pytest.approx([0.9, 0.8])
+    # The bound: max over devices of each share's fastest repetition (host0 0.9, ssd0 0.5),
+    # never a single noisy sample of a part (ssd0's 1.6 in rep 1).
+    assert bench.bound_fracs(results, "S1") == pytest.approx([0.9, 0.45])
     # The shares together without the pool's planning: the bound where slower than alone.
     together = {"S1/together": [r("together", 0.95, 0), r("together", 1.5, 1)]}
-    assert bench.bound_fracs({**results, **together}, "S1") == pytest.approx([0.95, 0.8])
-    assert bench.alone_fracs({**results, **together}, "S1") == pytest.approx([0.9, 0.8])
+    assert bench.bound_fracs({**results, **together}, "S1") == pytest.approx([0.95, 0.475])
+    assert bench.alone_fracs({**results, **together}, "S1") == pytest.approx([0.9, 0.45])
+    # Placement runs: each step holds another prefix, so the minima are per step.
+    steps = {"P/pool": [r("pool", 1.0, 0), r("pool", 2.0, 1)],
+             "P/alone:ssd0": [r("alone:ssd0", t, rep) for rep, t in ((0, 0.9), (0, 0.8),
+                                                                     (1, 1.9), (1, 1.7))],
+             "P/together": [r("together", t, rep) for rep, t in ((0, 0.95), (0, 0.7),
+                                                                 (1, 1.8), (1, 2.2))]}  # fmt: skip
+    assert bench.bound_fracs(steps, "P", per_step=True) == pytest.approx([0.8, 0.9])
     args = type("A", (), {"out": None})()
     line = bench.summarize(g, results, args, lambda *_: None)
-    assert line.startswith("ratio_vs_lmcache=nan frac_of_bound=0.85 ratio_vs_serial=1.33 ")
+    f = (0.9 / 1.0 + 0.9 / 2.0) / 2  # the median of the two repetitions' fractions
+    assert line.startswith(f"ratio_vs_lmcache=nan frac_of_bound={f:.2f} ratio_vs_serial=1.33 ")
     cpu = 0.1 / (g.prefix_bytes / 1e9)
     assert (f"multi_frac_of_bound=nan cpu_s_per_gb={cpu:.2f} lmcache_threads=0 pool_threads=1 "
             in line)  # fmt: skip
     # S1 per copy-thread count: here only the one thread the results ran with
-    assert line.endswith("ratio_vs_lmcache_1t=nan frac_of_bound_1t=0.85 ratio_vs_lmcache_nt=nan "
+    assert line.endswith(f"ratio_vs_lmcache_1t=nan frac_of_bound_1t={f:.2f} ratio_vs_lmcache_nt=nan "
                          "frac_of_bound_nt=nan n_threads=1 ratio_vs_rr_multi=nan "
-                         "slowdown_recovery_fetches=none")  # no placement runs here
+                         "slowdown_recovery_fetches=none ratio_vs_rr_s4=nan")  # no placement
 
 
 def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
@@ -124,9 +134,11 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
 
 
 def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
-    """S3p/S4's child: per step a new prefix placed by the pool's current weights, fetched as
-    the pool, each device's share alone and together, every whole fetch byte-identical; the
-    adaptive pool's weights move from the prior to what its own reads measured."""
+    """S3p/S4's child: one pool per policy over the SAME devices, stepped in turn; per step a
+    new prefix placed by the pool's current weights, fetched as the pool, then each device's
+    share alone and together (twice each), every whole fetch byte-identical (the pools never
+    read each other's chunks); the adaptive pool's weights move from the prior to what its own
+    reads measured, round robin's split stays even."""
     g = tiny(bench)
     s = bench.slot(g)
     devices = [{"host": {"capacity": 1 * s}},
@@ -134,18 +146,28 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
                {"ssd": {"path": str(tmp_path / "b.kvpool"), "backend": "uring", "capacity": 6 * s}}]
     config = {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 1,
               "probe": {"learn_after": 1, "half_life": "1MiB"}}  # fmt: skip
-    spec = {"system": "placement", "scenario": "S4", "policy": "adaptive", "config": config,
-            "gbps": [50.0, 1.0, 100.0], "threads": 1, "throttle": None,
-            "throttle_mbps": [1500, 500]}  # fmt: skip
+    rr = {**config, "placement": "round_robin"}
+    spec = {"system": "placement", "scenario": "S4", "gbps": [50.0, 1.0, 100.0], "threads": 1,
+            "policies": [{"policy": "rr", "config": rr}, {"policy": "adaptive", "config": config}],
+            "throttle": None, "throttle_mbps": [1500, 500, 1500]}  # fmt: skip
     results = bench.run_placement(g, spec)
-    assert {r.scenario for r in results} == {"S4:adaptive"}
-    for step in (0, 1):
-        parts = {r.system: r for r in results if r.rep == step}
-        assert {"pool", "together"} <= set(parts) and any(p.startswith("alone:") for p in parts)
-        assert all(r.identical for r in parts.values())
-        assert sum(parts["pool"].device_bytes.values()) == g.prefix_bytes
-    weights = [bench.json.loads(r.note)["weights"] for r in results if r.system == "pool"]
+    assert {r.scenario for r in results} == {"S4:adaptive", "S4:rr"}
+    for sc in ("S4:adaptive", "S4:rr"):
+        for step in (0, 1, 2):
+            parts = [r for r in results if r.rep == step and r.scenario == sc]
+            names = [r.system for r in parts]
+            assert names[0] == "pool" and names.count("together") == bench.BOUND_REPS
+            assert all(names.count(n) == bench.BOUND_REPS for n in names if n.startswith("alone:"))
+            assert all(r.identical for r in parts)
+            assert sum(parts[0].device_bytes.values()) == g.prefix_bytes
+    # the policies take turns, the order rotating per step
+    firsts = [next(r.scenario for r in results if r.rep == step) for step in (0, 1)]
+    assert firsts == ["S4:rr", "S4:adaptive"]
+    weights = [bench.json.loads(r.note)["weights"] for r in results
+               if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+    ssd = [r.device_bytes for r in results if r.system == "pool" and r.scenario == "S4:rr"]
+    assert all(b == ssd[0] for b in ssd)  # round robin's split ignores what was measured
 
 
 def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(bench):
@@ -160,6 +182,15 @@ def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(
     results = {"S4:adaptive/pool": [r("pool", i, m, b) for i, (m, b) in enumerate(schedule)],
                "S4:adaptive/alone:ssd1": [r("alone:ssd1", i, m, b, 0.9)
                                           for i, (m, b) in enumerate(schedule)]}  # fmt: skip
-    ratio, f, recovery = bench.placement_summary(results, lambda *_: None)
+    ratio, f, recovery, r_s4 = bench.placement_summary(results, lambda *_: None)
     assert recovery == "2"  # two slowed fetches (steps 2, 3) before step 4's save gave it less
-    assert ratio != ratio and f != f  # no S3p runs: nan
+    assert ratio != ratio and f != f and r_s4 != r_s4  # no S3p runs, no round robin: nan
+    # S4 per phase, and round robin / adaptive over the whole run (summed fetch seconds)
+    rr = [bench.Result("pool", "S4:rr", 1.5 if m == 500 else 1.0, g.prefix_bytes, 0.1, True,
+                       {"ssd1": 64 * 2**20}, rep=i, note=bench.json.dumps({"throttle_mbps": m}))
+          for i, (m, _) in enumerate(schedule)]  # fmt: skip
+    lines: list[str] = []
+    *_, r_s4 = bench.placement_summary({**results, "S4:rr/pool": rr}, lines.append)
+    assert r_s4 == pytest.approx((3 * 1.0 + 4 * 1.5) / 7)  # 3 fetches at full speed, 4 slowed
+    phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln]
+    assert phases == ["before", "slowed", "recovered", "whole"]

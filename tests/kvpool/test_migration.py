@@ -63,7 +63,7 @@ def make_kv(seed: int) -> dict[str, torch.Tensor]:
 def config(tmp: Path, host: bool = True) -> dict:
     devices = [{"host": {"capacity": "1MiB"}}] if host else []
     return {"chunk_tokens": 64, "copy_threads": 1, "staging": "256KiB",
-            "probe": {"enabled": False, "learn_after": 1, "half_life": "64KiB"},
+            "probe": {"enabled": False, "learn_after": 1, "half_life": "1MiB"},
             "devices": [*devices,
                         {"ssd": {"path": str(tmp / "a.kvpool"), "capacity": "2MiB"}},
                         {"ssd": {"path": str(tmp / "b.kvpool"), "capacity": "2MiB"}}]}

@@ -261,15 +261,17 @@ class LoadPath:
 
     def _account_bulk(self, bulk: _Bulk) -> None:
         """The host share's reads, once: the busy time is from the first batch's start to the
-        last one's end (batches copied at once by two threads are not charged twice)."""
+        last one's end (batches copied at once by two threads are not charged twice). Every
+        host pool in the share is charged the whole window: one copier moved them all, so
+        each pool's rate is its bytes over that window and the rates add up to the copier's.
+        (Charging each pool its byte share of the window gave every pool the copier's whole
+        rate, so two pools counted it twice.)"""
         elapsed = bulk.end - bulk.start
-        total = sum(p.nbytes for p in bulk.chunks)
         by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
         for p in bulk.chunks:
             by_device[p.read.device].append(ReadOutcome(p.read, p.nbytes, "ok"))
-        for device, outcomes in by_device.items():  # one pass for all: each device's share
-            share = sum(o.nbytes for o in outcomes) / total
-            self.accounts.reads_done(device, outcomes, elapsed * share)
+        for device, outcomes in by_device.items():
+            self.accounts.reads_done(device, outcomes, elapsed)
 
     def _direct_segments(self, handler: MediumHandler, p: _PendingRead) -> np.ndarray | None:
         """KV pages a full-chunk read can fill directly (CPU KV cache aligned for O_DIRECT)."""
