@@ -178,3 +178,75 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     v = s.progress.verdicts[0]
     assert v.confident and v.paid and v.observed == pytest.approx(1.73, rel=0.05)
     assert s.progress.bias > 10 and small in s.tried
+
+
+def _run_biased(s, secs, true_phi, probe_phi, rankings, seed=0, reading_noise=0.0):
+    """``rankings`` intervals of 20 iterations with losses falling at throughput x Pollux's
+    efficiency at ``true_phi`` while the probe reads ``probe_phi`` (each replica's squared
+    norm off by a relative ``reading_noise``); the path of strategies."""
+    from megatron_cona.gns import GradStats
+
+    rng = np.random.default_rng(seed)
+
+    def stats(batch):  # 4 replicas reading ``probe_phi``: |G|^2 = 1, tr(S) = probe_phi
+        local = batch // 4
+        small = (1 + probe_phi / local) * (1 + reading_noise * rng.standard_normal(4))
+        return GradStats(list(small), local, 1 + probe_phi / batch, batch)
+
+    def rate(strategy):
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (true_phi + 16) / (true_phi + b)
+
+    loss, path = 10.0, []
+    for _ in range(rankings):
+        now = s.executor.strategy
+        for _ in range(20):
+            loss -= rate(now) * secs[now]
+            s.observe(secs[now], stats(now.global_batch_size),
+                      loss=loss + float(rng.normal(0, 1e-5)))
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+    return path
+
+
+def test_a_climb_goes_on_while_it_pays_and_never_falls_below_a_measured_win():
+    """k = 100 as above, three batches each 1.8x the throughput per sample of the one below:
+    at the true phi = 400 batch 32 pays over 16 and batch 64 over 32 (x1.8 x 432/464 = 1.68).
+    The bias estimate is pinned near 1 (a prior it cannot leave: the worst case of a bias
+    that measured progress fails to correct), so every ranking prefers batch 16. After the
+    first experiment paid, the next one follows after ``explore_after`` rankings (not a
+    doubled wait), and no ranking goes back below a batch that has paid."""
+    b16, b32, b64 = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb16gb64")
+    secs = {b16: 1.0, b32: 1.0 / 0.9, b64: 1.0 / 0.81}
+    s = _session([b16, b32, b64], secs, explore_after=3)
+    s.progress.prior_sd = 1e-3
+    path = _run_biased(s, secs, true_phi=400.0, probe_phi=4.0, rankings=14)
+    assert s.progress.bias < 1.1  # the grid of ln k is 0.023 wide
+    assert path[:3] == [b16] * 3 and path[3] == b32  # the first experiment
+    assert path[4:7] == [b32] * 3  # kept although the ranking prefers batch 16
+    assert path[7] == b64  # the climb's next step, without a doubled wait
+    assert all(p == b64 for p in path[7:])
+    assert s.batch_floor == 64
+    assert [(v.new.global_batch_size, v.paid and v.confident)
+            for v in s.progress.verdicts] == [(32, True), (64, True)]
+
+
+def test_an_imprecise_noise_scale_is_settled_by_measured_progress():
+    """The bias counts as measured from the start, and the noisy probe's point estimate
+    keeps batch 16 first (batch 32 needs phi > 4 at 1.8x the throughput per sample). The
+    measured range (3 standard errors) reaches above 4, so batch 32 is tried; the true phi
+    is 400, progress says it paid, and it is kept. A batch that loses at every phi (no
+    throughput gain) is never tried."""
+    b16, b32 = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {b16: 1.0, b32: 1.0 / 0.9}
+    s = _session([b16, b32], secs, explore_after=2, noise_z=3.0)
+    s.progress.calibrated_sd = math.inf
+    path = _run_biased(s, secs, true_phi=400.0, probe_phi=4.0, rankings=8, reading_noise=0.3)
+    assert path[:2] == [b16] * 2 and path[2:] == [b32] * 6 and s.batch_floor == 32
+    assert s.decisions[2].noise_scale < 4 and "range" in s.decisions[2].reason
+
+    secs = {b16: 1.0, b32: 2.0}
+    s = _session([b16, b32], secs, explore_after=2, noise_z=3.0)
+    s.progress.calibrated_sd = math.inf
+    path = _run_biased(s, secs, true_phi=400.0, probe_phi=4.0, rankings=8, reading_noise=0.3)
+    assert path == [b16] * 8
