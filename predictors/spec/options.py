@@ -15,9 +15,12 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # The training stack that runs the step: the same kernels on the same device reach different
 # shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
 # FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
-# per device family and framework (predictors.time.efficiency). "pytorch" is this project's own
-# training step (predictors.step: eager PyTorch, no fused kernels), as the GPU kit times it
-FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch")
+# per device family and framework (predictors.time.efficiency). "pytorch" is plain PyTorch
+# (torch DDP over data parallelism): this project's own training step (predictors.step: eager
+# PyTorch, no fused kernels), as the GPU kit times it. "deepspeed" is DeepSpeed's ZeRO (the
+# memory predictor models its buffers; no time data of its own: the time predictor prices it
+# at its device family's efficiencies, as any framework without a fit of its own)
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch", "deepspeed")
 
 
 @dataclass(frozen=True)
