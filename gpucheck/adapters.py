@@ -210,9 +210,14 @@ def predict_memory(spec: Any, cfg: Any, capacity_gib: float) -> dict:
 def predict_memory_traced(spec: Any, cfg: Any, optimizer: str, device: str = "h200") -> dict:
     """The memory predictor's traced path for a preset spec (``predict memory --trace``): the
     real module on fake tensors with the chosen AdamW implementation, device-level output."""
+    from dataclasses import replace
+
     from predictors.memory.module import predict_spec_memory
 
-    p = predict_spec_memory(spec, cfg.strategy, cfg.options, cfg.precision, device,
+    # the kit measures this project's own step (plain PyTorch, the chosen AdamW), whatever
+    # framework the step's options name for the time predictor
+    options = replace(cfg.options, framework="pytorch")
+    p = predict_spec_memory(spec, cfg.strategy, options, cfg.precision, device,
                             optimizer=f"adamw:{optimizer}")
     return {"peak_reserved": p.max_memory_reserved, "peak_allocated": p.max_memory_allocated,
             "device_used": p.device_used}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..spec.model import ModelSpecError
+from ..spec.options import FRAMEWORKS
 
 
 def add_subcommands(subparsers) -> None:
@@ -33,7 +34,9 @@ def add_subcommands(subparsers) -> None:
                    help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...")
     g.add_argument("--device", default=None,
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
-    g.add_argument("--framework", default="ddp", choices=["ddp", "deepspeed", "megatron"])
+    g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
+                   help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
+                        "megatron (distributed optimizer)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     g.add_argument("--last-batch", type=int, default=None,
                    help="the loader's smaller last batch (len(dataset) %% batch), traced too")
@@ -117,13 +120,14 @@ def _memory_job(args):
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
     return model, strategy, TrainingOptions.for_zero_stage(args.zero,
-                                                           recompute=args.checkpointing)
+                                                           recompute=args.checkpointing,
+                                                           framework=args.framework)
 
 
 def _memory_module(args) -> int:
     import json
 
-    from .device import DistributedSpec
+    from ..spec import ParallelStrategy, TrainingOptions
     from .module import predict_module_memory
     from .simple import CnnSpec, MlpSpec, load_factory, parse_shape, parse_widths
 
@@ -143,12 +147,14 @@ def _memory_module(args) -> int:
         model = load_factory(args.module)
         x = torch_empty((args.batch, *parse_shape(args.input_shape)))
         y = torch_empty((args.batch,), long=True)
-    dist = DistributedSpec(dp=args.dp, zero=args.zero, framework=args.framework)
     device = args.device or {"24": "l40s", "40": "a100-40gb", "141": "h200"}.get(
         str(args.capacity_gib), "h100-80gb")
     capacity = None if args.capacity_gib is None else float(args.capacity_gib)
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
-                                 precision=args.precision, distributed=dist, device=device,
+                                 precision=args.precision,
+                                 strategy=ParallelStrategy(args.dp, 1, 1),
+                                 options=TrainingOptions.for_zero_stage(
+                                     args.zero, framework=args.framework), device=device,
                                  capacity_gib=capacity, margin=args.margin,
                                  context_mib=args.context_mib, last_batch=args.last_batch)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
@@ -164,7 +170,6 @@ def _memory_spec_traced(args, model, strategy, options) -> int:
         str(args.capacity_gib), "h100-80gb")
     pred = predict_spec_memory(model, strategy, options, args.precision, device,
                                optimizer=args.optimizer,
-                               framework=args.framework,
                                capacity_gib=None if args.capacity_gib is None
                                else float(args.capacity_gib), margin=args.margin,
                                context_mib=args.context_mib)

@@ -10,17 +10,17 @@ buffers of distributed training (data parallelism, ZeRO, Megatron's distributed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..devices import get_device as get_compute_device
+from ..spec.options import TrainingOptions
 from ..spec.precision import get_precision
+from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
-from .config import ShardingError
+from .config import SINGLE_GPU, ShardingError
 from .optimizers import OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
 from .zero import zero3_params
-
-FRAMEWORKS = ("ddp", "deepspeed", "megatron")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class DeviceProfile:
     capacity: int  # bytes nvidia-smi reports as total
     overheads: CudaOverheads
 
-    def outside_allocator(self, dist: DistributedSpec) -> dict[str, int]:
+    def outside_allocator(self, dist: Sharding) -> dict[str, int]:
         return {"cuda_context": self.overheads.context_bytes,
                 "nccl_buffers": dist.nccl_bytes()}
 
@@ -54,13 +54,19 @@ def get_device(name: str, stack: str | None = None) -> DeviceProfile:
 
 DEVICES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "v100")
 
+# The frameworks whose data-parallel buffers are modelled (TrainingOptions.framework):
+# "pytorch" is torch DDP (ZeRO-1 via ZeroRedundancyOptimizer), "deepspeed" its ZeRO with the
+# documented defaults of CommBuffers, "megatron" its distributed optimizer (ZeRO-1 over a
+# contiguous gradient buffer)
+SHARDING_FRAMEWORKS = ("pytorch", "deepspeed", "megatron")
+# The options of a plain PyTorch step (torch DDP where dp > 1): the traced paths' default
+TORCH_OPTIONS = TrainingOptions(framework="pytorch")
+
 
 @dataclass(frozen=True)
-class DistributedSpec:
-    """Data parallelism over ``dp`` ranks. ``zero``: 0 none, 1 optimizer states (+ fp32
-    masters), 2 + gradients, 3 + parameters. ``framework``: ``ddp`` (torch DDP, ZeRO-1 via
-    ``ZeroRedundancyOptimizer``), ``deepspeed`` (its ZeRO with the documented defaults below),
-    ``megatron`` (distributed optimizer = ZeRO-1 over a contiguous gradient buffer).
+class CommBuffers:
+    """Sizes of a framework's communication buffers (only the framework's implementation
+    decides them; the ZeRO stage, ``dp`` and framework are the strategy's and options').
 
     DeepSpeed defaults from https://www.deepspeed.ai/docs/config-json/ (ZeRO optimizations) and
     ``deepspeed/runtime/zero/config.py`` (``DeepSpeedZeroConfig``): ``reduce_bucket_size`` 5e8
@@ -68,9 +74,6 @@ class DistributedSpec:
     ``stage3_param_persistence_threshold`` 1e5 (ZeRO-3's parameters: :mod:`zero`),
     ``overlap_comm`` on at stage 3 only, ``contiguous_gradients`` on."""
 
-    dp: int = 1
-    zero: int = 0
-    framework: str = "ddp"
     reduce_bucket: float = 5e8
     allgather_bucket: float = 5e8
     prefetch_bucket: float = 5e7
@@ -78,15 +81,41 @@ class DistributedSpec:
     nccl_channels: int = 16  # NCCL rings per communicator (NVLink A100/H100 nodes: 16-32)
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
 
+
+@dataclass(frozen=True)
+class Sharding:
+    """Data parallelism as the traced paths apply it to one rank: ``strategy.dp`` ranks, the
+    options' ZeRO stage (:attr:`TrainingOptions.zero_stage`: 0 none, 1 optimizer states and
+    fp32 masters, 2 + gradients, 3 + parameters) under ``options.framework`` (one of
+    :data:`SHARDING_FRAMEWORKS`), with that framework's ``buffers``. Only ties the three
+    together; every fact lives in its own vocabulary type."""
+
+    strategy: ParallelStrategy = SINGLE_GPU
+    options: TrainingOptions = TORCH_OPTIONS
+    buffers: CommBuffers = field(default_factory=CommBuffers)
+
     def __post_init__(self) -> None:
-        if self.dp < 1:
-            raise ShardingError(f"dp={self.dp} must be >= 1")
-        if self.zero not in (0, 1, 2, 3):
-            raise ShardingError(f"zero={self.zero} must be one of 0, 1, 2, 3")
-        if self.framework not in FRAMEWORKS:
-            raise ShardingError(f"framework={self.framework!r}; choose {FRAMEWORKS}")
+        s = self.strategy
+        if (s.tp, s.pp, s.cp) != (1, 1, 1):
+            raise ShardingError(f"strategy {s.name}: the traced path runs data parallelism "
+                                "only (tp=pp=cp=1)")
+        if self.framework not in SHARDING_FRAMEWORKS:
+            raise ShardingError(f"framework={self.framework!r}: the traced path models "
+                                f"{SHARDING_FRAMEWORKS}")
         if self.framework == "megatron" and self.zero > 1:
             raise ShardingError("framework='megatron' shards optimizer states only (zero<=1)")
+
+    @property
+    def dp(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def zero(self) -> int:
+        return self.options.zero_stage
+
+    @property
+    def framework(self) -> str:
+        return self.options.framework
 
     def describe(self) -> str:
         if self.dp == 1:
@@ -105,8 +134,9 @@ class DistributedSpec:
         plus LL (1/8) and LL128 (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
         if self.dp == 1:
             return 0
-        per_channel = 2 * self.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
-        return int(self.nccl_channels * per_channel)
+        b = self.buffers
+        per_channel = 2 * b.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
+        return int(b.nccl_channels * per_channel)
 
     def sharding_adjustment(self, live: dict[str, int], opt: OptimizerSpec, precision: str,
                             peak_phase: str = "",
@@ -130,7 +160,7 @@ class DistributedSpec:
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only
                 delta -= int(live.get("temporary", 0) * (1 - keep))
-        if self.framework == "ddp" and self.zero < 2:
+        if self.framework == "pytorch" and self.zero < 2:
             # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False)
             buffers["ddp_grad_buckets"] = grads
         if self.framework == "megatron":
@@ -140,18 +170,19 @@ class DistributedSpec:
             # stage_1_and_2.py allocates its contiguous-gradient (ipg) buffer at the full
             # reduce_bucket_size whatever the model size, a second one with overlap_comm;
             # stage 3 keeps one flat ipg buffer
-            overlap = self.overlap_comm if self.overlap_comm is not None else self.zero == 3
+            overlap = (self.buffers.overlap_comm if self.buffers.overlap_comm is not None
+                       else self.zero == 3)
             n = 2 if overlap and self.zero == 2 else 1
-            buffers["ds_reduce_bucket"] = int(n * self.reduce_bucket * elem)
+            buffers["ds_reduce_bucket"] = int(n * self.buffers.reduce_bucket * elem)
         if self.framework == "deepspeed" and self.zero == 1:
             # the all-gather of updated parameters works in allgather_bucket_size pieces
-            buffers["ds_allgather_bucket"] = int(min(self.allgather_bucket * elem,
+            buffers["ds_allgather_bucket"] = int(min(self.buffers.allgather_bucket * elem,
                                                      max(params, elem)))
         if self.zero == 3:
             if self.framework != "deepspeed":
                 raise ShardingError(f"zero=3 needs framework='deepspeed' (got "
                                     f"{self.framework!r})")
-            z3 = zero3_params(module_tensors or [[params]], d, elem, self.prefetch_bucket)
+            z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent
             buffers["ds_stage3_gathered_module"] = z3.gathered
             buffers["ds_prefetch_bucket"] = z3.prefetch

@@ -24,14 +24,14 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
-from ..spec.options import DEFAULT_OPTIONS, TrainingOptions
+from ..spec.options import TrainingOptions
 from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
 from .build import make_inputs
-from .config import SINGLE_GPU, ShardingError, Step, resolve_shapes
-from .device import DEVICES, DeviceProfile, DistributedSpec, get_device
+from .config import SINGLE_GPU, Step, resolve_shapes
+from .device import DEVICES, TORCH_OPTIONS, CommBuffers, DeviceProfile, Sharding, get_device
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
 from .simulate import Measurement, loss_from_output, prepare_model, trace_step
@@ -64,7 +64,7 @@ class DeviceMemoryPrediction:
     device: str
     precision: str
     optimizer: OptimizerSpec
-    distributed: DistributedSpec
+    sharding: Sharding  # dp, ZeRO stage and framework the prediction applied
     max_memory_allocated: int  # torch.cuda.max_memory_allocated
     max_memory_reserved: int  # torch.cuda.max_memory_reserved
     inside_allocator: dict[str, int]  # live bytes by kind at the allocated peak
@@ -101,7 +101,7 @@ class DeviceMemoryPrediction:
 
     def format(self) -> str:
         g = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
-        d = self.distributed
+        d = self.sharding
         lines = [f"device {self.device}: {self.precision}, optimizer {self.optimizer.name} "
                  f"({self.optimizer.impl}), {d.describe()}",
                  "inside the caching allocator (live at the allocated peak):"]
@@ -161,7 +161,9 @@ def predict_module_memory(
     loss_fn: LossFn = default_loss,
     optimizer: OptimizerSpec | str = "adam",
     precision: str = "fp32",
-    distributed: DistributedSpec | None = None,
+    strategy: ParallelStrategy = SINGLE_GPU,
+    options: TrainingOptions = TORCH_OPTIONS,
+    buffers: CommBuffers | None = None,
     device: str | DeviceProfile = "a100-40gb",
     capacity_gib: float | None = None,
     margin: float | None = None,
@@ -174,8 +176,11 @@ def predict_module_memory(
     inputs; ``kwargs`` keyword inputs) with ``loss_fn(output, target)``.
 
     ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
-    ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``distributed``: data
-    parallelism, ZeRO stage and framework (DeepSpeed / Megatron distributed optimizer);
+    ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``strategy``: its
+    ``dp`` is the data-parallel degree (tp = pp = cp = 1: only data parallelism is applied; the
+    batch is the inputs'); ``options``: the ZeRO stage (:attr:`TrainingOptions.zero_stage`) and
+    framework (``pytorch``: torch DDP, ``deepspeed``, ``megatron``: distributed optimizer);
+    ``buffers``: the framework's bucket and NCCL buffer sizes (default: documented defaults);
     ``device``: a key of :data:`device.DEVICES` (its capacity unless ``capacity_gib``);
     ``context_mib``: your stack's measured CUDA context (``nvidia-smi`` used after
     ``torch.cuda.init()`` and one matmul, minus ``torch.cuda.memory_reserved()``) instead of
@@ -184,7 +189,7 @@ def predict_module_memory(
     between two full steps, since its differently sized blocks fragment the cache."""
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
-    dist = distributed or DistributedSpec()
+    dist = Sharding(strategy, options, buffers or CommBuffers())
     prof = get_device(device) if isinstance(device, str) else device
     if context_mib is not None:
         if context_mib < 0:
@@ -259,19 +264,18 @@ def _module_tensors(build: Callable[[], nn.Module], precision: str) -> list[list
 
 def predict_spec_memory(model: str | ModelSpec | TransformerSpec,
                         strategy: ParallelStrategy = SINGLE_GPU,
-                        options: TrainingOptions = DEFAULT_OPTIONS,
+                        options: TrainingOptions = TORCH_OPTIONS,
                         precision: str | Precision = "bf16",
                         device: str | DeviceProfile = "h100-80gb", *,
-                        optimizer: OptimizerSpec | str = "adamw", framework: str = "ddp",
+                        optimizer: OptimizerSpec | str = "adamw",
                         capacity_gib: float | None = None, margin: float | None = None,
                         context_mib: float | None = None) -> DeviceMemoryPrediction:
     """A preset or :class:`ModelSpec` (LLaVA-like, LLM, ViT) through the traced path: the same
     ``transformers`` module the presets build, with the chosen optimizer implementation and
-    device-level output, one rank of ``strategy.dp`` under the options' ZeRO stage (``tp`` and
-    ``pp`` are not traced). Traces the full depth (seconds to a minute for 7B models)."""
-    if (strategy.tp, strategy.pp, strategy.cp) != (1, 1, 1):
-        raise ShardingError(f"strategy {strategy.name}: the traced path runs data parallelism "
-                            "only (tp=pp=cp=1)")
+    device-level output, one rank of ``strategy.dp`` under the options' ZeRO stage and
+    framework (``tp`` and ``pp`` are not traced). Traces the full depth (seconds to a minute for
+    7B models)."""
+    Sharding(strategy, options)  # refuses what the traced path does not model, naming it
     cfg = Step(strategy, options, precision)
     spec = as_memory_model(model)
     resolve_shapes(spec, cfg)
@@ -281,7 +285,7 @@ def predict_spec_memory(model: str | ModelSpec | TransformerSpec,
     return predict_module_memory(
         lambda: prepare_model(spec, cfg), (), kw["labels"], kwargs=kw,
         loss_fn=loss_from_output, optimizer=optimizer, precision=cfg.precision.name,
-        distributed=DistributedSpec(dp=cfg.dp, zero=cfg.zero, framework=framework),
+        strategy=strategy, options=options,
         device=device, capacity_gib=capacity_gib, margin=margin, context_mib=context_mib)
 
 
@@ -293,5 +297,5 @@ class _TokenIds:
         image_token_id = 0
 
 
-__all__ = ["DEVICES", "DeviceMemoryPrediction", "DistributedSpec", "OptimizerSpec",
+__all__ = ["DEVICES", "CommBuffers", "DeviceMemoryPrediction", "OptimizerSpec", "Sharding",
            "predict_module_memory", "predict_spec_memory"]

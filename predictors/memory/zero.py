@@ -1,5 +1,5 @@
 """The one ZeRO-3 parameter model, used by the preset path (:mod:`phases`) and the
-``nn.Module`` path (:class:`device.DistributedSpec`).
+``nn.Module`` path (:class:`device.Sharding`).
 
 DeepSpeed stage 3 keeps a ``1/dp`` shard of every parameter, gathers a module's full
 parameters just before its forward (and again before its backward) and frees them after, and

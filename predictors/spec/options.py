@@ -12,12 +12,29 @@ from .strategy import StrategyError
 # "selective" re-runs what is cheap to recompute and costly to keep (attention and the
 # elementwise ops; the GEMM outputs are kept)
 RECOMPUTE_MODES = ("none", "selective", "full")
+# What "selective" re-runs differs by framework: Megatron-Core's --recompute-granularity
+# selective re-runs the core attention only (softmax(QK^T)V, --recompute-modules core_attn)
+# and keeps every other output ("core_attention"); torchtitan's op-level selective AC
+# (activation_checkpoint.selective_ac_option "op", its default) keeps the attention kernels'
+# outputs and every odd-numbered matmul's of a layer and re-runs every other op
+# (torchtitan/models/llama3/infra/parallelize.py: _save_list, _get_custom_policy) ("ops")
+SELECTIVE_RECOMPUTE = {"torchtitan": "ops"}
+
+
+def selective_recompute(framework: str) -> str:
+    """What ``framework``'s selective recomputation re-runs (:data:`SELECTIVE_RECOMPUTE`, else
+    Megatron-Core's core attention)."""
+    return SELECTIVE_RECOMPUTE.get(framework, "core_attention")
+
 # The training stack that runs the step: the same kernels on the same device reach different
 # shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch
 # FSDP2, torch.compile) and LLM Foundry (Composer, FSDP1), so kernel efficiencies are fitted
-# per device family and framework (predictors.time.efficiency). "pytorch" is this project's own
-# training step (predictors.step: eager PyTorch, no fused kernels), as the GPU kit times it
-FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch")
+# per device family and framework (predictors.time.efficiency). "pytorch" is plain PyTorch
+# (torch DDP over data parallelism): this project's own training step (predictors.step: eager
+# PyTorch, no fused kernels), as the GPU kit times it. "deepspeed" is DeepSpeed's ZeRO (the
+# memory predictor models its buffers; no time data of its own: the time predictor prices it
+# at its device family's efficiencies, as any framework without a fit of its own)
+FRAMEWORKS = ("megatron", "torchtitan", "llm-foundry", "pytorch", "deepspeed")
 
 
 @dataclass(frozen=True)

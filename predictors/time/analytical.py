@@ -19,7 +19,7 @@ nodes, NVLink vs InfiniBand, NCCL ring/tree, overlap).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
@@ -49,6 +49,12 @@ COMPILED_KEY = "compiled"
 # Device.efficiency key of the share of the datasheet bandwidth memory-bound kernels reach (a
 # device fact, shared by every framework); unfitted: 1
 MEMORY_KEY = "memory"
+# Device.efficiency key of the share of FSDP's per-micro-batch communication (parameter
+# all-gathers, gradient reduce-scatters) that hides under the micro-batch's compute: NCCL's
+# kernels run beside the GEMMs on the same SMs and memory, and a unit's gather cannot start
+# before its memory is freed (the rate limiters of FSDP1's limit_all_gathers and FSDP2), so at
+# small micro-batches part of it stays exposed; unfitted: 1 (all of it hides)
+FSDP_OVERLAP_KEY = "overlap:fsdp"
 FP8_KEYS = ("fp8", "mxfp8")
 # Device.efficiency key of the share of the bandwidth a standalone transposing copy of an fp8
 # tensor reaches (eager ``.t().contiguous()``; fitted per device family where rows run it).
@@ -149,6 +155,8 @@ class StepWork:
     # (forward K,V; backward K,V again and dK,dV), in ``cp_sends`` point-to-point steps
     cp_bytes: float = 0.0
     cp_sends: int = 0
+    # activation recomputation: the forward kernels re-run in backward per micro-batch
+    recompute: Trace = field(default_factory=Trace)
 
 
 @dataclass
@@ -186,19 +194,18 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     groups = megatron_groups(s.dp, s.tp, s.pp, topo, s.cp)
     grad = groups.grad_group  # DP x CP
     fused = device.efficiency.get(COMPILED_KEY, 1.0) if options.compiled else 1.0
-    kernels = [(r, n * (t if r.op_class in MATMUL_CLASSES else t * fused))
-               for r, n, t in priced(work.fwd_bwd, device)]  # fmt: skip
+
+    def timed(trace: Trace) -> list[tuple[OpRecord, float]]:
+        return [(r, n * (t if r.op_class in MATMUL_CLASSES else t * fused))
+                for r, n, t in priced(trace, device)]  # fmt: skip
+
+    kernels = timed(work.fwd_bwd)
 
     def busy(keep) -> float:
         return sum(t for r, t in kernels if keep(r))
 
-    compute = busy(lambda r: True)
-    recompute = 0.0
-    if options.recompute == "full":
-        recompute = busy(lambda r: r.phase == "forward")
-    elif options.recompute == "selective":  # GEMM outputs kept, the rest re-run
-        recompute = busy(lambda r: r.phase == "forward" and r.op_class != "matmul")
-    compute += recompute
+    recompute = sum(t for _, t in timed(work.recompute))
+    compute = busy(lambda r: True) + recompute
     tp = NO_COMM
     if s.tp > 1 and work.tp_collectives:
         each = all_reduce(work.tp_bytes / work.tp_collectives, groups.tp, topo)
@@ -233,7 +240,8 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         # per micro-batch: two parameter all-gathers and one gradient reduce-scatter, each half
         # a ring all-reduce; prefetching overlaps them with the micro-batch's compute
         fsdp_mb = all_reduce(work.dp_grad_bytes, grad, topo).times(1.5)
-        fsdp_exposed = max(0.0, fsdp_mb.seconds - compute)
+        hidden = device.efficiency.get(FSDP_OVERLAP_KEY, 1.0)
+        fsdp_exposed = max(fsdp_mb.seconds - compute, (1.0 - hidden) * fsdp_mb.seconds, 0.0)
         dp = bucket = NO_COMM
     dp_exposed = dp.seconds
     if options.overlap_grad_reduce:

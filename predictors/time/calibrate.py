@@ -85,8 +85,14 @@ def fit_gpu_constants(rows: Sequence, precision: str, device: Device,
     picked = _picked(rows, sample)
     p = get_precision(precision)
     works = [step_work(r.spec, r.strategy, p, device) for r in picked]
+    grid = GPU_GRID
+    if all(r.strategy.world_size <= device.devices_per_node for r in picked):
+        # one node each: every collective is priced at NCCL's NVLink latency
+        # (predictors.time.network), so the per-step latency across nodes cannot be told
+        # from these rows; the device keeps its own
+        grid = {k: v for k, v in GPU_GRID.items() if k != "comm_latency"}
     return fit_constants(works, [r.strategy for r in picked], [r.seconds for r in picked],
-                         [precision] * len(picked), device, GPU_GRID)  # fmt: skip
+                         [precision] * len(picked), device, grid)  # fmt: skip
 
 
 def fit_cpu_constants(df, device: Device, precision_aware: bool = True,

@@ -13,6 +13,8 @@ family (``h100``, ``a100``, ...) gets its own, fitted jointly on the rows of eve
 * ``attention:<dtype>``: the fused attention kernel;
 * ``memory``: the share of the datasheet bandwidth memory-bound kernels reach;
 * ``compiled``: torch.compile's factor on the non-GEMM kernels' time;
+* ``overlap:fsdp``: the share of FSDP's per-micro-batch communication that hides under
+  compute (where the family has FSDP rows);
 * ``gemm_latency``: the fixed cost of a GEMM beyond ``FLOPs / rate`` (``Device.gemm_latency``),
   which makes the efficiency depend on the GEMM's size: a GEMM of ``F`` FLOPs reaches
   ``e F / (F + gemm_latency x rate x e)`` of peak, small ones far less than large ones.

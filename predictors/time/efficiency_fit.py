@@ -14,6 +14,7 @@ from predictors.spec.precision import RATE_COLUMNS, get_precision
 from predictors.time.analytical import (
     COMPILED_KEY,
     FP8_KEYS,
+    FSDP_OVERLAP_KEY,
     MATMUL_CLASSES,
     MEMORY_KEY,
     TRANSPOSE_EFFICIENCY,
@@ -49,7 +50,10 @@ FACTOR_GRID = tuple(round(0.25 * 2 ** (i / 4), 4) for i in range(17))
 TRANSPOSE_GRID = tuple(round(0.02 * 50 ** (i / 15), 4) for i in range(16))
 # the emulation's host cost: 1-4x the plain step's per kernel
 EMULATION_HOST_GRID = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
+# the share of FSDP's communication hidden under compute: none to all of it (#44 G/X)
+FSDP_OVERLAP_GRID = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0)
 GRIDS = {COMPILED_KEY: COMPILED_GRID, TRANSPOSE_KEY: TRANSPOSE_GRID,
+         FSDP_OVERLAP_KEY: FSDP_OVERLAP_GRID,
          EMULATION_HOST_KEY: EMULATION_HOST_GRID, **DEVICE_GRIDS}
 MAX_SWEEPS = 4  # coordinate descent stops earlier when a sweep improves nothing
 COARSE_STEP = 3  # the first sweep scans every third grid value, then walks to a neighbour
@@ -97,6 +101,8 @@ class EfficiencyFit:
                     keys.append(k)
             if self.rows[i].options.compiled and COMPILED_KEY not in keys:
                 keys.append(COMPILED_KEY)
+            if self.rows[i].options.fsdp and FSDP_OVERLAP_KEY not in keys:
+                keys.append(FSDP_OVERLAP_KEY)
             if (p.recipe and fp8_kernels(self.frameworks[i]).python_emulation
                     and EMULATION_HOST_KEY not in keys):
                 keys.append(EMULATION_HOST_KEY)
@@ -215,7 +221,8 @@ def _is_fp8(dtype: str) -> bool:
 
 
 def _default(key: str, device: Device) -> float:
-    if key in (COMPILED_KEY, MEMORY_KEY, EMULATION_HOST_KEY) or key.startswith("framework:"):
+    if (key in (COMPILED_KEY, MEMORY_KEY, EMULATION_HOST_KEY, FSDP_OVERLAP_KEY)
+            or key.startswith("framework:")):
         return 1.0
     if key in DEVICE_GRIDS:
         return getattr(device, key)

@@ -20,7 +20,7 @@ import torch
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.spec.options import fp8_kernels
+from predictors.spec.options import fp8_kernels, selective_recompute
 from predictors.spec.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.step import Batch
 from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
@@ -124,6 +124,37 @@ def _full_context(layer: Trace, cp: int) -> Trace:
     return Trace([scaled.get(id(r), r) for r in layer.records])
 
 
+# the kernels of unfused attention (QK^T, softmax, AV) that Megatron's selective re-runs
+CORE_ATTENTION = frozenset({"bmm", "baddbmm", "_softmax"})
+
+
+def recomputed(forward: Trace, options: TrainingOptions) -> Trace:
+    """The kernels of ``forward`` (one recomputed block's forward: a transformer layer, or a
+    whole non-transformer model) that activation recomputation re-runs in backward: all of
+    them under ``full``; under ``selective`` what the framework's policy does not keep
+    (:func:`predictors.spec.options.selective_recompute`)."""
+    fwd = [r for r in forward.records if r.phase == "forward"]
+    if options.recompute == "none":
+        return Trace()
+    if options.recompute == "full":
+        return Trace(fwd)
+    if selective_recompute(options.framework) == "core_attention":
+        # fused attention kernels, or unfused attention's batched GEMMs and softmax (a
+        # layer's linears are plain mm / addmm)
+        return Trace([r for r in fwd if r.op_class == "attention" or r.name in CORE_ATTENTION])
+    # op-level: the attention outputs and every odd-numbered matmul's are kept
+    out, matmuls = [], 0
+    for r in fwd:
+        if r.op_class == "matmul":
+            matmuls += 1
+            if matmuls % 2:
+                continue
+        elif r.op_class == "attention":
+            continue
+        out.append(r)
+    return Trace(out)
+
+
 def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precision: Precision,
                      device: Device, options: TrainingOptions = DEFAULT_OPTIONS) -> StepWork:  # fmt: skip
     strategy.check(strategy.world_size, spec)
@@ -154,6 +185,9 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     # (of an uneven split too) sets the pipeline's pace
     layers = strategy.max_stage_layers(spec.num_layers)
     fwd_bwd = layer_step.repeated(layers) + head_step
+    # recomputation wraps the transformer layers (Megatron's and torchtitan's checkpointed
+    # blocks, LLM Foundry's): the embedding and LM head are not re-run
+    recompute = recomputed(layer_step, options).repeated(layers)
     optimizer = layer_opt.repeated(layers) + head_opt
     act_width = _bits(precision.compute_dtype if precision.autocast else precision.param_dtype) / 8
     act_bytes = strategy.micro_batch * key.seq_length * spec.hidden_size * act_width
@@ -164,14 +198,16 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     head_dim = spec.hidden_size // spec.num_attention_heads
     kv_block = 2 * strategy.micro_batch * key.seq_length * spec.kv_heads // strategy.tp * head_dim
     cp_sends = 3 * (cp - 1) * layers  # per layer: K,V forward; K,V and dK,dV backward
+    # a fully recomputed layer's forward runs its two TP collectives again
+    tp_per_layer = 6 if options.recompute == "full" else 4
     params_layer = sum(_numel(s) for s in _opt_param_shapes(layer_opt))
     params_head = sum(_numel(s) for s in _opt_param_shapes(head_opt))
     grad_elems = layers * params_layer + params_head
     return StepWork(
         fwd_bwd=fwd_bwd,
         optimizer=optimizer,
-        tp_bytes=4 * layers * act_bytes if strategy.tp > 1 else 0.0,
-        tp_collectives=4 * layers if strategy.tp > 1 else 0,
+        tp_bytes=tp_per_layer * layers * act_bytes if strategy.tp > 1 else 0.0,
+        tp_collectives=tp_per_layer * layers if strategy.tp > 1 else 0,
         dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
         dp_grad_elements=grad_elems,
         pp_bytes=pp_bytes,
@@ -179,6 +215,7 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         fp8_recipe=precision.recipe,
         cp_bytes=cp_sends * kv_block * act_width,
         cp_sends=cp_sends,
+        recompute=recompute,
     )
 
 
@@ -202,7 +239,7 @@ def _module_trace(spec: ZooModel, micro: int, precision: str, target: str) -> tu
 
 
 def module_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision,
-                device: Device) -> StepWork:  # fmt: skip
+                device: Device, options: TrainingOptions = DEFAULT_OPTIONS) -> StepWork:  # fmt: skip
     """Data parallelism only (any model): the whole model is one rank's work."""
     if strategy.tp != 1 or strategy.pp != 1:
         from predictors.spec import StrategyError
@@ -213,14 +250,15 @@ def module_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision
     fwd_bwd, opt = _module_trace(spec, strategy.micro_batch, precision.name, target_of(device))
     grad_elems = sum(_numel(s) for s in _opt_param_shapes(opt))
     return StepWork(fwd_bwd, opt, dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
-                    dp_grad_elements=grad_elems)  # fmt: skip
+                    dp_grad_elements=grad_elems,
+                    recompute=recomputed(fwd_bwd, options))  # fmt: skip
 
 
 def step_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision,
               device: Device, options: TrainingOptions = DEFAULT_OPTIONS) -> StepWork:  # fmt: skip
     if isinstance(spec, TransformerSpec):
         return transformer_work(spec, strategy, precision, device, options)
-    return module_work(spec, strategy, precision, device)
+    return module_work(spec, strategy, precision, device, options)
 
 
 def features(spec: ZooModel, strategy: ParallelStrategy, precision: str | Precision,

@@ -35,6 +35,13 @@ from dataclasses import dataclass
 # A100/H100 nccl-tests); the learned model corrects the rest.
 LINK_EFFICIENCY = 0.8
 INTER_NODE_HOP_LATENCY = 5e-6  # seconds added per inter-node step (NIC + switch)
+# NCCL's own latency model (src/graph/tuning.cc: a ring collective costs baseLat + steps x
+# hwLat): over NVLink with the Simple protocol (the one large collectives run) 8.4 us per
+# collective and 3.4 us per ring step. A TP all-reduce of 8 ranks on one node takes 14 steps:
+# 56 us, where the device's fitted per-step latency (comm_latency, tens of us: what steps
+# across nodes cost) made it 280 us, a TP-8 layer's four all-reduces over 1 ms
+NVLINK_STEP_LATENCY = 3.4e-6
+COLLECTIVE_BASE_LATENCY = 8.4e-6
 # NCCL's tuner prices tree bandwidth below ring's (the intra-node chain and the reduction at
 # every tree level): large messages go ring, small ones across many nodes go tree.
 TREE_BW_FACTOR = 0.85
@@ -48,8 +55,9 @@ class Topology:
     nics_per_node: int = 8
     intra_bw: float = 300e9  # per GPU into NVLink/NVSwitch
     nic_bw: float = 25e9  # per NIC (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s)
-    intra_latency: float = 20e-6  # per collective step, inside a node
+    intra_latency: float = NVLINK_STEP_LATENCY  # per collective step, inside a node
     inter_latency: float = 20e-6 + INTER_NODE_HOP_LATENCY
+    base_latency: float = COLLECTIVE_BASE_LATENCY  # per collective or send, once
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "nics_per_node"):
@@ -141,7 +149,8 @@ def all_reduce(nbytes: float, group: Placement, topo: Topology) -> CommCost:
     moved = 2 * (n - 1) / n * nbytes  # per rank, ring and tree alike (bus bytes)
     intra_bw = topo.intra_bw * LINK_EFFICIENCY
     if not group.spans_nodes:
-        return CommCost(moved / intra_bw + 2 * (n - 1) * topo.intra_latency, moved, 0.0, "ring")
+        return CommCost(moved / intra_bw + topo.base_latency + 2 * (n - 1) * topo.intra_latency,
+                        moved, 0.0, "ring")
     g, k = group.per_node, group.nodes
     inter_bw = g * topo.nic_share * LINK_EFFICIENCY  # the group's NIC bandwidth on one node
     busy = moved / min(intra_bw, inter_bw)
@@ -149,9 +158,9 @@ def all_reduce(nbytes: float, group: Placement, topo: Topology) -> CommCost:
     # group's ranks on that node
     inter = 2 * (k - 1) / k * nbytes / g
     intra = moved - inter
-    ring = busy + 2 * (n - 1) * topo.inter_latency
-    tree = busy / TREE_BW_FACTOR + 2 * (math.ceil(math.log2(k)) * topo.inter_latency
-                       + (g - 1) * topo.intra_latency)  # fmt: skip
+    ring = busy + topo.base_latency + 2 * (n - 1) * topo.inter_latency
+    tree = busy / TREE_BW_FACTOR + topo.base_latency + 2 * (
+        math.ceil(math.log2(k)) * topo.inter_latency + (g - 1) * topo.intra_latency)
     if tree < ring:
         return CommCost(tree, intra, inter, "tree")
     return CommCost(ring, intra, inter, "ring")
@@ -164,16 +173,22 @@ def p2p(nbytes: float, inter_node: bool, topo: Topology) -> CommCost:
     if inter_node:
         return CommCost(nbytes / (topo.nic_share * LINK_EFFICIENCY) + topo.inter_latency,
                         0.0, nbytes, "p2p")  # fmt: skip
-    return CommCost(nbytes / (topo.intra_bw * LINK_EFFICIENCY) + topo.intra_latency,
-                    nbytes, 0.0, "p2p")  # fmt: skip
+    return CommCost(nbytes / (topo.intra_bw * LINK_EFFICIENCY) + topo.base_latency
+                    + topo.intra_latency, nbytes, 0.0, "p2p")  # fmt: skip
 
 
 def topology_of(device) -> Topology:
     """The node a :class:`~predictors.devices.Device` sits in (its table's NVLink and per-NIC
-    InfiniBand rates, one NIC per GPU as on DGX/HGX nodes)."""
+    InfiniBand rates, one NIC per GPU as on DGX/HGX nodes). Steps across nodes cost the
+    device's ``comm_latency`` (fitted); a GPU's steps inside the node NCCL's NVLink figures,
+    a CPU's (shared memory, no NCCL) its ``comm_latency`` with no base."""
     per_node = max(1, int(device.devices_per_node))
-    return Topology(per_node, per_node, device.intra_bw, device.inter_bw, device.comm_latency,
-                    device.comm_latency + INTER_NODE_HOP_LATENCY)  # fmt: skip
+    inter = device.comm_latency + INTER_NODE_HOP_LATENCY
+    if device.kind != "gpu":
+        return Topology(per_node, per_node, device.intra_bw, device.inter_bw,
+                        device.comm_latency, inter, 0.0)  # fmt: skip
+    return Topology(per_node, per_node, device.intra_bw, device.inter_bw,
+                    NVLINK_STEP_LATENCY, inter)  # fmt: skip
 
 
 def exposed_bucketed(bucket_seconds: list[float], backward_seconds: float) -> float:

@@ -14,12 +14,15 @@ from predictors.time.features import step_work
 
 def test_fit_recovers_the_constants_rows_were_made_with():
     """Rows whose 'measured' time is the roofline at known constants (times a constant
-    offset the correction would absorb) give back exactly those constants."""
+    offset the correction would absorb) give back exactly those constants. vTrain's rows run
+    on one node: their collectives cost NCCL's NVLink latency, so the latency of a step
+    across nodes is not fitted on them (the device keeps its own)."""
     base = get_device("a100-80gb")
-    truth = {"launch_overhead": 60e-6, "comm_latency": 20e-6, "gemm_latency": 10e-6}
-    dev = replace(base, **truth)
+    truth = {"launch_overhead": 60e-6, "gemm_latency": 10e-6}
+    dev = replace(base, comm_latency=5e-6, **truth)
     p = get_precision("fp16-mixed")
     rows = [r for r in load_vtrain() if r.spec.num_layers == 12][::6]
+    assert all(r.strategy.world_size <= 8 for r in rows)
     made = [replace(r, seconds=1.3 * iteration_time(step_work(r.spec, r.strategy, p, dev),
                                                     r.strategy, dev).total) for r in rows]  # fmt: skip
     assert fit_gpu_constants(made, "fp16-mixed", base) == truth

@@ -169,8 +169,8 @@ def test_the_kits_fp8_step_is_priced_as_it_runs_and_te_frameworks_are_unchanged(
 
 
 def test_unknown_framework_names_the_field():
-    with pytest.raises(ValueError, match="framework='deepspeed'"):
-        TrainingOptions(framework="deepspeed")
+    with pytest.raises(ValueError, match="framework='colossalai'"):
+        TrainingOptions(framework="colossalai")
 
 
 def test_held_out_framework_is_priced_by_its_device_family_fitted_on_the_others():

@@ -13,7 +13,7 @@ from predictors.datasets.gpumemnet import load_cnn_rows, load_mlp_rows
 from predictors.memory.allocator import MiB
 from predictors.memory.cli import main
 from predictors.memory.config import ShardingError, Step
-from predictors.memory.device import DistributedSpec, get_device
+from predictors.memory.device import CommBuffers, Sharding, get_device
 from predictors.memory.gpumemnet import (
     GeneratedMLP,
     bce_loss,
@@ -27,7 +27,7 @@ from predictors.memory.overheads import CONTEXTS
 from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simple import CnnSpec, MlpSpec
 from predictors.memory.simulate import simulate_step
-from predictors.spec import ModelSpecError
+from predictors.spec import ModelSpecError, ParallelStrategy, TrainingOptions
 from predictors.step import default_loss
 
 WIDE = MlpSpec(1024, (2048, 2048), 10)  # 6.3M parameters, 25 MiB of fp32 weights
@@ -104,21 +104,26 @@ def test_capacity_bound_frees_cached_segments_then_ooms():
 
 def test_deepspeed_zero_shards_and_names_its_buffers():
     one = _predict(optimizer="adam:fused")
-    z2 = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed"))
-    z3 = _predict(distributed=DistributedSpec(dp=8, zero=3, framework="deepspeed"))
+    dp8 = ParallelStrategy(8, 1, 1)
+    z2 = _predict(strategy=dp8, options=TrainingOptions.for_zero_stage(2, framework="deepspeed"))
+    z3 = _predict(strategy=dp8, options=TrainingOptions.for_zero_stage(3, framework="deepspeed"))
     assert z2.optimizer.impl == "fused"  # DeepSpeed runs its own fused Adam
     # the contiguous-gradient buffer has reduce_bucket_size (5e8) fp32 elements, model or not
     assert z2.inside_allocator["ds_reduce_bucket"] == 5e8 * 4
     assert {"ds_stage3_gathered_module", "ds_prefetch_bucket"} <= set(z3.inside_allocator)
-    small = _predict(distributed=DistributedSpec(dp=8, zero=2, framework="deepspeed",
-                                                 reduce_bucket=1e6))
+    small = _predict(strategy=dp8, options=TrainingOptions.for_zero_stage(2, framework="deepspeed"),
+                     buffers=CommBuffers(reduce_bucket=1e6))
     # states and gradients sharded 8 ways, a 4 MB bucket instead of 2 GB
     assert small.max_memory_allocated < one.max_memory_allocated < z2.max_memory_allocated
     assert z2.outside_allocator["nccl_buffers"] > 0
-    with pytest.raises(ShardingError):
-        DistributedSpec(dp=8, zero=3, framework="megatron")
-    with pytest.raises(ShardingError):
-        _predict(distributed=DistributedSpec(dp=8, zero=3, framework="ddp"))
+    with pytest.raises(ShardingError, match="framework='megatron'"):
+        Sharding(dp8, TrainingOptions.for_zero_stage(3, framework="megatron"))
+    with pytest.raises(ShardingError, match="got 'pytorch'"):
+        _predict(strategy=dp8, options=TrainingOptions.for_zero_stage(3, framework="pytorch"))
+    with pytest.raises(ShardingError, match="framework='torchtitan'"):
+        _predict(strategy=dp8, options=TrainingOptions(framework="torchtitan"))
+    with pytest.raises(ShardingError, match="tp=pp=cp=1"):
+        _predict(strategy=ParallelStrategy(4, 2, 1))
 
 
 def test_cudnn_workspace_is_allocated_around_convolutions():

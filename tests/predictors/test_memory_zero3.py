@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from predictors.memory.config import Step
-from predictors.memory.device import DistributedSpec
+from predictors.memory.device import CommBuffers
 from predictors.memory.factorize import factorize
 from predictors.memory.module import predict_module_memory
 from predictors.memory.overheads import HOPPER
@@ -55,8 +55,9 @@ def test_module_path_uses_the_same_zero3_model():
                                    torch.nn.Linear(2048, 512), torch.nn.LayerNorm(512))  # fmt: skip
 
     x, y = torch.randn(8, 512), torch.randn(8, 512)
-    dist = DistributedSpec(dp=4, zero=3, framework="deepspeed", prefetch_bucket=1e5)
-    p = predict_module_memory(build, x, y, distributed=dist, precision="fp32")
+    p = predict_module_memory(build, x, y, strategy=ParallelStrategy(4, 1, 1),
+                              options=TrainingOptions.for_zero_stage(3, framework="deepspeed"),
+                              buffers=CommBuffers(prefetch_bucket=1e5), precision="fp32")
     fc1, fc2, ln = [512 * 2048 * 4, 2048 * 4], [2048 * 512 * 4, 512 * 4], [512 * 4, 512 * 4]
     z3 = zero3_params([fc1, fc2, ln], 4, 4, prefetch_bucket=1e5)
     assert p.inside_allocator["ds_stage3_gathered_module"] == z3.gathered == sum(fc1)

@@ -2,15 +2,19 @@
 
 import pytest
 
+from predictors.devices import get_device
 from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 from predictors.time.network import (
+    COLLECTIVE_BASE_LATENCY,
     LINK_EFFICIENCY,
+    NVLINK_STEP_LATENCY,
     Topology,
     all_reduce,
     exposed_bucketed,
     megatron_groups,
     p2p,
     place,
+    topology_of,
 )
 
 DGX_A100 = Topology(8, 8, 300e9, 25e9)
@@ -81,3 +85,23 @@ def test_options_change_the_prediction_where_they_should():
         predict(gpt, s, "bf16-mixed", "a100-80gb", options=TrainingOptions(virtual_pipeline=5))
     with pytest.raises(StrategyError, match="overlap_param_gather"):
         TrainingOptions(overlap_param_gather=True)
+
+
+def test_a_collective_inside_a_node_costs_nccls_nvlink_latency_not_the_fitted_step():
+    """NCCL prices a ring collective at a base latency plus one hardware latency per step
+    (tuning.cc); over NVLink that is 8.4 + 14 x 3.4 us for 8 ranks. The device's fitted
+    per-step latency prices the steps across nodes only."""
+    from dataclasses import replace
+
+    h100 = get_device("h100-80gb")
+    slow = replace(h100, comm_latency=50e-6)
+    tiny = 8.0  # bytes: latency-bound
+    for dev in (h100, slow):
+        topo = topology_of(dev)
+        one_node = all_reduce(tiny, place(8, 1, 8), topo).seconds
+        assert one_node == pytest.approx(COLLECTIVE_BASE_LATENCY + 14 * NVLINK_STEP_LATENCY,
+                                         rel=1e-3)
+    spanning = [all_reduce(tiny, place(16, 1, 8), topology_of(d)).seconds for d in (h100, slow)]
+    assert spanning[1] > spanning[0]  # across nodes the fitted latency still counts
+    cpu = topology_of(get_device("cpu"))  # no NCCL: the device's own latency, no base
+    assert cpu.base_latency == 0 and cpu.intra_latency == get_device("cpu").comm_latency

@@ -57,17 +57,43 @@ def test_interleaved_sends_overlap_the_chunks_compute_as_megatron_runs_them():
     assert plain[0].total == plain[1].total
 
 
-def test_recompute_full_reruns_forward_selective_only_the_non_gemm_part():
-    s = ParallelStrategy(1, 1, 1, 1, 1)
-    work = _toy_work()
-    none = iteration_time(work, s, H100)
-    full = iteration_time(work, s, H100, TrainingOptions(recompute="full"))
-    sel = iteration_time(work, s, H100, TrainingOptions(recompute="selective"))
-    fwd = iteration_time(StepWork(Trace(work.fwd_bwd.records[:3] * 3), Trace()), s, H100)
-    fwd_gemm = iteration_time(StepWork(Trace([work.fwd_bwd.records[0]] * 3), Trace()), s, H100)
-    assert full.recompute_mb == pytest.approx(fwd.compute_mb)
-    assert sel.recompute_mb == pytest.approx(fwd.compute_mb - fwd_gemm.compute_mb)
-    assert full.compute_mb == pytest.approx(none.compute_mb + full.recompute_mb)
+def test_recompute_reruns_the_layers_forward_and_selective_what_the_framework_drops():
+    """Full recomputation re-runs every layer's forward (not the embedding and LM head) and
+    its two TP collectives; Megatron's selective only the core attention; torchtitan's op-level
+    selective everything but the attention and every odd-numbered matmul of a layer."""
+    s = ParallelStrategy(1, 2, 1, 1, 1)
+    p = get_precision("bf16-mixed")
+
+    def work(**kw):
+        return step_work(LLAMA, s, p, H100, TrainingOptions(**kw))
+
+    none, full = work(), work(recompute="full")
+    # a layer's records repeat num_layers times, the head's once; the layers come first
+    counts = {id(r): n for r, n in full.fwd_bwd.unique()}
+    layers = [r for r in full.fwd_bwd.records
+              if r.phase == "forward" and counts[id(r)] == LLAMA.num_layers]
+    layer = layers[:len(layers) // LLAMA.num_layers]
+    assert not none.recompute.records
+    assert full.recompute.records == layer * LLAMA.num_layers
+    forward = [r for r in full.fwd_bwd.records if r.phase == "forward"]
+    assert full.recompute.total() < sum(r.flops for r in forward)  # the head is not re-run
+    assert full.tp_collectives == 6 * LLAMA.num_layers and none.tp_collectives == 4 * LLAMA.num_layers
+    megatron = work(recompute="selective")
+    assert megatron.recompute.records and {r.op_class for r in megatron.recompute.records} == {
+        "attention"}
+    titan = work(recompute="selective", framework="torchtitan").recompute.records
+    mms = [r for r in layer if r.op_class == "matmul"]
+    assert [r for r in titan if r.op_class == "matmul"] == mms[1::2] * LLAMA.num_layers
+    assert not [r for r in titan if r.op_class == "attention"]
+    others = [r for r in layer if r.op_class not in ("matmul", "attention")]
+    assert [r for r in titan if r.op_class not in ("matmul", "attention")] == (
+        others * LLAMA.num_layers)
+    # the iteration prices what is re-run on top of the micro-batch's compute
+    t_none = iteration_time(none, s, H100)
+    for w, mode in ((full, "full"), (megatron, "selective")):
+        b = iteration_time(w, s, H100, TrainingOptions(recompute=mode))
+        assert b.recompute_mb > 0
+        assert b.compute_mb == pytest.approx(t_none.compute_mb + b.recompute_mb)
     with pytest.raises(StrategyError, match="recompute='partial'"):
         TrainingOptions(recompute="partial")
 
@@ -169,3 +195,19 @@ def test_sequence_parallel_needs_the_sequence_to_split_over_tp():
     with pytest.raises(StrategyError, match="sequence_parallel"):
         step_work(odd, ParallelStrategy(1, 4, 1, 1, 1), get_precision("bf16-mixed"), H100,
                   TrainingOptions(sequence_parallel=True))
+
+
+def test_fsdp_communication_hides_only_its_fitted_share_under_compute():
+    """Unfitted, FSDP's per-micro-batch gathers and reduce-scatters hide whole under compute;
+    with a fitted share ``overlap:fsdp`` the rest of them stays exposed."""
+    s = ParallelStrategy(8, 1, 1, 1, 8)
+    options = TrainingOptions(fsdp=True)
+    work = step_work(LLAMA, s, get_precision("bf16-mixed"), H100, options)
+    whole = iteration_time(work, s, H100, options)
+    share = replace(H100, efficiency={"overlap:fsdp": 0.6})
+    part = iteration_time(work, s, share, options)
+    comm = iteration_time(work, s, replace(H100, efficiency={"overlap:fsdp": 0.0}),
+                          options).fsdp_comm_mb  # nothing hidden: all of it
+    assert comm > 0 and whole.fsdp_comm_mb == pytest.approx(max(0.0, comm - whole.compute_mb))
+    assert part.fsdp_comm_mb == pytest.approx(max(comm - whole.compute_mb, 0.4 * comm))
+    assert part.total > whole.total
