@@ -1,0 +1,126 @@
+"""The guard on adaptive placement (#46, "do no harm"): a split the estimates propose is kept
+only once a fetch showed it no slower; on a device whose rate drops above a knee in its share
+(a token bucket) the pool settles no slower than the even split, where following the estimates
+alone is slower."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from tests.kvpool.test_bandwidth import CHUNK, _in_process
+from vllm_kvpool.placement import largest_remainder
+from vllm_kvpool.protocol import WorkerReport
+from vllm_kvpool.split_guard import MAX_WAIT, RETRY_AFTER, SplitGuard
+
+
+def _fetch(guard: SplitGuard, counts: list[int], seconds: list[float]) -> None:
+    guard.placed(counts)
+    guard.observe_fetch([c * 100 for c in counts], seconds)
+
+
+def test_a_faster_challenger_is_kept_a_slower_one_is_not_and_waits_double():
+    g = SplitGuard([1.0, 1.0])
+    assert g.choose([3.0, 1.0]) == [1.0, 1.0]  # the champion has no time yet: measure it first
+    _fetch(g, [2, 2], [1.0, 1.0])
+    assert g.choose([3.0, 1.0]) == [3.0, 1.0]  # a different split: tried
+    _fetch(g, [3, 1], [0.75, 0.5])  # faster (0.75 s vs 1.0 s for 400 bytes): kept
+    assert g.champion.weights == [3.0, 1.0] and g.challenger is None
+    waits = []
+    for _ in range(4):  # the estimates keep proposing a split that is slower each time it runs
+        assert g.choose([1.0, 3.0]) == [1.0, 3.0]
+        _fetch(g, [1, 3], [0.25, 2.0])
+        assert g.champion.weights == [3.0, 1.0]  # rejected: back to the champion
+        n = 0
+        while g.choose([1.0, 3.0]) == [3.0, 1.0]:
+            _fetch(g, [3, 1], [0.75, 0.5])
+            n += 1
+        waits.append(n)
+    assert waits == [RETRY_AFTER, 2 * RETRY_AFTER, 4 * RETRY_AFTER, min(8 * RETRY_AFTER, MAX_WAIT)]
+
+
+def test_the_wait_ends_when_the_champions_own_time_moves():
+    g = SplitGuard([1.0, 1.0])
+    _fetch(g, [2, 2], [1.0, 1.0])
+    g.choose([3.0, 1.0])
+    _fetch(g, [3, 1], [1.5, 0.2])  # rejected
+    assert g.choose([3.0, 1.0]) == [1.0, 1.0]
+    _fetch(g, [2, 2], [1.0, 3.0])  # a device slowed: the champion is now 3x slower
+    assert g.choose([3.0, 1.0]) == [3.0, 1.0]  # the old verdict is moot: tried again
+    _fetch(g, [3, 1], [1.5, 0.2])
+    assert g.champion.weights == [3.0, 1.0]
+
+
+def test_a_challenger_never_fetched_is_dropped_and_an_unrelated_fetch_teaches_nothing():
+    g = SplitGuard([1.0, 1.0])
+    _fetch(g, [2, 2], [1.0, 1.0])
+    assert g.choose([3.0, 1.0]) == [3.0, 1.0]
+    g.placed([3, 1])
+    g.observe_fetch([0, 400], [9.0, 9.0])  # an old prefix on one device: neither's split
+    assert g.challenger is not None and g.champion.seconds_per_byte == 1.0 / 400
+    for _ in range(RETRY_AFTER + 1):  # only the champion's split is fetched
+        g.observe_fetch([200, 200], [1.0, 1.0])
+    assert g.challenger is None and g.choose([3.0, 1.0]) == [1.0, 1.0]
+
+
+class TokenBucket:
+    """A device whose rate depends on its share: ``knee`` bytes a fetch at ``fast`` GB/s (the
+    bucket's burst), the rest at ``slow`` (+-3% noise, seeded)."""
+
+    def __init__(self, fast: float, slow: float, knee: int, seed: int) -> None:
+        self.fast, self.slow, self.knee = fast, slow, knee
+        self.rng = random.Random(seed)
+
+    def exact(self, nbytes: int) -> float:
+        burst = min(nbytes, self.knee)
+        return burst / (self.fast * 1e9) + (nbytes - burst) / (self.slow * 1e9)
+
+    def busy_seconds(self, nbytes: int) -> float:
+        return self.exact(nbytes) * self.rng.uniform(0.97, 1.03)
+
+
+FETCHES = 24
+SETTLED_BY = 8  # fetches after which the split in use is no slower than the even one
+
+
+def _fetches(devices: list[TokenBucket], n: int):
+    """``n`` fetches, each of a new 16-chunk request placed by the pool (two equal priors) and
+    read back from ``devices``: each fetch's time over the even split's, and the pool."""
+    plan, apply, _ = _in_process()
+    even = max(d.exact(8 * CHUNK) for d in devices)
+    times = []
+    for f in range(n):
+        hs = [f"r{f}-{i}".encode() for i in range(32)]
+        counts = Counter(plan(f"r{f}", [(i, hs[i:i + 2]) for i in range(0, 32, 2)]))
+        times.append(max(devices[d].exact(k * CHUNK) for d, k in counts.items()) / even)
+        apply(WorkerReport(observations=[(d, "read", k * CHUNK, devices[d].busy_seconds(k * CHUNK))
+                                         for d, k in sorted(counts.items())]))  # fmt: skip
+    return times, apply.__self__  # the UnifiedPool the bound method belongs to
+
+
+def test_a_device_slow_above_a_knee_settles_no_slower_than_the_even_split():
+    """h1 reads 8 chunks a fetch at 8 GB/s, the rest at 1; h0 4 GB/s throughout. At the even
+    split (8 + 8 of 16) h1 is measured at 8 GB/s, so the estimates propose giving it about two
+    thirds, which crosses its knee (1.5x the even split's time). Within ``SETTLED_BY`` fetches
+    the pool is back on a split no slower than the even one and stays there but for rare,
+    ever rarer trials."""
+    devices = [TokenBucket(4.0, 4.0, 0, seed=1), TokenBucket(8.0, 1.0, 8 * CHUNK, seed=2)]
+    times, pool = _fetches(devices, FETCHES)
+    settled = times[SETTLED_BY:]
+    assert max(times) > 1.2, times  # a challenger crossed the knee (the test has teeth)...
+    assert sorted(settled)[len(settled) // 2] <= 1.0 + 1e-9, times  # ...and was not kept
+    assert sum(t > 1.0 + 1e-9 for t in settled) <= 2, times  # trials back off
+    assert sum(times) / len(times) <= 1.1, times
+    # Without the guard placement would follow the estimates: across the knee, slower.
+    follow = largest_remainder(16, pool.weights.estimates(), [16, 16])
+    even = max(d.exact(8 * CHUNK) for d in devices)
+    assert follow[1] > 8
+    assert max(d.exact(k * CHUNK) for d, k in zip(devices, follow, strict=True)) / even > 1.2
+
+
+def test_a_knee_above_the_even_split_is_found_and_kept():
+    """The same devices with h1's knee at 10 chunks: the estimates' split (10 on h1) is faster
+    than the even one (3/4 of its time) and the guard keeps it from the first trial on."""
+    devices = [TokenBucket(4.0, 4.0, 0, seed=1), TokenBucket(8.0, 1.0, 10 * CHUNK, seed=2)]
+    times, _ = _fetches(devices, 8)
+    assert times[0] == 1.0 and all(t <= 0.8 for t in times[1:]), times
