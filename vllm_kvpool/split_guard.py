@@ -12,14 +12,18 @@ this module decides whether placement may follow them (champion / challenger):
   champion's split re-measures it: its time is the fetch's share time as observed (max over
   devices of their busy seconds) per byte fetched, the latest such fetch (a device that slows
   down makes its champion slower at once, so a challenger is compared with it as it is now).
-* When the estimates' split differs from the champion's (``MIN_CHANGE``), it becomes the
-  **challenger**: new requests are placed by it until a fetch of its split is measured. It
+* When the estimates' split differs from the champion's (``MIN_CHANGE``), a step toward it
+  becomes the **challenger**: new requests are placed by it until a fetch of its split is
+  measured. The step is the whole way at first and halves after each rejection (down to
+  ``MIN_STEP``): a device measured fast below its knee is proposed past it, and halving the
+  step walks the challengers back toward the knee instead of crossing it again and again. It
   replaces the champion only if that fetch's time per byte is not above the champion's latest;
   else the champion stays and no challenger is tried for ``RETRY_AFTER`` fetches of the
   champion, twice as many after each further rejection (up to ``MAX_WAIT``; a challenger never
   fetched is dropped after ``RETRY_AFTER``). The wait ends early when the champion's own time
   moves by more than ``CHANGED`` from what the rejected challenger was compared with: the
-  devices changed (one slowed down or recovered), so the old verdict is moot.
+  devices changed (one slowed down or recovered), so the old verdict is moot (the step is
+  whole again).
 
 Why this cannot settle slower than the prior's split: every champion after the first was
 measured, when it took over, no slower than the champion it replaced, measured on the same
@@ -48,6 +52,8 @@ MATCH = 0.25  # a fetch's split further than this (L1) from both candidates' is 
 RETRY_AFTER = 4  # champion fetches after a rejected (or never fetched) challenger
 MAX_WAIT = 32  # the longest wait after rejections in a row
 CHANGED = 0.25  # the champion's time moved by this fraction: the devices changed, try again
+SAME = 1e-9  # L1 distance below which two placed splits are the same
+MIN_STEP = 1 / 8  # the shortest step from the champion toward the estimates' split
 
 
 def shares(values: Sequence[float]) -> list[float]:
@@ -83,22 +89,34 @@ class SplitGuard:
         self.wait = 0  # champion fetches before the next challenger may be tried
         self.next_wait = RETRY_AFTER  # the wait after the next rejection
         self.rejected_at: float | None = None  # the champion's time the last rejection saw
+        self.step = 1.0  # how far a challenger goes from the champion toward the proposal
         self.unfetched = 0  # champion fetches since the challenger was placed, unmeasured
 
     def choose(self, proposal: Sequence[float]) -> list[float]:
         """The weights new chunks are placed by, given the estimates' ``proposal``."""
-        if (self.challenger is None and self.wait == 0
-                and self.champion.seconds_per_byte is not None
-                and distance(shares(proposal), shares(self.champion.weights)) > MIN_CHANGE):  # fmt: skip
-            self.challenger = Candidate(list(proposal))
-            self.unfetched = 0
+        if self.challenger is None and self.wait == 0 and self.champion.seconds_per_byte:
+            now = shares(self.champion.weights)
+            to = [c + self.step * (p - c) for c, p in zip(now, shares(proposal), strict=True)]
+            if distance(to, now) > MIN_CHANGE:
+                self.challenger = Candidate(to)
+                self.unfetched = 0
         return list((self.challenger or self.champion).weights)
 
     def placed(self, counts: Sequence[int]) -> None:
         """The chunks per device of a request placed by the weights ``choose`` gave last."""
         split = shares(counts)
-        if sum(split) > 0:
-            (self.challenger or self.champion).placed = split
+        if sum(split) <= 0:
+            return
+        c = self.challenger
+        if c is not None and self.champion.placed is not None \
+                and distance(split, self.champion.placed) < SAME:  # fmt: skip
+            # Capacity caps and whole chunks can place the challenger's weights exactly as the
+            # champion's: nothing to measure, and a fetch could not tell them apart; it takes
+            # over with the champion's time, so the next proposal can be tried.
+            self.champion = Candidate(c.weights, split, self.champion.seconds_per_byte)
+            self.challenger = None
+            return
+        (c or self.champion).placed = split
 
     def observe_fetch(self, nbytes: Sequence[int], seconds: Sequence[float]) -> None:
         """One fetch: per device its bytes and busy seconds (0 bytes: not read)."""
@@ -117,7 +135,7 @@ class SplitGuard:
             self.champion.seconds_per_byte = per_byte
             self.wait = max(self.wait - 1, 0)
             if self.rejected_at is not None and abs(per_byte / self.rejected_at - 1) > CHANGED:
-                self.wait, self.next_wait, self.rejected_at = 0, RETRY_AFTER, None
+                self.wait, self.next_wait, self.rejected_at, self.step = 0, RETRY_AFTER, None, 1.0
             if self.challenger is not None:
                 self.unfetched += 1
                 if self.unfetched > RETRY_AFTER:  # placed but never fetched: not kept
@@ -131,4 +149,5 @@ class SplitGuard:
         else:
             self.wait, self.rejected_at = self.next_wait, best
             self.next_wait = min(2 * self.next_wait, MAX_WAIT)
+            self.step = max(self.step / 2, MIN_STEP)
         self.challenger = None

@@ -19,24 +19,26 @@ def _fetch(guard: SplitGuard, counts: list[int], seconds: list[float]) -> None:
     guard.observe_fetch([c * 100 for c in counts], seconds)
 
 
-def test_a_faster_challenger_is_kept_a_slower_one_is_not_and_waits_double():
+def test_a_faster_challenger_is_kept_a_slower_one_is_not_then_steps_halve_and_waits_double():
     g = SplitGuard([1.0, 1.0])
     assert g.choose([3.0, 1.0]) == [1.0, 1.0]  # the champion has no time yet: measure it first
     _fetch(g, [2, 2], [1.0, 1.0])
-    assert g.choose([3.0, 1.0]) == [3.0, 1.0]  # a different split: tried
+    assert g.choose([3.0, 1.0]) == [0.75, 0.25]  # the estimates' split: tried
     _fetch(g, [3, 1], [0.75, 0.5])  # faster (0.75 s vs 1.0 s for 400 bytes): kept
-    assert g.champion.weights == [3.0, 1.0] and g.challenger is None
-    waits = []
-    for _ in range(4):  # the estimates keep proposing a split that is slower each time it runs
-        assert g.choose([1.0, 3.0]) == [1.0, 3.0]
+    assert g.champion.weights == [0.75, 0.25] and g.challenger is None
+    tried, waits = [], []
+    for _ in range(5):  # the estimates keep proposing a split that is slower each time it runs
+        tried.append(g.choose([1.0, 3.0]))
         _fetch(g, [1, 3], [0.25, 2.0])
-        assert g.champion.weights == [3.0, 1.0]  # rejected: back to the champion
+        assert g.champion.weights == [0.75, 0.25]  # rejected: back to the champion
         n = 0
-        while g.choose([1.0, 3.0]) == [3.0, 1.0]:
+        while g.choose([1.0, 3.0]) == [0.75, 0.25]:
             _fetch(g, [3, 1], [0.75, 0.5])
             n += 1
         waits.append(n)
-    assert waits == [RETRY_AFTER, 2 * RETRY_AFTER, 4 * RETRY_AFTER, min(8 * RETRY_AFTER, MAX_WAIT)]
+    # Each rejection halves the step toward the proposal (down to 1/8) and doubles the wait.
+    assert tried == [[0.25, 0.75], [0.5, 0.5], [0.625, 0.375], [0.6875, 0.3125], [0.6875, 0.3125]]
+    assert waits == [RETRY_AFTER * 2**k for k in range(4)] + [MAX_WAIT]
 
 
 def test_the_wait_ends_when_the_champions_own_time_moves():
@@ -46,21 +48,33 @@ def test_the_wait_ends_when_the_champions_own_time_moves():
     _fetch(g, [3, 1], [1.5, 0.2])  # rejected
     assert g.choose([3.0, 1.0]) == [1.0, 1.0]
     _fetch(g, [2, 2], [1.0, 3.0])  # a device slowed: the champion is now 3x slower
-    assert g.choose([3.0, 1.0]) == [3.0, 1.0]  # the old verdict is moot: tried again
+    assert g.choose([3.0, 1.0]) == [0.75, 0.25]  # the old verdict is moot: the whole step again
     _fetch(g, [3, 1], [1.5, 0.2])
-    assert g.champion.weights == [3.0, 1.0]
+    assert g.champion.weights == [0.75, 0.25]
 
 
 def test_a_challenger_never_fetched_is_dropped_and_an_unrelated_fetch_teaches_nothing():
     g = SplitGuard([1.0, 1.0])
     _fetch(g, [2, 2], [1.0, 1.0])
-    assert g.choose([3.0, 1.0]) == [3.0, 1.0]
+    assert g.choose([3.0, 1.0]) == [0.75, 0.25]
     g.placed([3, 1])
     g.observe_fetch([0, 400], [9.0, 9.0])  # an old prefix on one device: neither's split
     assert g.challenger is not None and g.champion.seconds_per_byte == 1.0 / 400
     for _ in range(RETRY_AFTER + 1):  # only the champion's split is fetched
         g.observe_fetch([200, 200], [1.0, 1.0])
     assert g.challenger is None and g.choose([3.0, 1.0]) == [1.0, 1.0]
+
+
+def test_a_challenger_placed_exactly_as_the_champion_takes_over_at_once():
+    """Capacity caps can place different weights identically: a fetch could never tell them
+    apart, so the challenger takes over (with the champion's time) and the next one is tried."""
+    g = SplitGuard([1.0, 1.0, 1.0])
+    _fetch(g, [2, 2, 4], [1.0, 1.0, 1.0])  # device 2 holds the rest once 0 and 1 are full
+    assert g.choose([1.0, 1.0, 2.0]) == [0.25, 0.25, 0.5]
+    g.placed([2, 2, 4])
+    assert g.challenger is None and g.champion.weights == [0.25, 0.25, 0.5]
+    assert g.champion.seconds_per_byte == 1.0 / 800
+    assert g.choose([1.0, 3.0, 4.0]) == [0.125, 0.375, 0.5]
 
 
 class TokenBucket:
