@@ -21,9 +21,10 @@ this module decides whether placement may follow them (champion / challenger):
   else the champion stays and no challenger is tried for ``RETRY_AFTER`` fetches of the
   champion, twice as many after each further rejection (up to ``MAX_WAIT``; a challenger never
   fetched is dropped after ``RETRY_AFTER``). The wait ends early when the champion's own time
-  moves by more than ``CHANGED`` from what the rejected challenger was compared with: the
-  devices changed (one slowed down or recovered), so the old verdict is moot (the step is
-  whole again).
+  moves by more than ``CHANGED`` from what the rejected challenger was compared with, or one
+  device reads its part of the champion's split ``DEVICE_CHANGED`` times faster or slower than
+  then (a device that is not the slowest can recover without moving the fetch's time): the
+  devices changed, so the old verdict is moot (the step is whole again).
 
 Why this cannot settle slower than the prior's split: every champion after the first was
 measured, when it took over, no slower than the champion it replaced, measured on the same
@@ -53,6 +54,7 @@ RETRY_AFTER = 4  # champion fetches after a rejected (or never fetched) challeng
 MAX_WAIT = 32  # the longest wait after rejections in a row
 CHANGED = 0.25  # the champion's time moved by this fraction: the devices changed, try again
 SAME = 1e-9  # L1 distance below which two placed splits are the same
+DEVICE_CHANGED = 2.0  # one device's seconds per byte moved by this factor: the devices changed
 MIN_STEP = 1 / 8  # the shortest step from the champion toward the estimates' split
 
 
@@ -89,6 +91,8 @@ class SplitGuard:
         self.wait = 0  # champion fetches before the next challenger may be tried
         self.next_wait = RETRY_AFTER  # the wait after the next rejection
         self.rejected_at: float | None = None  # the champion's time the last rejection saw
+        self.devices_at: list[float | None] = []  # and its devices' seconds per byte then
+        self.devices: list[float | None] = []  # the champion's latest fetch, per device
         self.step = 1.0  # how far a challenger goes from the champion toward the proposal
         self.unfetched = 0  # champion fetches since the challenger was placed, unmeasured
 
@@ -125,6 +129,7 @@ class SplitGuard:
             return
         split = shares(nbytes)
         per_byte = max(s for n, s in zip(nbytes, seconds, strict=True) if n > 0) / total
+        devices = [s / n if n > 0 else None for n, s in zip(nbytes, seconds, strict=True)]
         near = [(distance(split, c.placed), i, c)
                 for i, c in enumerate((self.champion, self.challenger))
                 if c is not None and c.placed is not None]  # fmt: skip
@@ -133,8 +138,9 @@ class SplitGuard:
         _, _, which = min(near, key=lambda x: (x[0], x[1]))  # a tie: the champion's
         if which is self.champion:
             self.champion.seconds_per_byte = per_byte
+            self.devices = devices
             self.wait = max(self.wait - 1, 0)
-            if self.rejected_at is not None and abs(per_byte / self.rejected_at - 1) > CHANGED:
+            if self.rejected_at is not None and self._changed(per_byte):
                 self.wait, self.next_wait, self.rejected_at, self.step = 0, RETRY_AFTER, None, 1.0
             if self.challenger is not None:
                 self.unfetched += 1
@@ -144,10 +150,18 @@ class SplitGuard:
         best = self.champion.seconds_per_byte
         if best is None or per_byte <= best:
             which.seconds_per_byte = per_byte
-            self.champion = which
+            self.champion, self.devices = which, devices
             self.next_wait, self.rejected_at = RETRY_AFTER, None
         else:
-            self.wait, self.rejected_at = self.next_wait, best
+            self.wait, self.rejected_at, self.devices_at = self.next_wait, best, self.devices
             self.next_wait = min(2 * self.next_wait, MAX_WAIT)
             self.step = max(self.step / 2, MIN_STEP)
         self.challenger = None
+
+    def _changed(self, per_byte: float) -> bool:
+        """Whether the champion's latest fetch says the devices changed since the rejection."""
+        assert self.rejected_at is not None
+        if abs(per_byte / self.rejected_at - 1) > CHANGED:
+            return True
+        return any(a is not None and b is not None and max(a / b, b / a) >= DEVICE_CHANGED
+                   for a, b in zip(self.devices, self.devices_at, strict=False))  # fmt: skip

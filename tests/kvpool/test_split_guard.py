@@ -53,6 +53,19 @@ def test_the_wait_ends_when_the_champions_own_time_moves():
     assert g.champion.weights == [0.75, 0.25]
 
 
+def test_the_wait_ends_when_a_device_that_is_not_the_slowest_recovers():
+    """S4's loss after the restore (development run 2): the recovered device held a small
+    share, the fetch's time (its slowest device) did not move, and the guard kept waiting."""
+    g = SplitGuard([1.0, 1.0])
+    _fetch(g, [2, 2], [1.0, 0.5])
+    assert g.choose([1.0, 3.0]) == [0.25, 0.75]
+    _fetch(g, [1, 3], [0.25, 1.5])  # rejected: device 1 is slow at three quarters
+    _fetch(g, [2, 2], [1.0, 0.6])  # noise on a device: still waiting
+    assert g.choose([1.0, 3.0]) == [1.0, 1.0]
+    _fetch(g, [2, 2], [1.0, 0.125])  # device 1 four times faster, the fetch's time the same
+    assert g.choose([1.0, 3.0]) == [0.25, 0.75]
+
+
 def test_a_challenger_never_fetched_is_dropped_and_an_unrelated_fetch_teaches_nothing():
     g = SplitGuard([1.0, 1.0])
     _fetch(g, [2, 2], [1.0, 1.0])
