@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_kvpool.bandwidth import DEFAULT_HALF_LIFE, DEFAULT_LEARN_AFTER, OPS, RateEstimate
 from vllm_kvpool.config import PlacementPolicy
-from vllm_kvpool.split_guard import SplitGuard
+from vllm_kvpool.split_guard import SplitGuard, shares
 
 
 def largest_remainder(total: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
@@ -155,6 +155,10 @@ class DeviceWeights:
         """The weights new chunks are placed by: the guard's champion, or the estimates' split
         on trial (``split_guard``); call :meth:`placed` with what placement did."""
         return self._healthy(self.guard.choose(self.estimates()))
+
+    def kept_shares(self) -> list[float]:
+        """Each device's share of the split the guard keeps (its champion), failed ones 0."""
+        return shares(self._healthy(self.guard.champion.weights))
 
     def _healthy(self, weights: Sequence[float]) -> list[float]:
         w = [0.0 if f else x for x, f in zip(weights, self.failed, strict=True)]

@@ -399,10 +399,11 @@ class UnifiedPool:
     # -- reporting -------------------------------------------------------------------------
     def status(self) -> PoolStatus:
         w = self.weights
+        kept = w.kept_shares()
         usage = [
             DeviceUsage(d.name, d.kind, alloc.total - alloc.num_free, alloc.total,
                         self.layout.slot_bytes, w.reads[i].gbps, w.failed[i], w.probe_gbps[i],
-                        w.reads[i].measured_gbps, w.writes[i].measured_gbps)  # fmt: skip
+                        w.reads[i].measured_gbps, w.writes[i].measured_gbps, kept[i])  # fmt: skip
             for i, (d, alloc) in enumerate(zip(self.config.devices, self.slots, strict=True))
         ]
         return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,
