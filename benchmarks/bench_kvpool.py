@@ -385,7 +385,9 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
     hashes = block_hashes(g, f"{scenario}-{step}")
     if pool.save(hashes, ids) != g.num_chunks:
         raise RuntimeError(f"{scenario}: step {step} stored fewer than {g.num_chunks}")
-    weights = [round(u.weight_gbps, 3) for u in pool.status().usage]
+    usage = pool.status().usage
+    weights = [round(u.weight_gbps, 3) for u in usage]  # the estimates (they propose the split)
+    kept = [round(u.kept_share or 0.0, 3) for u in usage]  # the split the guard keeps
     devs = [d.name for d in pool.config.devices]
     held = sorted({e.location.device for e in pool.pool.index.entries.values()})
     bound = [*[f"alone:{devs[d]}" for d in held], "together"]
@@ -401,7 +403,8 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
         res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical, moved,
                      {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold, rep=step,
                      threads=torch.get_num_threads(),
-                     note=json.dumps({"throttle_mbps": mbps, "weights": weights}))  # fmt: skip
+                     note=json.dumps({"throttle_mbps": mbps, "weights": weights,
+                                      "kept_share": kept}))  # fmt: skip
         out.append(res)
         if emit is not None:
             emit(res)

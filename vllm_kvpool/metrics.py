@@ -105,11 +105,12 @@ class DeviceUsage:
     used_slots: int
     total_slots: int
     slot_bytes: int
-    weight_gbps: float  # placement's weight: the measured read GB/s, else the probe's
+    weight_gbps: float  # the read estimate: measured GB/s, else the probe's (proposes the split)
     failed: bool
     probe_gbps: float = 0.0  # the probe's figure (the prior)
     measured_read_gbps: float | None = None  # bandwidth measured in service (``bandwidth``)
     measured_write_gbps: float | None = None
+    kept_share: float | None = None  # its share of the split placement keeps (``split_guard``)
 
     @property
     def used_bytes(self) -> int:
@@ -239,12 +240,15 @@ GAUGE = "gauge:"  # a stats key whose latest value holds (not summed over interv
 
 def flat_gauges(status: PoolStatus) -> dict[str, float]:
     """Each device's read bandwidth: the probe's figure and, once learned, the one measured in
-    service (``bandwidth``), for vLLM's stats hook beside the counters."""
+    service (``bandwidth``), and its share of the split placement keeps (``split_guard``), for
+    vLLM's stats hook beside the counters."""
     out: dict[str, float] = {}
     for u in status.usage:
         out[f"{GAUGE}probe_GBps:{u.name}"] = u.probe_gbps
         if u.measured_read_gbps is not None:
             out[f"{GAUGE}measured_GBps:{u.name}"] = u.measured_read_gbps
+        if u.kept_share is not None:
+            out[f"{GAUGE}kept_share:{u.name}"] = u.kept_share
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_kvpool.bandwidth import DEFAULT_HALF_LIFE, DEFAULT_LEARN_AFTER, OPS, RateEstimate
 from vllm_kvpool.config import PlacementPolicy
+from vllm_kvpool.split_guard import SplitGuard, shares
 
 
 def largest_remainder(total: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
@@ -129,7 +130,9 @@ class DeviceWeights:
     """Placement weights (GB/s): each device's read bandwidth, the probe's figure until the
     pool's own reads have measured it (``bandwidth.RateEstimate``), and failure marking.
     Writes are measured too (shown beside the reads); placement follows reads, because it
-    balances the fetch (fetch time = max_d(bytes_d / read_bw_d))."""
+    balances the fetch (fetch time = max_d(bytes_d / read_bw_d)). The estimates only propose
+    a split: ``split_guard.SplitGuard`` keeps one only once a fetch showed it is not slower
+    than the split it replaces (a device's rate can depend on its share)."""
 
     def __init__(self, probe_gbps: Sequence[float], learn_after: int = DEFAULT_LEARN_AFTER,
                  half_life: int = DEFAULT_HALF_LIFE) -> None:  # fmt: skip
@@ -137,14 +140,39 @@ class DeviceWeights:
         self.reads = [RateEstimate(g, learn_after, half_life) for g in self.probe_gbps]
         self.writes = [RateEstimate(g, learn_after, half_life) for g in self.probe_gbps]
         self.failed = [False] * len(self.probe_gbps)
+        self.guard = SplitGuard(self.probe_gbps)
 
     @property
     def gbps(self) -> list[float]:
         """The current read estimates (measured, else the probe's)."""
         return [r.gbps for r in self.reads]
 
-    def effective(self) -> list[float]:
+    def estimates(self) -> list[float]:
+        """The read estimates, 0 for failed devices: the split they propose."""
         return [0.0 if f else r.gbps for r, f in zip(self.reads, self.failed, strict=True)]
+
+    def for_placement(self) -> list[float]:
+        """The weights new chunks are placed by: the guard's champion, or the estimates' split
+        on trial (``split_guard``); call :meth:`placed` with what placement did."""
+        return self._healthy(self.guard.choose(self.estimates()))
+
+    def kept_shares(self) -> list[float]:
+        """Each device's share of the split the guard keeps (its champion), failed ones 0."""
+        return shares(self._healthy(self.guard.champion.weights))
+
+    def _healthy(self, weights: Sequence[float]) -> list[float]:
+        w = [0.0 if f else x for x, f in zip(weights, self.failed, strict=True)]
+        return w if any(w) else self.estimates()
+
+    def placed(self, counts: Sequence[int]) -> None:
+        """A request's chunks per device, as placed by the last :meth:`for_placement`."""
+        self.guard.placed(counts)
+
+    def observe_fetch(self, nbytes: Sequence[int], seconds: Sequence[float]) -> None:
+        """One report's reads per device (bytes, busy seconds): the guard's measure of the
+        split they were placed by."""
+        if not any(f and n for f, n in zip(self.failed, nbytes, strict=True)):
+            self.guard.observe_fetch(nbytes, seconds)
 
     def observe(self, device: int, op: str, nbytes: int, seconds: float) -> bool:
         """Fold one transfer in (``op`` "read" or "write"); True when this made the device's
@@ -165,9 +193,11 @@ class DeviceWeights:
 
     def fail(self, device: int) -> None:
         self.failed[device] = True
+        self.guard.reset(self.probe_gbps)  # the splits' times were measured with it
 
     def restore(self, device: int) -> None:
         if self.failed[device]:
             self.failed[device] = False
             self.reads[device].reset()  # re-learn its throughput from the prior
             self.writes[device].reset()
+            self.guard.reset(self.probe_gbps)

@@ -196,7 +196,7 @@ class UnifiedPool:
             if (e.committed and not e.readers and not e.dead and not e.moving
                     and not self.weights.failed[e.location.device]):  # fmt: skip
                 movable[e.location.device].append(e)
-        picks = pick_moves(stored, self.weights.effective(), self._free_slots(),
+        picks = pick_moves(stored, self.weights.estimates(), self._free_slots(),
                            [[e.location.nbytes for e in m] for m in movable], margin, limit)  # fmt: skip
         jobs = []
         for src, i, dst in picks:
@@ -291,8 +291,9 @@ class UnifiedPool:
         if free_total < len(todo):
             victims = evict_lru(self.index, len(todo) - free_total, self._release)
             self.lookups.evictions += len(victims)
-        devices = self.placement.assign(req_id, len(todo), self.weights.effective(),
+        devices = self.placement.assign(req_id, len(todo), self.weights.for_placement(),
                                         self._free_slots())  # fmt: skip
+        self.weights.placed(self.placement.stripes[req_id].counts)
         self.lookups.save_skipped_full += len(todo) - len(devices)
         planned = []
         for (first, hashes), device in zip(todo, devices, strict=False):
@@ -376,11 +377,16 @@ class UnifiedPool:
                 self.restore_device(device)
         for key, rank, copied in report.moved:
             self._settle_move(key, rank, copied)
+        read_bytes, read_seconds = [0] * len(names), [0.0] * len(names)
         for device, op, nbytes, seconds in report.observations:
             if self.weights.observe(device, op, nbytes, seconds):
                 logger.info("kvpool: %s: measured %.2f GB/s replaces the probe's %.2f as its "
                             "placement weight", names[device], self.weights.gbps[device],
                             self.weights.probe_gbps[device])  # fmt: skip
+            if op == "read":
+                read_bytes[device] += nbytes
+                read_seconds[device] += seconds
+        self.weights.observe_fetch(read_bytes, read_seconds)
         self.transfers.merge(report.counters)
         return settled
 
@@ -393,10 +399,11 @@ class UnifiedPool:
     # -- reporting -------------------------------------------------------------------------
     def status(self) -> PoolStatus:
         w = self.weights
+        kept = w.kept_shares()
         usage = [
             DeviceUsage(d.name, d.kind, alloc.total - alloc.num_free, alloc.total,
                         self.layout.slot_bytes, w.reads[i].gbps, w.failed[i], w.probe_gbps[i],
-                        w.reads[i].measured_gbps, w.writes[i].measured_gbps)  # fmt: skip
+                        w.reads[i].measured_gbps, w.writes[i].measured_gbps, kept[i])  # fmt: skip
             for i, (d, alloc) in enumerate(zip(self.config.devices, self.slots, strict=True))
         ]
         return PoolStatus(usage, self.lookups, self.transfers, self.config.placement,

@@ -140,6 +140,10 @@ def test_in_process_a_slowed_device_gets_fewer_new_chunks_within_n_fetches():
     stats = reduce_counters(flat_gauges(PoolStatus.from_dict(status().to_dict())))
     assert stats["probe_GBps:h1"] == 4.0
     assert stats["measured_GBps:h1"] == pytest.approx(u[1].measured_read_gbps, abs=0.01)
+    # The split placement keeps (the guard's champion): the slowed device's share shrank.
+    assert u[1].kept_share < 0.4
+    assert stats["kept_share:h1"] == pytest.approx(u[1].kept_share, abs=0.01)
+    assert u[0].kept_share + u[1].kept_share == pytest.approx(1.0)
     # Round robin ignores the weights: the slowed device keeps half of the new chunks.
     rr = _run(*_in_process("round_robin"), fetches=4 + N, slow_at=4)
     assert rr[-1] == 0.5

@@ -77,10 +77,11 @@ def test_weights_learn_from_reads_only_and_relearn_after_a_failure():
     assert w.gbps == [10.0, pytest.approx(4.0)] and w.writes[0].gbps == pytest.approx(4.0)
     w.fail(0)
     assert not w.observe(0, "read", 4 * 10**9, 100.0)  # a failing device's timings: ignored
-    assert w.effective() == [0.0, pytest.approx(4.0)]
+    assert w.estimates() == [0.0, pytest.approx(4.0)]
+    assert w.for_placement() == [0.0, 2.0] and w.kept_shares() == [0.0, 1.0]  # never placed on
     w.fail(1)
     w.restore(1)  # back: its measurement starts again from the probe's figure
-    assert w.effective() == [0.0, 2.0]
+    assert w.estimates() == [0.0, 2.0]
 
 
 def _pool(capacities=("1MiB", "1MiB"), placement="bandwidth", gbps=(1.0, 1.0), bpc=2):

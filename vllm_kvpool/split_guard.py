@@ -1,0 +1,167 @@
+"""The guard on adaptive placement: a new split is kept only if a fetch showed it is not slower.
+
+Bandwidth placement assumes a device's rate does not depend on its share: fetch time =
+max_d(bytes_d / rate_d). Real devices break that (a token bucket, a queue depth, a cache that
+holds a burst): a device measured fast at a small share is slow at a larger one, so following
+the estimates moves chunks across the knee and back, and the adaptive split lost to plain round
+robin (issue #46: S3p 0.92x, S4 before/recovered 0.87x/0.82x). The estimates stay the proposal;
+this module decides whether placement may follow them (champion / challenger):
+
+* The **champion** is the split placement uses. The first one is the prior's (the probe's
+  figures; an even split, as round robin, when they are equal). Each fetch that read the
+  champion's split re-measures it: its time is the fetch's share time as observed (max over
+  devices of their busy seconds) per byte fetched, the latest such fetch (a device that slows
+  down makes its champion slower at once, so a challenger is compared with it as it is now).
+* When the estimates' split differs from the champion's (``MIN_CHANGE``), a step toward it
+  becomes the **challenger**: new requests are placed by it until a fetch of its split is
+  measured. The step is the whole way at first and halves after each rejection (down to
+  ``MIN_STEP``): a device measured fast below its knee is proposed past it, and halving the
+  step walks the challengers back toward the knee instead of crossing it again and again. It
+  replaces the champion only if that fetch's time per byte is not above the champion's latest;
+  else the champion stays and no challenger is tried for ``RETRY_AFTER`` fetches of the
+  champion, twice as many after each further rejection (up to ``MAX_WAIT``; a challenger never
+  fetched is dropped after ``RETRY_AFTER``). The wait ends early when the champion's own time
+  moves by more than ``CHANGED`` from what the rejected challenger was compared with, or one
+  device reads its part of the champion's split ``DEVICE_CHANGED`` times faster or slower than
+  then (a device that is not the slowest can recover without moving the fetch's time): the
+  devices changed, so the old verdict is moot (the step is whole again).
+
+Why this cannot settle slower than the prior's split: every champion after the first was
+measured, when it took over, no slower than the champion it replaced, measured on the same
+devices; by induction no slower than the first champion, the prior's split. On devices whose
+speed does not change the split placement settles on is therefore no slower than the prior's
+(the even split when the priors are equal), whatever shape a device's rate has. What a
+rejected challenger costs is bounded and shrinks: on steady devices the waits double, so
+after k rejections in a row at most k of the last ``RETRY_AFTER * (2**k - 1) + k`` fetches
+were trials (a device whose rate drops above a knee in its share is proposed more than the
+knee after each fetch below it: without the doubling one fetch in ``RETRY_AFTER + 1`` would
+pay for crossing it).
+
+A fetch is matched to the champion or the challenger by its split (the bytes each device
+served), compared with the split the pool placed by each (``placed``: the chunk counts, caps
+included); a fetch of an older prefix placed otherwise (further than ``MATCH`` from both)
+teaches the guard nothing, though it still teaches the estimates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_CHANGE = 0.05  # L1 distance between share vectors below which two splits are the same
+MATCH = 0.25  # a fetch's split further than this (L1) from both candidates' is neither's
+RETRY_AFTER = 4  # champion fetches after a rejected (or never fetched) challenger
+MAX_WAIT = 32  # the longest wait after rejections in a row
+CHANGED = 0.25  # the champion's time moved by this fraction: the devices changed, try again
+SAME = 1e-9  # L1 distance below which two placed splits are the same
+DEVICE_CHANGED = 2.0  # one device's seconds per byte moved by this factor: the devices changed
+MIN_STEP = 1 / 8  # the shortest step from the champion toward the estimates' split
+
+
+def shares(values: Sequence[float]) -> list[float]:
+    """``values`` as fractions of their sum (all zero when the sum is)."""
+    total = sum(values)
+    return [v / total if total > 0 else 0.0 for v in values]
+
+
+def distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """L1 distance between two share vectors (0: the same split, 2: disjoint devices)."""
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@dataclass
+class Candidate:
+    """A split: the weights placement is given, the split it really placed, its latest time."""
+
+    weights: list[float]
+    placed: list[float] | None = None  # shares of the chunks placed by it (caps included)
+    seconds_per_byte: float | None = None
+
+
+class SplitGuard:
+    """Champion / challenger over placement splits (see the module's docstring)."""
+
+    def __init__(self, prior: Sequence[float]) -> None:
+        self.reset(prior)
+
+    def reset(self, prior: Sequence[float]) -> None:
+        """Start over from ``prior`` (a device failed or came back: the old times are moot)."""
+        self.champion = Candidate(list(prior))
+        self.challenger: Candidate | None = None
+        self.wait = 0  # champion fetches before the next challenger may be tried
+        self.next_wait = RETRY_AFTER  # the wait after the next rejection
+        self.rejected_at: float | None = None  # the champion's time the last rejection saw
+        self.devices_at: list[float | None] = []  # and its devices' seconds per byte then
+        self.devices: list[float | None] = []  # the champion's latest fetch, per device
+        self.step = 1.0  # how far a challenger goes from the champion toward the proposal
+        self.unfetched = 0  # champion fetches since the challenger was placed, unmeasured
+
+    def choose(self, proposal: Sequence[float]) -> list[float]:
+        """The weights new chunks are placed by, given the estimates' ``proposal``."""
+        if self.challenger is None and self.wait == 0 and self.champion.seconds_per_byte:
+            now = shares(self.champion.weights)
+            to = [c + self.step * (p - c) for c, p in zip(now, shares(proposal), strict=True)]
+            if distance(to, now) > MIN_CHANGE:
+                self.challenger = Candidate(to)
+                self.unfetched = 0
+        return list((self.challenger or self.champion).weights)
+
+    def placed(self, counts: Sequence[int]) -> None:
+        """The chunks per device of a request placed by the weights ``choose`` gave last."""
+        split = shares(counts)
+        if sum(split) <= 0:
+            return
+        c = self.challenger
+        if c is not None and self.champion.placed is not None \
+                and distance(split, self.champion.placed) < SAME:  # fmt: skip
+            # Capacity caps and whole chunks can place the challenger's weights exactly as the
+            # champion's: nothing to measure, and a fetch could not tell them apart; it takes
+            # over with the champion's time, so the next proposal can be tried.
+            self.champion = Candidate(c.weights, split, self.champion.seconds_per_byte)
+            self.challenger = None
+            return
+        (c or self.champion).placed = split
+
+    def observe_fetch(self, nbytes: Sequence[int], seconds: Sequence[float]) -> None:
+        """One fetch: per device its bytes and busy seconds (0 bytes: not read)."""
+        total = sum(nbytes)
+        if total <= 0:
+            return
+        split = shares(nbytes)
+        per_byte = max(s for n, s in zip(nbytes, seconds, strict=True) if n > 0) / total
+        devices = [s / n if n > 0 else None for n, s in zip(nbytes, seconds, strict=True)]
+        near = [(distance(split, c.placed), i, c)
+                for i, c in enumerate((self.champion, self.challenger))
+                if c is not None and c.placed is not None]  # fmt: skip
+        if not near or min(near)[0] > MATCH:
+            return
+        _, _, which = min(near, key=lambda x: (x[0], x[1]))  # a tie: the champion's
+        if which is self.champion:
+            self.champion.seconds_per_byte = per_byte
+            self.devices = devices
+            self.wait = max(self.wait - 1, 0)
+            if self.rejected_at is not None and self._changed(per_byte):
+                self.wait, self.next_wait, self.rejected_at, self.step = 0, RETRY_AFTER, None, 1.0
+            if self.challenger is not None:
+                self.unfetched += 1
+                if self.unfetched > RETRY_AFTER:  # placed but never fetched: not kept
+                    self.challenger, self.wait = None, RETRY_AFTER
+            return
+        best = self.champion.seconds_per_byte
+        if best is None or per_byte <= best:
+            which.seconds_per_byte = per_byte
+            self.champion, self.devices = which, devices
+            self.next_wait, self.rejected_at = RETRY_AFTER, None
+        else:
+            self.wait, self.rejected_at, self.devices_at = self.next_wait, best, self.devices
+            self.next_wait = min(2 * self.next_wait, MAX_WAIT)
+            self.step = max(self.step / 2, MIN_STEP)
+        self.challenger = None
+
+    def _changed(self, per_byte: float) -> bool:
+        """Whether the champion's latest fetch says the devices changed since the rejection."""
+        assert self.rejected_at is not None
+        if abs(per_byte / self.rejected_at - 1) > CHANGED:
+            return True
+        return any(a is not None and b is not None and max(a / b, b / a) >= DEVICE_CHANGED
+                   for a, b in zip(self.devices, self.devices_at, strict=False))  # fmt: skip
