@@ -27,8 +27,24 @@ __all__ = ["CHECKPOINTING", "SINGLE_GPU", "TOWERS", "Shapes", "ShardingError", "
            "resolve_shapes"]
 
 
+class StrategyView:
+    """What the memory side reads off a (strategy, options) pair: one place for both the
+    step and the traced path's sharding."""
+
+    strategy: ParallelStrategy
+    options: TrainingOptions
+
+    @property
+    def dp(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def zero(self) -> int:
+        return self.options.zero_stage
+
+
 @dataclass(frozen=True)
-class Step:
+class Step(StrategyView):
     """What one GPU's training step runs besides the model: the strategy (its micro-batch is
     the step's batch, its ``dp`` what ZeRO shards over), the options and the precision. Only
     ties the three together; every fact lives in its own vocabulary type."""
@@ -56,14 +72,6 @@ class Step:
     @property
     def batch(self) -> int:
         return self.strategy.micro_batch
-
-    @property
-    def dp(self) -> int:
-        return self.strategy.dp
-
-    @property
-    def zero(self) -> int:
-        return self.options.zero_stage
 
     @property
     def checkpointing(self) -> str:

@@ -17,7 +17,7 @@ from ..spec.options import TrainingOptions
 from ..spec.precision import get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
-from .config import SINGLE_GPU, ShardingError
+from .config import SINGLE_GPU, ShardingError, StrategyView
 from .optimizers import OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
 from .zero import zero3_params
@@ -83,7 +83,7 @@ class CommBuffers:
 
 
 @dataclass(frozen=True)
-class Sharding:
+class Sharding(StrategyView):
     """Data parallelism as the traced paths apply it to one rank: ``strategy.dp`` ranks, the
     options' ZeRO stage (:attr:`TrainingOptions.zero_stage`: 0 none, 1 optimizer states and
     fp32 masters, 2 + gradients, 3 + parameters) under ``options.framework`` (one of
@@ -104,14 +104,6 @@ class Sharding:
                                 f"{SHARDING_FRAMEWORKS}")
         if self.framework == "megatron" and self.zero > 1:
             raise ShardingError("framework='megatron' shards optimizer states only (zero<=1)")
-
-    @property
-    def dp(self) -> int:
-        return self.strategy.dp
-
-    @property
-    def zero(self) -> int:
-        return self.options.zero_stage
 
     @property
     def framework(self) -> str:
