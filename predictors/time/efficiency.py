@@ -83,7 +83,10 @@ def gemm_key(precision: Precision, framework: str = "megatron") -> str:
 def attention_key(precision: Precision) -> str:
     # an fp8 recipe leaves attention in its fallback's dtype
     fallback = get_precision(precision.recipe.fallback) if precision.recipe else precision
-    return f"attention:{_dtype(fallback)}"
+    dtype = _dtype(fallback)
+    # fp32 operands: the memory-efficient kernel's 3xTF32 in fp32 and tf32 runs alike
+    # (analytical.attention_rate_key)
+    return f"attention:{'tf32' if dtype == 'fp32' else dtype}"
 
 
 def _dtype(p: Precision) -> str:

@@ -211,3 +211,35 @@ def test_fsdp_communication_hides_only_its_fitted_share_under_compute():
     assert comm > 0 and whole.fsdp_comm_mb == pytest.approx(max(0.0, comm - whole.compute_mb))
     assert part.fsdp_comm_mb == pytest.approx(max(comm - whole.compute_mb, 0.4 * comm))
     assert part.total > whole.total
+
+
+def test_fp32_attention_runs_the_3xtf32_kernel_in_fp32_and_tf32_runs_alike():
+    """SDPA on fp32 operands is the memory-efficient kernel's 3xTF32 on sm80+ (three TF32 MMAs
+    per product, whatever allow_tf32 says): a third of the tf32 peak under ``attention:tf32``;
+    a GPU without tf32 tensor cores keeps the fp32 rate."""
+    from predictors.time.analytical import GPU_KERNEL_GAP, op_time
+
+    flops = 3e12
+
+    def attention(dclass: str) -> OpRecord:
+        return OpRecord("attn", "forward", "attention", "float32", dclass, (), (), flops, 1e6,
+                        dclass == "tf32")  # fmt: skip
+
+    dev = replace(H100, efficiency={"attention:tf32": 0.4})
+    want = flops / (H100.peak_flops["tf32"] / 3 * 0.4) + GPU_KERNEL_GAP
+    assert op_time(attention("fp32"), dev) == pytest.approx(want)
+    assert op_time(attention("tf32"), dev) == pytest.approx(want)
+    # a GEMM keeps its own column: fp32 stays on CUDA cores, tf32 at the full tf32 rate
+    gemm = replace(attention("tf32"), op_class="matmul")
+    assert op_time(gemm, dev) < op_time(replace(gemm, dtype_class="fp32"), dev)
+    v100 = get_device("v100")
+    assert op_time(attention("fp32"), v100) == pytest.approx(
+        flops / (v100.peak_flops["fp32"] * 0.5) + GPU_KERNEL_GAP)
+
+
+def test_fp32_and_tf32_runs_fit_one_attention_key():
+    from predictors.time.efficiency import attention_key
+
+    keys = {attention_key(get_precision(p)) for p in ("fp32", "tf32")}
+    assert keys == {"attention:tf32"}
+    assert attention_key(get_precision("bf16-mixed")) == "attention:bf16"
