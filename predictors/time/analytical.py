@@ -23,7 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
-from predictors.time.efficiency import FRAMEWORK_FP8_KEY, FRAMEWORK_FUSION_KEY, FRAMEWORK_GEMM_KEY
+from predictors.time.efficiency import (
+    FRAMEWORK_FP8_KEY,
+    FRAMEWORK_FUSION_KEY,
+    FRAMEWORK_GEMM_KEY,
+    TP_OVERLAP_KEY,
+)
 from predictors.time.network import (
     NO_COMM,
     Topology,
@@ -232,7 +237,9 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         tp = each.times(work.tp_collectives)
     tp_exposed = tp.seconds
     if options.tp_comm_overlap:
-        tp_exposed = max(0.0, tp.seconds - busy(lambda r: r.op_class == "matmul"))
+        hidden = device.efficiency.get(TP_OVERLAP_KEY, 1.0)
+        tp_exposed = max(tp.seconds - busy(lambda r: r.op_class == "matmul"),
+                         (1.0 - hidden) * tp.seconds, 0.0)
     cp = NO_COMM
     if s.cp > 1 and work.cp_sends:
         # ring attention: each K/V block's send overlaps the attention on the previous block

@@ -8,7 +8,7 @@ import pytest
 from predictors.devices import get_device
 from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 from predictors.spec.precision import get_precision
-from predictors.time.analytical import StepWork, iteration_time
+from predictors.time.analytical import StepWork, iteration_time, priced
 from predictors.time.features import step_work
 from predictors.time.trace import OpRecord, Trace
 
@@ -243,3 +243,30 @@ def test_fp32_and_tf32_runs_fit_one_attention_key():
     keys = {attention_key(get_precision(p)) for p in ("fp32", "tf32")}
     assert keys == {"attention:tf32"}
     assert attention_key(get_precision("bf16-mixed")) == "attention:bf16"
+
+
+def test_tp_overlap_hides_only_its_fitted_share_under_the_gemms():
+    """Unfitted, TP overlap hides the TP collectives whole under the layer's GEMMs; with a
+    fitted share ``overlap:tp`` the rest stays exposed, never more than without overlap."""
+    s = ParallelStrategy(1, 2, 1, 1, 1)
+    plain = TrainingOptions(sequence_parallel=True)
+    overlap = TrainingOptions(sequence_parallel=True, tp_comm_overlap=True)
+    work = step_work(LLAMA, s, get_precision("bf16-mixed"), H100, overlap)
+    comm = iteration_time(work, s, H100, plain).tp_comm_mb
+    whole = iteration_time(work, s, H100, overlap)
+    part = iteration_time(work, s, replace(H100, efficiency={"overlap:tp": 0.6}), overlap)
+    gemms = sum(n * t for r, n, t in priced(work.fwd_bwd, H100) if r.op_class == "matmul")
+    assert comm > 0 and whole.tp_comm_mb == pytest.approx(max(0.0, comm - gemms))
+    assert part.tp_comm_mb == pytest.approx(max(comm - gemms, 0.4 * comm))
+    none = iteration_time(work, s, replace(H100, efficiency={"overlap:tp": 0.0}), overlap)
+    assert none.tp_comm_mb == pytest.approx(comm)
+
+
+def test_tp_overlap_share_is_each_frameworks_own():
+    """Each framework's TP overlap is its own implementation: its fitted share prices its runs
+    only, and a framework without one (new, or held out) hides all of it."""
+    from predictors.time.efficiency import resolve, tp_overlap_key
+
+    fitted = {"matmul:bf16": 0.6, tp_overlap_key("torchtitan"): 0.4}
+    assert resolve(fitted, "torchtitan") == {"matmul:bf16": 0.6, "overlap:tp": 0.4}
+    assert resolve(fitted, "megatron") == {"matmul:bf16": 0.6}
