@@ -142,6 +142,10 @@ DEVICES: dict[str, Device] = {
         # Meta's Grand Teton H100 (torchtitan's published runs): 96 GB HBM2e at 2.4 TB/s, 500 W;
         # its peak lies between SXM and NVL and is not published: the SXM figures stand in
         _gpu("h100-96gb", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 2400 * G, 450 * G, 50 * G, 96),
+        # NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/, SXM): FP32 67
+        # TFLOPS; TF32 989, BF16/FP16 1,979, FP8 3,958 TFLOPS with sparsity (dense: half);
+        # 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional. Rechecked in #44: the kit's
+        # tf32 rows' under-prediction is its fp32 attention's 3xTF32 kernel, not these peaks
         _gpu("h200", "h100", 67 * T, 495 * T, 989 * T, 1979 * T, 4800 * G, 450 * G, 50 * G, 141),
         # HGX B200 datasheet (dense = half the sparse figures): MXFP8 block scaling runs on
         # Blackwell tensor cores at the fp8 rate; NVLink 5 1.8 TB/s bidirectional per GPU

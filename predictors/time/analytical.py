@@ -23,7 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions
-from predictors.time.efficiency import FRAMEWORK_FP8_KEY, FRAMEWORK_FUSION_KEY, FRAMEWORK_GEMM_KEY
+from predictors.time.efficiency import (
+    FRAMEWORK_FP8_KEY,
+    FRAMEWORK_FUSION_KEY,
+    FRAMEWORK_GEMM_KEY,
+    TP_OVERLAP_KEY,
+)
 from predictors.time.network import (
     NO_COMM,
     Topology,
@@ -77,6 +82,22 @@ DDP_BUCKET_ELEMENTS = 40_000_000  # Megatron-Core DDP bucket: max(40M, 1M x dp) 
 GPU_KERNEL_GAP = 2e-6
 
 
+# SDPA on fp32 operands runs PyTorch's memory-efficient kernel (flash attention takes 16-bit
+# operands only), whose fp32 GEMMs on sm80+ are CUTLASS's OpMultiplyAddFastF32: 3xTF32, three
+# TF32 tensor-core MMAs per product whatever ``allow_tf32`` says (pytorch/pytorch,
+# aten/src/ATen/native/transformers/cuda/mem_eff_attention/gemm_kernel_utils.h,
+# DefaultGemmType<ArchTag, float> for kMinComputeCapability >= 80). Priced at a third of the
+# tf32 peak, under the one ``attention:tf32`` efficiency of fp32 and tf32 runs alike.
+FAST_FP32_MMAS = 3
+
+
+def attention_rate_key(key: str, device: Device) -> tuple[str, float]:
+    """(rate column, MMAs per product) a GPU's attention kernel on ``key`` operands runs at."""
+    if key in ("fp32", "tf32") and device.kind == "gpu" and device.peak_flops.get("tf32", 0) > 0:
+        return "tf32", FAST_FP32_MMAS
+    return key, 1.0
+
+
 def dtype_key(record: OpRecord) -> str:
     if record.dtype_class in FP8_KEYS:
         return record.dtype_class
@@ -105,8 +126,12 @@ def op_time(record: OpRecord, device: Device) -> float:
     key = dtype_key(record)
     if record.op_class in MATMUL_EFFICIENCY:
         flops = record.flops * (0.5 if record.causal else 1.0)  # flash kernels skip masked tiles
-        rate = device.matmul_rate(key, flops) * efficiency(record.op_class, key, device)
-        if device.kind == "gpu" and not record.tensor_core and key != "fp32":
+        mmas = 1.0
+        if record.op_class == "attention":
+            key, mmas = attention_rate_key(key, device)
+        rate = device.matmul_rate(key, flops) * efficiency(record.op_class, key, device) / mmas
+        # (the 3xTF32 attention kernel is on tensor cores, its head dim 4-aligned)
+        if device.kind == "gpu" and not record.tensor_core and key != "fp32" and mmas == 1.0:
             rate *= 0.5  # misaligned shapes: padded or CUDA-core fallback
         busy = max(flops / rate, record.bytes / device.mem_bw)
         if device.kind == "gpu":
@@ -212,7 +237,9 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         tp = each.times(work.tp_collectives)
     tp_exposed = tp.seconds
     if options.tp_comm_overlap:
-        tp_exposed = max(0.0, tp.seconds - busy(lambda r: r.op_class == "matmul"))
+        hidden = device.efficiency.get(TP_OVERLAP_KEY, 1.0)
+        tp_exposed = max(tp.seconds - busy(lambda r: r.op_class == "matmul"),
+                         (1.0 - hidden) * tp.seconds, 0.0)
     cp = NO_COMM
     if s.cp > 1 and work.cp_sends:
         # ring attention: each K/V block's send overlaps the attention on the previous block

@@ -15,6 +15,8 @@ family (``h100``, ``a100``, ...) gets its own, fitted jointly on the rows of eve
 * ``compiled``: torch.compile's factor on the non-GEMM kernels' time;
 * ``overlap:fsdp``: the share of FSDP's per-micro-batch communication that hides under
   compute (where the family has FSDP rows);
+* ``overlap:tp:<framework>``: the share of the TP collectives a framework's TP overlap hides
+  under the GEMMs (its own implementation; where it has TP-overlap rows);
 * ``gemm_latency``: the fixed cost of a GEMM beyond ``FLOPs / rate`` (``Device.gemm_latency``),
   which makes the efficiency depend on the GEMM's size: a GEMM of ``F`` FLOPs reaches
   ``e F / (F + gemm_latency x rate x e)`` of peak, small ones far less than large ones.
@@ -66,7 +68,22 @@ FRAMEWORK_FP8_KEY = "framework:fp8"
 # {factor: the Device.efficiency key the roofline (predictors.time.analytical) reads it from}
 FRAMEWORK_FACTORS = {"gemm": FRAMEWORK_GEMM_KEY, "fusion": FRAMEWORK_FUSION_KEY,
                      "fp8": FRAMEWORK_FP8_KEY}
+# Device.efficiency key of the share of the TP collectives that hides under the layer's GEMMs
+# with TP overlap (predictors.time.analytical; unfitted: 1, all of it). The chunked
+# collective-matmul runs its transfers beside smaller GEMMs on the same SMs and memory, so it
+# does not hide all of it: torchtitan's published async-TP runs are 4-14% faster than without,
+# where the TP collectives are ~20% of the step. Each framework has its own implementation
+# (Transformer Engine's userbuffers under Megatron, symmetric-memory async TP under
+# torchtitan), so the share is fitted per framework (tp_overlap_key); a framework without a
+# fit of its own hides all of it
+TP_OVERLAP_KEY = "overlap:tp"
 SHIPPED = Path(__file__).parents[1] / "models" / "efficiency.json"
+
+
+def tp_overlap_key(framework: str) -> str:
+    """Fitted key of ``framework``'s TP-overlap share, read by the roofline as
+    :data:`TP_OVERLAP_KEY` (:func:`resolve`)."""
+    return f"{TP_OVERLAP_KEY}:{framework}"
 
 
 def gemm_key(precision: Precision, framework: str = "megatron") -> str:
@@ -83,7 +100,10 @@ def gemm_key(precision: Precision, framework: str = "megatron") -> str:
 def attention_key(precision: Precision) -> str:
     # an fp8 recipe leaves attention in its fallback's dtype
     fallback = get_precision(precision.recipe.fallback) if precision.recipe else precision
-    return f"attention:{_dtype(fallback)}"
+    dtype = _dtype(fallback)
+    # fp32 operands: the memory-efficient kernel's 3xTF32 in fp32 and tf32 runs alike
+    # (analytical.attention_rate_key)
+    return f"attention:{'tf32' if dtype == 'fp32' else dtype}"
 
 
 def _dtype(p: Precision) -> str:
@@ -126,11 +146,15 @@ def resolve(fitted: dict[str, float], framework: str) -> dict[str, float]:
     """A family's fitted values as one framework's run sees them: the shared efficiencies, and
     the framework's factors under the keys the roofline reads (absent: the typical
     framework's, 1)."""
-    out = {k: v for k, v in fitted.items() if not k.startswith("framework:")}
+    out = {k: v for k, v in fitted.items()
+           if not k.startswith(("framework:", f"{TP_OVERLAP_KEY}:"))}  # fmt: skip
     for factor, key in FRAMEWORK_FACTORS.items():
         value = fitted.get(framework_key(framework, factor))
         if value is not None:
             out[key] = value
+    share = fitted.get(tp_overlap_key(framework))
+    if share is not None:
+        out[TP_OVERLAP_KEY] = share
     return out
 
 

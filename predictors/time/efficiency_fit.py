@@ -26,12 +26,14 @@ from predictors.time.efficiency import (
     DEVICE_GRIDS,
     EMULATION_HOST_KEY,
     FRAMEWORK_FACTORS,
+    TP_OVERLAP_KEY,
     apply,
     attention_key,
     for_precision,
     framework_key,
     gemm_key,
     resolve,
+    tp_overlap_key,
 )
 from predictors.time.features import step_work
 from predictors.time.trace import FP8_TRANSPOSE
@@ -50,10 +52,11 @@ FACTOR_GRID = tuple(round(0.25 * 2 ** (i / 4), 4) for i in range(17))
 TRANSPOSE_GRID = tuple(round(0.02 * 50 ** (i / 15), 4) for i in range(16))
 # the emulation's host cost: 1-4x the plain step's per kernel
 EMULATION_HOST_GRID = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
-# the share of FSDP's communication hidden under compute: none to all of it (#44 G/X)
-FSDP_OVERLAP_GRID = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0)
+# the share of FSDP's (#44 G/X) or TP overlap's communication hidden under compute: none to
+# all of it
+OVERLAP_GRID = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0)
 GRIDS = {COMPILED_KEY: COMPILED_GRID, TRANSPOSE_KEY: TRANSPOSE_GRID,
-         FSDP_OVERLAP_KEY: FSDP_OVERLAP_GRID,
+         FSDP_OVERLAP_KEY: OVERLAP_GRID,
          EMULATION_HOST_KEY: EMULATION_HOST_GRID, **DEVICE_GRIDS}
 MAX_SWEEPS = 4  # coordinate descent stops earlier when a sweep improves nothing
 COARSE_STEP = 3  # the first sweep scans every third grid value, then walks to a neighbour
@@ -103,6 +106,10 @@ class EfficiencyFit:
                 keys.append(COMPILED_KEY)
             if self.rows[i].options.fsdp and FSDP_OVERLAP_KEY not in keys:
                 keys.append(FSDP_OVERLAP_KEY)
+            tp_share = tp_overlap_key(self.frameworks[i])
+            if (self.rows[i].options.tp_comm_overlap and self.rows[i].strategy.tp > 1
+                    and tp_share not in keys):
+                keys.append(tp_share)
             if (p.recipe and fp8_kernels(self.frameworks[i]).python_emulation
                     and EMULATION_HOST_KEY not in keys):
                 keys.append(EMULATION_HOST_KEY)
@@ -186,6 +193,8 @@ def _nearest(grid: Sequence[float], value: float) -> int:
 def _grid(key: str) -> tuple[float, ...]:
     if key.startswith("framework:"):
         return FACTOR_GRID
+    if key.startswith(f"{TP_OVERLAP_KEY}:"):
+        return OVERLAP_GRID
     return GRIDS.get(key, EFFICIENCY_GRID)
 
 
@@ -222,7 +231,7 @@ def _is_fp8(dtype: str) -> bool:
 
 def _default(key: str, device: Device) -> float:
     if (key in (COMPILED_KEY, MEMORY_KEY, EMULATION_HOST_KEY, FSDP_OVERLAP_KEY)
-            or key.startswith("framework:")):
+            or key.startswith(("framework:", f"{TP_OVERLAP_KEY}:"))):
         return 1.0
     if key in DEVICE_GRIDS:
         return getattr(device, key)

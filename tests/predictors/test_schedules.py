@@ -8,7 +8,7 @@ import pytest
 from predictors.devices import get_device
 from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, TransformerSpec
 from predictors.spec.precision import get_precision
-from predictors.time.analytical import StepWork, iteration_time
+from predictors.time.analytical import StepWork, iteration_time, priced
 from predictors.time.features import step_work
 from predictors.time.trace import OpRecord, Trace
 
@@ -211,3 +211,62 @@ def test_fsdp_communication_hides_only_its_fitted_share_under_compute():
     assert comm > 0 and whole.fsdp_comm_mb == pytest.approx(max(0.0, comm - whole.compute_mb))
     assert part.fsdp_comm_mb == pytest.approx(max(comm - whole.compute_mb, 0.4 * comm))
     assert part.total > whole.total
+
+
+def test_fp32_attention_runs_the_3xtf32_kernel_in_fp32_and_tf32_runs_alike():
+    """SDPA on fp32 operands is the memory-efficient kernel's 3xTF32 on sm80+ (three TF32 MMAs
+    per product, whatever allow_tf32 says): a third of the tf32 peak under ``attention:tf32``;
+    a GPU without tf32 tensor cores keeps the fp32 rate."""
+    from predictors.time.analytical import GPU_KERNEL_GAP, op_time
+
+    flops = 3e12
+
+    def attention(dclass: str) -> OpRecord:
+        return OpRecord("attn", "forward", "attention", "float32", dclass, (), (), flops, 1e6,
+                        dclass == "tf32")  # fmt: skip
+
+    dev = replace(H100, efficiency={"attention:tf32": 0.4})
+    want = flops / (H100.peak_flops["tf32"] / 3 * 0.4) + GPU_KERNEL_GAP
+    assert op_time(attention("fp32"), dev) == pytest.approx(want)
+    assert op_time(attention("tf32"), dev) == pytest.approx(want)
+    # a GEMM keeps its own column: fp32 stays on CUDA cores, tf32 at the full tf32 rate
+    gemm = replace(attention("tf32"), op_class="matmul")
+    assert op_time(gemm, dev) < op_time(replace(gemm, dtype_class="fp32"), dev)
+    v100 = get_device("v100")
+    assert op_time(attention("fp32"), v100) == pytest.approx(
+        flops / (v100.peak_flops["fp32"] * 0.5) + GPU_KERNEL_GAP)
+
+
+def test_fp32_and_tf32_runs_fit_one_attention_key():
+    from predictors.time.efficiency import attention_key
+
+    keys = {attention_key(get_precision(p)) for p in ("fp32", "tf32")}
+    assert keys == {"attention:tf32"}
+    assert attention_key(get_precision("bf16-mixed")) == "attention:bf16"
+
+
+def test_tp_overlap_hides_only_its_fitted_share_under_the_gemms():
+    """Unfitted, TP overlap hides the TP collectives whole under the layer's GEMMs; with a
+    fitted share ``overlap:tp`` the rest stays exposed, never more than without overlap."""
+    s = ParallelStrategy(1, 2, 1, 1, 1)
+    plain = TrainingOptions(sequence_parallel=True)
+    overlap = TrainingOptions(sequence_parallel=True, tp_comm_overlap=True)
+    work = step_work(LLAMA, s, get_precision("bf16-mixed"), H100, overlap)
+    comm = iteration_time(work, s, H100, plain).tp_comm_mb
+    whole = iteration_time(work, s, H100, overlap)
+    part = iteration_time(work, s, replace(H100, efficiency={"overlap:tp": 0.6}), overlap)
+    gemms = sum(n * t for r, n, t in priced(work.fwd_bwd, H100) if r.op_class == "matmul")
+    assert comm > 0 and whole.tp_comm_mb == pytest.approx(max(0.0, comm - gemms))
+    assert part.tp_comm_mb == pytest.approx(max(comm - gemms, 0.4 * comm))
+    none = iteration_time(work, s, replace(H100, efficiency={"overlap:tp": 0.0}), overlap)
+    assert none.tp_comm_mb == pytest.approx(comm)
+
+
+def test_tp_overlap_share_is_each_frameworks_own():
+    """Each framework's TP overlap is its own implementation: its fitted share prices its runs
+    only, and a framework without one (new, or held out) hides all of it."""
+    from predictors.time.efficiency import resolve, tp_overlap_key
+
+    fitted = {"matmul:bf16": 0.6, tp_overlap_key("torchtitan"): 0.4}
+    assert resolve(fitted, "torchtitan") == {"matmul:bf16": 0.6, "overlap:tp": 0.4}
+    assert resolve(fitted, "megatron") == {"matmul:bf16": 0.6}
