@@ -66,12 +66,10 @@ class SessionConfig:
     # check every batch switch against the measured loss progress (roll back what did not pay,
     # correct the probe's noise scale by what the progress implies): megatron_cona.progress
     confirm: bool = True
-    # while measured progress has not pinned down the probe's bias, or while the last
-    # experiment paid, after this many rankings on one global batch CONA tries the best
-    # strategy at twice that batch (the probe's noise scale may sit 10-100x below the critical
-    # batch: Merrill et al. 2025); the wait doubles after an experiment that did not pay and
-    # starts again after one that did (a climb goes on while measured progress says it pays);
-    # 0: never
+    # while measured progress has not pinned down the probe's bias, after this many rankings on
+    # one global batch CONA tries the best strategy at twice that batch for one interval (the
+    # probe's noise scale may sit 10-100x below the critical batch: Merrill et al. 2025), the
+    # wait doubling after every experiment; 0: never
     explore_after: int = 4
     judge_intervals: int = 4  # an experiment runs at most this many intervals
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
@@ -140,15 +138,8 @@ class ConaSession:
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
         self._same_batch = 0  # rankings in a row on the running global batch
-        self._explore_wait = config.explore_after  # doubles after an experiment that lost
+        self._explore_wait = config.explore_after  # doubles after every experiment
         self._experimenting = False  # the last decision is an experiment
-        self._climbing = False  # the last experiment paid: the next one may follow
-        self._lost_at = math.nan  # the noise scale when an experiment last did not pay
-        # the smallest global batch open to rankings: raised by a measured win of a larger
-        # batch, since the critical batch only grows as the loss falls (McCandlish et al. 2018
-        # Sec 3.3; Kaplan et al. 2020 Eq 5.3), so a biased probe cannot pull the run back below
-        # a batch that measured progress has shown to pay
-        self.batch_floor = 0
 
     # ----------------------------------------------------------------------------- observe
     def observe(self, seconds: float, stats: GradStats | None = None,
@@ -218,9 +209,8 @@ class ConaSession:
         stale = self._blind_rankings > self.config.blind_decisions
         phi = self.noise_scale
         # a strategy rolled back is not tried again until the noise scale moved 2x since
-        candidates = [s for s in self.candidates if s == strategy or (
-            s.global_batch_size >= self.batch_floor
-            and (s not in self.tried or not 0.5 < phi / self.tried[s] < 2.0))]
+        candidates = [s for s in self.candidates if s == strategy or s not in self.tried
+                      or not 0.5 < phi / self.tried[s] < 2.0]
         if self.gns.converged(self.config.converged_tolerance) and not stale:
             return candidates, None
         pool = [s for s in candidates if measures_noise(s.dp, s.num_microbatches)]
@@ -245,16 +235,9 @@ class ConaSession:
             self._judging = (old, new, experiment, seen)
             return None, True
         self._judging = None
-        won = verdict is not None and verdict.confident and verdict.observed >= 1.0
-        if experiment:  # each lost experiment costs intervals: they get rarer (bounded cost)
-            self._climbing = won
-            self._explore_wait = self.config.explore_after if won else 2 * self._explore_wait
-            self._lost_at = math.nan if won else self.noise_scale
         if verdict is None:
             return None, False
         self.progress.learn(verdict)
-        if won and new.global_batch_size > old.global_batch_size:
-            self.batch_floor = max(self.batch_floor, new.global_batch_size)
         log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
                  "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
                  "x%.3g%s", old.name, new.name, verdict.observed, verdict.stderr, seen,
@@ -262,39 +245,23 @@ class ConaSession:
                  ": rolled back" if verdict.rollback else "")
         if verdict.rollback:
             self.tried[new] = self.noise_scale
-        elif won:
+        elif verdict.confident and verdict.observed >= 1.0:
             self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
         return verdict, False
 
-    def _experiment(self, strategy: ParallelStrategy, ranking: list
-                    ) -> tuple[list[GoodputEstimate], str]:
-        """The estimate to try when the batch has not changed for ``explore_after`` rankings
-        (the wait grows after every experiment that did not pay): the best at twice the
-        running global batch (the wait starts again once the noise scale has doubled since the
-        last loss), if the probe's bias is still unmeasured, or the last experiment
-        paid, or that batch wins at the high end of the noise scale's measured range -- a
-        noise scale far above the batch is read imprecisely (the two norms the probe subtracts
-        nearly cancel), and staying is then as much a guess as switching, so measured progress
-        decides instead (empty: no experiment now), and why."""
+    def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
+        """The estimates to try for one interval when the probe's bias is still unmeasured
+        and the batch has not changed for ``explore_after`` rankings: the best at twice the
+        running global batch (empty: no experiment now)."""
         cfg = self.config
-        if self.noise_scale >= 4 * self._lost_at:  # the critical batch grew since: try again
-            self._explore_wait, self._lost_at = cfg.explore_after, math.nan
-        if not cfg.confirm or not cfg.explore_after or self._same_batch < self._explore_wait:
-            return [], ""
+        if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
+                or self._same_batch < self._explore_wait:
+            return []
         double = [e for e in ranking if e.strategy.global_batch_size
-                  == 2 * strategy.global_batch_size][:1]
-        if not double:
-            return [], ""
-        if not self.progress.calibrated:
-            return double, "the probe's noise scale is not yet checked against measured progress"
-        if self._climbing:
-            return double, "the last larger batch paid"
-        high = min(self.noise_scale_range()[1], 1e12)
-        if not math.isnan(high) and self.current_estimate(double[0].strategy, high).goodput \
-                > self.current_estimate(strategy, high).goodput:
-            return double, (f"it wins at the high end of the noise scale's measured range "
-                            f"({high:.4g})")
-        return [], ""
+                  == 2 * strategy.global_batch_size]
+        if double:  # each experiment costs an interval: they get rarer (bounded cost)
+            self._explore_wait *= 2
+        return double[:1]
 
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
@@ -315,10 +282,10 @@ class ConaSession:
                 self.current_estimate(verdict.old, phi, self.times.uncertainty(verdict.old))]
         elif must_leave:
             ranking = [e for e in ranking if e.strategy != strategy]
-        elif (tried := self._experiment(strategy, ranking))[0]:
-            experiment, why = tried
+        elif experiment := self._experiment(strategy, ranking):
             self._experimenting = True
-            must_leave = (f"{why}: trying {experiment[0].strategy.name} until measured "
+            must_leave = ("the probe's noise scale is not yet checked against measured "
+                          f"progress: trying {experiment[0].strategy.name} until measured "
                           "progress says whether it pays")
             ranking = experiment
         current = self.current_estimate(strategy, uncertainty=0.0)
