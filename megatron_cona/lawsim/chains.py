@@ -368,4 +368,4 @@ register(Chain("oracle", run_oracle, "tab:cyan", rival=False,
                doc="per-interval best with the law's state known (the reference)"))
 register(Chain("bound", run_bound, "tab:green", rival=False,
                doc="lower bounds: continuous strategy changes with free switches, and (with "
-                   "--exact-bound) the exact DP with the chains' cadence and switch costs"))
+                   "--exact-variants) the exact DP with the chains' cadence and switch costs"))
