@@ -98,6 +98,13 @@ def attention_rate_key(key: str, device: Device) -> tuple[str, float]:
     return key, 1.0
 
 
+def exposed(comm: float, cover: float, hidden: float = 1.0) -> float:
+    """Seconds of ``comm`` seconds of communication left exposed when it overlaps ``cover``
+    seconds of compute, of which at most a share ``hidden`` can hide (a fitted overlap share;
+    1: all of it, as far as the compute reaches)."""
+    return max(comm - cover, (1.0 - hidden) * comm, 0.0)
+
+
 def dtype_key(record: OpRecord) -> str:
     if record.dtype_class in FP8_KEYS:
         return record.dtype_class
@@ -237,15 +244,14 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         tp = each.times(work.tp_collectives)
     tp_exposed = tp.seconds
     if options.tp_comm_overlap:
-        hidden = device.efficiency.get(TP_OVERLAP_KEY, 1.0)
-        tp_exposed = max(tp.seconds - busy(lambda r: r.op_class == "matmul"),
-                         (1.0 - hidden) * tp.seconds, 0.0)
+        tp_exposed = exposed(tp.seconds, busy(lambda r: r.op_class == "matmul"),
+                             device.efficiency.get(TP_OVERLAP_KEY, 1.0))
     cp = NO_COMM
     if s.cp > 1 and work.cp_sends:
         # ring attention: each K/V block's send overlaps the attention on the previous block
         cp = p2p_cost(work.cp_bytes / work.cp_sends, groups.cp.spans_nodes, topo).times(
             work.cp_sends)
-    cp_exposed = max(0.0, cp.seconds - busy(lambda r: r.op_class == "attention"))
+    cp_exposed = exposed(cp.seconds, busy(lambda r: r.op_class == "attention"))
     vp = options.virtual_pipeline
     # interleaving: every model chunk boundary is a send; the bubble shrinks by vp
     p2p = p2p_cost(work.pp_bytes, groups.pp.spans_nodes, topo).times(2 * vp) if s.pp > 1 else NO_COMM
@@ -253,7 +259,7 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     if vp > 1 and options.overlap_p2p_comm:
         # Megatron's interleaved schedule posts each chunk's sends and receives before the
         # next chunk's compute and waits after it: only what is longer than that is exposed
-        p2p_exposed = max(0.0, p2p.seconds - compute)
+        p2p_exposed = exposed(p2p.seconds, compute)
     bucket_elements = max(DDP_BUCKET_ELEMENTS, 1_000_000 * s.dp)
     buckets = max(1, math.ceil(work.dp_grad_elements / bucket_elements))
     # the distributed optimizer reduce-scatters gradients and all-gathers the updated
@@ -267,8 +273,8 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
         # per micro-batch: two parameter all-gathers and one gradient reduce-scatter, each half
         # a ring all-reduce; prefetching overlaps them with the micro-batch's compute
         fsdp_mb = all_reduce(work.dp_grad_bytes, grad, topo).times(1.5)
-        hidden = device.efficiency.get(FSDP_OVERLAP_KEY, 1.0)
-        fsdp_exposed = max(fsdp_mb.seconds - compute, (1.0 - hidden) * fsdp_mb.seconds, 0.0)
+        fsdp_exposed = exposed(fsdp_mb.seconds, compute,
+                               device.efficiency.get(FSDP_OVERLAP_KEY, 1.0))
         dp = bucket = NO_COMM
     dp_exposed = dp.seconds
     if options.overlap_grad_reduce:
