@@ -815,7 +815,7 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
     # matters), its prior overstated: the probe-only pool overloads it, round robin splits
     # evenly, the adaptive one should learn its speed.
     plans = {"S3p": (wrong, [t // 2] * args.placement_steps),
-             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * 4)}
+             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * args.s4_recovered_steps)}
     log(f"[S3p] the second SSD's read limit {t // 2} MB/s, its prior: {gbps[3]:.2f} x "
         f"{PRIOR_ERROR:g} = {wrong[3]:.2f} GB/s")
     log(f"[S4] the second SSD's read limit per step (MB/s): {plans['S4'][1]}")
@@ -1234,6 +1234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the placement runs (S3p: a wrong prior, S4: a device slowed)")
     p.add_argument("--placement-steps", type=int, default=6,
                    help="S3p: prefixes saved and fetched in turn per placement policy")
+    p.add_argument("--s4-recovered-steps", type=int, default=6,
+                   help="S4: steps after the slowed SSD's limit is restored (the first is placed "
+                        "before any recovered fetch was seen, by any learning placement)")
     p.add_argument("--placement-divisor", type=int, default=8,
                    help="S3p/S4: each step's prefix is --tokens / this")
     p.add_argument("--no-thread-sweep", action="store_true",

@@ -56,6 +56,7 @@ CHANGED = 0.25  # the champion's time moved by this fraction: the devices change
 SAME = 1e-9  # L1 distance below which two placed splits are the same
 DEVICE_CHANGED = 2.0  # one device's seconds per byte moved by this factor: the devices changed
 MIN_STEP = 1 / 8  # the shortest step from the champion toward the estimates' split
+CLOSE = 0.1  # a rejected challenger this close to the champion: the half step is tried at once
 
 
 def shares(values: Sequence[float]) -> list[float]:
@@ -95,13 +96,17 @@ class SplitGuard:
         self.devices: list[float | None] = []  # the champion's latest fetch, per device
         self.step = 1.0  # how far a challenger goes from the champion toward the proposal
         self.unfetched = 0  # champion fetches since the challenger was placed, unmeasured
+        # splits measured slower than a champion (shares, champion fetches left to remember
+        # them), and the champion's time and devices when the latest of them was recorded
+        self.slower: list[tuple[list[float], int]] = []
+        self.slower_at: tuple[float, list[float | None]] | None = None
 
     def choose(self, proposal: Sequence[float]) -> list[float]:
         """The weights new chunks are placed by, given the estimates' ``proposal``."""
         if self.challenger is None and self.wait == 0 and self.champion.seconds_per_byte:
             now = shares(self.champion.weights)
             to = [c + self.step * (p - c) for c, p in zip(now, shares(proposal), strict=True)]
-            if distance(to, now) > MIN_CHANGE:
+            if distance(to, now) > MIN_CHANGE and not self._past_slower(now, to):
                 self.challenger = Candidate(to)
                 self.unfetched = 0
         return list((self.challenger or self.champion).weights)
@@ -140,8 +145,12 @@ class SplitGuard:
             self.champion.seconds_per_byte = per_byte
             self.devices = devices
             self.wait = max(self.wait - 1, 0)
-            if self.rejected_at is not None and self._changed(per_byte):
+            self.slower = [(split, n - 1) for split, n in self.slower if n > 1]
+            if self.rejected_at is not None \
+                    and self._changed(per_byte, self.rejected_at, self.devices_at):  # fmt: skip
                 self.wait, self.next_wait, self.rejected_at, self.step = 0, RETRY_AFTER, None, 1.0
+            if self.slower_at is not None and self._changed(per_byte, *self.slower_at):
+                self.slower, self.slower_at = [], None
             if self.challenger is not None:
                 self.unfetched += 1
                 if self.unfetched > RETRY_AFTER:  # placed but never fetched: not kept
@@ -150,18 +159,43 @@ class SplitGuard:
         best = self.champion.seconds_per_byte
         if best is None or per_byte <= best:
             which.seconds_per_byte = per_byte
+            if best is not None:
+                self._remember_slower(self.champion.weights, per_byte, devices)
             self.champion, self.devices = which, devices
             self.next_wait, self.rejected_at = RETRY_AFTER, None
+        elif per_byte <= best * (1 + CLOSE) and self.step > MIN_STEP:
+            self._remember_slower(which.weights, best, self.devices)
+            self.step /= 2  # nearly as fast: half the step may be faster; tried at once
         else:
+            self._remember_slower(which.weights, best, self.devices)
             self.wait, self.rejected_at, self.devices_at = self.next_wait, best, self.devices
             self.next_wait = min(2 * self.next_wait, MAX_WAIT)
             self.step = max(self.step / 2, MIN_STEP)
         self.challenger = None
 
-    def _changed(self, per_byte: float) -> bool:
-        """Whether the champion's latest fetch says the devices changed since the rejection."""
-        assert self.rejected_at is not None
-        if abs(per_byte / self.rejected_at - 1) > CHANGED:
+    def _remember_slower(self, weights: Sequence[float], best: float,
+                         devices: list[float | None]) -> None:  # fmt: skip
+        """``weights`` measured slower than the champion (whose time and devices were
+        ``best``, ``devices``): no challenger goes that far in its direction for ``MAX_WAIT``
+        champion fetches, or until the devices change."""
+        self.slower.append((shares(weights), MAX_WAIT))
+        self.slower_at = (best, devices)
+
+    def _past_slower(self, now: list[float], to: list[float]) -> bool:
+        """Whether the step ``now`` -> ``to`` reaches as far toward a split remembered as slower
+        as that split itself (its projection on the way to it): past a device's knee again."""
+        for split, _ in self.slower:
+            way = [b - a for a, b in zip(now, split, strict=True)]
+            length = sum(w * w for w in way)
+            if sum(abs(w) for w in way) > MIN_CHANGE and sum(
+                    w * (t - a) for w, t, a in zip(way, to, now, strict=True)) >= length:
+                return True
+        return False
+
+    def _changed(self, per_byte: float, then: float, devices_then: list[float | None]) -> bool:
+        """Whether the champion's latest fetch (``per_byte``, ``self.devices``) says the
+        devices changed since its time was ``then`` and its devices ``devices_then``."""
+        if abs(per_byte / then - 1) > CHANGED:
             return True
         return any(a is not None and b is not None and max(a / b, b / a) >= DEVICE_CHANGED
-                   for a, b in zip(self.devices, self.devices_at, strict=False))  # fmt: skip
+                   for a, b in zip(self.devices, devices_then, strict=False))  # fmt: skip
