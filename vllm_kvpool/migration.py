@@ -9,6 +9,15 @@ one device's share time exceeds another's by more than ``margin`` (relative), ch
 the first to the second, one at a time, while the move still leaves the source above the
 destination by the margin (so moves never oscillate between two devices of similar speed).
 
+The share times use the read *estimates*, not the split the guard keeps (``split_guard``;
+decided in issue #46, third session): the guard measures the split of new requests by their
+fetches, and keeps one only when a fetch showed it no slower, while migration balances what is
+already stored. So migration can move chunks by an estimate the guard would not follow: on a
+device whose rate depends on its share (a token bucket), an estimate measured below its knee
+can move chunks past the knee. That is why it is off by default, paced (``bandwidth``) and
+bounded by ``margin``. Planning moves by the kept split is the fix (its tests, which set the
+estimates directly, must then drive the guard with fetches); not done yet.
+
 Pure logic: the pool (``UnifiedPool.plan_moves``) reserves the destination slots and pins the
 chunks; the engine (``engine/moves.py``) copies them in the background at a bounded rate; the
 pool swaps each chunk's location once every rank copied it, and frees the old slot once no load
