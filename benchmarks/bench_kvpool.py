@@ -1160,6 +1160,12 @@ def s4_phases(results: dict[str, list[Result]], log) -> float:
         ad = [pools["adaptive"][rep].seconds for rep in reps if rep in pools["adaptive"]]
         log(f"S4 {phase:9s} (steps {reps[0]}-{reps[-1]}): " + "; ".join(row)
             + f"; rr / adaptive {sum(rr) / sum(ad):.2f}")
+    later = [rep for rep in phases["recovered"][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
+    if later:  # the first recovered request is placed before any recovered fetch: blind for any
+        rr = [pools["rr"][rep].seconds for rep in later]  # learner, so judged apart
+        ad = [pools["adaptive"][rep].seconds for rep in later]
+        log(f"S4 recovered, after its first step (steps {later[0]}-{later[-1]}): rr {med(rr):.3f} s, "
+            f"adaptive {med(ad):.3f} s (medians); rr / adaptive {sum(rr) / sum(ad):.2f}")
     common = [rep for rep in pools["rr"] if rep in pools["adaptive"]]
     total = (sum(pools["rr"][rep].seconds for rep in common)
              / sum(pools["adaptive"][rep].seconds for rep in common))  # fmt: skip
