@@ -60,7 +60,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_CHANGE = 0.05  # L1 distance between share vectors below which two splits are the same
+# L1 distance between share vectors below which two splits are the same; small, because devices
+# full to their capacity keep their weight (S4: moving one of the SSDs' 8 chunks changed the
+# weights' shares by 0.034 beside two full host pools)
+MIN_CHANGE = 0.02
 MATCH = 0.25  # a fetch's split further than this (L1) from both candidates' is neither's
 RETRY_AFTER = 4  # champion fetches after a rejected (or never fetched) challenger
 MAX_WAIT = 32  # the longest wait after rejections in a row

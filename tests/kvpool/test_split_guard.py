@@ -157,10 +157,12 @@ def test_a_device_slow_above_a_knee_settles_no_slower_than_the_even_split():
 
 def test_a_knee_above_the_even_split_is_found_and_kept():
     """The same devices with h1's knee at 10 chunks: the estimates' split (10 on h1) is faster
-    than the even one (3/4 of its time) and the guard keeps it from the first trial on."""
+    than the even one (3/4 of its time) and the guard keeps it from the first trial on, but
+    for at most one trial one chunk past the knee (remembered, so not tried again)."""
     devices = [TokenBucket(4.0, 4.0, 0, seed=1), TokenBucket(8.0, 1.0, 10 * CHUNK, seed=2)]
-    times, _ = _fetches(devices, 8)
-    assert times[0] == 1.0 and all(t <= 0.8 for t in times[1:]), times
+    times, _ = _fetches(devices, 16)
+    assert times[0] == 1.0 and times[1] <= 0.8, times
+    assert sum(t > 0.8 for t in times[1:]) <= 1 and all(t <= 0.8 for t in times[-8:]), times
 
 
 def test_a_knee_device_slowed_then_recovered_costs_no_more_than_the_even_split_over_the_run():
@@ -219,23 +221,27 @@ class Throttled:
     second SSD is a blk-throttle token bucket whose rate depends on its share (1500 MB/s: 128
     MiB read in a burst in 0.035 s, 160 MiB at the limit in 0.114 s; cut to 500 MB/s: 64 MiB in
     0.11 s, 96 MiB 0.20 s), the SSD file ~1.6 GB/s, the host pools fast and full at 4 chunks
-    each (+-5% noise, seeded)."""
+    each (+-5% noise, seeded). ``host_window``: the host pools' busy time as reported, over
+    their copy's (one copier charges each pool the whole window it shared with the SSD reads: on
+    the busy development machine they were measured at ~1.4 GB/s)."""
 
     FULL = [0, .01, .02, .03, .035, .114, .134, .157, .18]
     SLOW = [0, .05, .11, .20, .22, .30, .37, .44, .50]
 
-    def __init__(self, seed: int) -> None:
-        self.rng, self.slowed = random.Random(seed), False
+    def __init__(self, seed: int, host_window: float = 1.0) -> None:
+        self.rng, self.slowed, self.host_window = random.Random(seed), False, host_window
 
     def exact(self, counts: list[int]) -> list[float]:
         table = self.SLOW if self.slowed else self.FULL
         return [counts[0] / 128, counts[1] / 128, counts[2] * 0.021, table[counts[3]]]
 
     def busy_seconds(self, counts: list[int]) -> list[float]:
-        return [t * self.rng.uniform(0.95, 1.05) for t in self.exact(counts)]
+        charged = [t * (self.host_window if d < 2 else 1.0)
+                   for d, t in enumerate(self.exact(counts))]  # fmt: skip
+        return [t * self.rng.uniform(0.95, 1.05) for t in charged]
 
 
-def _s4(placement: str, seed: int) -> tuple[list[float], list[int]]:
+def _s4(placement: str, seed: int, host_window: float = 1.0) -> tuple[list[float], list[int]]:
     """S4 in small, scheduled as the bench's: 3 fetches, 5 with the second SSD slowed to a
     third, 6 after it recovered; each a new 16-chunk request. (fetch times, its chunks)."""
     layout = ChunkLayout((GroupLayout(0, ("l0",), 64 * 1024, 32),), 2, layout_version=46)
@@ -247,7 +253,7 @@ def _s4(placement: str, seed: int) -> tuple[list[float], list[int]]:
                     for i, g in enumerate([10.6, 10.7, 1.27, 1.275])]})  # fmt: skip
     pool = UnifiedPool(cfg, layout, DeviceWeights([10.6, 10.7, 1.27, 1.275],
                                                   cfg.probe.learn_after, cfg.probe.half_life))
-    devices, times, second = Throttled(seed), [], []
+    devices, times, second = Throttled(seed, host_window), [], []
     for f in range(14):
         devices.slowed = 3 <= f < 8
         hs = [f"r{f}-{i}".encode() for i in range(32)]
@@ -264,18 +270,31 @@ def _s4(placement: str, seed: int) -> tuple[list[float], list[int]]:
     return times, second
 
 
+@pytest.mark.parametrize("host_window", [1.0, 1.5])
 @pytest.mark.parametrize("seed", range(4))
-def test_s4_the_slowed_ssd_loses_its_share_and_gets_it_back_within_two_fetches(seed):
+def test_s4_the_slowed_ssd_loses_its_share_and_gets_it_back_within_two_fetches(seed, host_window):
     """The bench's S4 on devices of known speed (``Throttled``): round robin keeps 4 of the 8
     SSD chunks on the second SSD throughout. The adaptive pool cuts it to 2 after one slowed
     fetch, and after the restore (the first recovered request is placed before any recovered
     fetch was seen) has its even share back within two fetches and ends there; over the run
     it waits less than round robin (before the fix: 64 MiB kept through the recovered phase,
-    the bench's quiet run 2026-12-05)."""
-    rr, rr_second = _s4("round_robin", seed)
-    ad, second = _s4("bandwidth", seed)
+    the bench's quiet run 2026-12-05). The host pools charged up to 1.5x their copy (the quiet
+    run's host figures); rated lower still (2.5x: the busy machine's 1.4 GB/s) the estimates
+    take chunks off them and put 7 of 16 on the recovered SSD, rejected, then waited out for
+    ``RETRY_AFTER`` fetches: a known limit (the host pools' measure, not the guard)."""
+    rr, rr_second = _s4("round_robin", seed, host_window)
+    ad, second = _s4("bandwidth", seed, host_window)
     assert rr_second == [4] * 14
     assert second[4:8] == [2] * 4, second  # slowed: cut to 64 MiB from its second fetch on
     assert second[8] == 2 and max(second[9:11]) >= 4 and second[-1] == 4, second
     assert sum(ad) <= 0.92 * sum(rr), (ad, rr)
     assert ad[-1] <= rr[-1] + 1e-9, (ad, rr)
+
+
+def test_one_ssd_chunk_beside_full_host_pools_is_a_challenger():
+    """Full host pools keep their weight, so moving one of the SSDs' 8 chunks changes the
+    weights' shares by little (S4 development run 2, slowed: 96 -> 64 MiB on the second SSD was
+    0.034 in L1, and the slowed split was kept at 96 MiB for four fetches)."""
+    g = SplitGuard([0.307, 0.307, 0.264, 0.122])
+    _fetch(g, [4, 4, 5, 3], [0.1, 0.1, 0.1, 0.2])
+    assert g.choose([1.521, 1.522, 1.37, 0.518]) != [0.307, 0.307, 0.264, 0.122]
