@@ -815,7 +815,7 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
     # matters), its prior overstated: the probe-only pool overloads it, round robin splits
     # evenly, the adaptive one should learn its speed.
     plans = {"S3p": (wrong, [t // 2] * args.placement_steps),
-             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * 4)}
+             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * args.s4_recovered_steps)}
     log(f"[S3p] the second SSD's read limit {t // 2} MB/s, its prior: {gbps[3]:.2f} x "
         f"{PRIOR_ERROR:g} = {wrong[3]:.2f} GB/s")
     log(f"[S4] the second SSD's read limit per step (MB/s): {plans['S4'][1]}")
@@ -1160,6 +1160,12 @@ def s4_phases(results: dict[str, list[Result]], log) -> float:
         ad = [pools["adaptive"][rep].seconds for rep in reps if rep in pools["adaptive"]]
         log(f"S4 {phase:9s} (steps {reps[0]}-{reps[-1]}): " + "; ".join(row)
             + f"; rr / adaptive {sum(rr) / sum(ad):.2f}")
+    later = [rep for rep in phases["recovered"][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
+    if later:  # the first recovered request is placed before any recovered fetch: blind for any
+        rr = [pools["rr"][rep].seconds for rep in later]  # learner, so judged apart
+        ad = [pools["adaptive"][rep].seconds for rep in later]
+        log(f"S4 recovered, after its first step (steps {later[0]}-{later[-1]}): rr {med(rr):.3f} s, "
+            f"adaptive {med(ad):.3f} s (medians); rr / adaptive {sum(rr) / sum(ad):.2f}")
     common = [rep for rep in pools["rr"] if rep in pools["adaptive"]]
     total = (sum(pools["rr"][rep].seconds for rep in common)
              / sum(pools["adaptive"][rep].seconds for rep in common))  # fmt: skip
@@ -1234,6 +1240,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the placement runs (S3p: a wrong prior, S4: a device slowed)")
     p.add_argument("--placement-steps", type=int, default=6,
                    help="S3p: prefixes saved and fetched in turn per placement policy")
+    p.add_argument("--s4-recovered-steps", type=int, default=6,
+                   help="S4: steps after the slowed SSD's limit is restored (the first is placed "
+                        "before any recovered fetch was seen, by any learning placement)")
     p.add_argument("--placement-divisor", type=int, default=8,
                    help="S3p/S4: each step's prefix is --tokens / this")
     p.add_argument("--no-thread-sweep", action="store_true",

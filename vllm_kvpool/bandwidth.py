@@ -17,6 +17,18 @@ then the measured one replaces it. When a device's recent evidence runs thin (it
 below ``learn_after / STALE_DIVISOR``: placement gave it next to nothing for several half-lives),
 the prior fills in the missing bytes, so a starved device's estimate drifts back toward the
 probe's figure and it is tried again instead of keeping a stale figure forever.
+
+A device that changed is not averaged with what it was: when one fetch reads a device's share
+(at least ``learn_after / STALE_DIVISOR`` bytes) ``CHANGED`` times faster or slower than its
+estimate, :meth:`RateEstimate.restart` drops the older evidence and the estimate is that
+fetch's rate (``DeviceWeights.observe_fetch``). Decay alone follows a change over several
+half-lives, and the slow spell's busy seconds outweigh a recovered device's few new bytes (issue
+#46: S4's second SSD, cut to 64 MiB while slowed, was still rated at half its speed three
+fetches after it recovered, so placement kept the cut split); a probe's prior that is wrong by
+more than ``CHANGED`` is replaced by the first fetch that shows it. A device whose rate depends
+on its share (a token bucket) can be restarted back and forth as its share crosses the knee;
+the split guard (``split_guard.py``) measures what those estimates propose before placement
+keeps it.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ DEFAULT_LEARN_AFTER = 256 * 2**20  # bytes before the measured figure replaces t
 DEFAULT_HALF_LIFE = 1 * 2**30  # bytes the pool moves (in that direction) that halve a weight
 OPS = ("read", "write")  # the directions measured
 STALE_DIVISOR = 8  # recent evidence below learn_after / this: blended back toward the prior
+CHANGED = 2.0  # one fetch's rate this many times above or below the estimate: the device changed
 
 
 def check_observation(nbytes: object, seconds: object) -> tuple[str, str] | None:
@@ -48,6 +61,7 @@ class RateEstimate:
     learn_after: int = DEFAULT_LEARN_AFTER
     half_life: int = DEFAULT_HALF_LIFE
     moved: int = 0  # bytes observed since the start (or the last reset)
+    restarted: bool = False  # a fetch showed the device changed: its rate is measured now
     _bytes: float = 0.0  # decayed sums
     _seconds: float = 0.0
 
@@ -69,10 +83,27 @@ class RateEstimate:
         self._bytes *= keep
         self._seconds *= keep
 
+    def changed(self, nbytes: int, seconds: float, expected_gbps: float) -> bool:
+        """Whether one fetch that read ``nbytes`` in ``seconds`` says the device changed: enough
+        bytes to trust (``learn_after / STALE_DIVISOR``) at ``CHANGED`` times
+        ``expected_gbps`` (the estimate before the fetch) or less than its ``1 / CHANGED``."""
+        if nbytes < self.learn_after / STALE_DIVISOR or seconds <= 0 or expected_gbps <= 0:
+            return False
+        ratio = nbytes / seconds / 1e9 / expected_gbps
+        return ratio >= CHANGED or ratio <= 1 / CHANGED
+
+    def restart(self, nbytes: int, seconds: float) -> None:
+        """The device changed: the estimate is ``nbytes`` in ``seconds`` alone (older evidence,
+        and the prior if it was still in use, are dropped)."""
+        if (bad := check_observation(nbytes, seconds)) is not None:
+            raise ValueError(f"{bad[0]}: {bad[1]}")
+        self._bytes, self._seconds, self.restarted = float(nbytes), float(seconds), True
+
     @property
     def measured_gbps(self) -> float | None:
-        """The measured figure once ``learn_after`` bytes have moved, else None."""
-        if self.moved < self.learn_after or self._seconds <= 0:
+        """The measured figure once ``learn_after`` bytes have moved (or a fetch showed the
+        device changed), else None."""
+        if (self.moved < self.learn_after and not self.restarted) or self._seconds <= 0:
             return None
         return self._bytes / self._seconds / 1e9
 
@@ -90,4 +121,4 @@ class RateEstimate:
 
     def reset(self) -> None:
         """Forget what was measured (a device that failed and came back): the prior again."""
-        self.moved, self._bytes, self._seconds = 0, 0.0, 0.0
+        self.moved, self._bytes, self._seconds, self.restarted = 0, 0.0, 0.0, False

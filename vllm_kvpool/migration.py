@@ -9,6 +9,13 @@ one device's share time exceeds another's by more than ``margin`` (relative), ch
 the first to the second, one at a time, while the move still leaves the source above the
 destination by the margin (so moves never oscillate between two devices of similar speed).
 
+The weights are each device's share of the split the guard keeps (``split_guard``: the split
+new chunks are placed by, kept only once a fetch measured it no slower), not the read
+estimates themselves (issue #46, third session): on a device whose rate depends on its share
+(a token bucket) an estimate measured below its knee proposes a share past it, which the guard
+measures and refuses; moves by the estimate would put stored chunks there anyway. Only the
+ratios of the weights matter, so share times are relative, not seconds.
+
 Pure logic: the pool (``UnifiedPool.plan_moves``) reserves the destination slots and pins the
 chunks; the engine (``engine/moves.py``) copies them in the background at a bounded rate; the
 pool swaps each chunk's location once every rank copied it, and frees the old slot once no load
@@ -25,7 +32,8 @@ DEFAULT_MARGIN = 0.25  # a share time this much longer than another's starts mov
 
 
 def share_times(stored: Sequence[int], gbps: Sequence[float]) -> list[float]:
-    """Seconds each device needs to read what it holds (inf for a device of no bandwidth)."""
+    """Seconds each device needs to read what it holds at ``gbps`` (inf for a device of no
+    bandwidth); with relative weights, times in the same relative unit."""
     return [b / (g * 1e9) if g > 0 else (float("inf") if b else 0.0)
             for b, g in zip(stored, gbps, strict=True)]  # fmt: skip
 
@@ -35,8 +43,8 @@ def pick_moves(stored: Sequence[int], gbps: Sequence[float], free: Sequence[int]
                limit: int = 1 << 30) -> list[tuple[int, int, int]]:  # fmt: skip
     """Moves ``(source device, index in chunk_bytes[source], destination)``, at most ``limit``.
 
-    ``stored[d]``: bytes device ``d`` holds; ``gbps[d]``: its read estimate (0: failed, takes
-    nothing); ``free[d]``: its free slots; ``chunk_bytes[d]``: the sizes of its movable chunks
+    ``stored[d]``: bytes device ``d`` holds; ``gbps[d]``: its read weight (only the ratios
+    matter; the pool passes the guard's kept shares; 0: failed, takes nothing); ``free[d]``: its free slots; ``chunk_bytes[d]``: the sizes of its movable chunks
     in the order they should move (most useful first). Each move takes a chunk from the device
     with the longest share time to the one whose share time stays shortest after taking it,
     while the source would still exceed the destination's new share time by ``margin``."""

@@ -141,6 +141,8 @@ class DeviceWeights:
         self.writes = [RateEstimate(g, learn_after, half_life) for g in self.probe_gbps]
         self.failed = [False] * len(self.probe_gbps)
         self.guard = SplitGuard(self.probe_gbps)
+        # each device's read estimate before the first transfer observe_fetch has not seen yet
+        self._expected: list[float | None] = [None] * len(self.probe_gbps)
 
     @property
     def gbps(self) -> list[float]:
@@ -169,8 +171,15 @@ class DeviceWeights:
         self.guard.placed(counts)
 
     def observe_fetch(self, nbytes: Sequence[int], seconds: Sequence[float]) -> None:
-        """One report's reads per device (bytes, busy seconds): the guard's measure of the
-        split they were placed by."""
+        """One report's reads per device (bytes, busy seconds; each transfer already folded in
+        by :meth:`observe`): a device read ``bandwidth.CHANGED`` times faster or slower than
+        its estimate restarts from this fetch (``RateEstimate.restart``), and the guard
+        measures the split they were placed by."""
+        for d, (est, n, s) in enumerate(zip(self.reads, nbytes, seconds, strict=True)):
+            expected = self._expected[d]
+            if not self.failed[d] and expected is not None and est.changed(n, s, expected):
+                est.restart(n, s)
+        self._expected = [None] * len(self.reads)
         if not any(f and n for f, n in zip(self.failed, nbytes, strict=True)):
             self.guard.observe_fetch(nbytes, seconds)
 
@@ -183,6 +192,8 @@ class DeviceWeights:
             return False  # a failing device's timings describe its errors, not its speed
         estimates = self.reads if op == "read" else self.writes
         est = estimates[device]
+        if op == "read" and self._expected[device] is None:
+            self._expected[device] = est.gbps
         before = est.measured_gbps is None
         est.observe(nbytes, seconds)
         if nbytes:  # every other device's evidence ages by the pool's bytes, not only its own

@@ -196,7 +196,9 @@ class UnifiedPool:
             if (e.committed and not e.readers and not e.dead and not e.moving
                     and not self.weights.failed[e.location.device]):  # fmt: skip
                 movable[e.location.device].append(e)
-        picks = pick_moves(stored, self.weights.estimates(), self._free_slots(),
+        # the split the guard keeps, not the estimates: an estimate measured below a device's
+        # knee would move chunks past it (``migration``)
+        picks = pick_moves(stored, self.weights.kept_shares(), self._free_slots(),
                            [[e.location.nbytes for e in m] for m in movable], margin, limit)  # fmt: skip
         jobs = []
         for src, i, dst in picks:

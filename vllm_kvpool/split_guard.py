@@ -24,7 +24,17 @@ this module decides whether placement may follow them (champion / challenger):
   moves by more than ``CHANGED`` from what the rejected challenger was compared with, or one
   device reads its part of the champion's split ``DEVICE_CHANGED`` times faster or slower than
   then (a device that is not the slowest can recover without moving the fetch's time): the
-  devices changed, so the old verdict is moot (the step is whole again).
+  devices changed, so the old verdict is moot (the step is whole again). A challenger that
+  was rejected but came within ``CLOSE`` of the champion is followed at once by the half step
+  (no wait): it crossed a knee by little, and the split in between may be the best (S4 after
+  the restore: 160 MiB on the recovered SSD 6% slower than the cut 64 MiB, 128 MiB fastest).
+* **Splits measured slower are remembered** (a rejected challenger; a champion a challenger
+  beat): no challenger goes as far toward one of them as that split itself (the projection of
+  its step on the way to it), so a device's knee, once found, is not crossed again each time
+  its estimate, measured below the knee, proposes more (``bandwidth``'s restart makes that
+  estimate jump back up at each fetch below the knee). The memory is dropped when the
+  champion's fetch says the devices changed since (the same rule as the wait's) and each entry
+  after ``MAX_WAIT`` champion fetches.
 
 Why this cannot settle slower than the prior's split: every champion after the first was
 measured, when it took over, no slower than the champion it replaced, measured on the same
@@ -35,7 +45,9 @@ rejected challenger costs is bounded and shrinks: on steady devices the waits do
 after k rejections in a row at most k of the last ``RETRY_AFTER * (2**k - 1) + k`` fetches
 were trials (a device whose rate drops above a knee in its share is proposed more than the
 knee after each fetch below it: without the doubling one fetch in ``RETRY_AFTER + 1`` would
-pay for crossing it).
+pay for crossing it). A close rejection costs at most ``CLOSE`` of a fetch and halves the step,
+so at most ``log2(1 / MIN_STEP)`` of them come in a row; the memory of slower splits only
+removes trials.
 
 A fetch is matched to the champion or the challenger by its split (the bytes each device
 served), compared with the split the pool placed by each (``placed``: the chunk counts, caps
@@ -48,7 +60,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_CHANGE = 0.05  # L1 distance between share vectors below which two splits are the same
+# L1 distance between share vectors below which two splits are the same; small, because devices
+# full to their capacity keep their weight (S4: moving one of the SSDs' 8 chunks changed the
+# weights' shares by 0.034 beside two full host pools)
+MIN_CHANGE = 0.02
 MATCH = 0.25  # a fetch's split further than this (L1) from both candidates' is neither's
 RETRY_AFTER = 4  # champion fetches after a rejected (or never fetched) challenger
 MAX_WAIT = 32  # the longest wait after rejections in a row
@@ -56,6 +71,7 @@ CHANGED = 0.25  # the champion's time moved by this fraction: the devices change
 SAME = 1e-9  # L1 distance below which two placed splits are the same
 DEVICE_CHANGED = 2.0  # one device's seconds per byte moved by this factor: the devices changed
 MIN_STEP = 1 / 8  # the shortest step from the champion toward the estimates' split
+CLOSE = 0.1  # a rejected challenger this close to the champion: the half step is tried at once
 
 
 def shares(values: Sequence[float]) -> list[float]:
@@ -95,13 +111,17 @@ class SplitGuard:
         self.devices: list[float | None] = []  # the champion's latest fetch, per device
         self.step = 1.0  # how far a challenger goes from the champion toward the proposal
         self.unfetched = 0  # champion fetches since the challenger was placed, unmeasured
+        # splits measured slower than a champion (shares, champion fetches left to remember
+        # them), and the champion's time and devices when the latest of them was recorded
+        self.slower: list[tuple[list[float], int]] = []
+        self.slower_at: tuple[float, list[float | None]] | None = None
 
     def choose(self, proposal: Sequence[float]) -> list[float]:
         """The weights new chunks are placed by, given the estimates' ``proposal``."""
         if self.challenger is None and self.wait == 0 and self.champion.seconds_per_byte:
             now = shares(self.champion.weights)
             to = [c + self.step * (p - c) for c, p in zip(now, shares(proposal), strict=True)]
-            if distance(to, now) > MIN_CHANGE:
+            if distance(to, now) > MIN_CHANGE and not self._past_slower(now, to):
                 self.challenger = Candidate(to)
                 self.unfetched = 0
         return list((self.challenger or self.champion).weights)
@@ -140,8 +160,12 @@ class SplitGuard:
             self.champion.seconds_per_byte = per_byte
             self.devices = devices
             self.wait = max(self.wait - 1, 0)
-            if self.rejected_at is not None and self._changed(per_byte):
+            self.slower = [(split, n - 1) for split, n in self.slower if n > 1]
+            if self.rejected_at is not None \
+                    and self._changed(per_byte, self.rejected_at, self.devices_at):  # fmt: skip
                 self.wait, self.next_wait, self.rejected_at, self.step = 0, RETRY_AFTER, None, 1.0
+            if self.slower_at is not None and self._changed(per_byte, *self.slower_at):
+                self.slower, self.slower_at = [], None
             if self.challenger is not None:
                 self.unfetched += 1
                 if self.unfetched > RETRY_AFTER:  # placed but never fetched: not kept
@@ -150,18 +174,43 @@ class SplitGuard:
         best = self.champion.seconds_per_byte
         if best is None or per_byte <= best:
             which.seconds_per_byte = per_byte
+            if best is not None:
+                self._remember_slower(self.champion.weights, per_byte, devices)
             self.champion, self.devices = which, devices
             self.next_wait, self.rejected_at = RETRY_AFTER, None
+        elif per_byte <= best * (1 + CLOSE) and self.step > MIN_STEP:
+            self._remember_slower(which.weights, best, self.devices)
+            self.step /= 2  # nearly as fast: half the step may be faster; tried at once
         else:
+            self._remember_slower(which.weights, best, self.devices)
             self.wait, self.rejected_at, self.devices_at = self.next_wait, best, self.devices
             self.next_wait = min(2 * self.next_wait, MAX_WAIT)
             self.step = max(self.step / 2, MIN_STEP)
         self.challenger = None
 
-    def _changed(self, per_byte: float) -> bool:
-        """Whether the champion's latest fetch says the devices changed since the rejection."""
-        assert self.rejected_at is not None
-        if abs(per_byte / self.rejected_at - 1) > CHANGED:
+    def _remember_slower(self, weights: Sequence[float], best: float,
+                         devices: list[float | None]) -> None:  # fmt: skip
+        """``weights`` measured slower than the champion (whose time and devices were
+        ``best``, ``devices``): no challenger goes that far in its direction for ``MAX_WAIT``
+        champion fetches, or until the devices change."""
+        self.slower.append((shares(weights), MAX_WAIT))
+        self.slower_at = (best, devices)
+
+    def _past_slower(self, now: list[float], to: list[float]) -> bool:
+        """Whether the step ``now`` -> ``to`` reaches as far toward a split remembered as slower
+        as that split itself (its projection on the way to it): past a device's knee again."""
+        for split, _ in self.slower:
+            way = [b - a for a, b in zip(now, split, strict=True)]
+            length = sum(w * w for w in way)
+            if sum(abs(w) for w in way) > MIN_CHANGE and sum(
+                    w * (t - a) for w, t, a in zip(way, to, now, strict=True)) >= length:
+                return True
+        return False
+
+    def _changed(self, per_byte: float, then: float, devices_then: list[float | None]) -> bool:
+        """Whether the champion's latest fetch (``per_byte``, ``self.devices``) says the
+        devices changed since its time was ``then`` and its devices ``devices_then``."""
+        if abs(per_byte / then - 1) > CHANGED:
             return True
         return any(a is not None and b is not None and max(a / b, b / a) >= DEVICE_CHANGED
-                   for a, b in zip(self.devices, self.devices_at, strict=False))  # fmt: skip
+                   for a, b in zip(self.devices, devices_then, strict=False))  # fmt: skip

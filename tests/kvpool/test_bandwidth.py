@@ -56,6 +56,44 @@ def test_estimate_keeps_the_prior_then_converges_on_the_devices_speed():
     assert est.gbps == 10.0
 
 
+def _fetch_weights(w: DeviceWeights, nbytes: list[int], seconds: list[float]) -> None:
+    """One fetch's report as the pool folds it in: each transfer, then the fetch."""
+    for d, (n, s) in enumerate(zip(nbytes, seconds, strict=True)):
+        if n:
+            w.observe(d, "read", n, s)
+    w.observe_fetch(nbytes, seconds)
+
+
+def test_one_fetch_that_shows_a_device_changed_restarts_its_estimate():
+    """Decay alone follows a 3x change over several fetches (S4: the recovered SSD still rated
+    at half its speed three fetches later); a fetch at 2x or more off the estimate it was placed
+    by restarts the estimate from that fetch, a wrong prior included; noise, a small read or a
+    failed device does not."""
+    w = DeviceWeights([4.0, 4.0, 4.0], learn_after=64 * MiB, half_life=256 * MiB)
+    n = [32 * MiB] * 3
+    _fetch_weights(w, n, [32 * MiB / 4e9, 32 * MiB / 1.5e9, 32 * MiB / 4e9])
+    assert w.reads[1].measured_gbps == pytest.approx(1.5)  # the prior 2.7x off: replaced at once
+    assert w.reads[0].measured_gbps is None and w.gbps[0] == 4.0  # as the prior: kept
+    for _ in range(8):  # devices 0 and 1 steady, with +-30% noise: no restart, the average holds
+        for k in (0.7, 1.3):
+            _fetch_weights(w, n, [32 * MiB / 4e9 * k, 32 * MiB / 1.5e9 * k, 32 * MiB / 4e9])
+            assert not w.reads[0].restarted
+    assert w.gbps[0] == pytest.approx(4.0, rel=0.15)
+    before = w.gbps[1]
+    _fetch_weights(w, n, [32 * MiB / 4e9, 32 * MiB / 0.5e9, 32 * MiB / 4e9])  # device 1 slowed 3x
+    assert w.gbps[1] == pytest.approx(0.5)
+    _fetch_weights(w, n, [32 * MiB / 4e9, 32 * MiB / 1.5e9, 32 * MiB / 4e9])  # and back
+    assert w.gbps[1] == pytest.approx(1.5) and before == pytest.approx(1.5, rel=0.15)
+    # A read under learn_after / STALE_DIVISOR bytes is too small to say the device changed.
+    _fetch_weights(w, [32 * MiB, 4 * MiB, 32 * MiB],
+                   [32 * MiB / 4e9, 4 * MiB / 0.3e9, 32 * MiB / 4e9])  # fmt: skip
+    assert w.gbps[1] > 1.0
+    # A failed device's timings describe its errors: no restart, nothing folded in.
+    w.fail(2)
+    _fetch_weights(w, n, [32 * MiB / 4e9, 32 * MiB / 1.5e9, 32 * MiB / 0.3e9])
+    assert w.gbps[2] == pytest.approx(4.0, rel=0.15) and not w.reads[2].restarted
+
+
 @pytest.mark.parametrize("nbytes, seconds, bad", [(-1, 1.0, "bytes"), (1.5, 1.0, "bytes"),
                                                   (10, 0.0, "seconds"), (10, -2, "seconds"),
                                                   (10, float("inf"), "seconds"),

@@ -194,3 +194,13 @@ def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(
     assert r_s4 == pytest.approx((3 * 1.0 + 4 * 1.5) / 7)  # 3 fetches at full speed, 4 slowed
     phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln]
     assert phases == ["before", "slowed", "recovered", "whole"]
+    # Two more recovered steps: the recovered phase after its first (blind) step, apart.
+    more = [(1500, 16), (1500, 64)]
+    ad = results["S4:adaptive/pool"] + [r("pool", 7 + i, m, b, 0.5) for i, (m, b) in enumerate(more)]
+    rr += [bench.Result("pool", "S4:rr", 1.0, g.prefix_bytes, 0.1, True, {"ssd1": 64 * 2**20},
+                        rep=7 + i, note=bench.json.dumps({"throttle_mbps": m}))
+           for i, (m, _) in enumerate(more)]  # fmt: skip
+    lines.clear()
+    bench.placement_summary({**results, "S4:adaptive/pool": ad, "S4:rr/pool": rr}, lines.append)
+    after = [ln for ln in lines if ln.startswith("S4 recovered, after its first step")]
+    assert len(after) == 1 and "(steps 7-8)" in after[0] and after[0].endswith("rr / adaptive 2.00")

@@ -81,8 +81,12 @@ def per_device(pool: LocalPool) -> list[int]:
 
 
 def slow_down(pool: LocalPool, device: int, gbps: float) -> None:
-    """The pool's reads of ``device`` measured at ``gbps`` (what a throttled SSD reports)."""
-    pool.pool.weights.observe(device, "read", 10**8, 10**8 / (gbps * 1e9))
+    """The pool's reads of ``device`` measured at ``gbps`` (what a throttled SSD reports), and
+    the split they propose kept by the guard (as once a fetch measured it no slower):
+    migration balances by the kept split."""
+    w = pool.pool.weights
+    w.observe(device, "read", 10**8, 10**8 / (gbps * 1e9))
+    w.guard.reset(w.estimates())
 
 
 def test_moves_while_fetching_keep_every_byte_and_free_the_old_slots(tmp_path):
@@ -119,6 +123,30 @@ def test_moves_while_fetching_keep_every_byte_and_free_the_old_slots(tmp_path):
         for device, gbps in enumerate((4.0, 1.0, 0.1)):
             slow_down(pool, device, gbps)
         assert pool.migrate(bytes_per_second=2 * MIB) == 0
+
+
+def test_moves_follow_the_split_the_guard_keeps_not_an_estimate_it_refused():
+    """Migration balances by the guard's kept split (#46): h1's reads measured 4x faster than
+    h0's propose more on h1, but until a fetch measured such a split no slower (a token
+    bucket's burst reads fast at a small share only) no stored chunk moves onto it; once the
+    guard keeps it, chunks move from h0 to h1."""
+    from tests.kvpool.test_bandwidth import CHUNK, _in_process
+    from vllm_kvpool.protocol import WorkerReport
+
+    plan, apply, _ = _in_process()
+    pool = apply.__self__
+    hs = [f"m{i}".encode() for i in range(32)]
+    placed = plan("r0", [(i, hs[i:i + 2]) for i in range(0, 32, 2)])
+    assert placed.count(0) == placed.count(1) == 8
+    apply(WorkerReport(observations=[(0, "read", 8 * CHUNK, 8 * CHUNK / 1e9),
+                                     (1, "read", 8 * CHUNK, 8 * CHUNK / 4e9)]))  # fmt: skip
+    assert pool.weights.gbps[1] == pytest.approx(4 * pool.weights.gbps[0])
+    assert pick_moves([8 * CHUNK] * 2, pool.weights.estimates(), [100, 100],
+                      [[CHUNK] * 8] * 2)  # by the estimates alone, chunks would move to h1
+    assert pool.plan_moves() == []  # the kept split is still the even one
+    pool.weights.guard.reset(pool.weights.estimates())  # as once a fetch measured it no slower
+    moves = pool.plan_moves()
+    assert moves and all(m.device == 0 and m.dest_device == 1 for m in moves)
 
 
 CHILD = r"""
