@@ -19,28 +19,12 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # outputs and every odd-numbered matmul's of a layer and re-runs every other op
 # (torchtitan/models/llama3/infra/parallelize.py: _save_list, _get_custom_policy) ("ops")
 SELECTIVE_RECOMPUTE = {"torchtitan": "ops"}
-# What "full" re-runs differs too: Megatron-Core's CheckpointFunction (megatron/core/
-# tensor_parallel/random.py, a reentrant autograd.Function) re-runs a layer's whole forward;
-# torchtitan's full AC (ptd_checkpoint_wrapper, CheckpointImpl.NO_REENTRANT by default) and
-# LLM Foundry's (Composer FSDP with activation_checkpointing_reentrant False, as its benchmark
-# tables ran: llm-foundry scripts/train/benchmarking/submit_benchmarks.py) are PyTorch's
-# non-reentrant checkpoint, which by default stops recomputing as soon as every tensor the
-# backward needs is recomputed (torch.utils.checkpoint, set_checkpoint_early_stop): a layer's
-# last GEMM (the MLP's down projection: its input is saved, its output is not) and what
-# follows it (the residual add, the TP collective after it) are not re-run
-RECOMPUTE_EARLY_STOP = frozenset({"torchtitan", "llm-foundry"})
 
 
 def selective_recompute(framework: str) -> str:
     """What ``framework``'s selective recomputation re-runs (:data:`SELECTIVE_RECOMPUTE`, else
     Megatron-Core's core attention)."""
     return SELECTIVE_RECOMPUTE.get(framework, "core_attention")
-
-
-def recompute_early_stop(framework: str) -> bool:
-    """Whether ``framework``'s full recomputation stops after the last tensor the backward
-    needs (:data:`RECOMPUTE_EARLY_STOP`), not after the layer's whole forward."""
-    return framework in RECOMPUTE_EARLY_STOP
 
 # The training stack that runs the step: the same kernels on the same device reach different
 # shares of peak under Megatron-Core (Transformer Engine, fused kernels), torchtitan (PyTorch

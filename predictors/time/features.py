@@ -20,7 +20,7 @@ import torch
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.spec.options import fp8_kernels, recompute_early_stop, selective_recompute
+from predictors.spec.options import fp8_kernels, selective_recompute
 from predictors.spec.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.step import Batch
 from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
@@ -131,17 +131,12 @@ CORE_ATTENTION = frozenset({"bmm", "baddbmm", "_softmax"})
 def recomputed(forward: Trace, options: TrainingOptions) -> Trace:
     """The kernels of ``forward`` (one recomputed block's forward: a transformer layer, or a
     whole non-transformer model) that activation recomputation re-runs in backward: all of
-    them under ``full`` (up to the block's last GEMM where the framework's checkpoint stops
-    early, :func:`predictors.spec.options.recompute_early_stop`); under ``selective`` what the
-    framework's policy does not keep (:func:`predictors.spec.options.selective_recompute`)."""
+    them under ``full``; under ``selective`` what the framework's policy does not keep
+    (:func:`predictors.spec.options.selective_recompute`)."""
     fwd = [r for r in forward.records if r.phase == "forward"]
     if options.recompute == "none":
         return Trace()
     if options.recompute == "full":
-        if recompute_early_stop(options.framework):
-            # non-reentrant checkpoint's early stop: the block's last GEMM and what follows
-            last = max((i for i, r in enumerate(fwd) if r.op_class == "matmul"), default=len(fwd))
-            return Trace(fwd[:last])
         return Trace(fwd)
     if selective_recompute(options.framework) == "core_attention":
         # fused attention kernels, or unfused attention's batched GEMMs and softmax (a
@@ -203,12 +198,8 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
     head_dim = spec.hidden_size // spec.num_attention_heads
     kv_block = 2 * strategy.micro_batch * key.seq_length * spec.kv_heads // strategy.tp * head_dim
     cp_sends = 3 * (cp - 1) * layers  # per layer: K,V forward; K,V and dK,dV backward
-    # a fully recomputed layer's forward runs its two TP collectives again; with early stop
-    # (recompute_early_stop) not the one after its last GEMM (with sequence parallelism the
-    # all-gather before the MLP, half an all-reduce, is counted with it)
-    tp_per_layer = 4
-    if options.recompute == "full":
-        tp_per_layer += 1 if recompute_early_stop(options.framework) else 2
+    # a fully recomputed layer's forward runs its two TP collectives again
+    tp_per_layer = 6 if options.recompute == "full" else 4
     params_layer = sum(_numel(s) for s in _opt_param_shapes(layer_opt))
     params_head = sum(_numel(s) for s in _opt_param_shapes(head_opt))
     grad_elems = layers * params_layer + params_head

@@ -98,31 +98,6 @@ def test_recompute_reruns_the_layers_forward_and_selective_what_the_framework_dr
         TrainingOptions(recompute="partial")
 
 
-@pytest.mark.parametrize("framework", ["torchtitan", "llm-foundry"])
-def test_non_reentrant_full_recompute_stops_before_the_layers_last_gemm(framework):
-    """PyTorch's non-reentrant checkpoint (torchtitan's and LLM Foundry's full AC) stops once
-    every tensor the backward needs is recomputed: a layer's forward up to its last GEMM (the
-    MLP's down projection), without it, the residual add after it or the TP collective after
-    it; Megatron's reentrant CheckpointFunction re-runs all of it."""
-    s = ParallelStrategy(1, 2, 1, 1, 1)
-    p = get_precision("bf16-mixed")
-    megatron = step_work(LLAMA, s, p, H100, TrainingOptions(recompute="full"))
-    early = step_work(LLAMA, s, p, H100, TrainingOptions(recompute="full", framework=framework))
-    layer = megatron.recompute.records[:len(megatron.recompute.records) // LLAMA.num_layers]
-    last = max(i for i, r in enumerate(layer) if r.op_class == "matmul")
-    assert last < len(layer) - 1  # the residual add follows the down projection
-    assert early.recompute.records == layer[:last] * LLAMA.num_layers
-    assert early.tp_collectives == 5 * LLAMA.num_layers
-    assert megatron.tp_collectives == 6 * LLAMA.num_layers
-    mms = [r for r in layer if r.op_class == "matmul"]
-    assert [r for r in early.recompute.records if r.op_class == "matmul"] == (
-        mms[:-1] * LLAMA.num_layers)
-    t_mega = iteration_time(megatron, s, H100, TrainingOptions(recompute="full"))
-    t_early = iteration_time(early, s, H100, TrainingOptions(recompute="full",
-                                                             framework=framework))  # fmt: skip
-    assert 0 < t_early.recompute_mb < t_mega.recompute_mb
-
-
 def test_compiled_scales_only_the_elementwise_kernels():
     s = ParallelStrategy(1, 1, 1, 1, 1)
     work = _toy_work()
