@@ -27,6 +27,7 @@ from predictors.time.efficiency import (
     FRAMEWORK_FP8_KEY,
     FRAMEWORK_FUSION_KEY,
     FRAMEWORK_GEMM_KEY,
+    FSDP_OVERLAP_KEY,
     TP_OVERLAP_KEY,
 )
 from predictors.time.network import (
@@ -54,12 +55,6 @@ COMPILED_KEY = "compiled"
 # Device.efficiency key of the share of the datasheet bandwidth memory-bound kernels reach (a
 # device fact, shared by every framework); unfitted: 1
 MEMORY_KEY = "memory"
-# Device.efficiency key of the share of FSDP's per-micro-batch communication (parameter
-# all-gathers, gradient reduce-scatters) that hides under the micro-batch's compute: NCCL's
-# kernels run beside the GEMMs on the same SMs and memory, and a unit's gather cannot start
-# before its memory is freed (the rate limiters of FSDP1's limit_all_gathers and FSDP2), so at
-# small micro-batches part of it stays exposed; unfitted: 1 (all of it hides)
-FSDP_OVERLAP_KEY = "overlap:fsdp"
 FP8_KEYS = ("fp8", "mxfp8")
 # Device.efficiency key of the share of the bandwidth a standalone transposing copy of an fp8
 # tensor reaches (eager ``.t().contiguous()``; fitted per device family where rows run it).

@@ -68,6 +68,14 @@ FRAMEWORK_FP8_KEY = "framework:fp8"
 # {factor: the Device.efficiency key the roofline (predictors.time.analytical) reads it from}
 FRAMEWORK_FACTORS = {"gemm": FRAMEWORK_GEMM_KEY, "fusion": FRAMEWORK_FUSION_KEY,
                      "fp8": FRAMEWORK_FP8_KEY}
+# Fitted overlap shares (predictors.time.analytical.exposed: what of a communication can hide
+# under compute; unfitted: 1, all of it as far as the compute reaches).
+# Device.efficiency key of the share of FSDP's per-micro-batch communication (parameter
+# all-gathers, gradient reduce-scatters) that hides under the micro-batch's compute: NCCL's
+# kernels run beside the GEMMs on the same SMs and memory, and a unit's gather cannot start
+# before its memory is freed (the rate limiters of FSDP1's limit_all_gathers and FSDP2), so at
+# small micro-batches part of it stays exposed; a device family's (where it has FSDP rows)
+FSDP_OVERLAP_KEY = "overlap:fsdp"
 # Device.efficiency key of the share of the TP collectives that hides under the layer's GEMMs
 # with TP overlap (predictors.time.analytical; unfitted: 1, all of it). The chunked
 # collective-matmul runs its transfers beside smaller GEMMs on the same SMs and memory, so it

@@ -14,7 +14,6 @@ from predictors.spec.precision import RATE_COLUMNS, get_precision
 from predictors.time.analytical import (
     COMPILED_KEY,
     FP8_KEYS,
-    FSDP_OVERLAP_KEY,
     MATMUL_CLASSES,
     MEMORY_KEY,
     TRANSPOSE_EFFICIENCY,
@@ -26,6 +25,7 @@ from predictors.time.efficiency import (
     DEVICE_GRIDS,
     EMULATION_HOST_KEY,
     FRAMEWORK_FACTORS,
+    FSDP_OVERLAP_KEY,
     TP_OVERLAP_KEY,
     apply,
     attention_key,
