@@ -6,6 +6,10 @@
 #      torchaudio/torchcodec, which break `import vllm` beside the CPU torch)
 #   3. this project, editable, with its C++ extension vllm_kvpool._kvio, built with the
 #      test-only fault injection (-DKVPOOL_FAULT_INJECTION=ON: KVPOOL_FAULTS, docs/kvpool.md)
+#   4. $VENV/wheelhouse/: the wheels the clean-venv tests (tests/meta/test_plugin_wheels.py)
+#      install for real with `pip install --no-index` (tests must not download): the
+#      predictors' and CONA's extras at the tested versions, and PyPI's torchvision for torch
+#      2.13 (what `pip install .[kvpool-cpu]` takes), which cannot load beside the CPU torch
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,5 +56,10 @@ KVPOOL_BUILD_CORE=1 KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON ${KVPOOL_CMAK
   "${pip[@]}" install --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "from vllm_kvpool import _kvio; print('bootstrap: kvio backends:', \
 ', '.join(_kvio.backends()), '| fault injection:', _kvio.fault_injection())"
+echo "bootstrap: filling $VENV/wheelhouse (the clean-venv tests' wheels)"
+rm -rf "$VENV/wheelhouse"
+"${pip[@]}" download -q -d "$VENV/wheelhouse" -c requirements/test-env.txt --no-build-isolation \
+  ".[predictors,cona]"
+"${pip[@]}" download -q -d "$VENV/wheelhouse" --no-deps torchvision==0.28.0
 rm -f "$VENV"/.bootstrap-*
 touch "$stamp"

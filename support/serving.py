@@ -89,10 +89,11 @@ class Server:
     status_file: Path | None = None  # the pool's status file
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     port: int = field(default_factory=free_port)
+    kvpool: list[str] = field(default_factory=kvpool_command)  # the `kvpool` that serves
     proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        cmd = [*kvpool_command(), "serve", str(self.model), "--host", "127.0.0.1",
+        cmd = [*self.kvpool, "serve", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
                "--enforce-eager", "--seed", "0", *self.flags]  # fmt: skip
         if self.pool is not None:

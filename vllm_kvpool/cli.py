@@ -16,9 +16,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vllm_kvpool import environment
+from vllm_kvpool import broken_packages, environment
 from vllm_kvpool.config import PoolConfigError, load_pool_config
 from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
+
+# vLLM's CPU engine processes are spawned: each imports this module (its __main__) before vLLM
+broken_packages.hide_inherited()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,13 +70,6 @@ def _validate(args: argparse.Namespace) -> int:
     checked = f"a multiple of {block_size} ({source})" if block_size else f"unchecked ({source})"
     print(f"chunk_tokens {config.chunk_tokens}: {checked}", file=sys.stderr)
     return 0
-
-
-def _environment_error(command: str) -> str | None:
-    """The first reason this install cannot run ``command``, checked before vLLM is imported."""
-    if command == "serve" and (error := environment.torchvision_error()):
-        return error
-    return environment.core_error()
 
 
 def _daemon(args: argparse.Namespace) -> int:
@@ -200,12 +196,13 @@ def serve(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        if error := _environment_error("serve"):
+        if error := environment.core_error():
             print(f"kvpool serve: error: {error}", file=sys.stderr)
             return 2
+        broken_packages.hide_broken()  # before vLLM is imported
         return serve(argv[1:])
     args = _parser().parse_args(argv)
-    if args.command in ("probe", "daemon") and (error := _environment_error(args.command)):
+    if args.command in ("probe", "daemon") and (error := environment.core_error()):
         print(f"kvpool {args.command}: error: {error}", file=sys.stderr)
         return 2
     try:
