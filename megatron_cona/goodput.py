@@ -5,13 +5,15 @@ measured)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from megatron_cona.gns import statistical_efficiency
 from predictors.spec import ParallelStrategy, TransformerSpec
 from predictors.spec.precision import Precision
+
+EXACT = ((1.0, 1.0),)  # the noise scale taken as it is
 
 
 class ThroughputModel(Protocol):
@@ -129,12 +131,16 @@ def estimate(
     time_source: str = "measured",
     uncertainty: float = 0.0,
     lr_scale: float | None = None,
+    bias: Sequence[tuple[float, float]] = EXACT,
 ) -> GoodputEstimate:
     """``lr_scale``: the multiplier the LR rule applies at this batch (None: AdaScale's gain,
-    Pollux's assumption); the efficiency term follows the rule actually applied."""
+    Pollux's assumption); the efficiency term follows the rule actually applied. ``bias``:
+    what the true noise scale is believed to be, as ``(k, weight)`` multiples of
+    ``noise_scale``; the efficiency is its expectation over them."""
     batch = strategy.global_batch_size
     throughput = batch / iteration_time
-    eff = statistical_efficiency(noise_scale, batch, base_batch, lr_scale)
+    eff = sum(w * statistical_efficiency(noise_scale * k, batch, base_batch, lr_scale)
+              for k, w in bias)
     return GoodputEstimate(strategy, iteration_time, throughput, eff, throughput * eff,
                            time_source, uncertainty)
 
@@ -145,11 +151,12 @@ def rank(
     noise_scale: float,
     base_batch: int,
     lr_scale: Callable[[ParallelStrategy], float | None] = lambda s: None,
+    bias: Sequence[tuple[float, float]] = EXACT,
 ) -> list[GoodputEstimate]:
     """Candidates by goodput, best first (ties broken by name for determinism across ranks)."""
     estimates = [
         estimate(s, times.iteration_time(s), noise_scale, base_batch, times.source(s),
-                 times.uncertainty(s), lr_scale(s))
+                 times.uncertainty(s), lr_scale(s), bias)
         for s in candidates
     ]
     return sorted(estimates, key=lambda e: (-e.goodput, e.strategy.name))

@@ -55,6 +55,25 @@ class Verdict:
     confident: bool  # consistent with the efficiency model and precise enough to act on
 
 
+NODE_BLOCK = 20  # grid points of ln k per node of the bias posterior
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One comparison's testimony about the probe's bias: the observed progress-rate ratio
+    new / old; what it would be for a bias ``k`` (the throughput ratio times the efficiency
+    ratio at ``k`` times the probe's noise scale); its noise, split into the new rate's part
+    (absolute, as a share of the old rate) and the old rates' part (relative)."""
+
+    throughput: float
+    batch_old: int
+    batch_new: int
+    probe_phi: float
+    observed: float
+    new_error: float
+    old_relative_error: float
+
+
 def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float]:
     """The loss decrease per second at the readings' mean time, and its standard error:
     least squares of a quadratic in time (a line with fewer than five readings), so that a
@@ -101,10 +120,13 @@ class ProgressMonitor:
     _samples: float = 0.0
     rates: list[Rate] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
-    _evidence: list[tuple[float, float, float, float, float, float]] = field(
-        default_factory=list)  # (throughput ratio, B_old, B_new, probe phi, ratio, stderr)
+    _evidence: list[Evidence] = field(default_factory=list)
     _posterior: tuple[float, float] = (0.0, math.log(10.0))  # mean, sd of ln k
-    _pending: tuple[float, float, float, float, float, float] | None = None
+    _nodes: tuple[tuple[float, float], ...] = ()  # the posterior of k as (k, weight) nodes
+    _pending: Evidence | None = None
+
+    def __post_init__(self) -> None:
+        self._update_posterior()
 
     def observe(self, elapsed: float, loss: float, seconds: float, samples: float) -> None:
         """A loss reading at ``elapsed`` training seconds; ``seconds`` and ``samples`` the
@@ -118,7 +140,7 @@ class ProgressMonitor:
     @property
     def calibrated(self) -> bool:
         """Whether measured progress has pinned the probe's bias down (posterior sd)."""
-        return self._posterior[1] < self.calibrated_sd
+        return self.bias_sd < self.calibrated_sd
 
     @property
     def bias(self) -> float:
@@ -126,19 +148,48 @@ class ProgressMonitor:
         given every comparison so far (1 before any)."""
         return math.exp(self._posterior[0])
 
+    @property
+    def bias_sd(self) -> float:
+        """The posterior standard deviation of ln k: how well measured progress knows the
+        bias (the prior's ln 10 before any comparison)."""
+        return self._posterior[1]
+
+    @property
+    def bias_nodes(self) -> tuple[tuple[float, float], ...]:
+        """The posterior of the bias as ``(k, weight)`` nodes (weights sum to 1): what the
+        session averages a candidate's efficiency over. Ranking with one point (the mean of
+        ln k) is fragile where the comparisons only bound k from one side: their likelihood is
+        flat beyond the batches compared, and the mean then jumps with each noisy reading."""
+        return self._nodes
+
     def _update_posterior(self) -> None:
         """ln k on a grid: the log-normal prior times each comparison's Gaussian likelihood of
         its observed progress ratio under ``throughput x (k phi + B_old) / (k phi + B_new)``."""
         grid = np.linspace(math.log(1e-2), math.log(1e4), 601)
         log_post = -0.5 * (grid / self.prior_sd) ** 2
         k = np.exp(grid)
-        for throughput, b_old, b_new, phi, observed, stderr in self._evidence:
-            predicted = throughput * (k * phi + b_old) / (k * phi + b_new)
-            log_post -= 0.5 * ((observed - predicted) / stderr) ** 2
+        for e in self._evidence:
+            predicted = e.throughput * (k * e.probe_phi + e.batch_old) / (
+                k * e.probe_phi + e.batch_new)
+            # the new rate's noise is the loss readings' (absolute); the old rates' is relative
+            # to the ratio, so it is taken at the predicted ratio, not at the observed one
+            sigma = np.sqrt(e.new_error ** 2 + (predicted * e.old_relative_error) ** 2)
+            log_post -= 0.5 * ((e.observed - predicted) / sigma) ** 2 + np.log(sigma)
         w = np.exp(log_post - log_post.max())
         w /= w.sum()
         mean = float((w * grid).sum())
         self._posterior = (mean, float(math.sqrt(max((w * (grid - mean) ** 2).sum(), 0.0))))
+        # condensed to one node per block of the grid (a factor ~1.4 in k), negligible ones
+        # dropped: a few dozen efficiency evaluations per candidate, not 601
+        blocks = grid.size // NODE_BLOCK
+        bw = w[:blocks * NODE_BLOCK].reshape(blocks, NODE_BLOCK)
+        bg = grid[:blocks * NODE_BLOCK].reshape(blocks, NODE_BLOCK)
+        mass = bw.sum(axis=1)
+        keep = mass > 1e-4
+        centre = (bw * bg).sum(axis=1)[keep] / mass[keep]
+        mass = mass[keep] / mass[keep].sum()
+        self._nodes = tuple((float(math.exp(c)), float(m)) for c, m in zip(centre, mass,
+                                                                            strict=True))
 
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
         """The interval's rate on ``strategy`` (None without enough readings); starts the
@@ -174,6 +225,7 @@ class ProgressMonitor:
         # loss through its two last intervals (the rate falls as the loss does). Comparing at
         # equal loss, not equal time: a faster strategy reaches lower losses sooner, and a
         # time extrapolation would charge it the old one's slowdown at those losses.
+        span = (b.mid_loss - a1.mid_loss) / (a2.mid_loss - a1.mid_loss)
         slope = max(0.0, math.log(a2.value / a1.value) / (a2.mid_loss - a1.mid_loss))
         expected = a1.value * math.exp(slope * (b.mid_loss - a1.mid_loss))
         observed = b.value / expected
@@ -193,9 +245,15 @@ class ProgressMonitor:
                           rollback=confident and not paid, confident=confident)
         self._pending = None
         if consistent and probe_phi > 0:
-            # a noiseless comparison (a test's) still gets a finite likelihood
-            self._pending = (throughput, old.global_batch_size, new.global_batch_size,
-                             probe_phi, observed, max(stderr, 1e-3 * observed))
+            self._pending = Evidence(
+                throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
+                # a noiseless comparison (a test's) still gets a finite likelihood
+                new_error=max(b.stderr / expected, 1e-3 * observed),
+                # the extrapolation carries both old rates' errors out to the new loss: ln of
+                # the expected rate is (1 - span) ln a1 + span ln a2 (span < 0 beyond a1)
+                old_relative_error=math.hypot((1 - span) * a1.stderr / a1.value,
+                                              span * a2.stderr / a2.value)
+                if slope > 0 else a1.stderr / a1.value)
         return verdict
 
     def learn(self, verdict: Verdict) -> None:

@@ -165,20 +165,20 @@ class ConaSession:
         """The probe's noise scale corrected by the bias measured progress implies."""
         return self.gns.noise_scale * self.progress.bias
 
-    def noise_scale_range(self) -> tuple[float, float]:
-        low, high = self.gns.noise_scale_range(self.config.noise_z)
-        return low * self.progress.bias, high * self.progress.bias
-
     def due(self, iteration: int) -> bool:
         return iteration >= self.config.warmup_iterations and iteration % self.config.interval == 0
 
     # ------------------------------------------------------------------------ rank, decide
-    def current_estimate(self, strategy: ParallelStrategy, phi: float | None = None,
+    def current_estimate(self, strategy: ParallelStrategy, probe_phi: float | None = None,
                          uncertainty: float = 0.0) -> GoodputEstimate:
-        phi = self.noise_scale if phi is None else phi
-        return estimate(strategy, self.times.iteration_time(strategy), phi,
+        """``strategy``'s goodput with its efficiency averaged over the probe's bias as
+        measured progress knows it (:attr:`ProgressMonitor.bias_nodes`), at the probe's noise
+        scale or at ``probe_phi`` (a value within its uncertainty)."""
+        probe_phi = self.gns.noise_scale if probe_phi is None else probe_phi
+        return estimate(strategy, self.times.iteration_time(strategy), probe_phi,
                         self.config.base_batch, self.times.source(strategy), uncertainty,
-                        self._efficiency_lr_scale(strategy, phi))
+                        self._efficiency_lr_scale(strategy, self.noise_scale),
+                        self.progress.bias_nodes)
 
     def _efficiency_lr_scale(self, strategy: ParallelStrategy, phi: float) -> float | None:
         # adascale IS the gain Pollux's efficiency assumes; every other rule caps the gain
@@ -190,7 +190,7 @@ class ConaSession:
         """The best candidate's smallest gain over the running one with the noise scale
         anywhere within ``noise_z`` standard errors of its estimate (measured uncertainty)."""
         gains = []
-        phis = (self.noise_scale, *self.noise_scale_range())
+        phis = (self.gns.noise_scale, *self.gns.noise_scale_range(self.config.noise_z))
         for phi in phis:
             if math.isnan(phi):
                 continue
@@ -240,8 +240,9 @@ class ConaSession:
         self.progress.learn(verdict)
         log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
                  "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
-                 "x%.3g%s", old.name, new.name, verdict.observed, verdict.stderr, seen,
-                 verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
+                 "x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
+                 verdict.stderr, seen, verdict.efficiency_ratio, verdict.noise_scale,
+                 self.progress.bias, self.progress.bias_sd,
                  ": rolled back" if verdict.rollback else "")
         if verdict.rollback:
             self.tried[new] = self.noise_scale
@@ -270,8 +271,8 @@ class ConaSession:
         self._experimenting = False
         phi = self.noise_scale
         pool, must_leave = self._pool(strategy)
-        ranking = rank(pool, self.times, phi, self.config.base_batch,
-                       lambda s: self._efficiency_lr_scale(s, phi))
+        ranking = rank(pool, self.times, self.gns.noise_scale, self.config.base_batch,
+                       lambda s: self._efficiency_lr_scale(s, phi), self.progress.bias_nodes)
         if hold:
             must_leave = None
         elif verdict is not None and verdict.rollback:
@@ -279,7 +280,8 @@ class ConaSession:
                           f"(x{verdict.observed:.3f} +- {verdict.stderr:.3f} of the old "
                           "strategy's rate): rolled back")
             ranking = [e for e in ranking if e.strategy == verdict.old] or [
-                self.current_estimate(verdict.old, phi, self.times.uncertainty(verdict.old))]
+                self.current_estimate(verdict.old,
+                                      uncertainty=self.times.uncertainty(verdict.old))]
         elif must_leave:
             ranking = [e for e in ranking if e.strategy != strategy]
         elif experiment := self._experiment(strategy, ranking):
