@@ -199,19 +199,26 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         x2 = x.reshape(-1, x.shape[-1])
         qx, qw = _quantize(x2, FP8_FORWARD, recipe), _quantize(weight, FP8_FORWARD, recipe)
-        ctx.save_for_backward(qx, qw)
+        # per-row scales do not serve backward's other contraction axis: keep the originals
+        ctx.save_for_backward(*((x2, weight) if recipe.requantize_backward else (qx, qw)))
         ctx.x_shape = x.shape
         y = _scaled_mm(qx, qw.t(), x.dtype, bias)  # bias in the GEMM epilogue, as TE
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qx, qw = ctx.saved_tensors
+        saved_x, saved_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        recipe = ctx.recipe
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        qg = _quantize(g2, FP8_BACKWARD, ctx.recipe)
+        qg = _quantize(g2, FP8_BACKWARD, recipe)
+        if recipe.requantize_backward:  # scales along the other axis: cast each again
+            qw = _quantize(saved_w, FP8_FORWARD, recipe)
+            qg_w, qx = _quantize(g2, FP8_BACKWARD, recipe), _quantize(saved_x, FP8_FORWARD, recipe)
+        else:
+            qw, qg_w, qx = saved_w, qg, saved_x
         grad_x = _scaled_mm(qg, qw.t().contiguous().t(), x_dtype).reshape(ctx.x_shape)
-        grad_w = _scaled_mm(qg.t().contiguous(), qx.t().contiguous().t(), w_dtype)
+        grad_w = _scaled_mm(qg_w.t().contiguous(), qx.t().contiguous().t(), w_dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 

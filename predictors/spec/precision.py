@@ -56,6 +56,15 @@ class Fp8Recipe:
         return self.scaling in ("current", "rowwise")
 
     @property
+    def requantize_backward(self) -> bool:
+        """Per-row scales are along one axis of an operand, and backward's GEMMs contract over
+        the other axis: torchao's rowwise recipe saves the high-precision input and weight and
+        casts again in backward (the gradient once per axis, the weight and the input once
+        more), six casts per linear instead of three (pytorch/ao
+        ``torchao/float8/float8_linear.py``, ``manual_float8_matmul_with_args_in_hp``)."""
+        return self.scaling == "rowwise"
+
+    @property
     def per_step_update(self) -> bool:
         return self.scaling == "delayed"
 

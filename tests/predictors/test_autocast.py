@@ -133,3 +133,41 @@ def test_low_precision_step_keeps_tied_weights_shared(name):
     assert model.head.weight.dtype == torch.bfloat16
     assert len(step.params) == 1  # one tensor to optimize (and one fp32 master), not two copies
     assert len(step.optimizer.state) == 1
+
+
+def _fp8_linear_kernels(name: str):
+    """The aten ops of one fp8 linear's forward and backward under ``name``'s recipe, and the
+    input's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from predictors.autocast import Fp8LinearEmulation
+    from predictors.spec.precision import get_precision
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16).bfloat16()
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    rec = Record()
+    with rec, Fp8LinearEmulation(get_precision(name).recipe):
+        lin(x).float().sum().backward()
+    return rec.ops, x.grad
+
+
+def test_rowwise_recipe_casts_again_in_backward():
+    """torchao's rowwise scales lie along one axis, so backward re-casts the input, the weight
+    and the gradient (once per axis): six amax passes and casts per linear where tensorwise
+    current scaling has three; the GEMMs and their results are the same."""
+    current, g_current = _fp8_linear_kernels("fp8-current")
+    rowwise, g_rowwise = _fp8_linear_kernels("fp8-rowwise")
+    assert current.count("linalg_vector_norm.default") == 3
+    assert rowwise.count("linalg_vector_norm.default") == 6
+    assert rowwise.count("_scaled_mm.default") == current.count("_scaled_mm.default") == 3
+    assert torch.equal(g_current, g_rowwise)
