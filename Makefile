@@ -21,8 +21,8 @@ cpptest: bootstrap
 	$(VENV)/bin/cmake --build build/cpptest --target kvio_unit_tests kvio_fault_tests -j 2 >/dev/null
 	$(VENV)/bin/ctest --test-dir build/cpptest --output-on-failure
 
-# The SPDK backend against real NVMe/TCP targets (docs/kvio-spdk.md; how SPDK was built here:
-# ../shared/spdk/RECIPE.md beside the clone): SPDK built outside the repo, the module rebuilt with
+# The SPDK backend against real NVMe/TCP targets (docs/kvio-spdk.md, which says how SPDK was
+# built for it): SPDK built outside the repo, SPDK_DIR its install prefix, the module rebuilt with
 # PKG_CONFIG_PATH=$$SPDK_DIR/lib/pkgconfig and KVPOOL_CMAKE_ARGS="-DKVPOOL_FAULT_INJECTION=ON
 # -DKVPOOL_WITH_SPDK=ON" (keeps make test's fault injection). Gives back the huge pages and the
 # /dev/hugepages mount its targets took.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make spdk-check`: the SPDK backend's tests against real NVMe/TCP targets on loopback (SPDK
-# built outside the repo: docs/kvio-spdk.md, and ../shared/spdk/RECIPE.md beside the clone where
-# present; the module rebuilt with it). The engine's and handler's tests share one target started
-# here; tests/kvpool/test_spdk.py starts, kills and restarts its own. Needs root (huge pages).
-# On exit it gives back what the targets took: vm.nr_hugepages as it found it, and
-# /dev/hugepages unmounted if it was not mounted before.
+# built outside the repo as docs/kvio-spdk.md says; the module rebuilt with it). The engine's
+# and handler's tests share one target started here; tests/kvpool/test_spdk.py starts, kills
+# and restarts its own. Needs root (huge pages). On exit it gives back what the targets took
+# (`spdk_nvmf_target.sh release`): vm.nr_hugepages as it found it, and /dev/hugepages
+# unmounted if it was not mounted before.
 set -euo pipefail
 : "${SPDK_DIR:?set SPDK_DIR to the SPDK install prefix (bin/nvmf_tgt)}"
 cd "$(dirname "$0")/.."
@@ -16,17 +16,8 @@ state=$(mktemp -d /tmp/kvpool-spdk-check.XXXXXX)
 pages_before=$(cat /proc/sys/vm/nr_hugepages)
 mounted_before=$(mountpoint -q /dev/hugepages && echo 1 || echo 0)
 release() {
-  KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh kill || true
+  KVPOOL_TGT_DIR=$state bash scripts/spdk_nvmf_target.sh release "$pages_before" "$mounted_before"
   rm -rf "$state"
-  if [ "$(cat /proc/sys/vm/nr_hugepages)" -gt "$pages_before" ]; then
-    echo "$pages_before" >/proc/sys/vm/nr_hugepages \
-      && echo "spdk-check: vm.nr_hugepages back to $pages_before" \
-      || echo "spdk-check: could not set vm.nr_hugepages back to $pages_before" >&2
-  fi
-  if [ "$mounted_before" = 0 ] && mountpoint -q /dev/hugepages; then
-    umount /dev/hugepages && echo "spdk-check: /dev/hugepages unmounted" \
-      || echo "spdk-check: could not unmount /dev/hugepages (in use?)" >&2
-  fi
 }
 trap release EXIT
 export KVPOOL_TGT_DIR=$state KVPOOL_TGT_PORT=4430

@@ -56,7 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spdk_docs_check: SPDK_DIR={spdk_dir!r} has no bin/nvmf_tgt: set SPDK_DIR to the "
               "SPDK install prefix (docs/kvio-spdk.md, Building)", file=sys.stderr)
         return 2
-    return subprocess.run(["bash", "-euxo", "pipefail", "-c", script], cwd=REPO).returncode
+    # The block stops at its first failing line, before its own clean-up: whatever happens, kill
+    # the target it started and give back the huge pages and the mount as they were.
+    pages_before = Path("/proc/sys/vm/nr_hugepages").read_text().strip()
+    mounted_before = "1" if os.path.ismount("/dev/hugepages") else "0"
+    try:
+        return subprocess.run(["bash", "-euxo", "pipefail", "-c", script], cwd=REPO).returncode
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts" / "spdk_nvmf_target.sh"), "release",
+                        pages_before, mounted_before], cwd=REPO)  # fmt: skip
 
 
 if __name__ == "__main__":

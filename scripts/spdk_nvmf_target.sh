@@ -6,6 +6,9 @@
 #   SPDK_DIR=/opt/spdk/install scripts/spdk_nvmf_target.sh start   # prints the KVPOOL_SPDK_TRID
 #   scripts/spdk_nvmf_target.sh kill      # SIGKILL (a crash), stale huge page files removed
 #   scripts/spdk_nvmf_target.sh stop      # SIGTERM
+#   scripts/spdk_nvmf_target.sh release PAGES MOUNTED   # kill, then give back what `start` took:
+#       vm.nr_hugepages down to PAGES, /dev/hugepages unmounted unless MOUNTED is 1 (both as
+#       they were before the first `start`; spdk_check.sh and spdk_docs_check.py on exit)
 #
 # Environment: SPDK_DIR (install prefix with bin/nvmf_tgt; rpc.py is looked up under it and
 # SPDK_SRC), KVPOOL_TGT_DIR (state dir, default /tmp/kvpool-nvmf), KVPOOL_TGT_MALLOC_MIB (1024),
@@ -81,12 +84,26 @@ case "${1:-}" in
     clean_hugepages "$p"
     rm -f "$DIR/nvmf_tgt.pid" "$DIR/nvmf.sock"
     ;;
+  release)
+    pages_before=${2:?release PAGES MOUNTED: vm.nr_hugepages and the mount as they were before}
+    mounted_before=${3:?release PAGES MOUNTED: 1 if /dev/hugepages was mounted before}
+    bash "$0" kill || true
+    if [ "$(cat /proc/sys/vm/nr_hugepages)" -gt "$pages_before" ]; then
+      echo "$pages_before" >/proc/sys/vm/nr_hugepages \
+        && echo "spdk target: vm.nr_hugepages back to $pages_before" >&2 \
+        || echo "spdk target: could not set vm.nr_hugepages back to $pages_before" >&2
+    fi
+    if [ "$mounted_before" != 1 ] && mountpoint -q /dev/hugepages; then
+      umount /dev/hugepages && echo "spdk target: /dev/hugepages unmounted" >&2 \
+        || echo "spdk target: could not unmount /dev/hugepages (in use?)" >&2
+    fi
+    ;;
   status)
     p=$(pid)
     [ -n "$p" ] && kill -0 "$p" 2>/dev/null && echo "running (pid $p)" || { echo stopped; exit 1; }
     ;;
   *)
-    echo "usage: $0 start|stop|kill|status" >&2
+    echo "usage: $0 start|stop|kill|status|release PAGES MOUNTED" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,3 +58,28 @@ def test_the_benchmark_flags_and_size_agree_with_its_help():
             assert flag in help_text, flag
         size = float(argv[argv.index("--size-gib") + 1])
         assert 0 < size * 1024 <= malloc_mib, (size, malloc_mib)  # fits the RAM bdev started
+
+
+def test_a_failing_block_still_kills_its_target(tmp_path, monkeypatch):
+    """The block stops at its first failing line, before its own `stop`: the checker kills the
+    target it left (here a process standing in for nvmf_tgt, in the target script's state dir)."""
+    import spdk_docs_check
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvmf_tgt").write_text("")
+    state = tmp_path / "tgt"
+    state.mkdir()
+    target = subprocess.Popen(["sleep", "60"])
+    reaper = threading.Thread(target=target.wait)  # reaped at once, so `kill -0` sees it gone
+    reaper.start()
+    (state / "nvmf_tgt.pid").write_text(f"{target.pid}\n")
+    monkeypatch.setenv("SPDK_DIR", str(tmp_path))
+    monkeypatch.setenv("KVPOOL_TGT_DIR", str(state))
+    monkeypatch.setattr(spdk_docs_check, "command_block", lambda: "false\n")
+    try:
+        assert spdk_docs_check.main([]) == 1
+        reaper.join(timeout=15)
+        assert target.returncode == -9  # SIGKILLed by `spdk_nvmf_target.sh release`
+        assert not (state / "nvmf_tgt.pid").exists()
+    finally:
+        target.kill()

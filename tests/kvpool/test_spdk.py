@@ -4,8 +4,8 @@ no-connector server while the target is SIGKILLed and restarted mid-run (misses,
 again, never wrong bytes).
 
 SPDK is in no package registry, so these tests skip in CI; `make spdk-check SPDK_DIR=...` runs
-them beside the recipe (docs/kvio-spdk.md; ../shared/spdk/RECIPE.md beside the clone). Each test starts its
-own target with `scripts/spdk_nvmf_target.sh` (its own state dir and port) and stops it.
+them against an SPDK built as docs/kvio-spdk.md says. Each test starts its own target with
+`scripts/spdk_nvmf_target.sh` (its own state dir and port) and stops it.
 """
 
 from __future__ import annotations
