@@ -7,8 +7,8 @@ is measured, so the observed ratio of progress rates measures the efficiency rat
 ``e = (phi + B_a) / (phi + B_b)`` and hence the noise scale the training really has:
 ``phi = (B_a - e B_b) / (e - 1)``. The probe's noise scale can be biased: on OLMo, Merrill et al.
 2025 found McCandlish's simple estimate 10-100x below the critical batch that branched training
-measures. :class:`ProgressMonitor` keeps the bias as a geometric running mean over confident
-comparisons (the session multiplies the probe's estimate by it), and says when a switch lost
+measures. :class:`ProgressMonitor` keeps a posterior of the bias over every consistent
+comparison (the session averages each candidate's efficiency over it), and says when a switch lost
 progress beyond the readings' noise so that the session rolls it back and remembers it.
 
 Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so the rate the old
