@@ -67,9 +67,10 @@ class SessionConfig:
     # correct the probe's noise scale by what the progress implies): megatron_cona.progress
     confirm: bool = True
     # while measured progress has not pinned down the probe's bias, after this many rankings on
-    # one global batch CONA tries the best strategy at twice that batch for one interval (the
-    # probe's noise scale may sit 10-100x below the critical batch: Merrill et al. 2025), the
-    # wait doubling after every experiment; 0: never
+    # one global batch CONA tries the best strategy at twice that batch, held until its
+    # comparison is confident or ``judge_intervals`` passed (the probe's noise scale may sit
+    # 10-100x below the critical batch: Merrill et al. 2025), the wait doubling after every
+    # experiment; 0: never
     explore_after: int = 4
     judge_intervals: int = 4  # an experiment runs at most this many intervals
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
@@ -251,9 +252,10 @@ class ConaSession:
         return verdict, False
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
-        """The estimates to try for one interval when the probe's bias is still unmeasured
-        and the batch has not changed for ``explore_after`` rankings: the best at twice the
-        running global batch (empty: no experiment now)."""
+        """The estimate to try when the probe's bias is still unmeasured and the batch has not
+        changed for ``explore_after`` rankings: the best at twice the running global batch,
+        held until its comparison is confident or ``judge_intervals`` passed
+        (``_check_last_switch``); empty: no experiment now."""
         cfg = self.config
         if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
                 or self._same_batch < self._explore_wait:

@@ -44,7 +44,8 @@ def pick_moves(stored: Sequence[int], gbps: Sequence[float], free: Sequence[int]
     """Moves ``(source device, index in chunk_bytes[source], destination)``, at most ``limit``.
 
     ``stored[d]``: bytes device ``d`` holds; ``gbps[d]``: its read weight (only the ratios
-    matter; the pool passes the guard's kept shares; 0: failed, takes nothing); ``free[d]``: its free slots; ``chunk_bytes[d]``: the sizes of its movable chunks
+    matter; the pool passes the guard's kept shares; 0: failed, takes nothing); ``free[d]``:
+    its free slots; ``chunk_bytes[d]``: the sizes of its movable chunks
     in the order they should move (most useful first). Each move takes a chunk from the device
     with the longest share time to the one whose share time stays shortest after taking it,
     while the source would still exceed the destination's new share time by ``margin``."""
