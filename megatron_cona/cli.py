@@ -112,10 +112,11 @@ def scale_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--exact-variants", type=_str_list, default=d.exact_variants,
                    help="law variants on which the exact DP with the chains' cadence and "
-                        "switch costs runs beside the relaxation (~1 min per 512-GPU case on 2 "
-                        f"cores; default {','.join(d.exact_variants)}; '' for none)")
+                        "switch costs runs beside the relaxation (default: every one; '' for "
+                        "none)")
     p.add_argument("--bound-snap", type=float, default=d.bound_snap,
-                   help="the exact DP's S grid (relative step; rounded up: still a bound)")
+                   help="round the exact DP's S up to a log grid of this relative step (fewer "
+                        "states, still a bound; default 0: exact)")
     p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
     return p
 
@@ -136,10 +137,9 @@ def print_scale(report: dict, law_r2: float = math.nan) -> None:
         "exact_s" in t for c in report["cases"] if c["variant"] == v
         for t in c["chains"].get("bound", {}).values())]
     if without:
-        print(f"gap_to_exact_bound=not_run for {', '.join(without)}: the exact DP takes about a "
-              "minute per 512-GPU case; add them with --exact-variants (gap_to_relaxed_bound is "
-              "against a bound that ignores switch costs and cadence, so it can only overstate "
-              "the gap; where both ran they were within 0.3%)")
+        print(f"gap_to_exact_bound=not_run for {', '.join(without)}: left out by "
+              "--exact-variants (gap_to_relaxed_bound is against a bound that ignores switch "
+              "costs and cadence, so it can only overstate the gap)")
     if not any("pollux" in c["chains"] for c in report["cases"]):
         print("speedup_vs_pollux=not_run: Pollux runs adaptdl's own goodput code, which is not "
               "installed with the plugin (benchmarks/bench_cona_scale.py in `make bench-env`'s "

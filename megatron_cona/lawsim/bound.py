@@ -98,6 +98,47 @@ def _cross_prune(j: np.ndarray, t: np.ndarray, s: np.ndarray, lead: np.ndarray) 
     return keep
 
 
+ToGo = Callable[[np.ndarray, float, float], np.ndarray]
+# (S, tokens seen, goal S) -> seconds no strategy sequence can beat from there to the goal
+
+
+def _hopeful(to_go: ToGo, t: np.ndarray, s: np.ndarray, d: float, goals: Sequence[float],
+             achieved: np.ndarray) -> np.ndarray:
+    """Mask of the states that may still reach some goal ahead of them sooner than a time
+    already achieved, going at the relaxation's pace from here (a lower bound; the slack
+    covers the tables' rounding)."""
+    hope = np.zeros(t.size, dtype=bool)
+    for goal, cap in zip(goals, achieved, strict=True):
+        ahead = ~hope & (s < goal)
+        if ahead.any():
+            hope[ahead] = t[ahead] + to_go(s[ahead], d, goal) * (1 - 1e-6) < cap * (1 + 1e-9)
+    return hope
+
+
+def _greedy(dynamics: CriticalBatch, boundaries: Sequence[float], batch: np.ndarray,
+            iter_s: np.ndarray, switch: np.ndarray, to_go: ToGo, goal: float, s0: float
+            ) -> float:
+    """A time some path of the DP achieves to ``goal`` (what :func:`_hopeful` prunes
+    against): at each boundary the strategy whose finish is soonest at the relaxation's pace
+    from the interval's end, and every finish inside an interval on the way."""
+    s, t, prev, done = s0, 0.0, -1, math.inf
+    for k in range(len(boundaries) - 1):
+        d, tokens = boundaries[k], boundaries[k + 1] - boundaries[k]
+        t0 = t + (switch[prev] if prev >= 0 else np.zeros(batch.size))
+        s2 = np.array([float(dynamics.advance_many(np.array([s]), d, b, tokens)[0])
+                       for b in batch])
+        for j in np.flatnonzero(s2 >= goal):
+            done = min(done, t0[j] + dynamics.tokens_to(s, d, batch[j], goal)
+                       / batch[j] * iter_s[j])
+        t1 = t0 + tokens / batch * iter_s
+        score = np.where(s2 < goal, t1 + to_go(s2, boundaries[k + 1], goal), math.inf)
+        prev = int(np.argmin(score))
+        if not math.isfinite(score[prev]) or t1[prev] >= done:
+            break
+        s, t = float(s2[prev]), float(t1[prev])
+    return done
+
+
 @dataclass
 class _Layer:
     """The decisions kept at one boundary: strategy, start time and parent (an index into the
@@ -115,12 +156,13 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
                 step_time: Callable[[ParallelStrategy], float],
                 switch_time: Callable[[ParallelStrategy, ParallelStrategy], float],
                 goals: Sequence[float], s0: float, snap: float = 0.0,
-                upper: Sequence[float] | None = None) -> list[BoundPath]:
+                prune: bool = True) -> list[BoundPath]:
     """The fastest time to reach each ``S`` in ``goals`` from ``s0`` (see module doc): a
     dynamic program over the boundaries whose states are kept as one Pareto front of
     (time, S) per strategy, advanced for every next strategy at once (numpy). ``snap > 0``
     rounds ``S`` up to a log grid of that relative step (fewer states, still a bound).
-    ``upper``: a time per goal some path achieves; states no faster are dropped."""
+    ``prune``: drop every state that cannot beat a time some path achieves even at the
+    relaxation's pace from there on (:data:`TO_GO`; exact, only faster)."""
     strats = fastest_micro_batches(strategies, step_time)
     if not strats:
         raise ValueError("strategies: empty")
@@ -129,7 +171,10 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
     iter_s = np.array([step_time(x) for x in strats])
     switch = np.array([[0.0 if a == b else switch_time(a, b) for b in strats] for a in strats])
     lead = (switch[:, None, :] - switch[None, :, :]).max(axis=2)  # lead[i, j]
-    cap = np.array(list(upper) if upper is not None else [math.inf] * len(goals))
+    rates = sorted(set(zip(batch.tolist(), iter_s.tolist(), strict=True)))
+    to_go = _to_go(dynamics, rates, s0, goals, boundaries) if prune else None
+    cap = (np.array([_greedy(dynamics, boundaries, batch, iter_s, switch, to_go, g, s0)
+                     for g in goals]) if to_go is not None else np.full(len(goals), math.inf))
     best = np.full(len(goals), math.inf)
     best_node: list[tuple[int, int, float, int] | None] = [None] * len(goals)
     layers: list[_Layer] = []
@@ -139,7 +184,7 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
     for k in range(len(boundaries) - 1):
         d, tokens = boundaries[k], boundaries[k + 1] - boundaries[k]
         limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
-        parts = []
+        parts: list = []
         for j2 in range(n):
             # the first choice is free: at k = 0 every strategy starts on its own
             t0 = cur_t + (0.0 if k == 0 else switch[cur_j, j2])
@@ -160,6 +205,9 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
             t1 = t0 + tokens / batch[j2] * iter_s[j2]
             if snap > 0:
                 s2 = np.exp(np.ceil(np.log(s2) / snap) * snap)
+            if to_go is not None:
+                hope = _hopeful(to_go, t1, s2, boundaries[k + 1], goals, np.minimum(best, cap))
+                t0, s2, parent, t1 = t0[hope], s2[hope], parent[hope], t1[hope]
             keep = _pareto(t1, s2)
             parts.append((np.full(keep.size, j2), t0[keep], parent[keep], t1[keep], s2[keep]))
         limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
@@ -194,47 +242,95 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
 Rates = list[tuple[float, float]]  # (global batch tokens, iteration seconds) per strategy
 
 
-def _kaplan_relaxed(dyn: LossCriticalBatch, rates: Rates, s0: float, goal: float) -> float:
-    """int dS / max_b rate_b(S); the integrand grows with S (B_crit does), so the left
-    Riemann sum on a fine grid is below the integral: still a lower bound."""
-    grid = np.geomspace(s0, goal, 200001)
+def _kaplan_to_go(dyn: LossCriticalBatch, rates: Rates, s0: float, goals: Sequence[float],
+                  boundaries: Sequence[float]) -> ToGo:
+    """``int_S^goal dS' / max_b rate_b(S')`` from a table of its left Riemann sums: the
+    integrand grows with S (B_crit does), so each sum is below its integral, and a state is
+    read at the grid point above it, a goal at the one below: still a lower bound."""
+    grid = np.unique(np.concatenate((np.geomspace(s0, max(goals), 400001), goals)))
     bcrit = dyn.b_star / dyn.law.loss(grid) ** (1.0 / value("alpha_B"))
-    inv = 1.0 / np.max([b / t / (b + bcrit) for b, t in rates], axis=0)  # seconds per S
-    return float(np.sum(inv[:-1] * np.diff(grid)))
+    rate = np.zeros_like(grid)
+    for b, t in rates:  # one strategy at a time: a (strategies x grid) array is ~100 MB
+        rate = np.maximum(rate, b / t / (b + bcrit))
+    cum = np.concatenate(([0.0], np.cumsum(np.diff(grid) / rate[:-1])))  # seconds from s0
+
+    def to_go(s: np.ndarray, d: float, goal: float) -> np.ndarray:
+        at = np.minimum(np.searchsorted(grid, s, side="left"), grid.size - 1)
+        end = np.searchsorted(grid, goal, side="right") - 1
+        return np.maximum(cum[end] - cum[at], 0.0)
+    return to_go
 
 
-def _data_relaxed(dyn: DataCriticalBatch, rates: Rates, s0: float, goal: float) -> float:
-    """Weak duality: for every lambda >= 0,
-    ``g(lambda) = int min(0, min_b [t_b/b - lambda/(b + B_crit(D))]) dD + lambda (goal - s0)``
-    is below the fastest time; the integrand grows with D, so its left Riemann sum is below
-    the integral. The best lambda is found where the tokens taken give exactly the S needed."""
-    need = goal - s0
-    grid = np.concatenate(([0.0], np.geomspace(1.0, 1e16, 100001)))
-    bcrit = dyn.anchor_bcrit * (grid / dyn.anchor_tokens) ** dyn.exponent
-    cost = np.array([t / b for b, t in rates])[:, None]  # seconds per token
-    gain = np.array([1.0 / (b + bcrit) for b, _ in rates])  # S per token
-    width = np.diff(grid)
+class _DataDual:
+    """Weak duality for ``B_crit(D)``: for every lambda >= 0 and any strategy sequence from
+    tokens D on, ``time >= H_lambda(D) + lambda * (S needed)`` with
+    ``H_lambda(D) = int_D^end min(0, min_b [t_b/b - lambda/(b + B_crit(D'))]) dD'``. The
+    integrand grows with D', so its left Riemann sums are below the integral, and D is read at
+    the grid point below it (more negative area): still a lower bound."""
 
-    def dual(lam: float) -> tuple[float, float]:
-        h = cost - lam * gain
+    def __init__(self, dyn: DataCriticalBatch, rates: Rates, end: float) -> None:
+        self.grid = np.concatenate(([0.0], np.geomspace(1.0, max(end, 1.0), 100001)))
+        bcrit = dyn.b_crit_many(self.grid)
+        self.cost = np.array([t / b for b, t in rates])[:, None]  # seconds per token
+        self.gain = np.array([1.0 / (b + bcrit) for b, _ in rates])  # S per token
+        self.width = np.diff(self.grid)
+
+    def integrand(self, lam: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per grid interval the best ``min(0, t_b/b - lambda gain_b)`` and its S per token."""
+        h = self.cost - lam * self.gain
         pick = np.argmin(h, axis=0)[:-1]
-        hmin = h[pick, np.arange(pick.size)]
-        use = hmin < 0
-        got = float(np.sum(gain[pick, np.arange(pick.size)][use] * width[use]))
-        return float(np.sum(hmin[use] * width[use])) + lam * need, got
+        cols = np.arange(pick.size)
+        hmin = np.minimum(h[pick, cols], 0.0)
+        return hmin, np.where(hmin < 0, self.gain[pick, cols], 0.0)
 
-    lo, hi, best = 0.0, 1.0, 0.0
-    while dual(hi)[1] < need:
-        hi *= 4.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        g, got = dual(mid)
-        best = max(best, g)
-        lo, hi = (mid, hi) if got < need else (lo, mid)
-    return max(best, dual(lo)[0], dual(hi)[0])
+    def best(self, need: float) -> tuple[float, float]:
+        """The largest dual bound from D = 0 for ``need`` S (bisection on lambda where the
+        tokens taken give exactly the S needed) and its lambda."""
+        def dual(lam: float) -> tuple[float, float]:
+            hmin, gain = self.integrand(lam)
+            return float(np.sum(hmin * self.width)) + lam * need, float(np.sum(gain * self.width))
+
+        lo, hi, best, arg = 0.0, 1.0, 0.0, 0.0
+        while dual(hi)[1] < need:
+            hi *= 4.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            g, got = dual(mid)
+            if g > best:
+                best, arg = g, mid
+            lo, hi = (mid, hi) if got < need else (lo, mid)
+        for lam in (lo, hi):
+            if dual(lam)[0] > best:
+                best, arg = dual(lam)[0], lam
+        return best, arg
 
 
-RELAXATIONS = {LossCriticalBatch: _kaplan_relaxed, DataCriticalBatch: _data_relaxed}
+def _data_to_go(dyn: DataCriticalBatch, rates: Rates, s0: float, goals: Sequence[float],
+                boundaries: Sequence[float]) -> ToGo:
+    """The dual bound of :class:`_DataDual` at lambdas spread around each goal's best one from
+    the start (any lambda gives a bound; the spread keeps it tight from later states)."""
+    dual = _DataDual(dyn, rates, boundaries[-1])
+    lams = np.unique(np.concatenate([dual.best(g - s0)[1] * np.geomspace(1 / 16, 16, 17)
+                                     for g in goals]))
+    tails = np.array([np.concatenate((np.cumsum((dual.integrand(lam)[0] * dual.width)[::-1])
+                                      [::-1], [0.0])) for lam in lams])  # H_lambda per grid point
+
+    def to_go(s: np.ndarray, d: float, goal: float) -> np.ndarray:
+        at = max(int(np.searchsorted(dual.grid, d, side="right")) - 1, 0)
+        return np.maximum((tails[:, at, None] + lams[:, None] * (goal - s)[None, :]).max(axis=0),
+                          0.0)
+    return to_go
+
+
+TO_GO = {LossCriticalBatch: _kaplan_to_go, DataCriticalBatch: _data_to_go}
+
+
+def _to_go(dynamics: CriticalBatch, rates: Rates, s0: float, goals: Sequence[float],
+           boundaries: Sequence[float]) -> ToGo:
+    make = TO_GO.get(type(dynamics))
+    if make is None:
+        raise ValueError(f"no relaxation registered for {type(dynamics).__name__}")
+    return make(dynamics, rates, s0, goals, boundaries)
 
 
 def relaxed_bound(dynamics: CriticalBatch, strategies: Sequence[ParallelStrategy],
@@ -242,7 +338,5 @@ def relaxed_bound(dynamics: CriticalBatch, strategies: Sequence[ParallelStrategy
                   goals: Sequence[float], s0: float) -> list[float]:
     """Lower bound on the time to each goal of any strategy sequence (see module doc)."""
     rates = sorted({(s.global_batch_size * seq_length, step_time(s)) for s in strategies})
-    relax = RELAXATIONS.get(type(dynamics))
-    if relax is None:
-        raise ValueError(f"no relaxation registered for {type(dynamics).__name__}")
-    return [relax(dynamics, rates, s0, goal) for goal in goals]
+    to_go = _to_go(dynamics, rates, s0, goals, [0.0, 1e16])  # tokens without end
+    return [float(to_go(np.array([s0]), 0.0, goal)[0]) for goal in goals]

@@ -332,9 +332,9 @@ def run_oracle(case: SimCase) -> list[SimResult]:
 def run_bound(case: SimCase) -> list[SimResult]:
     """Per target the relaxed lower bound (:func:`~megatron_cona.lawsim.bound.relaxed_bound`)
     and, with ``case.exact_bound``, the exact DP with the chains' cadence and switch costs
-    (:func:`~megatron_cona.lawsim.bound.exact_bound`, its S rounded up on a ``bound_snap`` grid:
-    still a bound; about a minute per 512-GPU case), with its path. The time is the tighter (larger)
-    of the two: both are lower bounds."""
+    (:func:`~megatron_cona.lawsim.bound.exact_bound`; with ``bound_snap`` > 0 its S rounded up
+    on that grid: still a bound), with its path. The time is the tighter (larger) of the two:
+    both are lower bounds."""
     names = list(case.goals)
     goals = [case.goals[n] for n in names]
     relaxed = relaxed_bound(case.dynamics, case.candidates, case.seq, case.clock.iteration_time,

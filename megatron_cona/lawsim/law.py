@@ -202,14 +202,17 @@ class DataCriticalBatch(CriticalBatch):
         return value("crit_batch_data_exponent")
 
     def b_crit(self, s: float, d: float) -> float:
-        return min(self.plateau,
-                   self.anchor_bcrit * (max(d, 0.0) / self.anchor_tokens) ** self.exponent)
+        return float(self.b_crit_many(np.asarray(d)))
+
+    def b_crit_many(self, d: np.ndarray) -> np.ndarray:
+        """:meth:`b_crit` at many token counts (the tables and the bound's relaxation)."""
+        return np.minimum(self.plateau, self.anchor_bcrit
+                          * (np.maximum(d, 0.0) / self.anchor_tokens) ** self.exponent)
 
     def _table(self, batch: float) -> np.ndarray:
         if batch not in self._tables:
-            bc = np.minimum(self.plateau, self.anchor_bcrit
-                            * (self._grid / self.anchor_tokens) ** self.exponent)
-            self._tables[batch] = _cumulative(self._grid, 1.0 / (batch + bc))
+            self._tables[batch] = _cumulative(self._grid, 1.0 / (batch + self.b_crit_many(
+                self._grid)))
         return self._tables[batch]
 
     def advance(self, s: float, d: float, batch: float, tokens: float) -> float:

@@ -117,6 +117,10 @@ def test_exact_dp_equals_brute_force_and_relaxation_is_below(seed, kind):
     brute = _brute_force(dyn, bounds, strategies, seq, times.__getitem__, switch, goal, s0)
     dp = exact_bound(dyn, bounds, strategies, seq, times.__getitem__, switch, [goal], s0)[0]
     assert dp.time == pytest.approx(brute, rel=1e-9)
+    # pruning by the relaxation's cost-to-go only drops states that cannot win
+    full = exact_bound(dyn, bounds, strategies, seq, times.__getitem__, switch, [goal], s0,
+                       prune=False)[0]
+    assert full.time == dp.time and full.path == dp.path
     relaxed = relaxed_bound(dyn, strategies, seq, times.__getitem__, [goal], s0)[0]
     assert relaxed <= dp.time * (1 + 1e-6)
 
