@@ -191,6 +191,15 @@ class ProgressMonitor:
         self._nodes = tuple((float(math.exp(c)), float(m)) for c, m in zip(centre, mass,
                                                                             strict=True))
 
+    def expected_error(self, intervals: int) -> float:
+        """The relative error a comparison judged after ``intervals`` intervals on a new
+        strategy would have (:meth:`judge`), from the last two intervals' rates: how noisy the
+        loss is against its progress now (inf before two rates)."""
+        if len(self.rates) < 2 or min(r.value for r in self.rates[-2:]) <= 0:
+            return math.inf
+        e2, e1 = (r.stderr / r.value for r in self.rates[-2:])
+        return math.sqrt(e2 ** 2 + e1 ** 2 + e1 ** 2 / intervals)
+
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
         """The interval's rate on ``strategy`` (None without enough readings); starts the
         next interval."""

@@ -73,6 +73,10 @@ class SessionConfig:
     # experiment; 0: never
     explore_after: int = 4
     judge_intervals: int = 4  # an experiment runs at most this many intervals
+    # an experiment starts only while the comparison it sets up is expected within this
+    # relative error (the last intervals' noise): not the 0.25 a confident verdict needs, as
+    # unsure verdicts still move the bias posterior, but no experiment that cannot tell 2x apart
+    experiment_max_error: float = 1.0
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
     # global batch on the configured layout and micro-batch, since the critical batch is at its
     # smallest when training starts (McCandlish et al. 2018 Sec 3.3; Kaplan et al. 2020 Eq 5.3)
@@ -259,6 +263,11 @@ class ConaSession:
         cfg = self.config
         if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
                 or self._same_batch < self._explore_wait:
+            return []
+        # an experiment whose comparison is hopeless (the loss too noisy against its progress
+        # over intervals this short) costs its intervals and teaches nothing: wait for longer
+        # intervals (they grow with the tokens seen), the wait not doubled
+        if self.progress.expected_error(cfg.judge_intervals) > cfg.experiment_max_error:
             return []
         double = [e for e in ranking if e.strategy.global_batch_size
                   == 2 * strategy.global_batch_size]

@@ -181,6 +181,39 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     assert s.progress.bias > 10 and small in s.tried
 
 
+def test_an_experiment_waits_until_its_comparison_can_be_confident():
+    """The same biased probe, but the loss readings are so noisy against 20 iterations'
+    progress (sd 0.6 nats vs 0.32 nats of progress an interval) that a comparison of a few
+    intervals could not tell 2x apart: CONA does not spend intervals on an experiment that
+    cannot teach (the wait is not doubled either). Once the readings are clean the experiment runs
+    at the next ranking and finds the bias as before."""
+    from megatron_cona.gns import GradStats
+
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=3)
+
+    def stats(batch):
+        local = batch // 4
+        return GradStats([1 + 4 / local] * 4, local, 1 + 4 / batch, batch)
+
+    rng = np.random.default_rng(0)
+    loss, path, waits = 10.0, [], []
+    for i in range(13):
+        now = s.executor.strategy
+        noise = 0.6 if i < 8 else 1e-5
+        for _ in range(20):
+            b = now.global_batch_size
+            loss -= 1e-3 * (b / secs[now]) * (400 + 16) / (400 + b) * secs[now]
+            s.observe(secs[now], stats(b), loss=loss + float(rng.normal(0, noise)))
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+        waits.append(s._explore_wait)
+    assert path[:8] == [small] * 8 and waits[:8] == [3] * 8  # postponed, not given up
+    assert path[8:12] == [big] * 4  # the first clean interval: the experiment, then held
+    assert s.progress.verdicts and s.progress.verdicts[0].new == big  # judged after 4
+
+
 def test_a_comparison_far_past_the_old_rates_teaches_less():
     """The old strategy's rate is extrapolated from its last two intervals to the loss the new
     one reached; the farther that is, the more the old rates' errors grow on the way, and the
