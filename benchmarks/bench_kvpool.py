@@ -379,6 +379,24 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     return out
 
 
+def guard_state(pool: Any) -> dict[str, Any]:
+    """The split guard's state (``split_guard``) after a fetch, for the step's record: whether a
+    challenger is on trial (its shares), the wait, the step, how many splits it remembers as
+    slower, and the champion's latest seconds per GiB, whole and per device (what its
+    device-change test compares)."""
+    from vllm_kvpool.split_guard import shares
+
+    guard = pool.pool.weights.guard
+    gib = 2**30
+    return {"challenger": None if guard.challenger is None
+            else [round(x, 3) for x in shares(guard.challenger.weights)],
+            "wait": guard.wait, "step": guard.step, "slower": len(guard.slower),
+            "champion_s_per_gib": None if guard.champion.seconds_per_byte is None
+            else round(guard.champion.seconds_per_byte * gib, 4),
+            "devices_s_per_gib": [None if d is None else round(d * gib, 4)
+                                  for d in guard.devices]}  # fmt: skip
+
+
 def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], scenario: str,
                     step: int, mbps: int, bound_reps: int, emit) -> list[Result]:  # fmt: skip
     """One policy's step of :func:`run_placement`."""
@@ -412,11 +430,12 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
             pool, kv, hashes, ids, part, zero=not part.startswith("alone:"))
         identical = ok and (part.startswith("alone:")
                             or (blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+        note = {"throttle_mbps": mbps, "weights": weights, "kept_share": kept}
+        if i == 0:  # what the guard made of the pool's fetch (diagnosis: which rule held a split)
+            note["guard"] = guard_state(pool)
         res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical, moved,
                      {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold, rep=step,
-                     threads=torch.get_num_threads(),
-                     note=json.dumps({"throttle_mbps": mbps, "weights": weights,
-                                      "kept_share": kept}))  # fmt: skip
+                     threads=torch.get_num_threads(), note=json.dumps(note))  # fmt: skip
         out.append(res)
         if emit is not None:
             emit(res)

@@ -167,6 +167,14 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     weights = [bench.json.loads(r.note)["weights"] for r in results
                if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+    # each pool fetch's record carries the guard's state after it: the champion measured, one
+    # time per device (the host pool's share included); the bound's parts carry none
+    guards = [bench.json.loads(r.note)["guard"] for r in results
+              if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
+    assert all(gs["champion_s_per_gib"] > 0 and len(gs["devices_s_per_gib"]) == 3
+               for gs in guards)  # fmt: skip
+    assert all(r.note and "guard" not in bench.json.loads(r.note)
+               for r in results if r.system != "pool")  # fmt: skip
     ssd = [r.device_bytes for r in results if r.system == "pool" and r.scenario == "S4:rr"]
     assert all(b == ssd[0] for b in ssd)  # round robin's split ignores what was measured
 
