@@ -52,11 +52,11 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
 Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
-  S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/8 the tokens per step, saved,
+  S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/4 the tokens per step, saved,
      fetched (then its in-run bound's parts, twice each) and dropped; round robin, probe-only
      and adaptive placement, one pool each over the same devices in one child, stepped in turn;
-     S3p: the second SSD limited to half S3's read limit, its prior overstated 3x; S4: its
-     limit cut to a third for 5 of 12 steps, then restored.
+     S3p: the second SSD limited to half S3's read limit, its prior overstated 3x, 5 steps;
+     S4: its limit cut to a third for 4 of 12 steps (after 3), then restored.
   S1-t<k>: S1 again at the copy-thread count the probe did not pick (1 or the cores), pool and
      LMCache O_DIRECT with k threads each.
 
@@ -251,13 +251,13 @@ def fetch_part(pool: Any, hashes: list, ids: list[int], part: str,
 
 
 def measure_part(pool: Any, kv: list[Any], hashes: list, ids: list[int], part: str,
-                 order: list[int] | None = None
+                 order: list[int] | None = None, zero: bool = True
                  ) -> tuple[float, int, bool, float, dict[str, int], bool]:
-    """One part measured as every part is: the KV zeroed and the page cache dropped first;
-    (seconds, blocks, ok) of :func:`fetch_part`, its CPU seconds, the bytes it read per device
-    and whether the drop made it cold."""
+    """One part measured as every part is: the KV zeroed (unless ``zero`` is False) and the
+    page cache dropped first; (seconds, blocks, ok) of :func:`fetch_part`, its CPU seconds, the
+    bytes it read per device and whether the drop made it cold."""
     before = {k: v.bytes_read for k, v in pool.status().transfers.devices.items()}
-    for t in kv:
+    for t in kv if zero else ():
         t.zero_()
     cold = drop_page_cache()
     cpu0 = _cpu()
@@ -354,7 +354,10 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             Path(d["ssd"]["path"]).unlink(missing_ok=True)
     kv = make_kv(g)
     digest = kv_digest(kv)
-    stored = [t.clone() for t in kv]  # what every save stores (the parts leave kv partly zero)
+    # what every save stores: a step leaves the KV whole (its whole fetches are checked against
+    # the digest; a share alone is fetched without zeroing the KV first: its check is the
+    # blocks read and their checksums), else it is put back from this copy
+    stored = [t.clone() for t in kv]
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     out: list[Result] = []
     with contextlib.ExitStack() as stack:
@@ -366,12 +369,32 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             set_throttle(spec.get("throttle"), mbps)
             k = step % len(order)
             for policy in order[k:] + order[:k]:
-                for t, src in zip(kv, stored, strict=True):
-                    t.copy_(src)
-                out += _placement_step(g, pools[policy], kv, digest, f"{spec['scenario']}:{policy}",
-                                       step, mbps, spec.get("bound_reps", BOUND_REPS), emit)
+                res = _placement_step(g, pools[policy], kv, digest, f"{spec['scenario']}:{policy}",
+                                      step, mbps, spec.get("bound_reps", BOUND_REPS), emit)
+                out += res
+                if not all(r.identical for r in res):  # the next save must store the prefix
+                    for t, src in zip(kv, stored, strict=True):
+                        t.copy_(src)
     set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
     return out
+
+
+def guard_state(pool: Any) -> dict[str, Any]:
+    """The split guard's state (``split_guard``) after a fetch, for the step's record: whether a
+    challenger is on trial (its shares), the wait, the step, how many splits it remembers as
+    slower, and the champion's latest seconds per GiB, whole and per device (what its
+    device-change test compares)."""
+    from vllm_kvpool.split_guard import shares
+
+    guard = pool.pool.weights.guard
+    gib = 2**30
+    return {"challenger": None if guard.challenger is None
+            else [round(x, 3) for x in shares(guard.challenger.weights)],
+            "wait": guard.wait, "step": guard.step, "slower": len(guard.slower),
+            "champion_s_per_gib": None if guard.champion.seconds_per_byte is None
+            else round(guard.champion.seconds_per_byte * gib, 4),
+            "devices_s_per_gib": [None if d is None else round(d * gib, 4)
+                                  for d in guard.devices]}  # fmt: skip
 
 
 def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], scenario: str,
@@ -389,7 +412,11 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
     weights = [round(u.weight_gbps, 3) for u in usage]  # the estimates (they propose the split)
     kept = [round(u.kept_share or 0.0, 3) for u in usage]  # the split the guard keeps
     devs = [d.name for d in pool.config.devices]
-    held = sorted({e.location.device for e in pool.pool.index.entries.values()})
+    # the bound's parts: each SSD's share alone and ``together``. The host pools' shares alone
+    # (a quarter of the prefix each at several GB/s) are never the slowest part; leaving them
+    # out can only lower the bound (max over parts), and saves 4 of 11 fetches a step.
+    held = sorted({e.location.device for e in pool.pool.index.entries.values()
+                   if pool.config.devices[e.location.device].kind != "host"})  # fmt: skip
     bound = [*[f"alone:{devs[d]}" for d in held], "together"]
     out = []
     learned = None
@@ -397,14 +424,18 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
                                         for p in (bound if r % 2 == 0 else bound[::-1])]]):
         if i == 1:  # what the pool's own fetch taught it; the bound's parts must not teach
             learned = copy.deepcopy(pool.pool.weights)
-        seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids, part)
+        # only a whole fetch is checked against the digest, so only it needs the KV zeroed
+        # first (zeroing 1 GiB took ~0.25 s a part on this VM, a fifth of a step's time)
+        seconds, blocks, ok, cpu_s, moved, cold = measure_part(
+            pool, kv, hashes, ids, part, zero=not part.startswith("alone:"))
         identical = ok and (part.startswith("alone:")
                             or (blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+        note = {"throttle_mbps": mbps, "weights": weights, "kept_share": kept}
+        if i == 0:  # what the guard made of the pool's fetch (diagnosis: which rule held a split)
+            note["guard"] = guard_state(pool)
         res = Result(part, scenario, seconds, sum(moved.values()), cpu_s, identical, moved,
                      {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold, rep=step,
-                     threads=torch.get_num_threads(),
-                     note=json.dumps({"throttle_mbps": mbps, "weights": weights,
-                                      "kept_share": kept}))  # fmt: skip
+                     threads=torch.get_num_threads(), note=json.dumps(note))  # fmt: skip
         out.append(res)
         if emit is not None:
             emit(res)
@@ -797,6 +828,7 @@ def s3_devices(g: Geometry, args: argparse.Namespace, dev: Devices) -> list[dict
 
 
 PRIOR_ERROR = 3.0  # S3's wrong prior: the second SSD rated this many times its probed speed
+S4_BEFORE, S4_SLOWED = 3, 4  # S4's steps before the slowdown and slowed (then the recovered ones)
 POLICIES = (("rr", "round_robin", None), ("probe-only", "bandwidth", 2**60),
             ("adaptive", "bandwidth", None))  # (name, placement, probe.learn_after override)
 
@@ -815,7 +847,7 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
     # matters), its prior overstated: the probe-only pool overloads it, round robin splits
     # evenly, the adaptive one should learn its speed.
     plans = {"S3p": (wrong, [t // 2] * args.placement_steps),
-             "S4": (gbps, [t] * 3 + [t // 3] * 5 + [t] * args.s4_recovered_steps)}
+             "S4": (gbps, [t] * S4_BEFORE + [t // 3] * S4_SLOWED + [t] * args.s4_recovered_steps)}
     log(f"[S3p] the second SSD's read limit {t // 2} MB/s, its prior: {gbps[3]:.2f} x "
         f"{PRIOR_ERROR:g} = {wrong[3]:.2f} GB/s")
     log(f"[S4] the second SSD's read limit per step (MB/s): {plans['S4'][1]}")
@@ -827,10 +859,13 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
             config["probe"] = {**config["probe"], "learn_after": learn_after}
         policies.append({"policy": policy, "config": config})
     for scenario, (prior, schedule) in plans.items():
+        start = time.perf_counter()
         run_child(small, {"system": "placement", "scenario": scenario, "policies": policies,
                           "gbps": prior, "threads": threads, "cgroup": cgroup,
                           "throttle": dev.throttle, "throttle_mbps": schedule,
                           "workdir": str(args.workdir)}, args.timeout, sink)  # fmt: skip
+        log(f"[{scenario}] {len(schedule)} steps x {len(policies)} policies: "
+            f"{time.perf_counter() - start:.0f} s")
 
 
 def med(xs: list[float]) -> float:
@@ -1238,13 +1273,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
     p.add_argument("--no-placement", action="store_true",
                    help="skip the placement runs (S3p: a wrong prior, S4: a device slowed)")
-    p.add_argument("--placement-steps", type=int, default=6,
+    p.add_argument("--placement-steps", type=int, default=5,
                    help="S3p: prefixes saved and fetched in turn per placement policy")
-    p.add_argument("--s4-recovered-steps", type=int, default=6,
+    p.add_argument("--s4-recovered-steps", type=int, default=5,
                    help="S4: steps after the slowed SSD's limit is restored (the first is placed "
                         "before any recovered fetch was seen, by any learning placement)")
-    p.add_argument("--placement-divisor", type=int, default=8,
-                   help="S3p/S4: each step's prefix is --tokens / this")
+    p.add_argument("--placement-divisor", type=int, default=4,
+                   help="S3p/S4: each step's prefix is --tokens / this (4: the throttled SSD's "
+                        "share spans several of blk-throttle's 100 ms slices, docs/kvpool.md)")
     p.add_argument("--no-thread-sweep", action="store_true",
                    help="skip S1 at the copy-thread count the probe did not pick")
     p.add_argument("--timeout", type=float, default=600, help="per child process, seconds")

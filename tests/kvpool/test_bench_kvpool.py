@@ -135,9 +135,9 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
 
 def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
     """S3p/S4's child: one pool per policy over the SAME devices, stepped in turn; per step a
-    new prefix placed by the pool's current weights, fetched as the pool, then each device's
-    share alone and together (twice each), every whole fetch byte-identical (the pools never
-    read each other's chunks); the adaptive pool's weights move from the prior to what its own
+    new prefix placed by the pool's current weights, fetched as the pool, then each SSD's share
+    alone and together (twice each; the host pools' shares, never the slowest part, are not
+    measured), every whole fetch byte-identical (the pools never read each other's chunks); the adaptive pool's weights move from the prior to what its own
     reads measured, round robin's split stays even."""
     g = tiny(bench)
     s = bench.slot(g)
@@ -158,6 +158,7 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
             names = [r.system for r in parts]
             assert names[0] == "pool" and names.count("together") == bench.BOUND_REPS
             assert all(names.count(n) == bench.BOUND_REPS for n in names if n.startswith("alone:"))
+            assert "alone:host0" not in names and any(n.startswith("alone:ssd") for n in names)
             assert all(r.identical for r in parts)
             assert sum(parts[0].device_bytes.values()) == g.prefix_bytes
     # the policies take turns, the order rotating per step
@@ -166,6 +167,14 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     weights = [bench.json.loads(r.note)["weights"] for r in results
                if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+    # each pool fetch's record carries the guard's state after it: the champion measured, one
+    # time per device (the host pool's share included); the bound's parts carry none
+    guards = [bench.json.loads(r.note)["guard"] for r in results
+              if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
+    assert all(gs["champion_s_per_gib"] > 0 and len(gs["devices_s_per_gib"]) == 3
+               for gs in guards)  # fmt: skip
+    assert all(r.note and "guard" not in bench.json.loads(r.note)
+               for r in results if r.system != "pool")  # fmt: skip
     ssd = [r.device_bytes for r in results if r.system == "pool" and r.scenario == "S4:rr"]
     assert all(b == ssd[0] for b in ssd)  # round robin's split ignores what was measured
 
