@@ -36,6 +36,21 @@ this module decides whether placement may follow them (champion / challenger):
   champion's fetch says the devices changed since (the same rule as the wait's) and each entry
   after ``MAX_WAIT`` champion fetches.
 
+* **Equal evidence on a noisy machine**: a challenger is compared with the faster of the
+  champion's latest ``EVIDENCE`` fetches; one slower by less than the **noise band** (the
+  largest of the champion's latest fetch-to-fetch moves, at most ``CHANGED``; 0 until measured)
+  is fetched once more and its faster fetch decides. On the loaded development machine one
+  fetch of a split moved ~15% between neighbouring steps, and one slow fetch had rejected
+  round robin's own split (S4 after the restore, development run 3). A change of the
+  champion's time counts as the devices changing only beyond twice the band as well.
+* **A device that recovers gets its old split back**: when the champion's own fetch says the
+  devices changed since its previous fetch (the rule above), the champion from before the
+  previous change (the latest one of another split, of ``KEEP_BEFORE``) is the challenger at
+  once, with the splits it had measured slower, restored if it wins. A device that slowed and
+  recovered is usually back at its old speed, and that split was measured there; the
+  estimates, learning the recovered device from fetches of the cut split, proposed past its
+  knee first (S4: the recovered phase 0.73-0.92x round robin in development runs).
+
 Why this cannot settle slower than the prior's split: every champion after the first was
 measured, when it took over, no slower than the champion it replaced, measured on the same
 devices; by induction no slower than the first champion, the prior's split. On devices whose
