@@ -362,3 +362,21 @@ def test_a_challenger_one_noisy_fetch_slower_gets_a_second_and_the_faster_of_two
     h.choose([3.0, 1.0])
     _fetch(h, [3, 1], [1.1, 0.3])  # 29% slower: beyond the band, rejected at once
     assert h.challenger is None and h.champion.weights == [1.0, 1.0] and h.wait == RETRY_AFTER
+
+
+def test_a_device_change_compressed_by_a_cpu_bound_fetch_still_brings_the_old_split_back():
+    """Development run 1 (S4's restore): the recovered SSD's part of the champion's fetch
+    moved 1.54x, not 2x (the fetch waited on the CPU), and the fetch's time did not move, so
+    no change was seen and the slowed split's proposals walked back one chunk at a time. A
+    device moving by 1 + max(25%, twice the noise band) beyond the whole fetch's own move is
+    a change; the whole fetch moving alike (the loaded machine) is not."""
+    g = SplitGuard([1.0, 1.0])
+    _fetch(g, [2, 2], [1.0, 0.5])
+    _fetch(g, [2, 2], [1.0, 1.0])  # device 1 slowed 2x: a change (no earlier champion yet)
+    assert g.choose([3.0, 1.0]) == [0.75, 0.25]
+    _fetch(g, [3, 1], [0.75, 0.5])  # faster now: kept
+    _fetch(g, [3, 1], [0.75, 0.5])
+    _fetch(g, [3, 1], [0.9, 0.6])  # the whole fetch 20% slower, every device alike: noise
+    assert g.challenger is None
+    _fetch(g, [3, 1], [0.9, 0.39])  # device 1 1.54x faster, the fetch's time the same
+    assert g.choose([3.0, 1.0]) == [1.0, 1.0]  # the split from before the slowdown, at once
