@@ -382,8 +382,9 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
 def guard_state(pool: Any) -> dict[str, Any]:
     """The split guard's state (``split_guard``) after a fetch, for the step's record: whether a
     challenger is on trial (its shares), the wait, the step, how many splits it remembers as
-    slower, and the champion's latest seconds per GiB, whole and per device (what its
-    device-change test compares)."""
+    slower, the noise band, how many champions from before device changes it keeps, and the
+    champion's latest seconds per GiB, whole and per device (what its device-change test
+    compares)."""
     from vllm_kvpool.split_guard import shares
 
     guard = pool.pool.weights.guard
@@ -391,6 +392,7 @@ def guard_state(pool: Any) -> dict[str, Any]:
     return {"challenger": None if guard.challenger is None
             else [round(x, 3) for x in shares(guard.challenger.weights)],
             "wait": guard.wait, "step": guard.step, "slower": len(guard.slower),
+            "band": round(guard.band(), 3), "before": len(guard.before),
             "champion_s_per_gib": None if guard.champion.seconds_per_byte is None
             else round(guard.champion.seconds_per_byte * gib, 4),
             "devices_s_per_gib": [None if d is None else round(d * gib, 4)

@@ -172,7 +172,7 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     guards = [bench.json.loads(r.note)["guard"] for r in results
               if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert all(gs["champion_s_per_gib"] > 0 and len(gs["devices_s_per_gib"]) == 3
-               for gs in guards)  # fmt: skip
+               and 0 <= gs["band"] <= 0.25 and gs["before"] >= 0 for gs in guards)  # fmt: skip
     assert all(r.note and "guard" not in bench.json.loads(r.note)
                for r in results if r.system != "pool")  # fmt: skip
     ssd = [r.device_bytes for r in results if r.system == "pool" and r.scenario == "S4:rr"]
