@@ -45,8 +45,8 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
   S3 several devices: 2 host pools + an SSD file + a second "SSD" (a loop device with O_DIRECT
      over /dev/shm, read-throttled by the blkio cgroup so bandwidths differ; its kernel copies
      burn the same two cores, which the in-run bound includes because it is measured here);
-     bandwidth placement vs round robin (a uniform split) and a tiered fill (host pools, then
-     SSDs); LMCache on its one local_disk.
+     bandwidth placement vs round robin (a uniform split; the placement runs below) and, with
+     --tiered, a tiered fill (host pools, then SSDs); LMCache on its one local_disk.
 
     .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
@@ -812,7 +812,8 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
     if dev is not None and dev.second is not None:
         s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
         out["S3"] = {"devices": s3_devices(g, args, dev), "lmcache": s3_lmc,
-                     "pools": [*full, ("pool-tiered", "single_tier_serial", ["pool"])]}  # fmt: skip
+                     "pools": [*full, *([("pool-tiered", "single_tier_serial", ["pool"])]
+                                        if args.tiered else [])]}  # fmt: skip
     return out
 
 
@@ -1270,6 +1271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--throttle-mbps", type=int, default=1500,
                    help="read limit of the second SSD (cgroup io.max / blkio)")  # fmt: skip
     p.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if importable")
+    p.add_argument("--tiered", action="store_true",
+                   help="S3 also with a tiered fill (host pools, then SSDs): one more child, "
+                        "~40 s, outside the default run's 10 minutes")
     p.add_argument("--lmcache-kernel", action="store_true",
                    help="also LMCache with its own (slow on CPU) copy kernel")  # fmt: skip
     p.add_argument("--no-multi", action="store_true", help="skip S3 (no second SSD device)")
