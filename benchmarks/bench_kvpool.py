@@ -426,12 +426,12 @@ def _placement_step(g: Geometry, pool: Any, kv: list[Any], digest: list[int], sc
                                         for p in (bound if r % 2 == 0 else bound[::-1])]]):
         if i == 1:  # what the pool's own fetch taught it; the bound's parts must not teach
             learned = copy.deepcopy(pool.pool.weights)
+        alone = part.startswith("alone:")
         # only a whole fetch is checked against the digest, so only it needs the KV zeroed
         # first (zeroing 1 GiB took ~0.25 s a part on this VM, a fifth of a step's time)
-        seconds, blocks, ok, cpu_s, moved, cold = measure_part(
-            pool, kv, hashes, ids, part, zero=not part.startswith("alone:"))
-        identical = ok and (part.startswith("alone:")
-                            or (blocks == g.num_blocks and kv_digest(kv) == digest))  # fmt: skip
+        seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids, part,
+                                                               zero=not alone)
+        identical = ok and (alone or (blocks == g.num_blocks and kv_digest(kv) == digest))
         note = {"throttle_mbps": mbps, "weights": weights, "kept_share": kept}
         if i == 0:  # what the guard made of the pool's fetch (diagnosis: which rule held a split)
             note["guard"] = guard_state(pool)

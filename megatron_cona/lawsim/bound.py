@@ -8,7 +8,10 @@ is Markov in S); for ``B_crit(D)`` Lagrangian duality over the tokens seen (weak
 it a lower bound).
 
 :func:`exact_bound`: the exact dynamic program with the chains' decision cadence and switch
-costs (tested equal to brute force), vectorised over Pareto fronts.
+costs (tested equal to brute force), vectorised over Pareto fronts and pruned by the
+relaxation's cost-to-go (:data:`TO_GO`): a state that cannot beat a time some path already
+achieves, even at the relaxation's pace from there on, is dropped (branch and bound with an
+admissible heuristic: still exact).
 
 The exact DP runs over the decision boundaries every chain uses (token positions
 ``boundaries``): at each boundary any strategy may follow (switch cost charged; the first choice
@@ -18,7 +21,7 @@ least as far along and no later (:func:`_pareto`: the law's flow is monotone in 
 future depends only on (S, D, strategy), D being fixed by the boundary), so the search is exact;
 every front is advanced for every next strategy at once (numpy), fast enough for the paper's
 scales inside the benchmark. ``snap > 0`` rounds ``S`` UP to a log grid of that relative step
-(optimistic: still a bound). The target is hit inside an interval at the exact token count
+(optimistic: still a bound; the benchmark's default is 0, no rounding). The target is hit inside an interval at the exact token count
 (``tokens_to``).
 """
 
@@ -300,8 +303,9 @@ class _DataDual:
                 best, arg = g, mid
             lo, hi = (mid, hi) if got < need else (lo, mid)
         for lam in (lo, hi):
-            if dual(lam)[0] > best:
-                best, arg = dual(lam)[0], lam
+            g = dual(lam)[0]
+            if g > best:
+                best, arg = g, lam
         return best, arg
 
 
