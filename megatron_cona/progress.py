@@ -12,8 +12,8 @@ comparison (the session averages each candidate's efficiency over it), and says 
 progress beyond the readings' noise so that the session rolls it back and remembers it.
 
 Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so the rate the old
-strategy would have had after the switch is extrapolated from its last two intervals (a power
-law in training time); loss readings are unbiased with independent noise.
+strategy would have had after the switch is extrapolated from its last intervals' readings
+(one fit, ln rate linear in the loss); loss readings are unbiased with independent noise.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Verdict:
 
 
 NODE_BLOCK = 20  # grid points of ln k per node of the bias posterior
+OLD_HISTORY = 4  # the old strategy's intervals a comparison extrapolates from (pooled)
 
 
 @dataclass(frozen=True)
@@ -74,25 +75,68 @@ class Evidence:
     old_relative_error: float
 
 
-def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float]:
-    """The loss decrease per second at the readings' mean time, and its standard error:
-    least squares of a quadratic in time (a line with fewer than five readings), so that a
-    curve's bend within an interval is not mistaken for noise; (nan, inf) with fewer than
-    three readings."""
+def fit_curve(times: list[float], losses: list[float], degree: int = 2
+              ) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """Least squares of the loss as a polynomial in time of ``degree`` (lower with few
+    readings: a line below five) around the readings' mean time: coefficients
+    ``(c0, c1, ...)`` of ``c0 + c1 t + c2 t^2 + ...`` (``t`` from the mean time), their
+    covariance, and the mean time; None with fewer than three readings or no time span."""
     n = len(times)
     if n < 3:
-        return math.nan, math.inf
-    t = np.asarray(times, dtype=float)
-    t = t - t.mean()
-    if not np.ptp(t) > 0:
-        return math.nan, math.inf
-    degree = 2 if n >= 5 else 1
-    x = np.vander(t / np.abs(t).max(), degree + 1)  # columns t^2, t, 1 (scaled)
+        return None
+    t0 = float(np.mean(times))
+    t = np.asarray(times, dtype=float) - t0
+    scale = float(np.abs(t).max())
+    if not scale > 0:
+        return None
+    degree = min(degree, 1 if n < 5 else n - 3)
+    x = np.vander(t / scale, degree + 1, increasing=True)  # columns 1, t, t^2 (scaled)
     coef, _, _, _ = np.linalg.lstsq(x, np.asarray(losses, dtype=float), rcond=None)
     resid = np.asarray(losses) - x @ coef
     cov = np.linalg.pinv(x.T @ x) * float(resid @ resid) / (n - degree - 1)
-    scale = np.abs(t).max()
-    return float(-coef[-2] / scale), float(math.sqrt(max(cov[-2, -2], 0.0)) / scale)
+    unscale = scale ** -np.arange(degree + 1)
+    return coef * unscale, cov * np.outer(unscale, unscale), t0
+
+
+def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float]:
+    """The loss decrease per second at the readings' mean time, and its standard error:
+    :func:`fit_curve`'s slope, so that a curve's bend within an interval is not mistaken for
+    noise; (nan, inf) with fewer than three readings."""
+    fit = fit_curve(times, losses)
+    if fit is None:
+        return math.nan, math.inf
+    coef, cov, _ = fit
+    return float(-coef[1]), float(math.sqrt(max(cov[1, 1], 0.0)))
+
+
+def rate_at_loss(times: list[float], losses: list[float], loss: float
+                 ) -> tuple[float, float] | None:
+    """The loss decrease per second one run of readings would have at ``loss`` (beyond its
+    end), and its relative error: ``ln r`` linear in the loss from the run's middle, with the
+    slope the run's curve has there, ``d ln r / dL = 2 c2 / r^2`` (clipped at 0: the rate
+    falls as the loss does), the curve a cubic in time (a quadratic's bend over a run of
+    several intervals absorbs the bend's own change, and is biased). One least squares over
+    the whole run: separate intervals' rates each carry their own readings' noise, and early
+    in training (short intervals) that noise is comparable to an interval's progress. None
+    without a falling fit."""
+    fit = fit_curve(times, losses, degree=3)
+    if fit is None or fit[0].size < 3:
+        return None
+    coef, cov, _ = fit
+
+    def ln_rate(c: np.ndarray) -> float:
+        r = -c[1]
+        return math.log(r) + max(0.0, 2.0 * c[2] / (r * r)) * (loss - c[0])
+
+    if not -coef[1] > 0:
+        return None
+    value = ln_rate(coef)
+    if not abs(value) < 700:  # a bend fitted to noise: no extrapolation to trust
+        return None
+    step = 1e-6 * np.maximum(np.abs(coef), 1e-12)
+    grad = np.array([(ln_rate(coef + np.eye(coef.size)[k] * step[k]) - value) / step[k]
+                     for k in range(coef.size)])
+    return math.exp(value), math.sqrt(max(float(grad @ cov @ grad), 0.0))
 
 
 def implied_noise_scale(efficiency_ratio: float, batch_old: float, batch_new: float) -> float:
@@ -193,12 +237,20 @@ class ProgressMonitor:
 
     def expected_error(self, intervals: int) -> float:
         """The relative error a comparison judged after ``intervals`` intervals on a new
-        strategy would have (:meth:`judge`), from the last two intervals' rates: how noisy the
-        loss is against its progress now (inf before two rates)."""
-        if len(self.rates) < 2 or min(r.value for r in self.rates[-2:]) <= 0:
+        strategy would have (:meth:`judge`), forecast from the current run: its extrapolation
+        to the loss the new run's middle would reach at the current pace, and the current
+        run's own last ``intervals`` pooled as the new side (inf before two rates)."""
+        run = self._run_before(len(self.rates), self.rates[-1].strategy) if self.rates else []
+        if len(run) < 2:
             return math.inf
-        e2, e1 = (r.stderr / r.value for r in self.rates[-2:])
-        return math.sqrt(e2 ** 2 + e1 ** 2 + e1 ** 2 / intervals)
+        drop = (run[0].mid_loss - run[-1].mid_loss) / (len(run) - 1)
+        fit = rate_at_loss([t for r in run for t in r.readings[0]],
+                           [v for r in run for v in r.readings[1]],
+                           run[-1].mid_loss - drop * (intervals + 1) / 2)
+        pooled = self._pooled(run[-intervals:])
+        if fit is None or pooled is None or not pooled.value > 0:
+            return math.inf
+        return math.hypot(fit[1], pooled.stderr / pooled.value)
 
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
         """The interval's rate on ``strategy`` (None without enough readings); starts the
@@ -223,22 +275,24 @@ class ProgressMonitor:
         (``learn``)."""
         if len(self.rates) < intervals + 2:
             return None
-        a2, a1 = self.rates[-intervals - 2:-intervals]
         news = self.rates[-intervals:]
-        if (a2.strategy, a1.strategy) != (old, old) or any(r.strategy != new for r in news):
+        olds = self._run_before(len(self.rates) - intervals, old)
+        if len(olds) < 2 or any(r.strategy != new for r in news):
             return None
         b = news[0] if intervals == 1 else self._pooled(news)
-        if b is None or min(a2.value, a1.value, b.value) <= 0 or not a2.mid_loss > a1.mid_loss:
+        a1 = olds[-1]
+        if b is None or not b.value > 0 or not olds[0].mid_loss > b.mid_loss:
             return None
-        # the old strategy's rate at the loss level the new one reached: log-rate linear in the
-        # loss through its two last intervals (the rate falls as the loss does). Comparing at
-        # equal loss, not equal time: a faster strategy reaches lower losses sooner, and a
-        # time extrapolation would charge it the old one's slowdown at those losses.
-        span = (b.mid_loss - a1.mid_loss) / (a2.mid_loss - a1.mid_loss)
-        slope = max(0.0, math.log(a2.value / a1.value) / (a2.mid_loss - a1.mid_loss))
-        expected = a1.value * math.exp(slope * (b.mid_loss - a1.mid_loss))
+        # the old strategy's rate at the loss level the new one reached (the rate falls as the
+        # loss does). Comparing at equal loss, not equal time: a faster strategy reaches lower
+        # losses sooner, and a time extrapolation would charge it the old one's slowdown there.
+        fit = rate_at_loss([t for r in olds for t in r.readings[0]],
+                           [v for r in olds for v in r.readings[1]], b.mid_loss)
+        if fit is None:
+            return None
+        expected, old_rel = fit
         observed = b.value / expected
-        rel = math.sqrt(sum((r.stderr / r.value) ** 2 for r in (a2, a1, b)))
+        rel = math.hypot(old_rel, b.stderr / b.value)
         stderr = observed * rel
         throughput = a1.seconds_per_sample / b.seconds_per_sample
         efficiency = observed / throughput
@@ -258,11 +312,7 @@ class ProgressMonitor:
                 throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
                 # a noiseless comparison (a test's) still gets a finite likelihood
                 new_error=max(b.stderr / expected, 1e-3 * observed),
-                # the extrapolation carries both old rates' errors out to the new loss: ln of
-                # the expected rate is (1 - span) ln a1 + span ln a2 (span < 0 beyond a1)
-                old_relative_error=math.hypot((1 - span) * a1.stderr / a1.value,
-                                              span * a2.stderr / a2.value)
-                if slope > 0 else a1.stderr / a1.value)
+                old_relative_error=old_rel)
         return verdict
 
     def learn(self, verdict: Verdict) -> None:
@@ -273,6 +323,16 @@ class ProgressMonitor:
             self._evidence.append(self._pending)
             self._pending = None
             self._update_posterior()
+
+    def _run_before(self, end: int, strategy: ParallelStrategy) -> list[Rate]:
+        """The last ``OLD_HISTORY`` rates before index ``end``, all on ``strategy`` and
+        consecutive (the run a switch left)."""
+        run: list[Rate] = []
+        for r in reversed(self.rates[max(0, end - OLD_HISTORY):end]):
+            if r.strategy != strategy:
+                break
+            run.append(r)
+        return run[::-1]
 
     @staticmethod
     def _pooled(rates: list[Rate]) -> Rate | None:

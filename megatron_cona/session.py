@@ -50,6 +50,11 @@ from predictors.spec.precision import get_precision
 log = logging.getLogger("megatron_cona.session")
 
 
+# the biases an experiment must be able to tell apart: the posterior's mean +- this many sd
+# (at the prior, sd ln 10, 1/100 to 100: Merrill et al.'s 10-100x gap inside)
+RESOLVE_SD = 2.0
+
+
 @dataclass
 class SessionConfig:
     interval: int = 50
@@ -73,10 +78,6 @@ class SessionConfig:
     # experiment; 0: never
     explore_after: int = 4
     judge_intervals: int = 4  # an experiment runs at most this many intervals
-    # an experiment starts only while the comparison it sets up is expected within this
-    # relative error (the last intervals' noise): not the 0.25 a confident verdict needs, as
-    # unsure verdicts still move the bias posterior, but no experiment that cannot tell 2x apart
-    experiment_max_error: float = 1.0
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
     # global batch on the configured layout and micro-batch, since the critical batch is at its
     # smallest when training starts (McCandlish et al. 2018 Sec 3.3; Kaplan et al. 2020 Eq 5.3)
@@ -264,16 +265,31 @@ class ConaSession:
         if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
                 or self._same_batch < self._explore_wait:
             return []
-        # an experiment whose comparison is hopeless (the loss too noisy against its progress
-        # over intervals this short) costs its intervals and teaches nothing: wait for longer
-        # intervals (they grow with the tokens seen), the wait not doubled
-        if self.progress.expected_error(cfg.judge_intervals) > cfg.experiment_max_error:
-            return []
         double = [e for e in ranking if e.strategy.global_batch_size
                   == 2 * strategy.global_batch_size]
+        # an experiment whose comparison cannot tell the bias's plausible values apart costs its
+        # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
+        # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
+        # scale near enough to the batch for the bias to show in the efficiency
+        if double and self.progress.expected_error(cfg.judge_intervals) > self._resolvable(
+                strategy.global_batch_size, double[0].strategy.global_batch_size):
+            return []
         if double:  # each experiment costs an interval: they get rarer (bounded cost)
             self._explore_wait *= 2
         return double[:1]
+
+    def _resolvable(self, batch_old: int, batch_new: int) -> float:
+        """The relative error a comparison from ``batch_old`` to ``batch_new`` may have and still
+        teach about the probe's bias: the spread of the progress ratio it predicts (in ln)
+        between the bias ``RESOLVE_SD`` posterior standard deviations below and above its mean.
+        Where the noise scale is far below both batches (or far above) every plausible bias
+        predicts the same ratio and no precision is enough."""
+        phi, mean, sd = self.gns.noise_scale, self.progress.bias, self.progress.bias_sd
+        if not phi > 0:
+            return 0.0
+        lo, hi = (math.log((k * phi + batch_old) / (k * phi + batch_new))
+                  for k in (mean * math.exp(-RESOLVE_SD * sd), mean * math.exp(RESOLVE_SD * sd)))
+        return abs(hi - lo)
 
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
