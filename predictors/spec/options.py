@@ -68,24 +68,6 @@ def fp8_kernels(framework: str) -> Fp8Kernels:
     return FP8_KERNELS.get(framework, Fp8Kernels())
 
 
-# Frameworks that reduce a bf16 run's gradients across data parallelism in fp32 where the
-# weights have fp32 masters (bf16-mixed and the fp8 recipes), so the reduce-scatter /
-# all-reduce moves twice the bf16 bytes (the parameter all-gathers stay bf16):
-# Megatron-LM (``--bf16`` sets ``accumulate_allreduce_grads_in_fp32``: "bfloat16 requires
-# gradient accumulation and all-reduce to be done in fp32", megatron/training/arguments.py),
-# torchtitan (FSDP2's MixedPrecisionPolicy reduce_dtype = ``training.mixed_precision_reduce``,
-# default "float32") and LLM Foundry (Composer's FSDP ``mixed_precision: DEFAULT``:
-# reduce_dtype float32, param_dtype bf16). Plain torch DDP (this project's step, "pytorch")
-# reduces the gradients in their own dtype
-FP32_GRAD_REDUCTION = frozenset({"megatron", "torchtitan", "llm-foundry"})
-
-
-def reduces_bf16_grads_in_fp32(framework: str) -> bool:
-    """Whether ``framework`` reduces bf16 gradients of fp32-master runs in fp32
-    (:data:`FP32_GRAD_REDUCTION`)."""
-    return framework in FP32_GRAD_REDUCTION
-
-
 @dataclass(frozen=True)
 class TrainingOptions:
     """Framework settings that decide how much communication hides under compute (Megatron's

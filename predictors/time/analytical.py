@@ -173,10 +173,7 @@ class StepWork:
     optimizer: Trace  # the optimizer step (once per iteration)
     tp_bytes: float = 0.0  # bytes all-reduced across TP per micro-batch (all collectives)
     tp_collectives: int = 0  # number of TP all-reduces per micro-batch
-    dp_grad_bytes: float = 0.0  # gradient bytes this rank reduces across DP (reduction dtype)
-    # parameter bytes a ZeRO / FSDP all-gather moves (the parameters' dtype); None: as
-    # dp_grad_bytes
-    dp_param_bytes: float | None = None
+    dp_grad_bytes: float = 0.0  # gradient bytes this rank all-reduces across DP
     dp_grad_elements: float = 0.0
     pp_bytes: float = 0.0  # activation bytes sent to the next stage per micro-batch
     fp8_tensors: int = 0  # tensors quantised to fp8 per micro-batch (one per GEMM operand cast)
@@ -261,33 +258,27 @@ def iteration_time(work: StepWork, strategy: ParallelStrategy, device: Device,
     bucket_elements = max(DDP_BUCKET_ELEMENTS, 1_000_000 * s.dp)
     buckets = max(1, math.ceil(work.dp_grad_elements / bucket_elements))
     # the distributed optimizer reduce-scatters gradients and all-gathers the updated
-    # parameters (a ring all-reduce is exactly those two halves: the gradients' in their
-    # reduction dtype, the parameters' in theirs), and each rank steps 1/dp of the optimizer
-    # state
-    param_bytes = work.dp_grad_bytes if work.dp_param_bytes is None else work.dp_param_bytes
-    sharded_grads = options.distributed_optimizer and grad.size > 1
-    bucket = all_reduce(work.dp_grad_bytes / buckets, grad, topo).times(
-        0.5 if sharded_grads else 1.0)
-    gather_bucket = (all_reduce(param_bytes / buckets, grad, topo).times(0.5) if sharded_grads
-                     else NO_COMM)  # fmt: skip
+    # parameters (a ring all-reduce is exactly those two halves), and each rank steps 1/dp
+    # of the optimizer state
+    share = 0.5 if options.distributed_optimizer and grad.size > 1 else 1.0
+    bucket = all_reduce(work.dp_grad_bytes / buckets, grad, topo).times(share)
     dp = bucket.times(buckets)
     fsdp_mb, fsdp_exposed = NO_COMM, 0.0
     if options.fsdp and grad.size > 1:
         # per micro-batch: two parameter all-gathers and one gradient reduce-scatter, each half
         # a ring all-reduce; prefetching overlaps them with the micro-batch's compute
-        fsdp_mb = (all_reduce(param_bytes, grad, topo)
-                   + all_reduce(work.dp_grad_bytes, grad, topo).times(0.5))  # fmt: skip
+        fsdp_mb = all_reduce(work.dp_grad_bytes, grad, topo).times(1.5)
         fsdp_exposed = exposed(fsdp_mb.seconds, compute,
                                device.efficiency.get(FSDP_OVERLAP_KEY, 1.0))
-        dp = bucket = gather_bucket = NO_COMM
+        dp = bucket = NO_COMM
     dp_exposed = dp.seconds
     if options.overlap_grad_reduce:
         dp_exposed = exposed_bucketed([bucket.seconds] * buckets,
                                       busy(lambda r: r.phase == "backward"))  # fmt: skip
-    gather = gather_bucket.times(buckets)
+    gather = dp if share < 1.0 else NO_COMM
     gather_exposed = gather.seconds
     if options.overlap_param_gather:
-        gather_exposed = exposed_bucketed([gather_bucket.seconds] * buckets,
+        gather_exposed = exposed_bucketed([bucket.seconds] * buckets,
                                           busy(lambda r: r.phase != "backward"))  # fmt: skip
     dp, dp_exposed = dp + gather, dp_exposed + gather_exposed
     sharded = options.distributed_optimizer or options.fsdp

@@ -20,11 +20,7 @@ import torch
 
 from predictors.devices import Device
 from predictors.spec import DEFAULT_OPTIONS, ParallelStrategy, TrainingOptions, TransformerSpec
-from predictors.spec.options import (
-    fp8_kernels,
-    reduces_bf16_grads_in_fp32,
-    selective_recompute,
-)
+from predictors.spec.options import fp8_kernels, selective_recompute
 from predictors.spec.precision import RATE_COLUMNS, Precision, get_precision
 from predictors.step import Batch
 from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
@@ -212,8 +208,7 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         optimizer=optimizer,
         tp_bytes=tp_per_layer * layers * act_bytes if strategy.tp > 1 else 0.0,
         tp_collectives=tp_per_layer * layers if strategy.tp > 1 else 0,
-        dp_grad_bytes=grad_elems * _reduce_bits(precision, options) / 8,
-        dp_param_bytes=grad_elems * _bits(precision.param_dtype) / 8,
+        dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
         dp_grad_elements=grad_elems,
         pp_bytes=pp_bytes,
         fp8_tensors=sum(r.name == "_scaled_mm" for r in fwd_bwd.records),
@@ -222,16 +217,6 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
         cp_sends=cp_sends,
         recompute=recompute,
     )
-
-
-def _reduce_bits(precision: Precision, options: TrainingOptions) -> int:
-    """Bits per gradient element reduced across data parallelism: fp32 for a bf16 run with
-    fp32 masters under a framework that reduces them so (``FP32_GRAD_REDUCTION``), else the
-    gradients' own dtype."""
-    if (precision.grad_dtype == torch.bfloat16 and precision.master_weights_fp32
-            and reduces_bf16_grads_in_fp32(options.framework)):
-        return 32
-    return _bits(precision.grad_dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -264,8 +249,7 @@ def module_work(spec: ZooModel, strategy: ParallelStrategy, precision: Precision
         )
     fwd_bwd, opt = _module_trace(spec, strategy.micro_batch, precision.name, target_of(device))
     grad_elems = sum(_numel(s) for s in _opt_param_shapes(opt))
-    return StepWork(fwd_bwd, opt, dp_grad_bytes=grad_elems * _reduce_bits(precision, options) / 8,
-                    dp_param_bytes=grad_elems * _bits(precision.param_dtype) / 8,
+    return StepWork(fwd_bwd, opt, dp_grad_bytes=grad_elems * _bits(precision.grad_dtype) / 8,
                     dp_grad_elements=grad_elems,
                     recompute=recomputed(fwd_bwd, options))  # fmt: skip
 

@@ -270,28 +270,3 @@ def test_tp_overlap_share_is_each_frameworks_own():
     fitted = {"matmul:bf16": 0.6, tp_overlap_key("torchtitan"): 0.4}
     assert resolve(fitted, "torchtitan") == {"matmul:bf16": 0.6, "overlap:tp": 0.4}
     assert resolve(fitted, "megatron") == {"matmul:bf16": 0.6}
-
-
-@pytest.mark.parametrize("options, ratio", [
-    (TrainingOptions(), 2.0),  # the all-reduce of fp32 instead of bf16 gradients
-    (TrainingOptions(distributed_optimizer=True), 1.5),  # fp32 reduce-scatter, bf16 all-gather
-    (TrainingOptions(fsdp=True), 4 / 3),  # two bf16 all-gathers, one fp32 reduce-scatter
-])
-def test_bf16_gradients_of_fp32_master_runs_are_reduced_in_fp32_where_the_framework_does(
-        options, ratio):
-    """Megatron-LM, torchtitan and LLM Foundry reduce a bf16-mixed run's gradients in fp32 (the
-    parameter all-gathers stay bf16); plain torch DDP ("pytorch") reduces them in bf16, and a
-    run without fp32 masters (bf16-pure) or in fp16 keeps its gradients' dtype everywhere."""
-    s = ParallelStrategy(8, 1, 1, 1, 8)
-
-    def dp_bytes(precision: str, framework: str) -> float:
-        o = replace(options, framework=framework)
-        work = step_work(LLAMA, s, get_precision(precision), H100, o)
-        return iteration_time(work, s, H100, o).intra_bytes
-
-    for framework in ("megatron", "torchtitan", "llm-foundry"):
-        assert dp_bytes("bf16-mixed", framework) == pytest.approx(
-            ratio * dp_bytes("bf16-mixed", "pytorch"))
-        assert dp_bytes("bf16-pure", framework) == pytest.approx(dp_bytes("bf16-pure", "pytorch"))
-        assert dp_bytes("fp16-mixed", framework) == pytest.approx(
-            dp_bytes("fp16-mixed", "pytorch"))
