@@ -26,7 +26,7 @@ from predictors.step import Batch
 from predictors.time.analytical import Breakdown, StepWork, class_times, iteration_time
 from predictors.time.efficiency import for_precision
 from predictors.time.network import Topology
-from predictors.time.trace import FP8_SCALE, FP8_TRANSPOSE, OP_CLASSES, Trace, trace_step
+from predictors.time.trace import FP8_TRANSPOSE, OP_CLASSES, Trace, trace_step
 from predictors.time.zoo import EmbeddingHead, TransformerLayer, ZooModel, build, make_batch
 
 # features of the traced kernels that only vary with precision (the entry's own encoding,
@@ -178,13 +178,8 @@ def transformer_work(spec: TransformerSpec, strategy: ParallelStrategy, precisio
                       else precision.name)  # fmt: skip
     head_step, head_opt = _at_batch("head", key, strategy.tp, strategy.micro_batch,
                                     head_precision, target)  # fmt: skip
-    # the cast kernel writes the transposed copy: no kernel of its own; the scales live in
-    # persistent buffers unless the step runs the Python emulation
-    dropped = {FP8_TRANSPOSE} if fp8.fused_transpose else set()
-    if not fp8.python_emulation:
-        dropped.add(FP8_SCALE)
-    if dropped:
-        layer_step, head_step = (Trace([r for r in t.records if r.name not in dropped])
+    if fp8.fused_transpose:  # the cast kernel writes the transposed copy: no kernel of its own
+        layer_step, head_step = (Trace([r for r in t.records if r.name != FP8_TRANSPOSE])
                                  for t in (layer_step, head_step))  # fmt: skip
     # every stage runs each micro-batch in lock-step with its neighbours, so the deepest stage
     # (of an uneven split too) sets the pipeline's pace

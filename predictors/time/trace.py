@@ -31,11 +31,6 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # copy kernel in eager PyTorch, written by the fused cast-transpose under Transformer Engine
 # (predictors.spec.options.Fp8Kernels decides per framework which one a step runs)
 FP8_TRANSPOSE = "fp8_transpose"
-# record name of the unit scale the fp8 emulation creates for each torch._scaled_mm call
-# (predictors.autocast._scaled_mm: ``torch.ones(())`` on the device, a fill kernel per GEMM
-# where the emulation itself runs, as in the GPU kit's eager step); Transformer Engine and
-# torchao keep their scales in persistent buffers: no kernel (Fp8Kernels.python_emulation)
-FP8_SCALE = "fp8_scale"
 
 # ---------------------------------------------------------------------------------------------
 # FLOP formulas missing from torch.utils.flop_counter: the CPU flash-attention kernels.
@@ -226,12 +221,7 @@ class OpTracer(TorchDispatchMode):
         if not outs and not name.endswith("_"):
             return
         if not ins and all(t.dim() == 0 for t in outs):
-            # a scalar made from nothing: state created once, at the first step (the
-            # optimizer's step counts, the loss scaler's), or the fp8 emulation's unit scale,
-            # made in every forward and backward GEMM call
-            if name != "ones" or self.phase not in ("forward", "backward"):
-                return
-            name = FP8_SCALE
+            return  # a scalar constant (fp8 scale): a persistent buffer in real code
         if name in ("clone", "contiguous") and ins and ins[0].dtype in FP8:
             name = FP8_TRANSPOSE
         floats = [t for t in ins + outs if t.is_floating_point()]

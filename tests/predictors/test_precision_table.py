@@ -119,21 +119,3 @@ def test_activation_checkpointing_and_fsdp():
     assert fsdp.optimizer == pytest.approx(plain.optimizer / 8)  # sharded optimizer step
     # 3 half-all-reduces of the parameters per micro-batch cross the NVLink
     assert fsdp.intra_bytes > 1.4 * plain.intra_bytes
-
-
-def test_the_emulations_unit_scales_are_kernels_only_where_the_emulation_runs():
-    """The project's eager step (framework ``pytorch``, the GPU kit's) runs the fp8 emulation
-    itself, whose ``_scaled_mm`` fills a unit scale on the device for every GEMM call: one
-    fill kernel per fp8 GEMM (forward, dgrad, wgrad), the LM head's included; Transformer
-    Engine keeps its scales in persistent buffers, so a Megatron step has none."""
-    from predictors.time.trace import FP8_SCALE
-
-    dev = get_device("h200")
-    eager = step_work(SMALL, S, get_precision("fp8"), dev, TrainingOptions(framework="pytorch"))
-    te = step_work(SMALL, S, get_precision("fp8"), dev, TrainingOptions(framework="megatron"))
-    gemms = [r for r in eager.fwd_bwd.records if r.name == "_scaled_mm"]
-    scales = [r for r in eager.fwd_bwd.records if r.name == FP8_SCALE]
-    assert len(gemms) == (4 * 4 + 1) * 3 and len(scales) == len(gemms)
-    assert not [r for r in te.fwd_bwd.records if r.name == FP8_SCALE]
-    bf16 = step_work(SMALL, S, get_precision("bf16-mixed"), dev, TrainingOptions(framework="pytorch"))
-    assert not [r for r in bf16.fwd_bwd.records if r.name == FP8_SCALE]
