@@ -51,14 +51,19 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
     .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
-Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
+Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them), and
+each child's wall time with its parts (start, make_kv, store, measure) as it exits (a
+``"record": "child"`` line; also on stderr).
   S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/4 the tokens per step, saved,
      fetched (then its in-run bound's parts, twice each) and dropped; round robin, probe-only
      and adaptive placement, one pool each over the same devices in one child, stepped in turn;
      S3p: the second SSD limited to half S3's read limit, its prior overstated 3x, 5 steps;
      S4: its limit cut to a third for 4 of 12 steps (after 3), then restored.
   S1-t<k>: S1 again at the copy-thread count the probe did not pick (1 or the cores), pool and
-     LMCache O_DIRECT with k threads each.
+     LMCache O_DIRECT with k threads each: measured by S1's pool child and LMCache O_DIRECT
+     child after their S1 repetitions, on the KV and chunks each stored there (torch's threads
+     and the pool's ``copy_threads`` set in the process, each side with its own warm-up), not
+     by two more children that made and stored the same 4 GiB again.
 
 Last line: ratio_vs_lmcache=X frac_of_bound=F ratio_vs_serial=V ratio_vs_lmcache_multi=Y
            multi_frac_of_bound=W cpu_s_per_gb=C lmcache_threads=T pool_threads=T
@@ -153,21 +158,41 @@ def make_kv(g: Geometry) -> list[Any]:
     raw = torch.empty(total + 4096, dtype=torch.uint8)
     base = (-raw.data_ptr()) % 4096
     flat = raw[base : base + total]
+    kv = [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype)
+          .view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim)
+          for i in range(g.layers)]  # fmt: skip
+    fill_kv(kv)
+    return kv
+
+
+def fill_kv(kv: list[Any]) -> None:
+    """(Re)write ``make_kv``'s bytes into ``kv`` in place (a step that left it partial is put
+    back without a second copy of the KV kept for it)."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     seed = torch.randint(0, 256, (SEED_BYTES,), dtype=torch.uint8, generator=gen)
-    for off in range(0, total, SEED_BYTES):
-        n = min(SEED_BYTES, total - off)
-        flat[off : off + n].copy_(seed[:n])
-    return [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype)
-            .view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim)
-            for i in range(g.layers)]  # fmt: skip
+    off = 0  # the pattern runs on across the layers, as over one buffer
+    for t in kv:
+        flat = t.view(-1).view(torch.uint8)
+        pos = 0
+        while pos < flat.numel():
+            k = off % SEED_BYTES
+            n = min(SEED_BYTES - k, flat.numel() - pos)
+            flat[pos : pos + n].copy_(seed[k : k + n])
+            pos, off = pos + n, off + n
 
 
 def kv_digest(kv: list[Any]) -> list[int]:
+    """XXH3-64 per layer, the layers hashed on every core (the checksum releases the GIL; the
+    digest is outside every timed window)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm_kvpool.native import kvio
 
     io = kvio()
-    return [io.checksum(t.data_ptr(), t.numel() * t.element_size()) for t in kv]
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as ex:
+        return list(ex.map(lambda t: io.checksum(t.data_ptr(), t.numel() * t.element_size()), kv))
 
 
 def block_hashes(g: Geometry, salt: str) -> list[bytes]:
@@ -212,6 +237,18 @@ class Result:
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+_PHASE = [time.perf_counter()]
+
+
+def phase(name: str) -> None:
+    """A child's wall seconds since its previous mark (or its start), printed for the parent
+    (``run_child`` logs each child's wall time and these parts of it)."""
+    now = time.perf_counter()
+    print(f"PHASE {json.dumps({'name': name, 'seconds': round(now - _PHASE[0], 3)})}",
+          flush=True)  # fmt: skip
+    _PHASE[0] = now
 
 
 def pool_parts(names: list[str]) -> list[str]:
@@ -280,6 +317,7 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             Path(d["ssd"]["path"]).unlink(missing_ok=True)  # no chunks of an earlier run
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     hashes = block_hashes(g, spec["salt"])
     ids = list(range(g.num_blocks))
@@ -288,6 +326,7 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                    bandwidths=spec.get("gbps"),
                    layout_id=f"{spec['salt']}-{spec['system']}") as pool:  # fmt: skip
         saved = pool.save(hashes, ids)
+        phase("store")
         if saved != g.num_chunks:
             raise RuntimeError(f"{spec['system']}: stored {saved} of {g.num_chunks} chunks")
         devs = [d.name for d in pool.config.devices]
@@ -297,27 +336,39 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                         if e.location.device == i) for i in range(len(devs))}  # fmt: skip
 
         serial = [i for i in order if share[i]]
-        parts = [q for p in spec.get("parts") or pool_parts(devs)
-                 for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
-        parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
-        fetch_part(pool, hashes, ids, "pool")  # untimed warm-up: first-touch costs are not the
-        # fetch's (LMCache's warm-up too)
-        for rep in range(spec["reps"]):
-            for part in parts if rep % 2 == 0 else parts[::-1]:
-                seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids,
-                                                                       part, serial)
-                if part.startswith("alone:"):
-                    want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens // g.block_size
-                    identical = ok and blocks == want
-                else:
-                    identical = ok and blocks == g.num_blocks and kv_digest(kv) == digest
-                name = spec["system"] if part == "pool" else part
-                r = Result(name, spec["scenario"], seconds, sum(moved.values()), cpu_s, identical,
-                           moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
-                           rep=rep, threads=torch.get_num_threads())  # fmt: skip
-                out.append(r)
-                if emit is not None:
-                    emit(r)
+        # the main run, then each extra thread count (S1-t<k>) on the same engine and stored
+        # chunks: a copy-thread count is the engine's ``copy_threads`` and torch's threads, set
+        # here as a fresh child would have them, with its own untimed warm-up
+        for run in [{"threads": spec["threads"], "scenario": spec["scenario"],
+                     "parts": spec.get("parts")}, *spec.get("extra", [])]:  # fmt: skip
+            torch.set_num_threads(run["threads"])
+            pool.engine.loads.copy_threads = run["threads"]
+            parts = [q for p in run["parts"] or pool_parts(devs)
+                     for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
+            parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
+            fetch_part(pool, hashes, ids, "pool")  # untimed warm-up: first-touch costs are not
+            # the fetch's (LMCache's warm-up too)
+            for rep in range(spec["reps"]):
+                for part in parts if rep % 2 == 0 else parts[::-1]:
+                    alone = part.startswith("alone:")
+                    # a share alone is checked by its blocks and their checksums, not against
+                    # the digest, so the KV is not zeroed for it (as in the placement steps)
+                    seconds, blocks, ok, cpu_s, moved, cold = measure_part(
+                        pool, kv, hashes, ids, part, serial, zero=not alone)  # fmt: skip
+                    if alone:
+                        want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens \
+                            // g.block_size  # fmt: skip
+                        identical = ok and blocks == want
+                    else:
+                        identical = ok and blocks == g.num_blocks and kv_digest(kv) == digest
+                    name = spec["system"] if part == "pool" else part
+                    r = Result(name, run["scenario"], seconds, sum(moved.values()), cpu_s,
+                               identical, moved, {k: b / seconds / 1e9 for k, b in moved.items()},
+                               cold=cold, rep=rep, threads=torch.get_num_threads())  # fmt: skip
+                    out.append(r)
+                    if emit is not None:
+                        emit(r)
+        phase("measure")
     return out
 
 
@@ -354,10 +405,10 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             Path(d["ssd"]["path"]).unlink(missing_ok=True)
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     # what every save stores: a step leaves the KV whole (its whole fetches are checked against
     # the digest; a share alone is fetched without zeroing the KV first: its check is the
-    # blocks read and their checksums), else it is put back from this copy
-    stored = [t.clone() for t in kv]
+    # blocks read and their checksums), else ``fill_kv`` puts it back
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     out: list[Result] = []
     with contextlib.ExitStack() as stack:
@@ -373,8 +424,8 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                                       step, mbps, spec.get("bound_reps", BOUND_REPS), emit)
                 out += res
                 if not all(r.identical for r in res):  # the next save must store the prefix
-                    for t, src in zip(kv, stored, strict=True):
-                        t.copy_(src)
+                    fill_kv(kv)
+        phase("measure")
     set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
     return out
 
@@ -525,6 +576,7 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     disk_dir.mkdir(parents=True)
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=spec["cpu_gib"],
         local_disk=f"file://{disk_dir}/", max_local_disk_size=spec["disk_gib"],
@@ -552,49 +604,56 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 break
             last = on_disk
             time.sleep(0.05)
-        for rep in range(-1, spec.get("reps", 1)):  # rep -1: untimed warm-up, as the pool's
-            if spec.get("resident") is not None:  # matched split: only the host share in memory
-                for k in keys[spec["resident"] :]:
-                    if cpu.contains(k):
-                        sm.remove(k, ["LocalCPUBackend"])
-            in_cpu = 0
-            while in_cpu < len(keys) and cpu.contains(keys[in_cpu]):
-                in_cpu += 1
-            cold = drop_page_cache()
-            for t in kv:
-                t.zero_()
-            cpu0, start = _cpu(), time.perf_counter()
-            done: list[Any] = []
-            worker = threading.Thread(target=lambda out=done: out.append(
-                engine.retrieve(tokens, slot_mapping=slots)), daemon=True)  # fmt: skip
-            worker.start()
-            worker.join(spec.get("retrieve_timeout"))
-            seconds = time.perf_counter() - start
-            if not done:  # LMCache is stuck: report it, leave without waiting for its threads
-                note = (f"did not complete in {spec['retrieve_timeout']:.0f} s ({on_disk}/"
-                        f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU "
-                        "tier)")  # fmt: skip
-                print("RESULT " + json.dumps(asdict(Result(
-                    spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
-                    note=note, rep=max(rep, 0)))), flush=True)  # fmt: skip
-                os._exit(0)
-            cpu_s = _cpu() - cpu0
-            got = int(done[0].sum())
-            identical = got == g.tokens and kv_digest(kv) == digest
-            moved = got * g.chunk_bytes // g.chunk_tokens
-            cb = min(in_cpu * g.chunk_bytes, moved)
-            dev = {"lmcache-cpu": cb, "lmcache-disk": moved - cb}
-            note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} "
-                                               "tokens (the rest would be recomputed)")  # fmt: skip
-            r = Result(spec["system"], spec["scenario"], seconds, moved, cpu_s, identical,
-                       {k: b for k, b in dev.items() if b},
-                       {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
-                       torch.get_num_threads())  # fmt: skip
-            if rep < 0:
-                continue
-            out.append(r)
-            if emit is not None:
-                emit(r)
+        phase("store")
+        # the main run, then each extra thread count (S1-t<k>) on the same engine and stored
+        # chunks, torch's threads set as a fresh child's, with its own untimed warm-up
+        for run in [{"threads": spec["threads"], "scenario": spec["scenario"]},
+                    *spec.get("extra", [])]:  # fmt: skip
+            torch.set_num_threads(run["threads"])
+            for rep in range(-1, spec.get("reps", 1)):  # rep -1: untimed warm-up, as the pool's
+                if spec.get("resident") is not None:  # matched split: only the host share in memory
+                    for k in keys[spec["resident"] :]:
+                        if cpu.contains(k):
+                            sm.remove(k, ["LocalCPUBackend"])
+                in_cpu = 0
+                while in_cpu < len(keys) and cpu.contains(keys[in_cpu]):
+                    in_cpu += 1
+                cold = drop_page_cache()
+                for t in kv:
+                    t.zero_()
+                cpu0, start = _cpu(), time.perf_counter()
+                done: list[Any] = []
+                worker = threading.Thread(target=lambda out=done: out.append(
+                    engine.retrieve(tokens, slot_mapping=slots)), daemon=True)  # fmt: skip
+                worker.start()
+                worker.join(spec.get("retrieve_timeout"))
+                seconds = time.perf_counter() - start
+                if not done:  # LMCache is stuck: report it, leave without waiting for its threads
+                    note = (f"did not complete in {spec['retrieve_timeout']:.0f} s ({on_disk}/"
+                            f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU "
+                            "tier)")  # fmt: skip
+                    print("RESULT " + json.dumps(asdict(Result(
+                        spec["system"], run["scenario"], None, g.prefix_bytes, 0.0, False,
+                        note=note, rep=max(rep, 0)))), flush=True)  # fmt: skip
+                    os._exit(0)
+                cpu_s = _cpu() - cpu0
+                got = int(done[0].sum())
+                identical = got == g.tokens and kv_digest(kv) == digest
+                moved = got * g.chunk_bytes // g.chunk_tokens
+                cb = min(in_cpu * g.chunk_bytes, moved)
+                dev = {"lmcache-cpu": cb, "lmcache-disk": moved - cb}
+                note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} "
+                                                   "tokens (the rest would be recomputed)")  # fmt: skip
+                r = Result(spec["system"], run["scenario"], seconds, moved, cpu_s, identical,
+                           {k: b for k, b in dev.items() if b},
+                           {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
+                           torch.get_num_threads())  # fmt: skip
+                if rep < 0:
+                    continue
+                out.append(r)
+                if emit is not None:
+                    emit(r)
+        phase("measure")
     finally:
         LMCacheEngineBuilder.destroy("bench")
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -610,6 +669,7 @@ def child_main(payload: str) -> int:
     import torch
 
     torch.set_num_threads(spec["threads"])  # LMCache's torch copies get the pool's threads
+    phase("start")  # the interpreter and torch
 
     def emit(r: Result) -> None:
         print("RESULT " + json.dumps(asdict(r)), flush=True)
@@ -704,7 +764,10 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "THP_MEM_ALLOC_ENABLE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     payload = json.dumps({"geometry": asdict(g), "spec": spec})
-    err_path = Path(spec.get("workdir", "/tmp")) / "child.err"
+    workdir = Path(spec.get("workdir", "/tmp"))
+    err_path = workdir / "child.err"
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
     with open(err_path, "w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--child", payload], env=env,
                                 stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
@@ -718,11 +781,15 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
                     r = Result(**json.loads(ln[7:]))
                     results.append(r)
                     sink(r)
+                elif ln.startswith("PHASE "):
+                    mark = json.loads(ln[6:])
+                    phases[mark["name"]] = phases.get(mark["name"], 0.0) + mark["seconds"]
             proc.wait()
         finally:
             timer.cancel()
         err.seek(0)
         log = err.read()
+    child_time(workdir, spec, time.perf_counter() - start, phases)
     stuck = [x for x in log.splitlines() if "No eviction candidates" in x or "Waiting" in x]
     if proc.returncode != 0 and not results:
         if proc.returncode == -9:
@@ -737,6 +804,18 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
         if r.seconds is None and stuck:
             r.note += f"; its log, {len(stuck)} times: {stuck[-1].strip()[-200:]}"
     return results
+
+
+def child_time(workdir: Path, spec: dict[str, Any], wall: float, phases: dict[str, float]) -> None:
+    """One child's wall seconds and its parts (``phase``), on stderr and appended to the
+    results file (a ``"record": "child"`` line) as soon as it exits."""
+    rec = {"record": "child", "scenario": spec["scenario"], "system": spec["system"],
+           "wall_s": round(wall, 2), "phases": {k: round(v, 2) for k, v in phases.items()}}  # fmt: skip
+    print(f"[{spec['scenario']}] child {spec['system']}: {wall:.1f} s wall ("
+          + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + ")",
+          file=sys.stderr, flush=True)  # fmt: skip
+    with open(workdir / "results.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def lmcache_available() -> str | None:
@@ -923,16 +1002,18 @@ def run(args: argparse.Namespace, log=print) -> str:
             log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
-            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink)
+            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
+            extra = None
+            if name == "S1" and other != threads and not args.no_thread_sweep:
+                # S1 again at the other thread count, both sides equal: the pool and LMCache
+                # O_DIRECT, each in its S1 child, on the chunks it stored there
+                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides (in S1's pool "
+                    "and LMCache O_DIRECT children, after their S1 repetitions)")
+                extra = {"threads": other, "scenario": f"S1-t{other}",
+                         "parts": ["pool", "alone:*", "together"]}  # fmt: skip
+            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink, extra)
             if name == "S3" and dev is not None and not args.no_placement:
                 run_placements(g, args, dev, gbps, threads, cgroup, log, sink)
-            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
-            if name == "S1" and other != threads and not args.no_thread_sweep:
-                # S1 again at the other thread count, both sides equal: pool and LMCache O_DIRECT
-                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides")
-                run_scenario(g, args, f"S1-t{other}",
-                             {**sc, "pools": [("pool", "bandwidth", ["pool", "alone:*", "together"])],
-                              "lmcache": sc["lmcache"][:1]}, other, gbps, cgroup, sink)  # fmt: skip
     finally:
         if dev is not None:
             dev.close()
@@ -941,9 +1022,12 @@ def run(args: argparse.Namespace, log=print) -> str:
 
 
 def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str, Any],
-                 threads: int, gbps: list[float], cgroup: str | None, sink) -> None:  # fmt: skip
+                 threads: int, gbps: list[float], cgroup: str | None, sink,
+                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
     """The children of one scenario: the pool's (one per placement) and LMCache's, all with
-    ``threads`` torch/OpenMP/copy threads."""
+    ``threads`` torch/OpenMP/copy threads. ``extra`` (S1-t<k>): another thread count measured
+    by the first pool child and the first LMCache child after their own repetitions, on the
+    KV and chunks they stored (``parts`` the pool's), each with its own warm-up."""
     pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
               "config": {**pool_config(g, sc["devices"], placement), "copy_threads": threads},
               "gbps": gbps, "threads": threads, "cgroup": cgroup, "reps": args.reps,
@@ -954,6 +1038,10 @@ def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str,
     lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
             "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
            for j in sc["lmcache"]]  # fmt: skip
+    if extra is not None:
+        pools[0]["extra"] = [extra]
+        if lmc:
+            lmc[0]["extra"] = [{"threads": extra["threads"], "scenario": extra["scenario"]}]
     for spec in [*lmc[:1], *pools, *lmc[1:]]:
         run_child(g, spec, args.timeout, sink)
 

@@ -4,6 +4,7 @@ broken baseline fails CI (its timings are the benchmark's business, not asserted
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -75,6 +76,12 @@ def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
         assert r.identical and r.threads == 2
         assert r.device_bytes == {"lmcache-cpu": 2 * g.chunk_bytes,
                                   "lmcache-disk": (g.num_chunks - 2) * g.chunk_bytes}  # fmt: skip
+    # another thread count on the same engine and stored chunks (S1-t<k>), as the pool's
+    spec["extra"] = [{"threads": 1, "scenario": "smoke-t1"}]
+    results = bench.run_lmcache(g, spec)
+    assert [(r.scenario, r.rep, r.threads) for r in results] == [
+        ("smoke", 0, 2), ("smoke", 1, 2), ("smoke-t1", 0, 1), ("smoke-t1", 1, 1)]
+    assert all(r.identical for r in results)
 
 
 def test_summary_line_from_in_run_parts(bench):
@@ -131,6 +138,17 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
     assert got and all(r.threads == 2 and r.identical for r in got)
     spec["threads"] = 1
     assert all(r.threads == 1 for r in bench.run_child(g, spec, 300, lambda r: None))
+    # another thread count in the same child, on the chunks it stored (S1-t<k>): its own
+    # scenario, its threads, the KV still fetched identical
+    spec["extra"] = [{"threads": 2, "scenario": "smoke-t2", "parts": ["pool", "alone:*"]}]
+    got = bench.run_child(g, spec, 300, lambda r: None)
+    assert {(r.scenario, r.system, r.threads) for r in got} == {
+        ("smoke", "pool", 1), ("smoke-t2", "pool", 2), ("smoke-t2", "alone:host0", 2)}
+    assert all(r.identical for r in got)
+    # each child's wall time is in the results file, with its parts, as soon as it exits
+    walls = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(walls) == 3 and all(w["record"] == "child" and w["wall_s"] > 0 for w in walls)
+    assert {"start", "make_kv", "store", "measure"} <= set(walls[-1]["phases"])
 
 
 def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
