@@ -393,12 +393,15 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     ``together``, ``spec["bound_reps"]`` times each) and drops the prefix. Interleaving puts
     every policy on the disk as it is at that moment (the SSD file's speed drifts by tens of
     percent between minutes: in one quiet run 1.9 GB/s for one child, 1.35 for the next, which
-    had made the policies' children incomparable). ``spec["throttle_mbps"][step]`` sets the
+    had made the policies' children incomparable). ``spec["runs"]``: the scenarios, in turn on
+    the same pools and KV (made once), each from its prior ``gbps`` with nothing learned
+    (fresh weights; every step leaves the pools empty); its ``throttle_mbps[step]`` sets the
     second SSD's read limit before the step (S4: slowed to a third, then back). Only ``pool``
     fetches teach a pool its bandwidths, as a serving pool's fetches would: the bound's parts
     (a share read alone runs at another queue depth and burst state) are measured and their
     observations then discarded. Results: scenario ``<scenario>:<policy>``, rep = step."""
     from vllm_kvpool.local import LocalPool
+    from vllm_kvpool.placement import DeviceWeights
 
     for d in spec["policies"][0]["config"]["devices"]:
         if "ssd" in d and not d["ssd"]["path"].startswith("/dev/"):
@@ -411,22 +414,29 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     # blocks read and their checksums), else ``fill_kv`` puts it back
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     out: list[Result] = []
+    runs = spec["runs"]
     with contextlib.ExitStack() as stack:
         pools = {p["policy"]: stack.enter_context(LocalPool(
-            p["config"], names, g.num_blocks, g.block_size, bandwidths=spec["gbps"],
-            layout_id=f"{spec['scenario']}:{p['policy']}")) for p in spec["policies"]}  # fmt: skip
+            p["config"], names, g.num_blocks, g.block_size, bandwidths=runs[0]["gbps"],
+            layout_id=f"placement:{p['policy']}")) for p in spec["policies"]}  # fmt: skip
         order = list(pools)
-        for step, mbps in enumerate(spec["throttle_mbps"]):
-            set_throttle(spec.get("throttle"), mbps)
-            k = step % len(order)
-            for policy in order[k:] + order[:k]:
-                res = _placement_step(g, pools[policy], kv, digest, f"{spec['scenario']}:{policy}",
-                                      step, mbps, spec.get("bound_reps", BOUND_REPS), emit)
-                out += res
-                if not all(r.identical for r in res):  # the next save must store the prefix
-                    fill_kv(kv)
-        phase("measure")
-    set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
+        for run in runs:
+            for pool in pools.values():  # the scenario's prior, nothing learned (each step
+                # leaves the pool empty: ``_placement_step`` clears it)
+                probe = pool.config.probe
+                pool.pool.weights = DeviceWeights(run["gbps"], probe.learn_after, probe.half_life)
+            for step, mbps in enumerate(run["throttle_mbps"]):
+                set_throttle(spec.get("throttle"), mbps)
+                k = step % len(order)
+                for policy in order[k:] + order[:k]:
+                    res = _placement_step(g, pools[policy], kv, digest,
+                                          f"{run['scenario']}:{policy}", step, mbps,
+                                          spec.get("bound_reps", BOUND_REPS), emit)  # fmt: skip
+                    out += res
+                    if not all(r.identical for r in res):  # the next save must store the prefix
+                        fill_kv(kv)
+            set_throttle(spec.get("throttle"), run["throttle_mbps"][0])
+            phase(f"measure {run['scenario']}")
     return out
 
 
@@ -940,14 +950,17 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
         if learn_after is not None:
             config["probe"] = {**config["probe"], "learn_after": learn_after}
         policies.append({"policy": policy, "config": config})
-    for scenario, (prior, schedule) in plans.items():
-        start = time.perf_counter()
-        run_child(small, {"system": "placement", "scenario": scenario, "policies": policies,
-                          "gbps": prior, "threads": threads, "cgroup": cgroup,
-                          "throttle": dev.throttle, "throttle_mbps": schedule,
-                          "workdir": str(args.workdir)}, args.timeout, sink)  # fmt: skip
-        log(f"[{scenario}] {len(schedule)} steps x {len(policies)} policies: "
-            f"{time.perf_counter() - start:.0f} s")
+    # one child for both: its pools (and KV) made once, each scenario starting them from its
+    # own prior with nothing learned (``run_placement``)
+    start = time.perf_counter()
+    runs = [{"scenario": sc, "gbps": prior, "throttle_mbps": schedule}
+            for sc, (prior, schedule) in plans.items()]  # fmt: skip
+    run_child(small, {"system": "placement", "scenario": "+".join(plans), "runs": runs,
+                      "policies": policies, "threads": threads, "cgroup": cgroup,
+                      "throttle": dev.throttle, "workdir": str(args.workdir)},
+              args.timeout * len(runs), sink)  # fmt: skip
+    log(f"[{'+'.join(plans)}] {sum(len(r['throttle_mbps']) for r in runs)} steps x "
+        f"{len(policies)} policies: {time.perf_counter() - start:.0f} s")
 
 
 def med(xs: list[float]) -> float:

@@ -165,11 +165,17 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     config = {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 1,
               "probe": {"learn_after": 1, "half_life": "1MiB"}}  # fmt: skip
     rr = {**config, "placement": "round_robin"}
-    spec = {"system": "placement", "scenario": "S4", "gbps": [50.0, 1.0, 100.0], "threads": 1,
+    # two scenarios in turn on the same pools (S3p then S4): each from its own prior
+    runs = [{"scenario": "S3p", "gbps": [1.0, 50.0, 100.0], "throttle_mbps": [1500]},
+            {"scenario": "S4", "gbps": [50.0, 1.0, 100.0], "throttle_mbps": [1500, 500, 1500]}]
+    spec = {"system": "placement", "scenario": "S3p+S4", "runs": runs, "threads": 1,
             "policies": [{"policy": "rr", "config": rr}, {"policy": "adaptive", "config": config}],
-            "throttle": None, "throttle_mbps": [1500, 500, 1500]}  # fmt: skip
-    results = bench.run_placement(g, spec)
-    assert {r.scenario for r in results} == {"S4:adaptive", "S4:rr"}
+            "throttle": None}  # fmt: skip
+    both = bench.run_placement(g, spec)
+    assert {r.scenario for r in both} == {"S3p:adaptive", "S3p:rr", "S4:adaptive", "S4:rr"}
+    first = next(r for r in both if r.system == "pool" and r.scenario == "S3p:adaptive")
+    assert bench.json.loads(first.note)["weights"] == [1.0, 50.0, 100.0]
+    results = [r for r in both if r.scenario.startswith("S4:")]
     for sc in ("S4:adaptive", "S4:rr"):
         for step in (0, 1, 2):
             parts = [r for r in results if r.rep == step and r.scenario == sc]
@@ -185,6 +191,7 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     weights = [bench.json.loads(r.note)["weights"] for r in results
                if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+    # (S4's first step placed by S4's prior: nothing S3p's steps taught the pool carried over)
     # each pool fetch's record carries the guard's state after it: the champion measured, one
     # time per device (the host pool's share included); the bound's parts carry none
     guards = [bench.json.loads(r.note)["guard"] for r in results
