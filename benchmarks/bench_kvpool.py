@@ -27,8 +27,10 @@ get it explicitly), and both sides are timed over the same window: from the call
 lookup included) to the last byte in the KV cache.
 
 Rival: real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
-``use_odirect`` on/off), one child per configuration (store once; per repetition restore the
-split, drop caches, retrieve), through
+``use_odirect`` on/off), one child per scenario (store once; per repetition restore the
+split, drop caches, retrieve; S1's buffered reads and its S1-t<k> repetitions measured by its
+O_DIRECT child after its own, on the same stored files: the disk backend reads its
+``use_odirect`` at every read, and the files hold the same bytes either way), through
 a thin CPU adapter (its vLLM connector does not run on CPU) whose copy is a plain slice copy;
 ``--lmcache-kernel`` adds LMCache's own CPU copy kernel (slow on CPU; its users run the CUDA
 one). LMCache verifies nothing on retrieve: ``ratio_vs_lmcache`` is against the pool with host
@@ -615,11 +617,14 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             last = on_disk
             time.sleep(0.05)
         phase("store")
-        # the main run, then each extra thread count (S1-t<k>) on the same engine and stored
-        # chunks, torch's threads set as a fresh child's, with its own untimed warm-up
-        for run in [{"threads": spec["threads"], "scenario": spec["scenario"]},
-                    *spec.get("extra", [])]:  # fmt: skip
-            torch.set_num_threads(run["threads"])
+        # the main run, then each extra run on the same engine and stored chunks, with its own
+        # untimed warm-up: another thread count (S1-t<k>: torch's threads set as a fresh
+        # child's) or another ``use_odirect`` (the disk backend reads the flag at each read,
+        # and the files an O_DIRECT store wrote hold the same bytes a buffered one writes)
+        for run in [{}, *spec.get("extra", [])]:
+            torch.set_num_threads(run.get("threads", spec["threads"]))
+            disk.use_odirect = run.get("odirect", spec["odirect"])
+            system = run.get("system", spec["system"])
             for rep in range(-1, spec.get("reps", 1)):  # rep -1: untimed warm-up, as the pool's
                 if spec.get("resident") is not None:  # matched split: only the host share in memory
                     for k in keys[spec["resident"] :]:
@@ -643,7 +648,8 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                             f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU "
                             "tier)")  # fmt: skip
                     print("RESULT " + json.dumps(asdict(Result(
-                        spec["system"], run["scenario"], None, g.prefix_bytes, 0.0, False,
+                        system, run.get("scenario", spec["scenario"]), None, g.prefix_bytes,
+                        0.0, False,
                         note=note, rep=max(rep, 0)))), flush=True)  # fmt: skip
                     os._exit(0)
                 cpu_s = _cpu() - cpu0
@@ -654,7 +660,8 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 dev = {"lmcache-cpu": cb, "lmcache-disk": moved - cb}
                 note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} "
                                                    "tokens (the rest would be recomputed)")  # fmt: skip
-                r = Result(spec["system"], run["scenario"], seconds, moved, cpu_s, identical,
+                r = Result(system, run.get("scenario", spec["scenario"]), seconds, moved, cpu_s,
+                           identical,
                            {k: b for k, b in dev.items() if b},
                            {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
                            torch.get_num_threads())  # fmt: skip
@@ -876,10 +883,10 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
     base = {"disk_dir": str(wd / "lmcache_disk"), "disk_gib": lmc_gib, "cpu_gib": lmc_gib}
     lmc: list[dict[str, Any]] = []
     if lmc_reason is None:
+        # buffered reads measured by the O_DIRECT child on the files it stored (``run_lmcache``)
         lmc = [{**base, "system": "lmcache-slice-odirect", "copy": "slice", "odirect": True,
-                "resident": host1},
-               {**base, "system": "lmcache-slice-buffered", "copy": "slice", "odirect": False,
-                "resident": host1}]  # fmt: skip
+                "resident": host1,
+                "extra": [{"system": "lmcache-slice-buffered", "odirect": False}]}]  # fmt: skip
         if args.lmcache_kernel:
             lmc.append({**base, "system": "lmcache-kernel-odirect", "copy": "kernel",
                         "odirect": True, "resident": host1, "reps": 1})  # fmt: skip
@@ -899,7 +906,7 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
         out["S1-spdk"] = {"devices": [{"host": {"capacity": host1 * s}}, spdk], "pools": full,
                           "lmcache": []}  # fmt: skip
     if dev is not None and dev.second is not None:
-        s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
+        s3_lmc = [{**lmc[0], "resident": host2, "extra": []}] if lmc else []
         out["S3"] = {"devices": s3_devices(g, args, dev), "lmcache": s3_lmc,
                      "pools": [*full, *([("pool-tiered", "single_tier_serial", ["pool"])]
                                         if args.tiered else [])]}  # fmt: skip
@@ -1053,8 +1060,9 @@ def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str,
            for j in sc["lmcache"]]  # fmt: skip
     if extra is not None:
         pools[0]["extra"] = [extra]
-        if lmc:
-            lmc[0]["extra"] = [{"threads": extra["threads"], "scenario": extra["scenario"]}]
+        if lmc:  # LMCache O_DIRECT at that thread count
+            lmc[0]["extra"] = [*lmc[0].get("extra", []), {
+                "threads": extra["threads"], "scenario": extra["scenario"], "odirect": True}]
     for spec in [*lmc[:1], *pools, *lmc[1:]]:
         run_child(g, spec, args.timeout, sink)
 
@@ -1299,12 +1307,15 @@ def s4_phases(results: dict[str, list[Result]], log) -> float:
         ad = [pools["adaptive"][rep].seconds for rep in reps if rep in pools["adaptive"]]
         log(f"S4 {phase:9s} (steps {reps[0]}-{reps[-1]}): " + "; ".join(row)
             + f"; rr / adaptive {sum(rr) / sum(ad):.2f}")
-    later = [rep for rep in phases["recovered"][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
-    if later:  # the first recovered request is placed before any recovered fetch: blind for any
-        rr = [pools["rr"][rep].seconds for rep in later]  # learner, so judged apart
-        ad = [pools["adaptive"][rep].seconds for rep in later]
-        log(f"S4 recovered, after its first step (steps {later[0]}-{later[-1]}): rr {med(rr):.3f} s, "
-            f"adaptive {med(ad):.3f} s (medians); rr / adaptive {sum(rr) / sum(ad):.2f}")
+    for phase in ("before", "recovered"):  # each phase's first request is placed before any
+        # fetch of it (the prior's split; the slowed one): blind for any learner, judged apart
+        later = [rep for rep in phases[phase][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
+        if later:
+            rr = [pools["rr"][rep].seconds for rep in later]
+            ad = [pools["adaptive"][rep].seconds for rep in later]
+            log(f"S4 {phase}, after its first step (steps {later[0]}-{later[-1]}): rr "
+                f"{med(rr):.3f} s, adaptive {med(ad):.3f} s (medians); rr / adaptive "
+                f"{sum(rr) / sum(ad):.2f}")
     common = [rep for rep in pools["rr"] if rep in pools["adaptive"]]
     total = (sum(pools["rr"][rep].seconds for rep in common)
              / sum(pools["adaptive"][rep].seconds for rep in common))  # fmt: skip

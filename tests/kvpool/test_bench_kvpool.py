@@ -76,11 +76,14 @@ def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
         assert r.identical and r.threads == 2
         assert r.device_bytes == {"lmcache-cpu": 2 * g.chunk_bytes,
                                   "lmcache-disk": (g.num_chunks - 2) * g.chunk_bytes}  # fmt: skip
-    # another thread count on the same engine and stored chunks (S1-t<k>), as the pool's
-    spec["extra"] = [{"threads": 1, "scenario": "smoke-t1"}]
+    # buffered reads, then another thread count, on the same engine and stored files
+    spec["extra"] = [{"system": "lmcache-slice-buffered", "odirect": False},
+                     {"threads": 1, "scenario": "smoke-t1"}]  # fmt: skip
     results = bench.run_lmcache(g, spec)
-    assert [(r.scenario, r.rep, r.threads) for r in results] == [
-        ("smoke", 0, 2), ("smoke", 1, 2), ("smoke-t1", 0, 1), ("smoke-t1", 1, 1)]
+    assert [(r.system, r.scenario, r.rep, r.threads) for r in results] == [
+        ("lmcache-slice-odirect", "smoke", 0, 2), ("lmcache-slice-odirect", "smoke", 1, 2),
+        ("lmcache-slice-buffered", "smoke", 0, 2), ("lmcache-slice-buffered", "smoke", 1, 2),
+        ("lmcache-slice-odirect", "smoke-t1", 0, 1), ("lmcache-slice-odirect", "smoke-t1", 1, 1)]
     assert all(r.identical for r in results)
 
 
@@ -226,8 +229,11 @@ def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(
     lines: list[str] = []
     *_, r_s4 = bench.placement_summary({**results, "S4:rr/pool": rr}, lines.append)
     assert r_s4 == pytest.approx((3 * 1.0 + 4 * 1.5) / 7)  # 3 fetches at full speed, 4 slowed
-    phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln]
+    phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln
+              and "after its first step" not in ln]  # fmt: skip
     assert phases == ["before", "slowed", "recovered", "whole"]
+    # the before phase judged again without its first (blind: the prior's) step
+    assert any(ln.startswith("S4 before, after its first step (steps 1-1)") for ln in lines)
     # Two more recovered steps: the recovered phase after its first (blind) step, apart.
     more = [(1500, 16), (1500, 64)]
     ad = results["S4:adaptive/pool"] + [r("pool", 7 + i, m, b, 0.5) for i, (m, b) in enumerate(more)]
