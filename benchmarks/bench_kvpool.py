@@ -27,8 +27,10 @@ get it explicitly), and both sides are timed over the same window: from the call
 lookup included) to the last byte in the KV cache.
 
 Rival: real LMCache 0.5.6 ``LMCacheEngine`` (LocalCPUBackend + LocalDiskBackend, chunk 256,
-``use_odirect`` on/off), one child per configuration (store once; per repetition restore the
-split, drop caches, retrieve), through
+``use_odirect`` on/off), one child per scenario (store once; per repetition restore the
+split, drop caches, retrieve; S1's buffered reads and its S1-t<k> repetitions measured by its
+O_DIRECT child after its own, on the same stored files: the disk backend reads its
+``use_odirect`` at every read, and the files hold the same bytes either way), through
 a thin CPU adapter (its vLLM connector does not run on CPU) whose copy is a plain slice copy;
 ``--lmcache-kernel`` adds LMCache's own CPU copy kernel (slow on CPU; its users run the CUDA
 one). LMCache verifies nothing on retrieve: ``ratio_vs_lmcache`` is against the pool with host
@@ -51,14 +53,19 @@ tokens = 4 GiB; KV per layer [blocks, 2, block, heads, head] as vLLM's FlashInfe
     .venv-bench/bin/python benchmarks/bench_kvpool.py --out out
     python benchmarks/bench_kvpool.py --tokens 4096 --reps 1       # quick look
     python benchmarks/bench_kvpool.py --model gpt-oss-20b          # per-model runs (kvpool_models.py)
-Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them).
+Results are appended to ``<workdir>/results.jsonl`` as they come (a killed run keeps them), and
+each child's wall time with its parts (start, make_kv, store, measure) as it exits (a
+``"record": "child"`` line; also on stderr).
   S3p/S4 (issue #46, after S3): S3's devices, a new prefix of 1/4 the tokens per step, saved,
      fetched (then its in-run bound's parts, twice each) and dropped; round robin, probe-only
      and adaptive placement, one pool each over the same devices in one child, stepped in turn;
      S3p: the second SSD limited to half S3's read limit, its prior overstated 3x, 5 steps;
      S4: its limit cut to a third for 4 of 12 steps (after 3), then restored.
   S1-t<k>: S1 again at the copy-thread count the probe did not pick (1 or the cores), pool and
-     LMCache O_DIRECT with k threads each.
+     LMCache O_DIRECT with k threads each: measured by S1's pool child and LMCache O_DIRECT
+     child after their S1 repetitions, on the KV and chunks each stored there (torch's threads
+     and the pool's ``copy_threads`` set in the process, each side with its own warm-up), not
+     by two more children that made and stored the same 4 GiB again.
 
 Last line: ratio_vs_lmcache=X frac_of_bound=F ratio_vs_serial=V ratio_vs_lmcache_multi=Y
            multi_frac_of_bound=W cpu_s_per_gb=C lmcache_threads=T pool_threads=T
@@ -153,21 +160,41 @@ def make_kv(g: Geometry) -> list[Any]:
     raw = torch.empty(total + 4096, dtype=torch.uint8)
     base = (-raw.data_ptr()) % 4096
     flat = raw[base : base + total]
+    kv = [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype)
+          .view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim)
+          for i in range(g.layers)]  # fmt: skip
+    fill_kv(kv)
+    return kv
+
+
+def fill_kv(kv: list[Any]) -> None:
+    """(Re)write ``make_kv``'s bytes into ``kv`` in place (a step that left it partial is put
+    back without a second copy of the KV kept for it)."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     seed = torch.randint(0, 256, (SEED_BYTES,), dtype=torch.uint8, generator=gen)
-    for off in range(0, total, SEED_BYTES):
-        n = min(SEED_BYTES, total - off)
-        flat[off : off + n].copy_(seed[:n])
-    return [flat[i * layer_bytes : (i + 1) * layer_bytes].view(dtype)
-            .view(g.num_blocks, 2, g.block_size, g.kv_heads, g.head_dim)
-            for i in range(g.layers)]  # fmt: skip
+    off = 0  # the pattern runs on across the layers, as over one buffer
+    for t in kv:
+        flat = t.view(-1).view(torch.uint8)
+        pos = 0
+        while pos < flat.numel():
+            k = off % SEED_BYTES
+            n = min(SEED_BYTES - k, flat.numel() - pos)
+            flat[pos : pos + n].copy_(seed[k : k + n])
+            pos, off = pos + n, off + n
 
 
 def kv_digest(kv: list[Any]) -> list[int]:
+    """XXH3-64 per layer, the layers hashed on every core (the checksum releases the GIL; the
+    digest is outside every timed window)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm_kvpool.native import kvio
 
     io = kvio()
-    return [io.checksum(t.data_ptr(), t.numel() * t.element_size()) for t in kv]
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as ex:
+        return list(ex.map(lambda t: io.checksum(t.data_ptr(), t.numel() * t.element_size()), kv))
 
 
 def block_hashes(g: Geometry, salt: str) -> list[bytes]:
@@ -212,6 +239,18 @@ class Result:
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+_PHASE = [time.perf_counter()]
+
+
+def phase(name: str) -> None:
+    """A child's wall seconds since its previous mark (or its start), printed for the parent
+    (``run_child`` logs each child's wall time and these parts of it)."""
+    now = time.perf_counter()
+    print(f"PHASE {json.dumps({'name': name, 'seconds': round(now - _PHASE[0], 3)})}",
+          flush=True)  # fmt: skip
+    _PHASE[0] = now
 
 
 def pool_parts(names: list[str]) -> list[str]:
@@ -280,6 +319,7 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
             Path(d["ssd"]["path"]).unlink(missing_ok=True)  # no chunks of an earlier run
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     hashes = block_hashes(g, spec["salt"])
     ids = list(range(g.num_blocks))
@@ -288,6 +328,7 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                    bandwidths=spec.get("gbps"),
                    layout_id=f"{spec['salt']}-{spec['system']}") as pool:  # fmt: skip
         saved = pool.save(hashes, ids)
+        phase("store")
         if saved != g.num_chunks:
             raise RuntimeError(f"{spec['system']}: stored {saved} of {g.num_chunks} chunks")
         devs = [d.name for d in pool.config.devices]
@@ -297,27 +338,39 @@ def run_pool(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                         if e.location.device == i) for i in range(len(devs))}  # fmt: skip
 
         serial = [i for i in order if share[i]]
-        parts = [q for p in spec.get("parts") or pool_parts(devs)
-                 for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
-        parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
-        fetch_part(pool, hashes, ids, "pool")  # untimed warm-up: first-touch costs are not the
-        # fetch's (LMCache's warm-up too)
-        for rep in range(spec["reps"]):
-            for part in parts if rep % 2 == 0 else parts[::-1]:
-                seconds, blocks, ok, cpu_s, moved, cold = measure_part(pool, kv, hashes, ids,
-                                                                       part, serial)
-                if part.startswith("alone:"):
-                    want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens // g.block_size
-                    identical = ok and blocks == want
-                else:
-                    identical = ok and blocks == g.num_blocks and kv_digest(kv) == digest
-                name = spec["system"] if part == "pool" else part
-                r = Result(name, spec["scenario"], seconds, sum(moved.values()), cpu_s, identical,
-                           moved, {k: b / seconds / 1e9 for k, b in moved.items()}, cold=cold,
-                           rep=rep, threads=torch.get_num_threads())  # fmt: skip
-                out.append(r)
-                if emit is not None:
-                    emit(r)
+        # the main run, then each extra thread count (S1-t<k>) on the same engine and stored
+        # chunks: a copy-thread count is the engine's ``copy_threads`` and torch's threads, set
+        # here as a fresh child would have them, with its own untimed warm-up
+        for run in [{"threads": spec["threads"], "scenario": spec["scenario"],
+                     "parts": spec.get("parts")}, *spec.get("extra", [])]:  # fmt: skip
+            torch.set_num_threads(run["threads"])
+            pool.engine.loads.copy_threads = run["threads"]
+            parts = [q for p in run["parts"] or pool_parts(devs)
+                     for q in ([f"alone:{n}" for n in devs] if p == "alone:*" else [p])]  # fmt: skip
+            parts = [p for p in parts if not p.startswith("alone:") or share[devs.index(p[6:])]]
+            fetch_part(pool, hashes, ids, "pool")  # untimed warm-up: first-touch costs are not
+            # the fetch's (LMCache's warm-up too)
+            for rep in range(spec["reps"]):
+                for part in parts if rep % 2 == 0 else parts[::-1]:
+                    alone = part.startswith("alone:")
+                    # a share alone is checked by its blocks and their checksums, not against
+                    # the digest, so the KV is not zeroed for it (as in the placement steps)
+                    seconds, blocks, ok, cpu_s, moved, cold = measure_part(
+                        pool, kv, hashes, ids, part, serial, zero=not alone)  # fmt: skip
+                    if alone:
+                        want = share[devs.index(part[6:])] // g.chunk_bytes * g.chunk_tokens \
+                            // g.block_size  # fmt: skip
+                        identical = ok and blocks == want
+                    else:
+                        identical = ok and blocks == g.num_blocks and kv_digest(kv) == digest
+                    name = spec["system"] if part == "pool" else part
+                    r = Result(name, run["scenario"], seconds, sum(moved.values()), cpu_s,
+                               identical, moved, {k: b / seconds / 1e9 for k, b in moved.items()},
+                               cold=cold, rep=rep, threads=torch.get_num_threads())  # fmt: skip
+                    out.append(r)
+                    if emit is not None:
+                        emit(r)
+        phase("measure")
     return out
 
 
@@ -342,40 +395,50 @@ def run_placement(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     ``together``, ``spec["bound_reps"]`` times each) and drops the prefix. Interleaving puts
     every policy on the disk as it is at that moment (the SSD file's speed drifts by tens of
     percent between minutes: in one quiet run 1.9 GB/s for one child, 1.35 for the next, which
-    had made the policies' children incomparable). ``spec["throttle_mbps"][step]`` sets the
+    had made the policies' children incomparable). ``spec["runs"]``: the scenarios, in turn on
+    the same pools and KV (made once), each from its prior ``gbps`` with nothing learned
+    (fresh weights; every step leaves the pools empty); its ``throttle_mbps[step]`` sets the
     second SSD's read limit before the step (S4: slowed to a third, then back). Only ``pool``
     fetches teach a pool its bandwidths, as a serving pool's fetches would: the bound's parts
     (a share read alone runs at another queue depth and burst state) are measured and their
     observations then discarded. Results: scenario ``<scenario>:<policy>``, rep = step."""
     from vllm_kvpool.local import LocalPool
+    from vllm_kvpool.placement import DeviceWeights
 
     for d in spec["policies"][0]["config"]["devices"]:
         if "ssd" in d and not d["ssd"]["path"].startswith("/dev/"):
             Path(d["ssd"]["path"]).unlink(missing_ok=True)
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     # what every save stores: a step leaves the KV whole (its whole fetches are checked against
     # the digest; a share alone is fetched without zeroing the KV first: its check is the
-    # blocks read and their checksums), else it is put back from this copy
-    stored = [t.clone() for t in kv]
+    # blocks read and their checksums), else ``fill_kv`` puts it back
     names = {f"layers.{i}": t for i, t in enumerate(kv)}
     out: list[Result] = []
+    runs = spec["runs"]
     with contextlib.ExitStack() as stack:
         pools = {p["policy"]: stack.enter_context(LocalPool(
-            p["config"], names, g.num_blocks, g.block_size, bandwidths=spec["gbps"],
-            layout_id=f"{spec['scenario']}:{p['policy']}")) for p in spec["policies"]}  # fmt: skip
+            p["config"], names, g.num_blocks, g.block_size, bandwidths=runs[0]["gbps"],
+            layout_id=f"placement:{p['policy']}")) for p in spec["policies"]}  # fmt: skip
         order = list(pools)
-        for step, mbps in enumerate(spec["throttle_mbps"]):
-            set_throttle(spec.get("throttle"), mbps)
-            k = step % len(order)
-            for policy in order[k:] + order[:k]:
-                res = _placement_step(g, pools[policy], kv, digest, f"{spec['scenario']}:{policy}",
-                                      step, mbps, spec.get("bound_reps", BOUND_REPS), emit)
-                out += res
-                if not all(r.identical for r in res):  # the next save must store the prefix
-                    for t, src in zip(kv, stored, strict=True):
-                        t.copy_(src)
-    set_throttle(spec.get("throttle"), spec["throttle_mbps"][0])
+        for run in runs:
+            for pool in pools.values():  # the scenario's prior, nothing learned (each step
+                # leaves the pool empty: ``_placement_step`` clears it)
+                probe = pool.config.probe
+                pool.pool.weights = DeviceWeights(run["gbps"], probe.learn_after, probe.half_life)
+            for step, mbps in enumerate(run["throttle_mbps"]):
+                set_throttle(spec.get("throttle"), mbps)
+                k = step % len(order)
+                for policy in order[k:] + order[:k]:
+                    res = _placement_step(g, pools[policy], kv, digest,
+                                          f"{run['scenario']}:{policy}", step, mbps,
+                                          spec.get("bound_reps", BOUND_REPS), emit)  # fmt: skip
+                    out += res
+                    if not all(r.identical for r in res):  # the next save must store the prefix
+                        fill_kv(kv)
+            set_throttle(spec.get("throttle"), run["throttle_mbps"][0])
+            phase(f"measure {run['scenario']}")
     return out
 
 
@@ -525,6 +588,7 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
     disk_dir.mkdir(parents=True)
     kv = make_kv(g)
     digest = kv_digest(kv)
+    phase("make_kv")
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=spec["cpu_gib"],
         local_disk=f"file://{disk_dir}/", max_local_disk_size=spec["disk_gib"],
@@ -552,49 +616,61 @@ def run_lmcache(g: Geometry, spec: dict[str, Any], emit=None) -> list[Result]:
                 break
             last = on_disk
             time.sleep(0.05)
-        for rep in range(-1, spec.get("reps", 1)):  # rep -1: untimed warm-up, as the pool's
-            if spec.get("resident") is not None:  # matched split: only the host share in memory
-                for k in keys[spec["resident"] :]:
-                    if cpu.contains(k):
-                        sm.remove(k, ["LocalCPUBackend"])
-            in_cpu = 0
-            while in_cpu < len(keys) and cpu.contains(keys[in_cpu]):
-                in_cpu += 1
-            cold = drop_page_cache()
-            for t in kv:
-                t.zero_()
-            cpu0, start = _cpu(), time.perf_counter()
-            done: list[Any] = []
-            worker = threading.Thread(target=lambda out=done: out.append(
-                engine.retrieve(tokens, slot_mapping=slots)), daemon=True)  # fmt: skip
-            worker.start()
-            worker.join(spec.get("retrieve_timeout"))
-            seconds = time.perf_counter() - start
-            if not done:  # LMCache is stuck: report it, leave without waiting for its threads
-                note = (f"did not complete in {spec['retrieve_timeout']:.0f} s ({on_disk}/"
-                        f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU "
-                        "tier)")  # fmt: skip
-                print("RESULT " + json.dumps(asdict(Result(
-                    spec["system"], spec["scenario"], None, g.prefix_bytes, 0.0, False,
-                    note=note, rep=max(rep, 0)))), flush=True)  # fmt: skip
-                os._exit(0)
-            cpu_s = _cpu() - cpu0
-            got = int(done[0].sum())
-            identical = got == g.tokens and kv_digest(kv) == digest
-            moved = got * g.chunk_bytes // g.chunk_tokens
-            cb = min(in_cpu * g.chunk_bytes, moved)
-            dev = {"lmcache-cpu": cb, "lmcache-disk": moved - cb}
-            note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} "
-                                               "tokens (the rest would be recomputed)")  # fmt: skip
-            r = Result(spec["system"], spec["scenario"], seconds, moved, cpu_s, identical,
-                       {k: b for k, b in dev.items() if b},
-                       {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
-                       torch.get_num_threads())  # fmt: skip
-            if rep < 0:
-                continue
-            out.append(r)
-            if emit is not None:
-                emit(r)
+        phase("store")
+        # the main run, then each extra run on the same engine and stored chunks, with its own
+        # untimed warm-up: another thread count (S1-t<k>: torch's threads set as a fresh
+        # child's) or another ``use_odirect`` (the disk backend reads the flag at each read,
+        # and the files an O_DIRECT store wrote hold the same bytes a buffered one writes)
+        for run in [{}, *spec.get("extra", [])]:
+            torch.set_num_threads(run.get("threads", spec["threads"]))
+            disk.use_odirect = run.get("odirect", spec["odirect"])
+            system = run.get("system", spec["system"])
+            for rep in range(-1, spec.get("reps", 1)):  # rep -1: untimed warm-up, as the pool's
+                if spec.get("resident") is not None:  # matched split: only the host share in memory
+                    for k in keys[spec["resident"] :]:
+                        if cpu.contains(k):
+                            sm.remove(k, ["LocalCPUBackend"])
+                in_cpu = 0
+                while in_cpu < len(keys) and cpu.contains(keys[in_cpu]):
+                    in_cpu += 1
+                cold = drop_page_cache()
+                for t in kv:
+                    t.zero_()
+                cpu0, start = _cpu(), time.perf_counter()
+                done: list[Any] = []
+                worker = threading.Thread(target=lambda out=done: out.append(
+                    engine.retrieve(tokens, slot_mapping=slots)), daemon=True)  # fmt: skip
+                worker.start()
+                worker.join(spec.get("retrieve_timeout"))
+                seconds = time.perf_counter() - start
+                if not done:  # LMCache is stuck: report it, leave without waiting for its threads
+                    note = (f"did not complete in {spec['retrieve_timeout']:.0f} s ({on_disk}/"
+                            f"{len(keys)} chunks on its disk, {in_cpu} leading chunks in its CPU "
+                            "tier)")  # fmt: skip
+                    print("RESULT " + json.dumps(asdict(Result(
+                        system, run.get("scenario", spec["scenario"]), None, g.prefix_bytes,
+                        0.0, False,
+                        note=note, rep=max(rep, 0)))), flush=True)  # fmt: skip
+                    os._exit(0)
+                cpu_s = _cpu() - cpu0
+                got = int(done[0].sum())
+                identical = got == g.tokens and kv_digest(kv) == digest
+                moved = got * g.chunk_bytes // g.chunk_tokens
+                cb = min(in_cpu * g.chunk_bytes, moved)
+                dev = {"lmcache-cpu": cb, "lmcache-disk": moved - cb}
+                note = "" if got == g.tokens else (f"partial hit: retrieved {got} of {g.tokens} "
+                                                   "tokens (the rest would be recomputed)")  # fmt: skip
+                r = Result(system, run.get("scenario", spec["scenario"]), seconds, moved, cpu_s,
+                           identical,
+                           {k: b for k, b in dev.items() if b},
+                           {k: b / seconds / 1e9 for k, b in dev.items() if b}, note, cold, rep,
+                           torch.get_num_threads())  # fmt: skip
+                if rep < 0:
+                    continue
+                out.append(r)
+                if emit is not None:
+                    emit(r)
+        phase("measure")
     finally:
         LMCacheEngineBuilder.destroy("bench")
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -610,6 +686,7 @@ def child_main(payload: str) -> int:
     import torch
 
     torch.set_num_threads(spec["threads"])  # LMCache's torch copies get the pool's threads
+    phase("start")  # the interpreter and torch
 
     def emit(r: Result) -> None:
         print("RESULT " + json.dumps(asdict(r)), flush=True)
@@ -704,7 +781,10 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "THP_MEM_ALLOC_ENABLE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     payload = json.dumps({"geometry": asdict(g), "spec": spec})
-    err_path = Path(spec.get("workdir", "/tmp")) / "child.err"
+    workdir = Path(spec.get("workdir", "/tmp"))
+    err_path = workdir / "child.err"
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
     with open(err_path, "w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--child", payload], env=env,
                                 stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
@@ -718,11 +798,15 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
                     r = Result(**json.loads(ln[7:]))
                     results.append(r)
                     sink(r)
+                elif ln.startswith("PHASE "):
+                    mark = json.loads(ln[6:])
+                    phases[mark["name"]] = phases.get(mark["name"], 0.0) + mark["seconds"]
             proc.wait()
         finally:
             timer.cancel()
         err.seek(0)
         log = err.read()
+    child_time(workdir, spec, time.perf_counter() - start, phases)
     stuck = [x for x in log.splitlines() if "No eviction candidates" in x or "Waiting" in x]
     if proc.returncode != 0 and not results:
         if proc.returncode == -9:
@@ -737,6 +821,18 @@ def run_child(g: Geometry, spec: dict[str, Any], timeout: float, sink) -> list[R
         if r.seconds is None and stuck:
             r.note += f"; its log, {len(stuck)} times: {stuck[-1].strip()[-200:]}"
     return results
+
+
+def child_time(workdir: Path, spec: dict[str, Any], wall: float, phases: dict[str, float]) -> None:
+    """One child's wall seconds and its parts (``phase``), on stderr and appended to the
+    results file (a ``"record": "child"`` line) as soon as it exits."""
+    rec = {"record": "child", "scenario": spec["scenario"], "system": spec["system"],
+           "wall_s": round(wall, 2), "phases": {k: round(v, 2) for k, v in phases.items()}}  # fmt: skip
+    print(f"[{spec['scenario']}] child {spec['system']}: {wall:.1f} s wall ("
+          + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + ")",
+          file=sys.stderr, flush=True)  # fmt: skip
+    with open(workdir / "results.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def lmcache_available() -> str | None:
@@ -787,10 +883,10 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
     base = {"disk_dir": str(wd / "lmcache_disk"), "disk_gib": lmc_gib, "cpu_gib": lmc_gib}
     lmc: list[dict[str, Any]] = []
     if lmc_reason is None:
+        # buffered reads measured by the O_DIRECT child on the files it stored (``run_lmcache``)
         lmc = [{**base, "system": "lmcache-slice-odirect", "copy": "slice", "odirect": True,
-                "resident": host1},
-               {**base, "system": "lmcache-slice-buffered", "copy": "slice", "odirect": False,
-                "resident": host1}]  # fmt: skip
+                "resident": host1,
+                "extra": [{"system": "lmcache-slice-buffered", "odirect": False}]}]  # fmt: skip
         if args.lmcache_kernel:
             lmc.append({**base, "system": "lmcache-kernel-odirect", "copy": "kernel",
                         "odirect": True, "resident": host1, "reps": 1})  # fmt: skip
@@ -810,7 +906,7 @@ def scenarios(g: Geometry, args: argparse.Namespace, dev: Devices | None,
         out["S1-spdk"] = {"devices": [{"host": {"capacity": host1 * s}}, spdk], "pools": full,
                           "lmcache": []}  # fmt: skip
     if dev is not None and dev.second is not None:
-        s3_lmc = [{**lmc[0], "resident": host2}] if lmc else []
+        s3_lmc = [{**lmc[0], "resident": host2, "extra": []}] if lmc else []
         out["S3"] = {"devices": s3_devices(g, args, dev), "lmcache": s3_lmc,
                      "pools": [*full, *([("pool-tiered", "single_tier_serial", ["pool"])]
                                         if args.tiered else [])]}  # fmt: skip
@@ -861,14 +957,17 @@ def run_placements(g: Geometry, args: argparse.Namespace, dev: Devices, gbps: li
         if learn_after is not None:
             config["probe"] = {**config["probe"], "learn_after": learn_after}
         policies.append({"policy": policy, "config": config})
-    for scenario, (prior, schedule) in plans.items():
-        start = time.perf_counter()
-        run_child(small, {"system": "placement", "scenario": scenario, "policies": policies,
-                          "gbps": prior, "threads": threads, "cgroup": cgroup,
-                          "throttle": dev.throttle, "throttle_mbps": schedule,
-                          "workdir": str(args.workdir)}, args.timeout, sink)  # fmt: skip
-        log(f"[{scenario}] {len(schedule)} steps x {len(policies)} policies: "
-            f"{time.perf_counter() - start:.0f} s")
+    # one child for both: its pools (and KV) made once, each scenario starting them from its
+    # own prior with nothing learned (``run_placement``)
+    start = time.perf_counter()
+    runs = [{"scenario": sc, "gbps": prior, "throttle_mbps": schedule}
+            for sc, (prior, schedule) in plans.items()]  # fmt: skip
+    run_child(small, {"system": "placement", "scenario": "+".join(plans), "runs": runs,
+                      "policies": policies, "threads": threads, "cgroup": cgroup,
+                      "throttle": dev.throttle, "workdir": str(args.workdir)},
+              args.timeout * len(runs), sink)  # fmt: skip
+    log(f"[{'+'.join(plans)}] {sum(len(r['throttle_mbps']) for r in runs)} steps x "
+        f"{len(policies)} policies: {time.perf_counter() - start:.0f} s")
 
 
 def med(xs: list[float]) -> float:
@@ -923,16 +1022,18 @@ def run(args: argparse.Namespace, log=print) -> str:
             log(f"[{name}] devices (probed GB/s, placement weights): " + ", ".join(
                 f"{next(iter(d))} {d[next(iter(d))].get('path', 'memory')} {b:.2f}"
                 for d, b in zip(sc["devices"], gbps, strict=True)))  # fmt: skip
-            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink)
+            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
+            extra = None
+            if name == "S1" and other != threads and not args.no_thread_sweep:
+                # S1 again at the other thread count, both sides equal: the pool and LMCache
+                # O_DIRECT, each in its S1 child, on the chunks it stored there
+                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides (in S1's pool "
+                    "and LMCache O_DIRECT children, after their S1 repetitions)")
+                extra = {"threads": other, "scenario": f"S1-t{other}",
+                         "parts": ["pool", "alone:*", "together"]}  # fmt: skip
+            run_scenario(g, args, name, sc, threads, gbps, cgroup, sink, extra)
             if name == "S3" and dev is not None and not args.no_placement:
                 run_placements(g, args, dev, gbps, threads, cgroup, log, sink)
-            other = 1 if threads > 1 else copy_thread_counts(len(os.sched_getaffinity(0)))[-1]
-            if name == "S1" and other != threads and not args.no_thread_sweep:
-                # S1 again at the other thread count, both sides equal: pool and LMCache O_DIRECT
-                log(f"[S1-t{other}] S1 with {other} copy thread(s) on both sides")
-                run_scenario(g, args, f"S1-t{other}",
-                             {**sc, "pools": [("pool", "bandwidth", ["pool", "alone:*", "together"])],
-                              "lmcache": sc["lmcache"][:1]}, other, gbps, cgroup, sink)  # fmt: skip
     finally:
         if dev is not None:
             dev.close()
@@ -941,9 +1042,12 @@ def run(args: argparse.Namespace, log=print) -> str:
 
 
 def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str, Any],
-                 threads: int, gbps: list[float], cgroup: str | None, sink) -> None:  # fmt: skip
+                 threads: int, gbps: list[float], cgroup: str | None, sink,
+                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
     """The children of one scenario: the pool's (one per placement) and LMCache's, all with
-    ``threads`` torch/OpenMP/copy threads."""
+    ``threads`` torch/OpenMP/copy threads. ``extra`` (S1-t<k>): another thread count measured
+    by the first pool child and the first LMCache child after their own repetitions, on the
+    KV and chunks they stored (``parts`` the pool's), each with its own warm-up."""
     pools = [{"system": system, "scenario": name, "salt": f"{name}-{system}",
               "config": {**pool_config(g, sc["devices"], placement), "copy_threads": threads},
               "gbps": gbps, "threads": threads, "cgroup": cgroup, "reps": args.reps,
@@ -954,6 +1058,11 @@ def run_scenario(g: Geometry, args: argparse.Namespace, name: str, sc: dict[str,
     lmc = [{**j, "scenario": name, "salt": name, "reps": j.get("reps", args.reps),
             "cgroup": cgroup, "workdir": str(args.workdir), "threads": threads}
            for j in sc["lmcache"]]  # fmt: skip
+    if extra is not None:
+        pools[0]["extra"] = [extra]
+        if lmc:  # LMCache O_DIRECT at that thread count
+            lmc[0]["extra"] = [*lmc[0].get("extra", []), {
+                "threads": extra["threads"], "scenario": extra["scenario"], "odirect": True}]
     for spec in [*lmc[:1], *pools, *lmc[1:]]:
         run_child(g, spec, args.timeout, sink)
 
@@ -1198,12 +1307,15 @@ def s4_phases(results: dict[str, list[Result]], log) -> float:
         ad = [pools["adaptive"][rep].seconds for rep in reps if rep in pools["adaptive"]]
         log(f"S4 {phase:9s} (steps {reps[0]}-{reps[-1]}): " + "; ".join(row)
             + f"; rr / adaptive {sum(rr) / sum(ad):.2f}")
-    later = [rep for rep in phases["recovered"][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
-    if later:  # the first recovered request is placed before any recovered fetch: blind for any
-        rr = [pools["rr"][rep].seconds for rep in later]  # learner, so judged apart
-        ad = [pools["adaptive"][rep].seconds for rep in later]
-        log(f"S4 recovered, after its first step (steps {later[0]}-{later[-1]}): rr {med(rr):.3f} s, "
-            f"adaptive {med(ad):.3f} s (medians); rr / adaptive {sum(rr) / sum(ad):.2f}")
+    for phase in ("before", "recovered"):  # each phase's first request is placed before any
+        # fetch of it (the prior's split; the slowed one): blind for any learner, judged apart
+        later = [rep for rep in phases[phase][1:] if rep in pools["rr"] and rep in pools["adaptive"]]
+        if later:
+            rr = [pools["rr"][rep].seconds for rep in later]
+            ad = [pools["adaptive"][rep].seconds for rep in later]
+            log(f"S4 {phase}, after its first step (steps {later[0]}-{later[-1]}): rr "
+                f"{med(rr):.3f} s, adaptive {med(ad):.3f} s (medians); rr / adaptive "
+                f"{sum(rr) / sum(ad):.2f}")
     common = [rep for rep in pools["rr"] if rep in pools["adaptive"]]
     total = (sum(pools["rr"][rep].seconds for rep in common)
              / sum(pools["adaptive"][rep].seconds for rep in common))  # fmt: skip

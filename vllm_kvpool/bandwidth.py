@@ -12,8 +12,10 @@ bytes halve its weight; ``DeviceWeights`` ages every device by each observation)
 device's own bytes: a device that placement gave a small share would otherwise keep a slow spell
 for many fetches (a device slowed, given fewer chunks, then recovered, never won its share back).
 
-The probe's figure is the prior: it stays the estimate until ``learn_after`` bytes have moved,
-then the measured one replaces it. When a device's recent evidence runs thin (its decayed bytes
+The probe's figure is the prior: until ``learn_after`` bytes have moved it counts as the bytes
+still missing, at its rate, beside those measured (so the estimate moves from the prior to the
+measurement as bytes come in, at the pace of the device's own share), then the measured figure
+replaces it. When a device's recent evidence runs thin (its decayed bytes
 below ``learn_after / STALE_DIVISOR``: placement gave it next to nothing for several half-lives),
 the prior fills in the missing bytes, so a starved device's estimate drifts back toward the
 probe's figure and it is tried again instead of keeping a stale figure forever.
@@ -110,13 +112,22 @@ class RateEstimate:
     @property
     def gbps(self) -> float:
         """The current estimate: measured (the prior filling in what recent evidence lacks
-        when it is thin), else the probe's prior."""
-        measured = self.measured_gbps
-        if measured is None:
-            return self.prior_gbps
-        missing = self.learn_after / STALE_DIVISOR - self._bytes
-        if missing <= 0 or self.prior_gbps <= 0:
-            return measured
+        when it is thin); before ``learn_after`` bytes have moved, the prior counted as the
+        bytes still missing at its rate beside those measured, so the estimate moves from the
+        prior to the measured figure as the bytes come in. Each device learns at the pace of
+        its own share, so an estimate that held the prior whole until then mixed one device's
+        prior with another's measurement in the split they propose (issue #46, S4 before the
+        slowdown: the SSD file, given 224 of the 256 MiB ``learn_after`` a fetch, kept its
+        prior 1.2 GB/s for two fetches beside the other SSD measured at 1.4, while it read at
+        1.6: the prior's uneven split was proposed again and kept, 0.83x round robin)."""
+        if self.prior_gbps <= 0 or self._bytes <= 0:
+            return self.measured_gbps or self.prior_gbps
+        if self.measured_gbps is None:
+            missing = self.learn_after - self._bytes
+        else:
+            missing = self.learn_after / STALE_DIVISOR - self._bytes
+        if missing <= 0:
+            return self._bytes / self._seconds / 1e9
         return (self._bytes + missing) / (self._seconds + missing / (self.prior_gbps * 1e9)) / 1e9
 
     def reset(self) -> None:

@@ -140,7 +140,8 @@ class SplitGuard:
         # the champions (weights, splits each had measured slower) when the devices changed,
         # latest last, one per split, and what a returning challenger brings back if it wins
         # (see ``_devices_changed``)
-        self.before: list[tuple[list[float], list[tuple[list[float], int]]]] = []
+        self.before: list[tuple[list[float], list[tuple[list[float], int]],
+                                list[float] | None]] = []  # (weights, slower, placed)
         self.returning: list[tuple[list[float], int]] = []
         # the splits remembered slower as of the champion's latest fetch: one recorded since
         # may have been measured after the devices changed (S4: a challenger fetched in the
@@ -191,10 +192,10 @@ class SplitGuard:
         if which is self.champion:
             last, last_devices = self.champion.seconds_per_byte, self.devices
             self.champion.seconds_per_byte, self.devices = per_byte, devices
-            if last is not None and self._changed(per_byte, last, last_devices,
-                                                  1 + max(CHANGED, 2 * self.band()),
+            factor = 1 + max(CHANGED, 2 * self.band())
+            if last is not None and self._changed(per_byte, last, last_devices, factor,
                                                   per_byte / last):  # fmt: skip
-                self._devices_changed()
+                self._devices_changed(self._moved(per_byte, last, last_devices, factor))
             elif last is not None:
                 self.noise = [*self.noise, abs(per_byte / last - 1)][-NOISE_SAMPLES:]
             self.champion.times = [*self.champion.times, per_byte][-EVIDENCE:]
@@ -238,21 +239,45 @@ class SplitGuard:
             self.step = max(self.step / 2, MIN_STEP)
         self.challenger, self.returning = None, []
 
-    def _devices_changed(self) -> None:
+    def _devices_changed(self, moved: list[int] | None) -> None:
         """The champion's fetch says the devices changed since its previous one (the same rule
         as the wait's): its earlier times are moot, and the champion from before the previous
         change is the challenger at once, with the splits it had measured slower (restored if
         it wins). A device that slowed and recovered is usually back at its old speed (S4),
         and the split kept before the slowdown was measured there; the estimates, learning the
         recovered device from fetches of the slowed split, proposed past its knee first (a
-        trial fetch 1.4-1.6x round robin's in ``test_s4_*``, 0.73-0.85x in development runs)."""
+        trial fetch 1.4-1.6x round robin's in ``test_s4_*``, 0.73-0.85x in development runs).
+        ``moved``: the devices whose part moved (None: the whole fetch's time did). An earlier
+        champion that places each of them as the champion does cannot be faster because of
+        them, so it is not offered (S4, development run after the restore: the full host
+        pools' part moved 1.29x, noise, and the slowed split was tried again at 1.5x round
+        robin's fetch); the change still makes the champion's earlier times moot."""
         self.champion.times = []
         now = shares(self.champion.weights)
         others = [b for b in self.before if distance(shares(b[0]), now) > MIN_CHANGE]
-        if others:  # the latest other one (a false alarm, noise, must not hide it: a list)
-            self.challenger, self.returning, self.unfetched = Candidate(others[-1][0]), \
-                others[-1][1], 0  # fmt: skip
-        self.before = [*others, (list(self.champion.weights), self.checked)][-KEEP_BEFORE:]
+        here = self.champion.placed
+
+        def differs(b: tuple) -> bool:  # places a device that moved otherwise than ``here``
+            return moved is None or here is None or b[2] is None or any(
+                abs(b[2][d] - here[d]) > SAME for d in moved)  # fmt: skip
+
+        offer = [b for b in others if differs(b)]
+        if offer:  # the latest one (a false alarm, noise, must not hide it: a list)
+            self.challenger, self.returning, self.unfetched = Candidate(offer[-1][0]), \
+                offer[-1][1], 0  # fmt: skip
+        self.before = [*others, (list(self.champion.weights), self.checked,
+                                 here)][-KEEP_BEFORE:]  # fmt: skip
+
+    def _moved(self, per_byte: float, then: float, devices_then: list[float | None],
+               factor: float) -> list[int] | None:  # fmt: skip
+        """Which devices ``_changed`` saw move between two fetches of the champion (None: the
+        whole fetch's time moved, every device counts)."""
+        if abs(per_byte / then - 1) > max(CHANGED, 2 * self.band()):
+            return None
+        common = per_byte / then
+        return [d for d, (a, b) in enumerate(zip(self.devices, devices_then, strict=False))
+                if a is not None and b is not None
+                and max(a / b / common, b * common / a) >= factor]  # fmt: skip
 
     def band(self) -> float:
         """How much slower than the champion one fetch of a challenger may be and still get a

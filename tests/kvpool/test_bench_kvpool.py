@@ -4,6 +4,7 @@ broken baseline fails CI (its timings are the benchmark's business, not asserted
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -75,6 +76,15 @@ def test_lmcache_path_fetches_identical_kv(bench, tmp_path):
         assert r.identical and r.threads == 2
         assert r.device_bytes == {"lmcache-cpu": 2 * g.chunk_bytes,
                                   "lmcache-disk": (g.num_chunks - 2) * g.chunk_bytes}  # fmt: skip
+    # buffered reads, then another thread count, on the same engine and stored files
+    spec["extra"] = [{"system": "lmcache-slice-buffered", "odirect": False},
+                     {"threads": 1, "scenario": "smoke-t1"}]  # fmt: skip
+    results = bench.run_lmcache(g, spec)
+    assert [(r.system, r.scenario, r.rep, r.threads) for r in results] == [
+        ("lmcache-slice-odirect", "smoke", 0, 2), ("lmcache-slice-odirect", "smoke", 1, 2),
+        ("lmcache-slice-buffered", "smoke", 0, 2), ("lmcache-slice-buffered", "smoke", 1, 2),
+        ("lmcache-slice-odirect", "smoke-t1", 0, 1), ("lmcache-slice-odirect", "smoke-t1", 1, 1)]
+    assert all(r.identical for r in results)
 
 
 def test_summary_line_from_in_run_parts(bench):
@@ -131,6 +141,17 @@ def test_children_run_with_the_pools_copy_threads(bench, tmp_path):
     assert got and all(r.threads == 2 and r.identical for r in got)
     spec["threads"] = 1
     assert all(r.threads == 1 for r in bench.run_child(g, spec, 300, lambda r: None))
+    # another thread count in the same child, on the chunks it stored (S1-t<k>): its own
+    # scenario, its threads, the KV still fetched identical
+    spec["extra"] = [{"threads": 2, "scenario": "smoke-t2", "parts": ["pool", "alone:*"]}]
+    got = bench.run_child(g, spec, 300, lambda r: None)
+    assert {(r.scenario, r.system, r.threads) for r in got} == {
+        ("smoke", "pool", 1), ("smoke-t2", "pool", 2), ("smoke-t2", "alone:host0", 2)}
+    assert all(r.identical for r in got)
+    # each child's wall time is in the results file, with its parts, as soon as it exits
+    walls = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(walls) == 3 and all(w["record"] == "child" and w["wall_s"] > 0 for w in walls)
+    assert {"start", "make_kv", "store", "measure"} <= set(walls[-1]["phases"])
 
 
 def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(bench, tmp_path):
@@ -147,11 +168,17 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     config = {**bench.pool_config(g, devices, "bandwidth"), "copy_threads": 1,
               "probe": {"learn_after": 1, "half_life": "1MiB"}}  # fmt: skip
     rr = {**config, "placement": "round_robin"}
-    spec = {"system": "placement", "scenario": "S4", "gbps": [50.0, 1.0, 100.0], "threads": 1,
+    # two scenarios in turn on the same pools (S3p then S4): each from its own prior
+    runs = [{"scenario": "S3p", "gbps": [1.0, 50.0, 100.0], "throttle_mbps": [1500]},
+            {"scenario": "S4", "gbps": [50.0, 1.0, 100.0], "throttle_mbps": [1500, 500, 1500]}]
+    spec = {"system": "placement", "scenario": "S3p+S4", "runs": runs, "threads": 1,
             "policies": [{"policy": "rr", "config": rr}, {"policy": "adaptive", "config": config}],
-            "throttle": None, "throttle_mbps": [1500, 500, 1500]}  # fmt: skip
-    results = bench.run_placement(g, spec)
-    assert {r.scenario for r in results} == {"S4:adaptive", "S4:rr"}
+            "throttle": None}  # fmt: skip
+    both = bench.run_placement(g, spec)
+    assert {r.scenario for r in both} == {"S3p:adaptive", "S3p:rr", "S4:adaptive", "S4:rr"}
+    first = next(r for r in both if r.system == "pool" and r.scenario == "S3p:adaptive")
+    assert bench.json.loads(first.note)["weights"] == [1.0, 50.0, 100.0]
+    results = [r for r in both if r.scenario.startswith("S4:")]
     for sc in ("S4:adaptive", "S4:rr"):
         for step in (0, 1, 2):
             parts = [r for r in results if r.rep == step and r.scenario == sc]
@@ -167,6 +194,7 @@ def test_placement_run_saves_a_new_prefix_per_step_and_fetches_it_identical(benc
     weights = [bench.json.loads(r.note)["weights"] for r in results
                if r.system == "pool" and r.scenario == "S4:adaptive"]  # fmt: skip
     assert weights[0] == [50.0, 1.0, 100.0] and weights[1] != weights[0]  # learned in service
+    # (S4's first step placed by S4's prior: nothing S3p's steps taught the pool carried over)
     # each pool fetch's record carries the guard's state after it: the champion measured, one
     # time per device (the host pool's share included); the bound's parts carry none
     guards = [bench.json.loads(r.note)["guard"] for r in results
@@ -201,8 +229,11 @@ def test_placement_summary_counts_the_slowed_fetches_before_the_placement_moved(
     lines: list[str] = []
     *_, r_s4 = bench.placement_summary({**results, "S4:rr/pool": rr}, lines.append)
     assert r_s4 == pytest.approx((3 * 1.0 + 4 * 1.5) / 7)  # 3 fetches at full speed, 4 slowed
-    phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln]
+    phases = [ln.split()[1] for ln in lines if ln.startswith("S4 ") and "rr / adaptive" in ln
+              and "after its first step" not in ln]  # fmt: skip
     assert phases == ["before", "slowed", "recovered", "whole"]
+    # the before phase judged again without its first (blind: the prior's) step
+    assert any(ln.startswith("S4 before, after its first step (steps 1-1)") for ln in lines)
     # Two more recovered steps: the recovered phase after its first (blind) step, apart.
     more = [(1500, 16), (1500, 64)]
     ad = results["S4:adaptive/pool"] + [r("pool", 7 + i, m, b, 0.5) for i, (m, b) in enumerate(more)]
