@@ -13,17 +13,24 @@
    context constant cannot flatter; device-level MAPE beside it; a fused-Adam ablation
    (what the predictor assumed before) on a subset. These are DEVELOPMENT-SET figures: the
    margin, last-batch tracing and optimizer implementation were shaped on this set.
-2. OOM verdict over a sweep of budgets: every 0.5 GiB from the smallest to the largest
-   measured peak (not picked budgets); "fits" when device-level + margin <= budget, measured
-   "fits" when the observed peak is. False "fits" (predicted fits, measured OOM) are summed
-   over the sweep; the confusion table and base rate per budget are printed.
+2. OOM verdict (``predictors/memory/verdict.py``: fits / tight / oom) over a sweep of budgets:
+   every 0.5 GiB from the smallest to the largest measured peak (not picked budgets), each row
+   judged with its family's split-conformal margin fitted on the other folds (row position
+   mod 5; never the scored fold), measured "fits" when the observed peak is within the budget.
+   False "fits" (``fits``, measured OOM) count NETWORKS (a network falsely called fits at any
+   budget counts once; the network x budget pairs are printed beside); ``tight_rate`` is the
+   share of network x budget pairs called tight. The same pairs judged by the 80% rule of
+   Fujii et al. (a job estimated below 80% of the memory is safe; here: above 100% oom,
+   between undecided = tight) on the same point estimate give ``rule80_false_fits`` (networks)
+   and ``rule80_tight_rate``.
 3. GPUMemNet's CNN development rows (dense, residual, uniform: real A100-40GB peaks,
    ``predictors/data/gpumemnet_cnn_dev.csv``), rebuilt by ``build_cnn`` and predicted the same
    way at ``precision="tf32"`` (PyTorch's default for convolutions, ``cudnn.allow_tf32``),
    scored per family; nothing is fitted to them except cuDNN's context (read from the smallest
    conv net, row 600, not scored). Device-level MAPE (``mape_dev_convnets``), the dynamic part,
-   false "fits" over a budget sweep (the 8 ``OOM_CRASH`` runs must be predicted not to fit the
-   40 GiB card) and the false-"OOM" rate (predicted OOM / measured fits over the sweep).
+   the verdict sweep of 2. with the ``conv`` margin (an ``OOM_CRASH`` run must not be called
+   fits on the 40 GiB card) and the false-"OOM" rate (``oom`` verdicts / measured fits over
+   both sweeps).
    DEVELOPMENT SET: the workspace and cuDNN-context rules were shaped with these rows in view.
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
@@ -40,9 +47,10 @@ Rows are a deterministic sample (every ``--every``-th; 1 = all 3,000, ~0.5-2 s e
 core); predictions are cached in ``--cache`` so a long run can be resumed. The default cache
 name carries a hash of the code that makes a prediction, so a cache written by older code is
 never reused. Last line:
-``mape_dev_convnets=C mape_dynamic=D false_fits_sweep=F false_oom_rate=O mape_mlp_dynamic=M
-mape_h200_convnets=H llava_outcomes=K/N`` (goals C <= 5, D <= 5, F = 0 over both sweeps, O <= 5%,
-K = N); LLaVA's published outcomes (``predictors/data/llava_outcomes.csv``, LoRA rows listed
+``mape_dev_convnets=C mape_dynamic=D false_fits_sweep=F false_oom_rate=O tight_rate=T
+rule80_false_fits=R8 rule80_tight_rate=T8 mape_mlp_dynamic=M mape_h200_convnets=H
+llava_outcomes=K/N`` (goals C <= 5, D <= 10, F = 0 networks over both sweeps, O <= 5%, T < T8,
+K = N; a ``tight`` LLaVA verdict is not right); LLaVA's published outcomes (``predictors/data/llava_outcomes.csv``, LoRA rows listed
 but not scored) go through ``predict_peak_memory`` as a user describes the job. The agreement with the simulator is
 printed above it, apart.
 """
@@ -290,12 +298,13 @@ class Sweep:
     false_fit_pairs: int = 0
     false_oom: int = 0
     tight: int = 0
+    oom: int = 0  # "oom" verdicts, right or wrong
     rule80_false_fits: set = field(default_factory=set)
     rule80_false_oom: int = 0
     rule80_tight: int = 0
 
     def add(self, other: Sweep) -> None:
-        for k in ("pairs", "measured_fits", "false_fit_pairs", "false_oom", "tight",
+        for k in ("pairs", "measured_fits", "false_fit_pairs", "false_oom", "tight", "oom",
                   "rule80_false_oom", "rule80_tight"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.false_fits |= other.false_fits
@@ -337,6 +346,7 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
             row.pairs += 1
             row.measured_fits += not meas_oom
             row.tight += v is Verdict.TIGHT
+            row.oom += v is Verdict.OOM
             row.rule80_tight += v80 is Verdict.TIGHT
             if meas_oom and v is Verdict.FITS:
                 row.false_fits.add(key)
@@ -345,8 +355,8 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
                 row.rule80_false_fits.add(key)
             row.false_oom += not meas_oom and v is Verdict.OOM
             row.rule80_false_oom += not meas_oom and v80 is Verdict.OOM
-        print(f"  {b:4.1f} GiB {row.measured_fits:8d} {row.pairs - row.tight - row.false_oom:10d}"
-              f" {row.tight:5d} {row.false_oom:4d} {row.false_fit_pairs:8d} {row.false_oom:10d}"
+        print(f"  {b:4.1f} GiB {row.measured_fits:8d} {row.pairs - row.tight - row.oom:10d}"
+              f" {row.tight:5d} {row.oom:4d} {row.false_fit_pairs:8d} {row.false_oom:10d}"
               f" | {row.pairs - row.rule80_tight:12d} {row.rule80_tight:5d} "
               f"{len(row.rule80_false_fits):6d}")
         out.add(row)

@@ -7,8 +7,6 @@ mended one asks to be struck off the list)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,19 +22,14 @@ KNOWN_MISSES: dict[str, tuple[str, str]] = {
 }
 
 
-def test_every_outcome_has_a_source_and_the_scorable_ones_are_scored():
+def test_every_outcome_has_a_source_and_the_scorable_ones_are_scored(memory_bench):
     path = ROOT / "predictors" / "data" / "llava_outcomes.csv"
     with path.open() as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["source"].startswith("https://github.com/haotian-liu/LLaVA")
                         and r["outcome"] in ("fits", "oom") for r in rows)
     assert {r["outcome"] for r in rows if r["lora"] == "0"} == {"fits", "oom"}
-    spec = importlib.util.spec_from_file_location(
-        "bench_memory_predictor", ROOT / "benchmarks" / "bench_memory_predictor.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_memory_predictor"] = bench
-    spec.loader.exec_module(bench)
-    verdicts = bench.llava_outcomes(path)
+    verdicts = memory_bench.llava_outcomes(path)
     assert [name for name, _, _ in verdicts] == [r["name"] for r in rows if r["lora"] == "0"]
     misses = {name: (outcome, verdict) for name, outcome, verdict in verdicts
               if verdict != outcome}

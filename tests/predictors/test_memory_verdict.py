@@ -123,3 +123,17 @@ def test_shipped_margins_round_trip(tmp_path):
     assert all(0.5 < s.coverage < 1 and s.rows > 0 for s in shipped.values())
     # conv nets' transient cuDNN workspaces make their errors wider than the MLPs'
     assert shipped["conv"].upper > shipped["dense"].upper
+
+
+def test_the_benchmark_sweep_judges_each_network_without_its_own_residual(memory_bench):
+    """Ten networks predicted at 10 GiB reserved + 1 GiB outside; nine measure within 1%, one
+    (index 3) measures 16 GiB. Were its own residual in its margin, it would be ``tight`` at
+    every budget below 16 GiB; fitted without its fold it is a false "fits" there, and counted
+    once as a network however many budgets call it."""
+    recs = [{"index": float(i), "reserved_mib": 10240.0, "device_used_mib": 11264.0,
+             "measured_mib": 16384.0 if i == 3 else 11264.0 + 10 * i} for i in range(10)]
+    s = memory_bench.verdict_sweep(recs, "dense", "toy")
+    assert s.false_fits == {"toy:3"} and s.false_fit_pairs > 1
+    # the 80% rule calls 11 GiB safe from a 14 GiB budget on: 14.0, 14.5 and 15.0 < 16 GiB
+    assert s.rule80_false_fits == {"toy:3"}
+    assert s.pairs == 10 * len(memory_bench.budget_sweep(recs))
