@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 
-MiB = 1 << 20
-GiB = 1 << 30
+from .allocator import GiB, MiB
+
 ALLOCATOR_RESERVE = 64 * MiB  # a few 20 MiB large-pool segments of slack below the capacity
 DEFAULT_COVERAGE = 0.99  # nominal P(measured <= upper bound) and P(measured >= lower bound)
 MARGINS_JSON = Path(__file__).resolve().parents[1] / "models" / "memory_margins.json"
@@ -58,7 +58,8 @@ def conformal_quantile(errors: Sequence[float], level: float) -> float:
 class Margin:
     """Relative bounds around a predicted reserved peak: the measured peak lies in
     ``[predicted x (1 + lower), predicted x (1 + upper)]`` with probability ``coverage`` on
-    each side (nominal; ``rows`` residuals calibrated it, 0 = not calibrated)."""
+    each side (nominal; ``rows`` residuals calibrated it, 0 where the calibration did not record
+    its count)."""
 
     family: str
     lower: float  # <= 0
@@ -93,7 +94,8 @@ class Margin:
 
     def describe(self) -> str:
         cov = ("no coverage claimed" if self.coverage is None
-               else f"coverage {self.coverage:.0%} per side on {self.rows} rows")
+               else f"coverage {self.coverage:.0%} per side"
+               + (f" on {self.rows} rows" if self.rows else ""))
         return f"{self.family} margin {self.lower:+.1%} / {self.upper:+.1%} ({cov}; {self.source})"
 
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from predictors.memory.allocator import GiB
 from predictors.memory.verdict import (
     ALLOCATOR_RESERVE,
-    GiB,
     Margin,
     MarginError,
     Verdict,
