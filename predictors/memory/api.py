@@ -114,7 +114,9 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
     else Hopper's above 48 GiB: an A100-80GB is not Hopper, say so). ``margin`` fixes the
-    relative safety margin; by default it is the model's predicted uncertainty."""
+    relative margin at +-``margin`` (no coverage claimed); by default it is the residual
+    model's size-binned conformal bound, its lower side taken symmetric. The verdict
+    (:mod:`verdict`) is the prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "

@@ -183,7 +183,10 @@ def predict_module_memory(
     ``torch.cuda.init()`` and one matmul, minus ``torch.cuda.memory_reserved()``) instead of
     the device's default from :data:`overheads.CONTEXTS`; ``last_batch``: a data loader's
     smaller last batch of an epoch (``len(dataset) % batch`` with ``drop_last=False``), traced
-    between two full steps, since its differently sized blocks fragment the cache."""
+    between two full steps, since its differently sized blocks fragment the cache;
+    ``margin``: a fixed relative margin +-``margin`` on the reserved bytes instead of the
+    family's calibrated one (:mod:`verdict`: ``conv`` when the step ran a convolution, else
+    ``dense``)."""
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
     dist = Sharding(strategy, options, buffers or CommBuffers())
@@ -230,8 +233,9 @@ def predict_module_memory(
         outside_allocator=outside, capacity=capacity, margin=m, notes=notes)
     if pred.fits:
         return pred
-    # Near or over the capacity: replay again with the allocator bounded by what is left of
-    # the card (minus the margin), so cached blocks are freed and retried as PyTorch does.
+    # Near or over the capacity: replay again with the allocator bounded by the usable capacity
+    # over the upper margin, so cached blocks are freed and retried as PyTorch does; if that
+    # replay runs, its reserved peak's upper bound fits by construction.
     limit = int((capacity - sum(outside.values()) - ALLOCATOR_RESERVE) / (1 + m.upper)) \
         - extra["delta"]
     try:
