@@ -302,10 +302,11 @@ class Sweep:
     rule80_false_fits: set = field(default_factory=set)
     rule80_false_oom: int = 0
     rule80_tight: int = 0
+    rule80_oom: int = 0
 
     def add(self, other: Sweep) -> None:
         for k in ("pairs", "measured_fits", "false_fit_pairs", "false_oom", "tight", "oom",
-                  "rule80_false_oom", "rule80_tight"):
+                  "rule80_false_oom", "rule80_tight", "rule80_oom"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.false_fits |= other.false_fits
         self.rule80_false_fits |= other.rule80_false_fits
@@ -334,7 +335,7 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
           f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%} "
           f"(nominal coverage {margins[0].coverage:.0%} per side)")
     print("  budget  measured fits  fits tight  oom  false fits  false oom | rule80: fits "
-          "tight false fits")
+          "tight  oom false fits")
     for b in budget_sweep([r for r, _ in ok]):
         row = Sweep()
         for r, m in ok:
@@ -348,6 +349,7 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
             row.tight += v is Verdict.TIGHT
             row.oom += v is Verdict.OOM
             row.rule80_tight += v80 is Verdict.TIGHT
+            row.rule80_oom += v80 is Verdict.OOM
             if meas_oom and v is Verdict.FITS:
                 row.false_fits.add(key)
                 row.false_fit_pairs += 1
@@ -357,8 +359,8 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
             row.rule80_false_oom += not meas_oom and v80 is Verdict.OOM
         print(f"  {b:4.1f} GiB {row.measured_fits:8d} {row.pairs - row.tight - row.oom:10d}"
               f" {row.tight:5d} {row.oom:4d} {row.false_fit_pairs:8d} {row.false_oom:10d}"
-              f" | {row.pairs - row.rule80_tight:12d} {row.rule80_tight:5d} "
-              f"{len(row.rule80_false_fits):6d}")
+              f" | {row.pairs - row.rule80_tight - row.rule80_oom:12d} {row.rule80_tight:5d} "
+              f"{row.rule80_oom:4d} {len(row.rule80_false_fits):6d}")
         out.add(row)
     if crash_card_gib is not None:
         crashed = [(r, m) for r, m in zip(recs, margins, strict=True) if r.get("oom")]

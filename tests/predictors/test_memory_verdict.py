@@ -136,4 +136,9 @@ def test_the_benchmark_sweep_judges_each_network_without_its_own_residual(memory
     assert s.false_fits == {"toy:3"} and s.false_fit_pairs > 1
     # the 80% rule calls 11 GiB safe from a 14 GiB budget on: 14.0, 14.5 and 15.0 < 16 GiB
     assert s.rule80_false_fits == {"toy:3"}
-    assert s.pairs == 10 * len(memory_bench.budget_sweep(recs))
+    assert s.pairs == 10 * len(memory_bench.budget_sweep(recs))  # 11.0 .. 16.0 GiB
+    # the rule is undecided at 11.0 .. 13.5 GiB (11 GiB is above 80% of them, not above 100%)
+    assert (s.rule80_tight, s.rule80_oom) == (10 * 6, 0)
+    rule = memory_bench.rule80
+    assert [rule(mib, 10) for mib in (8191, 8192, 10240, 10241)] == [
+        Verdict.FITS, Verdict.TIGHT, Verdict.TIGHT, Verdict.OOM]
