@@ -22,9 +22,10 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
-from .model import MemoryModel
+from .model import MARGIN_QUANTILE, MemoryModel
 from .overheads import CARDS, HOPPER, PRE_HOPPER
 from .presets import as_memory_model
+from .verdict import Judgement, Margin, Verdict, judge
 
 
 @dataclass
@@ -37,7 +38,7 @@ class MemoryPrediction:
     components: dict[str, int]  # analytical live bytes by kind at the peak
     context_bytes: int  # CUDA context, outside the caching allocator
     capacity: int
-    margin: float  # relative safety margin (predicted uncertainty unless fixed)
+    margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     trained_on: str  # what the residual model was trained against
     inflight_microbatches: int = 1  # activations held at once on the first pipeline stage
 
@@ -47,12 +48,25 @@ class MemoryPrediction:
         return self.peak_reserved + self.context_bytes
 
     @property
+    def judgement(self) -> Judgement:
+        return judge(self.peak_reserved, self.context_bytes, self.capacity, self.margin)
+
+    @property
     def device_total(self) -> int:
-        return int(self.peak_reserved * (1 + self.margin)) + self.context_bytes
+        """Device-level memory at the upper bound of the reserved bytes."""
+        return self.judgement.upper + self.context_bytes
 
     @property
     def fits(self) -> bool:
-        return self.device_total <= self.capacity
+        """Only a ``fits`` verdict: a ``tight`` job is not promised to fit."""
+        return self.judgement.verdict is Verdict.FITS
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model.name, "max_memory_reserved": self.peak_reserved,
+                "peak_allocated_analytical": self.peak_allocated_analytical,
+                **{f"analytical.{k}": v for k, v in self.components.items()},
+                "cuda_context": self.context_bytes, "device_used": self.device_used,
+                "capacity": self.capacity, **self.judgement.as_dict()}
 
     def format(self) -> str:
         g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
@@ -71,9 +85,7 @@ class MemoryPrediction:
             f"{self.trained_on})",
             f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
             f"{g(self.context_bytes)} = {g(self.device_used)}",
-            f"+ safety margin {self.margin:.1%} of reserved = "
-            f"{g(self.device_total)} of {g(self.capacity)}",
-            f"verdict: {'FITS' if self.fits else 'OUT OF MEMORY'}",
+            self.judgement.describe(),
         ]
         return "\n".join(lines)
 
@@ -102,7 +114,9 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
     else Hopper's above 48 GiB: an A100-80GB is not Hopper, say so). ``margin`` fixes the
-    relative safety margin; by default it is the model's predicted uncertainty."""
+    relative margin at +-``margin`` (no coverage claimed); by default it is the residual
+    model's size-binned conformal bound, its lower side taken symmetric. The verdict
+    (:mod:`verdict`) is the prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
@@ -136,7 +150,11 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
                                  f"{', '.join(by_name)}")
         overheads = by_name[architecture]
     reserved, est, predicted_margin = _shipped_model().predict(spec, cfg, overheads)
-    margin = predicted_margin if margin is None else margin
+    family = "multimodal" if spec.vision is not None and spec.text is not None else "dense"
+    bounds = (Margin.fixed(margin, family) if margin is not None else Margin(
+        family, -predicted_margin, predicted_margin, MARGIN_QUANTILE, 0,
+        "size-binned split-conformal bound of the residual model's out-of-family "
+        "under-prediction (memory_residual.json); lower bound taken symmetric"))
     inflight = min(pp, strategy.num_microbatches)
     comps = dict(est.components)
     if tp > 1 or inflight > 1:
@@ -145,7 +163,7 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
         # the allocator's overhead over live bytes is kept in proportion
         reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
-                            comps, overheads.context_bytes, capacity, margin,
+                            comps, overheads.context_bytes, capacity, bounds,
                             _shipped_model().trained_on, inflight)
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 from ..spec.model import ModelSpecError
 from ..spec.options import FRAMEWORKS
 
+# the verdict's exit status: 0 fits, 2 does not fit, 3 tight (the margin straddles the card)
+EXIT_CODES = {"fits": 0, "oom": 2, "tight": 3}
+
 
 def add_subcommands(subparsers) -> None:
     m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step")
@@ -62,7 +65,8 @@ def add_subcommands(subparsers) -> None:
                    help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
                         "module default: --device's)")
     m.add_argument("--margin", type=float, default=None,
-                   help="fixed safety margin (default: the model's predicted uncertainty)")
+                   help="fixed relative margin +-X on the reserved bytes (default: the "
+                        "family's calibrated margin)")
     m.set_defaults(func=_named_errors(_memory))
 
     c = subparsers.add_parser("collect-memory", help="collect ground-truth peak memory")
@@ -101,10 +105,12 @@ def _memory(args) -> int:
     model, strategy, options = _memory_job(args)
     if args.trace:
         return _memory_spec_traced(args, model, strategy, options)
+    import json
+
     pred = predict_peak_memory(model, strategy, options, args.precision,
                                args.capacity_gib or "80", margin=args.margin)
-    print(pred.format())
-    return 0 if pred.fits else 2
+    print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
+    return EXIT_CODES[pred.judgement.verdict.value]
 
 
 def _memory_job(args):
@@ -158,7 +164,7 @@ def _memory_module(args) -> int:
                                  capacity_gib=capacity, margin=args.margin,
                                  context_mib=args.context_mib, last_batch=args.last_batch)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
-    return 0 if pred.fits else 2
+    return EXIT_CODES[pred.verdict.value]
 
 
 def _memory_spec_traced(args, model, strategy, options) -> int:
@@ -174,7 +180,7 @@ def _memory_spec_traced(args, model, strategy, options) -> int:
                                else float(args.capacity_gib), margin=args.margin,
                                context_mib=args.context_mib)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
-    return 0 if pred.fits else 2
+    return EXIT_CODES[pred.verdict.value]
 
 
 def torch_empty(shape: tuple[int, ...], long: bool = False):

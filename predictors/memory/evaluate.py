@@ -3,8 +3,8 @@
 * held out by family: train on four of LLaVA-like / Qwen-VL-like / BLIP-2-like / LLM / ViT and
   predict the fifth (small and medium sizes);
 * held out by size: train on the small and medium models, predict the full-size ones (``xl``);
-* OOM verdict for 24/40/80/141 GiB cards: "fits" when prediction x (1 + margin) + CUDA context
-  <= capacity, where the margin is the model's predicted uncertainty for that configuration (or
+* OOM verdict for 24/40/80/141 GiB cards (:mod:`verdict`): "fits" when prediction x (1 + margin)
+  + CUDA context + the allocator's reserve <= capacity, where the margin is the model's predicted uncertainty for that configuration (or
   a fixed one when given), against measured reserved peak + the same CUDA context <= capacity
   (both sides: reserved peak simulated with the same cuBLAS workspaces, the card's context).
 """
@@ -19,6 +19,7 @@ from .collect import GROUND_TRUTH_CSV, job_from_row
 from .model import MemoryModel
 from .overheads import CARDS, HOPPER
 from .phases import walk_phases
+from .verdict import Margin, Verdict, judge
 
 
 @dataclass
@@ -66,9 +67,11 @@ def _fit(rows: list[Row], label: str) -> MemoryModel:
     return MemoryModel.fit([(r.spec, r.cfg, r.measured) for r in rows], trained_on=label)
 
 
-def verdict(reserved: int, card: str, margin: float = 0.0) -> bool:
+def fits_card(reserved: int, card: str, margin: float = 0.0) -> bool:
+    """A ``fits`` verdict (:mod:`verdict`) on ``card`` with a fixed relative margin."""
     capacity, overheads = CARDS[card]
-    return reserved * (1 + margin) + overheads.context_bytes <= capacity
+    return judge(reserved, overheads.context_bytes, capacity,
+                 Margin.fixed(margin)).verdict is Verdict.FITS
 
 
 def _predict(model: MemoryModel, rows: list[Row], margin: float | None) -> None:
@@ -112,8 +115,8 @@ def evaluate(path: Path = GROUND_TRUTH_CSV, margin: float | None = None) -> Eval
     for card in CARDS:
         cm = {"tp": 0, "tn": 0, "fp": 0, "fn": 0}  # positive = predicted OOM
         for r in held:
-            pred_oom = not verdict(r.predicted, card, r.margin)
-            meas_oom = not verdict(r.measured, card)
+            pred_oom = not fits_card(r.predicted, card, r.margin)
+            meas_oom = not fits_card(r.measured, card)
             cm[("t" if pred_oom == meas_oom else "f") + ("p" if pred_oom else "n")] += 1
             agree += pred_oom == meas_oom
             total += 1

@@ -31,6 +31,7 @@ from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
 from .replay import replay_reserved
+from .verdict import conformal_quantile
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"
@@ -136,15 +137,6 @@ def _size_weights(x: np.ndarray, names: list[str]) -> np.ndarray:
     return np.maximum(x[:, names.index("log_total_mib")], 1.0) ** SIZE_WEIGHT_POWER
 
 
-def conformal_quantile(errors: np.ndarray, level: float) -> float:
-    """Split-conformal upper bound: the ``ceil((n + 1) * level)``-th smallest error, which a
-    new exchangeable error exceeds with probability at most ``1 - level`` (the largest error
-    when ``n`` is too small for that rank)."""
-    e = np.sort(errors)
-    k = math.ceil((len(e) + 1) * level)
-    return float(e[min(k, len(e)) - 1])
-
-
 @dataclass
 class SizeMargins:
     """Mondrian (size-conditional) conformal safety margin. Allocator slack is bounded per
@@ -169,7 +161,7 @@ class SizeMargins:
         for i, lo in enumerate(edges):
             hi = edges[i + 1] if i + 1 < len(edges) else math.inf
             inside = (predicted >= lo) & (predicted < hi)
-            bounds.append(conformal_quantile(err[inside], MARGIN_QUANTILE))
+            bounds.append(conformal_quantile(err[inside].tolist(), MARGIN_QUANTILE))
         return cls(edges, bounds)
 
 

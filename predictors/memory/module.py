@@ -35,9 +35,7 @@ from .device import DEVICES, TORCH_OPTIONS, CommBuffers, DeviceProfile, Sharding
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
 from .simulate import Measurement, loss_from_output, prepare_model, trace_step
-
-DEFAULT_MARGIN = 0.05  # relative, on the allocator's reserved bytes (see docs: GPUMemNet)
-MIN_MARGIN_BYTES = 64 * MiB  # absolute floor: a few 20 MiB large-pool segments of slack
+from .verdict import ALLOCATOR_RESERVE, Judgement, Margin, Verdict, judge, margin_for
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +68,7 @@ class DeviceMemoryPrediction:
     inside_allocator: dict[str, int]  # live bytes by kind at the allocated peak
     outside_allocator: dict[str, int]  # cuda_context, nccl_buffers
     capacity: int
-    margin: float  # relative margin the verdict adds to the reserved bytes (floor: 64 MiB)
+    margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     out_of_memory: bool = False  # the capacity-bounded simulation failed even after freeing
     segments_released: int = 0  # cached segments the allocator freed under pressure
     notes: list[str] = field(default_factory=list)
@@ -81,23 +79,25 @@ class DeviceMemoryPrediction:
         return self.max_memory_reserved + sum(self.outside_allocator.values())
 
     @property
-    def margin_bytes(self) -> int:
-        return max(int(self.max_memory_reserved * self.margin), MIN_MARGIN_BYTES)
+    def judgement(self) -> Judgement:
+        return judge(self.max_memory_reserved, sum(self.outside_allocator.values()),
+                     self.capacity, self.margin, self.out_of_memory)
 
     @property
-    def device_total_with_margin(self) -> int:
-        return self.device_used + self.margin_bytes
+    def verdict(self) -> Verdict:
+        return self.judgement.verdict
 
     @property
     def fits(self) -> bool:
-        return not self.out_of_memory and self.device_total_with_margin <= self.capacity
+        """Only a ``fits`` verdict: a ``tight`` job is not promised to fit."""
+        return self.verdict is Verdict.FITS
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "max_memory_allocated": self.max_memory_allocated,
                 "max_memory_reserved": self.max_memory_reserved,
                 **{f"allocator.{k}": v for k, v in self.inside_allocator.items()},
                 **self.outside_allocator, "device_used": self.device_used,
-                "margin": self.margin, "capacity": self.capacity, "fits": self.fits}
+                "capacity": self.capacity, **self.judgement.as_dict()}
 
     def format(self) -> str:
         g = lambda b: f"{b / GiB:8.3f} GiB"  # noqa: E731
@@ -112,12 +112,9 @@ class DeviceMemoryPrediction:
                      if self.segments_released else ""),
                   "outside the allocator:"]
         lines += [f"  {k:24s}{g(v)}" for k, v in self.outside_allocator.items()]
-        lines += [f"device-level (nvidia-smi memory.used) {g(self.device_used)}",
-                  f"+ margin (max({self.margin:.1%} of reserved, {MIN_MARGIN_BYTES // MiB} MiB)) = "
-                  f"{g(self.device_total_with_margin)}"
-                  f" of {g(self.capacity)}"]
+        lines += [f"device-level (nvidia-smi memory.used) {g(self.device_used)}"]
         lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"verdict: {'FITS' if self.fits else 'OUT OF MEMORY'}")
+        lines.append(self.judgement.describe())
         return "\n".join(lines)
 
 
@@ -186,7 +183,10 @@ def predict_module_memory(
     ``torch.cuda.init()`` and one matmul, minus ``torch.cuda.memory_reserved()``) instead of
     the device's default from :data:`overheads.CONTEXTS`; ``last_batch``: a data loader's
     smaller last batch of an epoch (``len(dataset) % batch`` with ``drop_last=False``), traced
-    between two full steps, since its differently sized blocks fragment the cache."""
+    between two full steps, since its differently sized blocks fragment the cache;
+    ``margin``: a fixed relative margin +-``margin`` on the reserved bytes instead of the
+    family's calibrated one (:mod:`verdict`: ``conv`` when the step ran a convolution, else
+    ``dense``)."""
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
     dist = Sharding(strategy, options, buffers or CommBuffers())
@@ -210,7 +210,6 @@ def predict_module_memory(
         raise ModelSpecError(f"last_batch={last_batch} must be >= 1")
     sizes: list[int | None] = [None, last_batch, None] if last_batch else [None, None]
     outside = prof.outside_allocator(dist)
-    m = DEFAULT_MARGIN if margin is None else margin
     opt = dist.effective_optimizer(opt)
 
     def run(limit: int | None) -> Measurement:
@@ -221,6 +220,8 @@ def predict_module_memory(
     meas = run(None)
     if meas.convolutions and prof.overheads.cudnn_context_bytes:
         outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
+    m = (Margin.fixed(margin) if margin is not None
+         else margin_for("conv" if meas.convolutions else "dense"))
     extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision, meas.peak_phase,
                                             _module_tensors(build, precision)
                                             if dist.zero == 3 else None)  # fmt: skip
@@ -232,10 +233,11 @@ def predict_module_memory(
         outside_allocator=outside, capacity=capacity, margin=m, notes=notes)
     if pred.fits:
         return pred
-    # Near or over the capacity: replay again with the allocator bounded by what is left of
-    # the card (minus the margin), so cached blocks are freed and retried as PyTorch does.
-    limit = min(int((capacity - sum(outside.values())) / (1 + m)),
-                capacity - sum(outside.values()) - MIN_MARGIN_BYTES) - extra["delta"]
+    # Near or over the capacity: replay again with the allocator bounded by the usable capacity
+    # over the upper margin, so cached blocks are freed and retried as PyTorch does; if that
+    # replay runs, its reserved peak's upper bound fits by construction.
+    limit = int((capacity - sum(outside.values()) - ALLOCATOR_RESERVE) / (1 + m.upper)) \
+        - extra["delta"]
     try:
         bounded = run(max(limit, 0))
     except SimulatedOutOfMemoryError as exc:

@@ -1,28 +1,36 @@
 """The LLaVA-1.5 published outcomes (predictors/data/llava_outcomes.csv) each name their source
 and a stated configuration, and the benchmark scores every row the presets can describe
-through ``predict_peak_memory`` (LoRA rows listed, not scored)."""
+through ``predict_peak_memory`` (LoRA rows listed, not scored): each scored row's verdict
+must be its published outcome, except the known misses named here, so a new miss fails (and a
+mended one asks to be struck off the list)."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# name: (published outcome, today's verdict), with why (docs/predictors-memory.md)
+KNOWN_MISSES: dict[str, tuple[str, str]] = {
+    # the README gives no batch for 40G: the script's batch 16 is assumed (oom at 45..48 GiB)
+    "readme-7b-8xa100-40g": ("fits", "oom"),
+    # DeepSpeed ZeRO-3's own buffers and gathered parameters are modelled from its documented
+    # defaults, not traced: 27..29 GiB predicted where issue #569 ran out of 40 GiB
+    "issue569-13b-8xa100-40g-b1": ("oom", "fits"),
+    # the bounds (36.1..38.7 GiB) straddle the usable 38.5 GiB: undecided, not a false fit
+    "issue655-7b-8xa100-40g-zero2-b1": ("oom", "tight"),
+}
 
 
-def test_every_outcome_has_a_source_and_the_scorable_ones_are_scored():
+def test_every_outcome_has_a_source_and_the_scorable_ones_are_scored(memory_bench):
     path = ROOT / "predictors" / "data" / "llava_outcomes.csv"
     with path.open() as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["source"].startswith("https://github.com/haotian-liu/LLaVA")
                         and r["outcome"] in ("fits", "oom") for r in rows)
     assert {r["outcome"] for r in rows if r["lora"] == "0"} == {"fits", "oom"}
-    spec = importlib.util.spec_from_file_location(
-        "bench_memory_predictor", ROOT / "benchmarks" / "bench_memory_predictor.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_memory_predictor"] = bench
-    spec.loader.exec_module(bench)
-    right, scored = bench.llava_outcomes(path)
-    assert scored == sum(r["lora"] == "0" for r in rows) and 0 <= right <= scored
+    verdicts = memory_bench.llava_outcomes(path)
+    assert [name for name, _, _ in verdicts] == [r["name"] for r in rows if r["lora"] == "0"]
+    misses = {name: (outcome, verdict) for name, outcome, verdict in verdicts
+              if verdict != outcome}
+    assert misses == KNOWN_MISSES

@@ -22,11 +22,12 @@ from predictors.memory.gpumemnet import (
     example_batch,
     smallest_network,
 )
-from predictors.memory.module import MIN_MARGIN_BYTES, predict_module_memory, predict_spec_memory
+from predictors.memory.module import predict_module_memory, predict_spec_memory
 from predictors.memory.overheads import CONTEXTS
 from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simple import CnnSpec, MlpSpec
 from predictors.memory.simulate import simulate_step
+from predictors.memory.verdict import ALLOCATOR_RESERVE, Verdict
 from predictors.spec import ModelSpecError, ParallelStrategy, TrainingOptions
 from predictors.step import default_loss
 
@@ -77,7 +78,8 @@ def test_device_level_names_every_part():
     assert p.max_memory_reserved >= p.max_memory_allocated
     d = p.as_dict()
     assert d["device_used"] == p.device_used and "allocator.workspace" in d
-    assert p.margin_bytes == MIN_MARGIN_BYTES  # small job: the absolute floor applies
+    assert d["verdict"] == "fits" and d["margin_family"] == "dense"  # no convolution
+    assert 0.9 <= d["margin_coverage"] < 1 and d["margin_rows"] > 0  # the shipped calibration
     own = _predict(device="a100-40gb", context_mib=500)
     assert own.device_used == p.max_memory_reserved + 500 * MiB
     with pytest.raises(ModelSpecError):
@@ -94,12 +96,15 @@ def test_capacity_bound_frees_cached_segments_then_ooms():
     outside = sum(free.outside_allocator.values())
     slack = free.max_memory_reserved - free.max_memory_allocated
     assert slack > 20 * MiB  # cached segments beyond the live bytes
+    assert free.margin.family == "conv"
     # room for the allocated peak + margin but not for the unbounded reserved peak
-    tight = run((free.max_memory_allocated + slack // 2 + MIN_MARGIN_BYTES + outside) / 2**30)
-    assert tight.fits and tight.segments_released > 0
+    up = 1 + free.margin.upper
+    tight = run(((free.max_memory_allocated + slack // 2) * up + ALLOCATOR_RESERVE + outside)
+                / 2**30)
+    assert tight.verdict is Verdict.FITS and tight.segments_released > 0
     assert tight.max_memory_allocated <= tight.max_memory_reserved < free.max_memory_reserved
     over = run((free.max_memory_allocated // 2 + outside) / 2**30)
-    assert over.out_of_memory and not over.fits
+    assert over.out_of_memory and over.verdict is not Verdict.FITS
 
 
 def test_deepspeed_zero_shards_and_names_its_buffers():
@@ -217,7 +222,16 @@ def test_cli_mlp_cnn_and_named_errors(capsys):
                "--classes", "10", "--batch", "32", "--precision", "fp32",
                "--device", "a100-40gb", "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert rc == 0 and d["fits"] and d["cuda_context"] == CONTEXTS["ampere"].bytes
+    assert rc == 0 and d["verdict"] == "fits" and d["cuda_context"] == CONTEXTS["ampere"].bytes
+    assert d["reserved_upper"] <= d["usable"] and 0.5 < d["margin_coverage"] < 1
+    # a card whose usable part lies between the bounds: tight, exit status 3
+    outside = d["device_used"] - d["max_memory_reserved"]
+    mid = d["max_memory_reserved"] * (1 + (d["margin_lower"] + d["margin_upper"]) / 2)
+    rc = main(["memory", "--model", "mlp", "--input", "512", "--hidden", "256,128",
+               "--classes", "10", "--batch", "32", "--precision", "fp32",
+               "--device", "a100-40gb", "--json", "--capacity-gib",
+               str((outside + ALLOCATOR_RESERVE + mid) / 2**30)])
+    assert rc == 3 and json.loads(capsys.readouterr().out)["verdict"] == "tight"
     rc = main(["memory", "--model", "cnn", "--channels", "16,32", "--image-res", "32",
                "--batch", "4", "--device", "h200", "--optimizer", "adamw:fused"])
     out = capsys.readouterr().out
@@ -230,7 +244,7 @@ def test_cli_mlp_cnn_and_named_errors(capsys):
         MlpSpec(0, (4,), 2)
     rc = main(["memory", "--model", "mlp", "--hidden", "4096,4096", "--input", "4096",
                "--batch", "4096", "--capacity-gib", "1.6", "--device", "a100-40gb"])
-    assert rc == 2 and "OUT OF MEMORY" in capsys.readouterr().out
+    assert rc == 2 and "verdict: OOM" in capsys.readouterr().out
 
 
 def test_module_factory_from_cli(capsys):

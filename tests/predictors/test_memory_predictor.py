@@ -60,10 +60,12 @@ def test_api_breakdown_and_verdict():
     small = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
                                 "80")
     assert small.fits and small.peak_reserved >= small.peak_allocated_analytical * 0.9
-    assert MIN_MARGIN <= small.margin < 0.5  # predicted by the shipped margin model
+    assert MIN_MARGIN <= small.margin.upper < 0.5  # predicted by the shipped margin model
+    assert small.margin.family == "multimodal" and small.margin.coverage is not None
     fixed = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
                                 margin=0.05)
-    assert fixed.margin == 0.05 and fixed.peak_reserved == small.peak_reserved
+    assert fixed.margin.upper == 0.05 and fixed.margin.coverage is None
+    assert fixed.peak_reserved == small.peak_reserved
     assert small.components["optimizer_states"] < small.components["parameters"]
     big = predict_peak_memory("llava-1.5-7b-like", ParallelStrategy(1, 1, 1, micro_batch=16),
                               precision="fp32", capacity_gib="24")
@@ -100,7 +102,8 @@ def test_cli_prints_breakdown_and_verdict(capsys):
                "--seq", "2048", "--precision", "bf16", "--zero", "1", "--dp", "8",
                "--checkpointing", "full"])
     out = capsys.readouterr().out
-    assert rc in (0, 2) and "verdict:" in out and "activations" in out
+    assert rc in (0, 2, 3) and "verdict:" in out and "activations" in out
+    assert "coverage" in out
     assert "trained on" in out
     assert main(["memory", "--model", "nope"]) == 1
     assert "UnknownModelError" in capsys.readouterr().err
