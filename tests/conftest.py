@@ -10,8 +10,12 @@ device or tmpfs the sandbox refuses), each with its reason.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 from collections import Counter
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -103,3 +107,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for pkg in sorted(counts):
         c = counts[pkg]
         terminalreporter.write_line(f"{pkg}: " + ", ".join(f"{c[o]} {o}" for o in OUTCOMES if c[o]))
+
+
+@pytest.fixture(scope="session")
+def memory_bench() -> ModuleType:
+    """The memory benchmark loaded as a module, for tests of its scoring (it lives outside the
+    installed package). Here, not in ``tests/predictors/conftest.py``: the kvio tests' spawned
+    processes import ``conftest`` by name, and a conftest.py in a directory collected after
+    ``tests/kvio`` comes first on ``sys.path`` and shadows theirs."""
+    name = "bench_memory_predictor"
+    if name not in sys.modules:  # dataclasses resolve their module through sys.modules
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
