@@ -321,6 +321,13 @@ def rule80(device_used_mib: float, budget_gib: float) -> Verdict:
     return Verdict.OOM if device_used_mib > cap else Verdict.TIGHT
 
 
+def verdict_at(r: dict, margin: Margin, budget_gib: float) -> Verdict:
+    """Our verdict for row ``r`` on a card of ``budget_gib``: its predicted reserved bytes, what
+    lives outside the allocator (device-level minus reserved) and ``margin``."""
+    return judge(int(r["reserved_mib"] * MiB), int((r["device_used_mib"] - r["reserved_mib"])
+                 * MiB), int(budget_gib * GiB), margin).verdict
+
+
 def verdict_sweep(recs: list[dict], family: str, name: str,
                   crash_card_gib: float | None = None) -> Sweep:
     """Each row judged at every budget of the sweep with its family's margin fitted on the
@@ -340,8 +347,7 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
         row = Sweep()
         for r, m in ok:
             key = f"{name}:{int(r['index'])}"
-            v = judge(int(r["reserved_mib"] * MiB), int((r["device_used_mib"] - r["reserved_mib"])
-                      * MiB), int(b * GiB), m).verdict
+            v = verdict_at(r, m, b)
             v80 = rule80(r["device_used_mib"], b)
             meas_oom = r["measured_mib"] > b * GiB / MiB
             row.pairs += 1
@@ -366,8 +372,7 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
         crashed = [(r, m) for r, m in zip(recs, margins, strict=True) if r.get("oom")]
         for r, m in crashed:
             key = f"{name}:{int(r['index'])}"
-            v = judge(int(r["reserved_mib"] * MiB), int((r["device_used_mib"] - r["reserved_mib"])
-                      * MiB), int(crash_card_gib * GiB), m).verdict
+            v = verdict_at(r, m, crash_card_gib)
             if v is Verdict.FITS:
                 out.false_fits.add(key)
                 out.false_fit_pairs += 1

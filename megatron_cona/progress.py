@@ -75,6 +75,12 @@ class Evidence:
     old_relative_error: float
 
 
+def readings(rates: list[Rate]) -> tuple[list[float], list[float]]:
+    """The loss readings of consecutive intervals, pooled: (times, losses)."""
+    return ([t for r in rates for t in r.readings[0]],
+            [v for r in rates for v in r.readings[1]])
+
+
 def fit_curve(times: list[float], losses: list[float], degree: int = 2
               ) -> tuple[np.ndarray, np.ndarray, float] | None:
     """Least squares of the loss as a polynomial in time of ``degree`` (lower with few
@@ -244,9 +250,7 @@ class ProgressMonitor:
         if len(run) < 2:
             return math.inf
         drop = (run[0].mid_loss - run[-1].mid_loss) / (len(run) - 1)
-        fit = rate_at_loss([t for r in run for t in r.readings[0]],
-                           [v for r in run for v in r.readings[1]],
-                           run[-1].mid_loss - drop * (intervals + 1) / 2)
+        fit = rate_at_loss(*readings(run), run[-1].mid_loss - drop * (intervals + 1) / 2)
         pooled = self._pooled(run[-intervals:])
         if fit is None or pooled is None or not pooled.value > 0:
             return math.inf
@@ -286,8 +290,7 @@ class ProgressMonitor:
         # the old strategy's rate at the loss level the new one reached (the rate falls as the
         # loss does). Comparing at equal loss, not equal time: a faster strategy reaches lower
         # losses sooner, and a time extrapolation would charge it the old one's slowdown there.
-        fit = rate_at_loss([t for r in olds for t in r.readings[0]],
-                           [v for r in olds for v in r.readings[1]], b.mid_loss)
+        fit = rate_at_loss(*readings(olds), b.mid_loss)
         if fit is None:
             return None
         expected, old_rel = fit
@@ -336,8 +339,7 @@ class ProgressMonitor:
 
     @staticmethod
     def _pooled(rates: list[Rate]) -> Rate | None:
-        times = [t for r in rates for t in r.readings[0]]
-        losses = [v for r in rates for v in r.readings[1]]
+        times, losses = readings(rates)
         value, stderr = fit_rate(times, losses)
         if not math.isfinite(value):
             return None
