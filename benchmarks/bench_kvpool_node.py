@@ -11,9 +11,9 @@ the service, i.e. the ``RemotePool`` and shared host pools a vLLM engine uses).
   fetch   one long prefix from host memory into the KV, in-process pool vs the daemon's shared
           memory mapped in place, 41 repetitions alternating after an untimed warm-up round,
           both with one copy thread per core: ``fetch_ratio_vs_in_process`` = median in-process
-          time / median daemon time (1.0: no cost for sharing). A fetch is ~20 ms here: 9
-          repetitions left the median to a few outliers (R 0.81-1.04 between quiet runs of
-          the same code).
+          time / median daemon time (1.0: no cost for sharing). A fetch is ~20 ms here: with 9
+          repetitions, the first ones warm-up, R moved by more than the goal's margin between
+          quiet runs of the same code.
   attach  ms for an engine to connect its scheduler and worker sides to a running daemon,
           present its fingerprint, get the host pools' fds and map them (median of 7).
   mla     TP=2 rank processes (vLLM's worker role), an MLA layout (the same latents on every
