@@ -50,8 +50,9 @@ never reused. Last line:
 ``mape_dev_convnets=C mape_dynamic=D false_fits_sweep=F false_oom_rate=O tight_rate=T
 rule80_false_fits=R8 rule80_tight_rate=T8 mape_mlp_dynamic=M mape_h200_convnets=H
 llava_outcomes=K/N`` (goals C <= 5, D <= 10, F = 0 networks over both sweeps, O <= 5%, T < T8,
-K = N; a ``tight`` LLaVA verdict is not right); LLaVA's published outcomes (``predictors/data/llava_outcomes.csv``, LoRA rows listed
-but not scored) go through ``predict_peak_memory`` as a user describes the job. The agreement with the simulator is
+K = N; a ``tight`` LLaVA verdict is not right); LLaVA's published outcomes
+(``predictors/data/llava_outcomes.csv``, LoRA rows included: ``LoraSpec`` in the presets) go
+through ``predict_peak_memory`` as a user describes the job. The agreement with the simulator is
 printed above it, apart.
 """
 
@@ -466,29 +467,42 @@ def allocator_on_real_streams() -> tuple[float, float] | None:
 LLAVA_OUTCOMES = ROOT / "predictors" / "data" / "llava_outcomes.csv"
 
 
+LLAVA_LORA = 128  # scripts/v1_5/finetune_lora.sh: --lora_r 128 (alpha only scales the update)
+
+
+def llava_job(r: dict):
+    """A ``llava_outcomes.csv`` row as a user describes the job: (model, strategy, options,
+    precision). Full finetuning at ``bf16`` as before; a LoRA row (``finetune_lora.sh``:
+    rank 128 on every Linear of the LLM, LLaVA's ``find_all_linear_names``, the projector
+    trained, the vision tower frozen) at ``bf16-mixed``: LLaVA casts the model to bf16 before
+    adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
+    masters and Adam states of what trains (the adapters and the projector)."""
+    from predictors.memory.presets import as_memory_model
+    from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions
+
+    lora = r["lora"] == "1"
+    model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
+                            frozen=("vision",), lora=LoraSpec(LLAVA_LORA) if lora else None)
+    strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
+    options = TrainingOptions.for_zero_stage(int(r["zero"]), recompute=r["checkpointing"])
+    return model, strategy, options, "bf16-mixed" if lora else "bf16"
+
+
 def llava_outcomes(path: Path = LLAVA_OUTCOMES) -> list[tuple[str, str, str]]:
     """Published LLaVA-1.5 training outcomes (README configurations that trained, issues that
-    report OOM; sources in the file) through one call, as a user describes the job: the
-    preset, batch, sequence, image size, ZeRO stage over the GPUs, checkpointing, the frozen
-    vision tower and the card. LoRA rows are listed but not scored (not modelled). Returns
-    (name, published outcome, verdict) per scored row; a ``tight`` verdict is not right."""
+    report OOM; sources in the file) through one call each, as a user describes the job
+    (:func:`llava_job`): the preset, batch, sequence, image size, ZeRO stage over the GPUs,
+    checkpointing, the frozen vision tower, LoRA and the card. Returns (name, published
+    outcome, verdict) per row; a ``tight`` verdict is not right."""
     from predictors.memory.api import predict_peak_memory
-    from predictors.memory.presets import as_memory_model
-    from predictors.spec import ParallelStrategy, TrainingOptions
 
     out = []
     with path.open() as f:
         rows = list(csv.DictReader(f))
     print(f"LLaVA-1.5 published outcomes ({len(rows)} rows, {LLAVA_OUTCOMES.name}; DEVELOPMENT):")
     for r in rows:
-        if r["lora"] == "1":
-            print(f"  {r['name']:34s} {r['outcome']:4s} not scored: LoRA is not modelled")
-            continue
-        model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
-                                frozen=("vision",))
-        strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
-        options = TrainingOptions.for_zero_stage(int(r["zero"]), recompute=r["checkpointing"])
-        p = predict_peak_memory(model, strategy, options, "bf16", r["capacity_gib"])
+        model, strategy, options, precision = llava_job(r)
+        p = predict_peak_memory(model, strategy, options, precision, r["capacity_gib"])
         j = p.judgement
         out.append((r["name"], r["outcome"], j.verdict.value))
         print(f"  {r['name']:34s} {r['outcome']:4s} predicted {j.verdict.value:5s} (reserved "

@@ -17,14 +17,20 @@ Qwen2, CLIP, SigLIP, LLaVA) keep alive under CUDA autocast rules, checked agains
 * activation checkpointing keeps only each checkpointed layer's input, and the layer being
   recomputed re-materializes its own saved tensors in the backward;
 * a frozen tower with nothing trainable upstream saves nothing; a frozen tower downstream of a
-  trainable one (or upstream of nothing) saves only what the input gradient needs.
+  trainable one (or upstream of nothing) saves only what the input gradient needs;
+* LoRA (PEFT's ``lora.Linear``: ``base(x) + B(A(dropout(x))) * scaling``) freezes the text
+  tower's own weights and adds a trainable ``A``/``B`` pair per targeted Linear (a layer entry
+  of its own right after its decoder layer, so ZeRO shards and Adam states see its tensors);
+  each adapted Linear saves the dropout's mask and output (what ``A`` needs for its weight
+  gradient) and ``A``'s output (what ``B`` needs); the frozen base saves only what the input
+  gradient needs, which every decoder layer propagates down to the first adapters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
+from ..spec.model import LORA_TARGETS, LoraSpec, ModelSpec, TransformerSpec, VisionTowerSpec
 from ..spec.precision import Precision
 from .config import Shapes, Step, resolve_shapes
 
@@ -116,6 +122,23 @@ def text_layer_params(t: TransformerSpec) -> tuple[int, ...]:
     return attn + (h * f, h * f, f * h) + (h, h)
 
 
+def lora_shapes(t: TransformerSpec, lora: LoraSpec) -> list[tuple[int, int]]:
+    """``(d_in, d_out)`` of each Linear of one decoder layer that ``lora`` adapts, in the
+    layer's registration order."""
+    h, f = t.hidden_size, t.ffn
+    kv = t.kv_heads * (h // t.num_attention_heads)
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    return [dims[name] for name in LORA_TARGETS if name in lora.targets]
+
+
+def lora_params(t: TransformerSpec, lora: LoraSpec) -> tuple[int, ...]:
+    """One decoder layer's adapter tensors: ``A`` (rank x d_in) and ``B`` (d_out x rank) per
+    adapted Linear (PEFT's ``lora_A`` / ``lora_B``, bias-free)."""
+    return tuple(n for d_in, d_out in lora_shapes(t, lora)
+                 for n in (lora.rank * d_in, d_out * lora.rank))
+
+
 def projector_params(spec: ModelSpec) -> tuple[int, ...]:
     vh, th = spec.vision.hidden_size, spec.text.hidden_size
     if spec.projector == "linear":
@@ -194,6 +217,21 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
     return [x for x in parts if x], largest
 
 
+def lora_saved(t: TransformerSpec, lora: LoraSpec, tokens: int, dt: _Dt) -> list[int]:
+    """Tensors one decoder layer's adapters save: per adapted Linear the dropout's bool mask
+    and output (``A``'s input; without dropout ``A`` shares the input the base Linear got),
+    ``A``'s output (``B``'s input), and under autocast their cast weights and input copies."""
+    r, parts = lora.rank, []
+    for d_in, d_out in lora_shapes(t, lora):
+        if lora.dropout:
+            parts += [tokens * d_in, tokens * d_in * dt.mm]
+        parts.append(tokens * r * dt.mm)
+        lin = dict(input_grad=True, weight_trainable=True, input_low=True)
+        parts += [linear_saved(tokens, d_in, r, False, dt, **lin),
+                  linear_saved(tokens, r, d_out, False, dt, **lin)]
+    return [x for x in parts if x]
+
+
 def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, attention: str,
                     trainable: bool) -> tuple[list[int], int]:
     """Tensors a CLIP/SigLIP encoder layer saves (``tokens`` per image), and the largest."""
@@ -228,7 +266,8 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     shapes: Shapes = resolve_shapes(spec, cfg)
     p = cfg.precision
     dt = _Dt.of(p)
-    frozen = set(spec.frozen)
+    # LoRA freezes the text tower's own weights; its adapters are separate layer entries
+    frozen = set(spec.frozen) | ({"llm"} if spec.lora is not None else set())
     fz = Factorization()
     wbytes = dt.w
 
@@ -299,8 +338,10 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     if t is not None:
         train_t = "llm" not in frozen
         n = cfg.batch * t.seq_length
-        needs = train_t or grad_flows
+        needs = train_t or grad_flows or spec.lora is not None
         parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t)
+        if spec.lora is not None:
+            parts += lora_saved(t, spec.lora, n, dt)
         per = sum(parts)
         if not needs:
             parts, per, largest = [], 0, 0
@@ -313,6 +354,8 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
             add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest, parts=parts)
+            if spec.lora is not None:
+                add(f"llm.layers.{i}.lora", "lora", lora_params(t, spec.lora), trainable=True)
         tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
         head = () if tied else (t.vocab_size * t.hidden_size,)
         add("llm.head", "llm", (t.hidden_size, *head),
