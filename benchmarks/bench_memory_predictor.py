@@ -90,6 +90,7 @@ from predictors.memory.gpumemnet import (
 from predictors.memory.module import predict_module_memory
 from predictors.memory.verdict import (
     DEFAULT_COVERAGE,
+    MARGINS_NOTE,
     Margin,
     Verdict,
     cross_fitted,
@@ -474,8 +475,7 @@ def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
         margins.append(Margin.fit(family, res, DEFAULT_COVERAGE,
                                   f"split-conformal on {len(res)} {what} (A100-40GB, "
                                   f"development), dynamic part >= {MIN_CALIBRATION_MIB} MiB"))
-    save_margins(margins, path, "written by benchmarks/bench_memory_predictor.py "
-                 "--write-margins; residual = measured reserved / predicted - 1")
+    save_margins(margins, path, MARGINS_NOTE)
     for m in margins:
         print(f"wrote {m.describe()}")
 

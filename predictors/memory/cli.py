@@ -82,7 +82,8 @@ def add_subcommands(subparsers) -> None:
     e = subparsers.add_parser("eval-memory", help="held-out MAPE + OOM confusion table")
     e.add_argument("--data", type=Path, default=None)
     e.add_argument("--margin", type=float, default=None,
-                   help="fixed safety margin (default: predicted per configuration)")
+                   help="fixed margin +-X (default: each fold's split-conformal margins, fitted "
+                        "on its training rows)")
     e.add_argument("--plot", type=Path, default=Path("out/memory_pred_vs_measured.png"))
     e.set_defaults(func=_named_errors(_eval))
 

@@ -114,12 +114,17 @@ def test_shipped_margins_round_trip(tmp_path):
     m = Margin.fit("dense", [0.01, -0.02, 0.04, 0.0], coverage=0.9, source="four rows")
     save_margins([m], path, "test")
     assert json.loads(path.read_text())["margins"]["dense"]["rows"] == 4
+    # a writer of one family keeps the others (the benchmark and the preset training each
+    # write their own)
+    mm = Margin.fit("multimodal", [0.02, -0.01], coverage=0.9, source="two rows")
+    save_margins([mm], path, "test 2")
+    assert set(json.loads(path.read_text())["margins"]) == {"dense", "multimodal"}
     load_margins(path)
     try:
-        assert margin_for("dense") == m
+        assert margin_for("dense") == m and margin_for("multimodal") == mm
     finally:
         load_margins()  # the shipped ones again
-    shipped = {f: margin_for(f) for f in ("dense", "conv")}
+    shipped = {f: margin_for(f) for f in ("dense", "conv", "multimodal", "text", "vision")}
     assert all(0.5 < s.coverage < 1 and s.rows > 0 for s in shipped.values())
     # conv nets' transient cuDNN workspaces make their errors wider than the MLPs'
     assert shipped["conv"].upper > shipped["dense"].upper
