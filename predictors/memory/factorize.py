@@ -190,7 +190,7 @@ def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> list[int]:
 
 
 def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attention: str,
-                      trainable: bool) -> tuple[list[int], int]:
+                      trainable: bool, lora: LoraSpec | None = None) -> tuple[list[int], int]:
     """Tensors (bytes; several small saves of one op may be lumped) a Llama/Qwen2 decoder layer
     saves, and its largest single saved tensor."""
     n = batch * seq
@@ -200,7 +200,12 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
     lin = dict(input_grad=True, weight_trainable=trainable)
     # two RMSNorms; their output is saved once for the Linears that need it for weight grads
     norm_out = n * h * dt.res if trainable and not dt.autocast else 0
-    parts = [rmsnorm_saved(n, h, dt), norm_out] * 2
+    norm = rmsnorm_saved(n, h, dt)
+    if lora is not None and lora.dropout and not trainable:
+        # LoRA's frozen norm weights need no normalized input, and the adapters read their
+        # dropout's output instead of the norm's
+        norm -= n * h * dt.res
+    parts = [norm, norm_out] * 2
     if dt.res == F32:  # residual adds feed the norms directly (else their fp32 upcast is saved)
         parts += [n * h * dt.res] * 2
     parts.append(linear_saved(n, h, h, bias, dt, input_low=False, **lin))
@@ -210,7 +215,10 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
         parts += flash_saved(batch, heads, seq, h, kv, n, dt.mm)
     else:  # q and repeated k/v made contiguous for bmm, output copy for o_proj, scores
         parts += [n * h * dt.mm] * 4 + eager_scores_saved(batch, heads, seq, dt.mm)
-    parts += [n * f * dt.mm] * (4 if trainable else 3)  # gate, silu, up (, gate*up for down)
+    # gate, silu, up (, gate*up for down's weight gradient, or for its adapter's A without
+    # dropout)
+    down_in = trainable or (lora is not None and not lora.dropout and "down_proj" in lora.targets)
+    parts += [n * f * dt.mm] * (4 if down_in else 3)
     parts += [linear_saved(n, h, f, False, dt, input_low=False, **lin)] * 2
     parts.append(linear_saved(n, f, h, False, dt, input_low=True, **lin))
     largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "unfused" else 0)
@@ -222,6 +230,12 @@ def lora_saved(t: TransformerSpec, lora: LoraSpec, tokens: int, dt: _Dt) -> list
     and output (``A``'s input; without dropout ``A`` shares the input the base Linear got),
     ``A``'s output (``B``'s input), and under autocast their cast weights and input copies."""
     r, parts = lora.rank, []
+    if dt.autocast and not lora.dropout:
+        # A casts its fp32 input, a norm's output, to a low-precision copy it saves: one per
+        # norm whose Linears it adapts (the traced step shares it between q/k/v, gate/up)
+        h = t.hidden_size
+        groups = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+        parts += [tokens * h * dt.mm for g in groups if g & set(lora.targets)]
     for d_in, d_out in lora_shapes(t, lora):
         if lora.dropout:
             parts += [tokens * d_in, tokens * d_in * dt.mm]
@@ -339,7 +353,8 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
         train_t = "llm" not in frozen
         n = cfg.batch * t.seq_length
         needs = train_t or grad_flows or spec.lora is not None
-        parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t)
+        parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t,
+                                           spec.lora)
         if spec.lora is not None:
             parts += lora_saved(t, spec.lora, n, dt)
         per = sum(parts)

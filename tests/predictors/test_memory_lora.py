@@ -14,7 +14,7 @@ from torch import nn
 
 from predictors.memory.build import build_model, make_inputs
 from predictors.memory.config import Step
-from predictors.memory.factorize import factorize
+from predictors.memory.factorize import factorize, lora_shapes
 from predictors.memory.overheads import HOPPER
 from predictors.memory.phases import ADAM_STEP_BLOCK, walk_phases
 from predictors.memory.presets import as_memory_model
@@ -159,3 +159,42 @@ def test_cli_lora_rank(capsys):
     assert lora["analytical.optimizer_states"] < full["analytical.optimizer_states"] / 10
     assert main([*base, "--lora-rank", "16", "--trace"]) == 1
     assert "--lora-rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision,dropout", [("fp32", 0.05), ("bf16", 0.0),
+                                               ("bf16-mixed", 0.05)])
+def test_lora_layer_activations_equal_the_tracker(precision, dropout):
+    """A PEFT-wrapped tiny LLaVA's decoder layers save what the factorization says (frozen
+    base, adapters' dropout and A outputs, autocast copies), traced on fake tensors; the one
+    difference is the dropout mask: CUDA's fused dropout keeps a bool mask, the CPU kernel the
+    tracker runs keeps it in the input's dtype."""
+    from predictors.memory.decompose import saved_by_layer
+    from predictors.memory.module import _fake_module
+    from predictors.memory.simulate import Batch, loss_from_output, prepare_model, trace_step
+
+    spec = replace(LLAVA.with_seq(64).with_attention("flash"),
+                   lora=LoraSpec(8, dropout=dropout))
+    cfg = Step.data_parallel(2, precision)
+    pattern = rf".*language_model.*\.({'|'.join(LORA_TARGETS)})"
+    with torch.device("meta"):
+        model = prepare_model(replace(spec, lora=None, frozen=("vision", "llm")), cfg)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=dropout, target_modules=pattern))
+    for p in model.base_model.model.model.multi_modal_projector.parameters():
+        p.requires_grad = True
+
+    def batch(m: nn.Module) -> Batch:
+        kw = make_inputs(spec, m.base_model.model, cfg.batch, spec.text.seq_length)
+        return Batch((), kw["labels"], kw)
+
+    traced = saved_by_layer(trace_step(lambda: _fake_module(model), batch, precision,
+                                       loss_fn=loss_from_output, steps=1).saved_by_module)
+    fz = factorize(spec, cfg)
+    tokens = 2 * spec.text.seq_length
+    mask_in = 4 if precision != "bf16-mixed" else 2  # the dropout's input dtype on the CPU
+    cpu_mask = tokens * sum(d for d, _ in lora_shapes(spec.text, spec.lora)) * (mask_in - 1)
+    layers = [x for x in fz.layers if x.name.startswith("llm.layers.")]
+    assert all(x.saved == 0 for x in layers if x.tower == "lora")  # counted in their layer
+    for x in layers:
+        if x.tower == "llm":
+            assert x.saved + (cpu_mask if dropout else 0) == traced[x.name], x.name
