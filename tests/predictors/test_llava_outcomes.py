@@ -23,6 +23,9 @@ KNOWN_MISSES: dict[str, tuple[str, str]] = {
     # the README gives no batch for the RTX 3090 (24 GiB): finetune_lora.sh's 16 is assumed
     # (19.5..30.3 GiB against a usable 22.5)
     "readme-lora-7b-8xrtx3090": ("fits", "tight"),
+    # 7B on one 80 GiB card: 104 GiB predicted, but the multimodal margin's lower side
+    # (-31.6%) reaches 71.0 GiB, below the usable 78.6: undecided, not a false fit
+    "issue827-7b-1xa100-80g-zero3-b1": ("oom", "tight"),
 }
 
 
@@ -38,6 +41,10 @@ def test_every_outcome_has_a_source_and_is_scored(memory_bench):
     assert [o.name for o in outcomes] == [r["name"] for r in rows]
     misses = {o.name: (o.outcome, o.verdict) for o in outcomes if o.verdict != o.outcome}
     assert misses == KNOWN_MISSES
-    # accelerate's count (whole model, 8 B per parameter in bf16: no ZeRO, no LoRA) calls
-    # every 7B and 13B job on a 24-80 GiB card out of memory
-    assert all(o.rules["accelerate"] == "oom" for o in outcomes)
+    # accelerate's count (whole model, 8 B per parameter in bf16: no ZeRO, no LoRA, no
+    # activations) calls every 7B and 13B job on 24-40 GiB cards out of memory, and the 7B
+    # on one 80 GiB card (52.6 GiB) safe: a false fit, the 80% rule on our estimate gets it
+    calls = {o.name: o.rules for o in outcomes}
+    assert calls["issue827-7b-1xa100-80g-zero3-b1"] == {"rule80": "oom", "accelerate": "fits"}
+    assert all(o.rules["accelerate"] == "oom" for o in outcomes
+               if o.name != "issue827-7b-1xa100-80g-zero3-b1")
