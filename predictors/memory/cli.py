@@ -64,6 +64,9 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--lora-rank", type=int, default=None,
                    help="presets: LoRA adapters of this rank on every Linear of the LLM's "
                         "layers (LLaVA's finetune_lora.sh: 128); the LLM's weights freeze")
+    m.add_argument("--lora-bits", type=int, default=16, choices=[16, 4],
+                   help="with --lora-rank: 4 keeps the LLM's Linear weights in bitsandbytes' "
+                        "nf4 (QLoRA)")
     m.add_argument("--capacity-gib", default=None,
                    help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
                         "module default: --device's)")
@@ -130,7 +133,8 @@ def _memory_job(args):
                             images_per_sample=args.images_per_sample,
                             attention="unfused" if args.attention == "eager" else args.attention,
                             frozen=frozen,
-                            lora=None if args.lora_rank is None else LoraSpec(args.lora_rank))
+                            lora=None if args.lora_rank is None else LoraSpec(
+                                args.lora_rank, base_bits=args.lora_bits))
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
     return model, strategy, TrainingOptions.for_zero_stage(args.zero,

@@ -56,6 +56,7 @@ class LayerMemory:
     largest: int = 0  # largest single activation tensor (transient scale in backward)
     tensors: int = 0  # parameter tensors
     tensor_params: tuple[int, ...] = ()  # elements of each parameter tensor
+    tensor_bytes: tuple[int, ...] = ()  # bytes of each, where not elements x the dtype's width
     saved_tensors: tuple[int, ...] = ()  # bytes of each saved tensor, when known (sum = saved)
 
 
@@ -137,6 +138,26 @@ def lora_params(t: TransformerSpec, lora: LoraSpec) -> tuple[int, ...]:
     adapted Linear (PEFT's ``lora_A`` / ``lora_B``, bias-free)."""
     return tuple(n for d_in, d_out in lora_shapes(t, lora)
                  for n in (lora.rank * d_in, d_out * lora.rank))
+
+
+def text_layer_weights(t: TransformerSpec) -> tuple[bool, ...]:
+    """Which of :func:`text_layer_params`' tensors are Linear weights (not biases or norms)."""
+    attn = (True, False) * 3 + (True,) if t.family == "qwen2" else (True,) * 4
+    return attn + (True,) * 3 + (False, False)
+
+
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+NF4_NESTED_BLOCK = 256  # double quantization: the 8-bit absmax get an fp32 absmax per 256
+
+
+def nf4_bytes(n: int) -> int:
+    """Device bytes of an ``n``-element weight in bitsandbytes' nf4 with double quantization
+    (``quantize_4bit(..., quant_type="nf4", compress_statistics=True)``, what ``Linear4bit``
+    and LLaVA's ``--bits 4 --double_quant True`` store): packed 4-bit weights, an 8-bit absmax
+    per block, an fp32 absmax per nested block, the nested 8-bit code (256 fp32), the nf4 code
+    (16 fp32) and the fp32 offset."""
+    blocks = -(-n // NF4_BLOCK)
+    return -(-n // 2) + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4 * (256 + 16 + 1)
 
 
 def projector_params(spec: ModelSpec) -> tuple[int, ...]:
@@ -285,12 +306,13 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     fz = Factorization()
     wbytes = dt.w
 
-    def add(name, tower, sizes, saved=0, largest=0, trainable=None, parts=()):
+    def add(name, tower, sizes, saved=0, largest=0, trainable=None, parts=(), nbytes=()):
         n, tensors = sum(sizes), len(sizes)
         tr = tower not in frozen if trainable is None else trainable
         parts = tuple(parts) if sum(parts) == saved else ()  # adjusted totals: shapes unknown
-        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors,
-                                     tuple(sizes), parts))
+        fz.layers.append(LayerMemory(name, tower, n, sum(nbytes) or n * wbytes, tr, saved,
+                                     largest, tensors, tuple(sizes), tensor_bytes=tuple(nbytes),
+                                     saved_tensors=parts))
         fz.num_param_tensors += tensors
         fz.num_trainable_tensors += tensors if tr else 0
 
@@ -364,11 +386,20 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
         add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
+        qbytes: tuple[int, ...] = ()
+        qlargest = largest
+        if spec.lora is not None and spec.lora.base_bits == 4:
+            # QLoRA: the Linear weights in nf4; each is dequantized to the compute dtype around
+            # its matmul (forward and backward), a transient of the largest one
+            qbytes = tuple(nf4_bytes(n) if w else n * wbytes for n, w in zip(
+                text_layer_params(t), text_layer_weights(t), strict=True))
+            qlargest = max(largest, t.hidden_size * t.ffn * dt.mm)
         for i in range(t.num_layers):
             saved = per
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
-            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest, parts=parts)
+            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, qlargest, parts=parts,
+                nbytes=qbytes)
             if spec.lora is not None:
                 add(f"llm.layers.{i}.lora", "lora", lora_params(t, spec.lora), trainable=True)
         tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)

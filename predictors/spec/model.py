@@ -122,11 +122,14 @@ class LoraSpec:
     head, what LLaVA's ``find_all_linear_names`` gives (``llava/train/train.py``; its
     ``finetune_lora.sh`` trains rank 128); ``dropout``: PEFT's ``lora_dropout`` (LLaVA 0.05),
     a dropout on each adapter's input that keeps a mask and its output for the backward.
-    ``alpha`` only scales the update, so it is no part of the memory."""
+    ``alpha`` only scales the update, so it is no part of the memory. ``base_bits``: 16 (the
+    frozen weights in the step's dtype) or 4 (QLoRA: the decoder layers' Linear weights in
+    bitsandbytes' nf4 with double quantization, LLaVA's ``--bits 4``)."""
 
     rank: int
     targets: tuple[str, ...] = LORA_TARGETS
     dropout: float = 0.05
+    base_bits: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -138,6 +141,9 @@ class LoraSpec:
                                  f"{LORA_TARGETS}")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelSpecError(f"lora dropout={self.dropout} must be in [0, 1)")
+        if self.base_bits not in (16, 4):
+            raise ModelSpecError(f"lora base_bits={self.base_bits}: choose 16 or 4 "
+                                 "(bitsandbytes nf4)")
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,10 @@ def test_cli_lora_rank(capsys):
                   if x.trainable)
     assert lora["analytical.optimizer_states"] == 12 * trained + (32 * 14 + 4) * ADAM_STEP_BLOCK
     assert lora["analytical.optimizer_states"] < full["analytical.optimizer_states"] / 10
+    main([*base, "--lora-rank", "16", "--lora-bits", "4"])
+    qlora = json.loads(capsys.readouterr().out)
+    assert qlora["analytical.optimizer_states"] == lora["analytical.optimizer_states"]
+    assert qlora["analytical.parameters"] < 0.4 * lora["analytical.parameters"]
     assert main([*base, "--lora-rank", "16", "--trace"]) == 1
     assert "--lora-rank" in capsys.readouterr().err
 
@@ -198,3 +202,37 @@ def test_lora_layer_activations_equal_the_tracker(precision, dropout):
     for x in layers:
         if x.tower == "llm":
             assert x.saved + (cpu_mask if dropout else 0) == traced[x.name], x.name
+
+
+def test_qlora_base_weights_are_bitsandbytes_nf4():
+    """QLoRA (``base_bits=4``): each decoder layer's Linear weights take the bytes
+    bitsandbytes stores for them (``quantize_4bit`` in nf4 with double quantization, what
+    ``Linear4bit`` and LLaVA's ``--bits 4`` use: packed weights and quantization state), its
+    norms their dtype's; what trains (adapters, projector) is LoRA's at 16 bits."""
+    import bitsandbytes.functional as bnb_f
+
+    step = Step.data_parallel(2, "bf16-mixed")
+    qlora = replace(LLAVA, lora=LoraSpec(8, base_bits=4))
+    fz, fz16 = factorize(qlora, step), factorize(LLAVA, step)
+    t = TEXT
+    h, f, kv = t.hidden_size, t.ffn, t.kv_heads * (t.hidden_size // t.num_attention_heads)
+    stored = 0
+    for shape in [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]:
+        q, state = bnb_f.quantize_4bit(torch.randn(shape, dtype=torch.bfloat16), blocksize=64,
+                                       quant_type="nf4", compress_statistics=True)
+        stored += sum(x.nbytes for x in (q, state.absmax, state.code, state.offset,
+                                         state.state2.absmax, state.state2.code))
+    norms = 2 * h * 2  # two bf16 RMSNorm weights
+    for i in range(t.num_layers):
+        layer = next(x for x in fz.layers if x.name == f"llm.layers.{i}")
+        assert layer.param_bytes == stored + norms and not layer.trainable
+        assert sum(layer.tensor_bytes) == layer.param_bytes
+    assert [x.params for x in fz.layers if x.trainable] == \
+        [x.params for x in fz16.layers if x.trainable]
+    est, est16 = walk_phases(qlora, step, HOPPER, fz), walk_phases(LLAVA, step, HOPPER, fz16)
+    saved = 2 * sum(x.param_bytes for x in fz16.layers if x.name.startswith("llm.layers.")
+                    and x.tower == "llm") - 2 * t.num_layers * (stored + norms)
+    assert est16.components["parameters"] - est.components["parameters"] == saved // 2
+    assert est.components["optimizer_states"] == est16.components["optimizer_states"]
+    with pytest.raises(ModelSpecError, match="base_bits=8"):
+        LoraSpec(8, base_bits=8)
