@@ -22,10 +22,10 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
-from .model import MARGIN_QUANTILE, MemoryModel
+from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER
 from .presets import as_memory_model
-from .verdict import Judgement, Margin, Verdict, judge
+from .verdict import Judgement, Margin, Verdict, judge, margin_for
 
 
 @dataclass
@@ -114,9 +114,11 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
     else Hopper's above 48 GiB: an A100-80GB is not Hopper, say so). ``margin`` fixes the
-    relative margin at +-``margin`` (no coverage claimed); by default it is the residual
-    model's size-binned conformal bound, its lower side taken symmetric. The verdict
-    (:mod:`verdict`) is the prediction's ``judgement``."""
+    relative margin at +-``margin`` (no coverage claimed); by default it is the registered
+    margin of the job's family of work (:func:`model.margin_family`: ``multimodal``,
+    ``text`` or ``vision``; split-conformal bounds of the residual model's out-of-family errors,
+    ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
+    prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
@@ -149,12 +151,9 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
             raise ModelSpecError(f"architecture={architecture!r}: choose one of "
                                  f"{', '.join(by_name)}")
         overheads = by_name[architecture]
-    reserved, est, predicted_margin = _shipped_model().predict(spec, cfg, overheads)
-    family = "multimodal" if spec.vision is not None and spec.text is not None else "dense"
-    bounds = (Margin.fixed(margin, family) if margin is not None else Margin(
-        family, -predicted_margin, predicted_margin, MARGIN_QUANTILE, 0,
-        "size-binned split-conformal bound of the residual model's out-of-family "
-        "under-prediction (memory_residual.json); lower bound taken symmetric"))
+    reserved, est = _shipped_model().predict(spec, cfg, overheads)
+    family = margin_family(spec)
+    bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
     inflight = min(pp, strategy.num_microbatches)
     comps = dict(est.components)
     if tp > 1 or inflight > 1:

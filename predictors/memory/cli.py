@@ -61,6 +61,12 @@ def add_subcommands(subparsers) -> None:
     m.add_argument("--attention", default="flash", choices=["flash", "unfused", "eager"],
                    help="eager: unfused (transformers' name for it)")
     m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
+    m.add_argument("--lora-rank", type=int, default=None,
+                   help="presets: LoRA adapters of this rank on every Linear of the LLM's "
+                        "layers (LLaVA's finetune_lora.sh: 128); the LLM's weights freeze")
+    m.add_argument("--lora-bits", type=int, default=16, choices=[16, 4],
+                   help="with --lora-rank: 4 keeps the LLM's Linear weights in bitsandbytes' "
+                        "nf4 (QLoRA)")
     m.add_argument("--capacity-gib", default=None,
                    help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
                         "module default: --device's)")
@@ -79,7 +85,8 @@ def add_subcommands(subparsers) -> None:
     e = subparsers.add_parser("eval-memory", help="held-out MAPE + OOM confusion table")
     e.add_argument("--data", type=Path, default=None)
     e.add_argument("--margin", type=float, default=None,
-                   help="fixed safety margin (default: predicted per configuration)")
+                   help="fixed margin +-X (default: each fold's split-conformal margins, fitted "
+                        "on its training rows)")
     e.add_argument("--plot", type=Path, default=Path("out/memory_pred_vs_measured.png"))
     e.set_defaults(func=_named_errors(_eval))
 
@@ -115,14 +122,19 @@ def _memory(args) -> int:
 
 def _memory_job(args):
     """The model, strategy and options the flags describe (the one vocabulary)."""
-    from ..spec import ParallelStrategy, TrainingOptions
+    from ..spec import LoraSpec, ModelSpecError, ParallelStrategy, TrainingOptions
     from .presets import as_memory_model
 
     frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
+    if args.lora_rank is not None and args.trace:
+        raise ModelSpecError("--lora-rank: the traced preset path builds no adapters; drop "
+                             "--trace")
     model = as_memory_model(args.model, seq=args.seq, image_res=args.image_res,
                             images_per_sample=args.images_per_sample,
                             attention="unfused" if args.attention == "eager" else args.attention,
-                            frozen=frozen)
+                            frozen=frozen,
+                            lora=None if args.lora_rank is None else LoraSpec(
+                                args.lora_rank, base_bits=args.lora_bits))
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
     return model, strategy, TrainingOptions.for_zero_stage(args.zero,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
+from ..spec.model import LoraSpec, ModelSpec, TransformerSpec, VisionTowerSpec
 from ..spec.precision import get_precision
 from .config import Step
 from .presets import PRESETS, scaled
@@ -101,7 +101,9 @@ def spec_from_json(text: str) -> ModelSpec:
     t = d.pop("text")
     # rows written before the one vocabulary named the frozen towers default_frozen
     d["frozen"] = tuple(d.pop("default_frozen", None) or d.get("frozen", ()))
-    return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TransformerSpec(**t), **d)
+    lora = d.pop("lora", None)  # rows written before LoRA have none
+    return ModelSpec(vision=v and VisionTowerSpec(**v), text=t and TransformerSpec(**t),
+                     lora=lora and LoraSpec(**lora), **d)
 
 
 def job_from_row(row: dict) -> tuple[ModelSpec, Step]:

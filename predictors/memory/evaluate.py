@@ -3,10 +3,12 @@
 * held out by family: train on four of LLaVA-like / Qwen-VL-like / BLIP-2-like / LLM / ViT and
   predict the fifth (small and medium sizes);
 * held out by size: train on the small and medium models, predict the full-size ones (``xl``);
-* OOM verdict for 24/40/80/141 GiB cards (:mod:`verdict`): "fits" when prediction x (1 + margin)
-  + CUDA context + the allocator's reserve <= capacity, where the margin is the model's predicted uncertainty for that configuration (or
-  a fixed one when given), against measured reserved peak + the same CUDA context <= capacity
-  (both sides: reserved peak simulated with the same cuBLAS workspaces, the card's context).
+* OOM verdict for 24/40/80/141 GiB cards (:mod:`verdict`): "fits" when prediction x (1 + the
+  margin's upper bound) + CUDA context + the allocator's reserve <= capacity, where the margin
+  is the family of work's split-conformal margin fitted by the fold's model on its own
+  training rows' out-of-family residuals (so never on the held-out rows; or a fixed one when
+  given), against measured reserved peak + the same CUDA context <= capacity (both sides:
+  reserved peak simulated with the same cuBLAS workspaces, the card's context).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .collect import GROUND_TRUTH_CSV, job_from_row
-from .model import MemoryModel
+from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER
 from .phases import walk_phases
 from .verdict import Margin, Verdict, judge
@@ -32,7 +34,7 @@ class Row:
     ground_truth: str
     predicted: int = 0
     measured_allocated: int = 0
-    margin: float = 0.0  # safety margin the verdict adds to ``predicted``
+    margin: Margin | None = None  # the bounds the verdict puts around ``predicted``
 
 
 @dataclass
@@ -46,9 +48,9 @@ class EvalReport:
     mape_allocated_analytical: float = 0.0  # analytical peak vs max_memory_allocated
     confusion: dict[str, dict[str, int]] = field(default_factory=dict)
     oom_accuracy: float = 0.0
-    margin_fixed: float | None = None  # None: per-configuration predicted margins
-    margin_range: tuple[float, float] = (0.0, 0.0)
-    margin_coverage: float = 0.0  # % of held-out rows with measured <= predicted x (1 + margin)
+    margin_fixed: float | None = None  # None: each fold's fitted margins
+    margin_range: tuple[float, float] = (0.0, 0.0)  # of the upper bounds used
+    margin_coverage: float = 0.0  # % of held-out rows with measured <= predicted x (1 + upper)
     rows: list[Row] = field(default_factory=list)
 
 
@@ -67,22 +69,23 @@ def _fit(rows: list[Row], label: str) -> MemoryModel:
     return MemoryModel.fit([(r.spec, r.cfg, r.measured) for r in rows], trained_on=label)
 
 
-def fits_card(reserved: int, card: str, margin: float = 0.0) -> bool:
-    """A ``fits`` verdict (:mod:`verdict`) on ``card`` with a fixed relative margin."""
+def fits_card(reserved: int, card: str, margin: Margin | None = None) -> bool:
+    """A ``fits`` verdict (:mod:`verdict`) on ``card`` with ``margin`` (none: exact)."""
     capacity, overheads = CARDS[card]
     return judge(reserved, overheads.context_bytes, capacity,
-                 Margin.fixed(margin)).verdict is Verdict.FITS
+                 margin or Margin.fixed(0.0)).verdict is Verdict.FITS
 
 
 def _predict(model: MemoryModel, rows: list[Row], margin: float | None) -> None:
     for r in rows:
-        r.predicted, _, m = model.predict(r.spec, r.cfg)
-        r.margin = m if margin is None else margin
+        r.predicted, _ = model.predict(r.spec, r.cfg)
+        fam = margin_family(r.spec)
+        r.margin = model.margin(fam) if margin is None else Margin.fixed(margin, fam)
 
 
 def evaluate(path: Path = GROUND_TRUTH_CSV, margin: float | None = None) -> EvalReport:
-    """Held-out evaluation; ``margin`` fixes the verdict's safety margin (default: the margin
-    model's per-configuration prediction)."""
+    """Held-out evaluation; ``margin`` fixes the verdict's margin at +-``margin`` (default:
+    the margins each fold's model fits on its own training rows)."""
     rows = load_rows(path)
     gts = sorted({r.ground_truth for r in rows})
     rep = EvalReport(ground_truth="+".join(gts), margin_fixed=margin)
@@ -108,8 +111,8 @@ def evaluate(path: Path = GROUND_TRUTH_CSV, margin: float | None = None) -> Eval
                                     for r in held) / len(held)
     rep.mape_allocated_analytical = 100 * sum(abs(analytic[id(r)] / r.measured_allocated - 1)
                                               for r in rows) / len(rows)
-    rep.margin_range = (min(r.margin for r in held), max(r.margin for r in held))
-    rep.margin_coverage = 100 * sum(r.measured <= r.predicted * (1 + r.margin)
+    rep.margin_range = (min(r.margin.upper for r in held), max(r.margin.upper for r in held))
+    rep.margin_coverage = 100 * sum(r.measured <= r.predicted * (1 + r.margin.upper)
                                     for r in held) / len(held)
     agree = total = 0
     for card in CARDS:
@@ -160,7 +163,7 @@ def format_report(rep: EvalReport) -> str:
                  f"{rep.mape_allocated_analytical:.2f}%")
     if rep.margin_fixed is None:
         lo, hi = rep.margin_range
-        how = f"predicted per configuration, {lo:.1%}..{hi:.1%}"
+        how = f"each fold's split-conformal upper bound per family of work, {lo:.1%}..{hi:.1%}"
     else:
         how = f"fixed {rep.margin_fixed:.1%}"
     how += f"; covers {rep.margin_coverage:.1f}% of held-out rows"

@@ -17,14 +17,20 @@ Qwen2, CLIP, SigLIP, LLaVA) keep alive under CUDA autocast rules, checked agains
 * activation checkpointing keeps only each checkpointed layer's input, and the layer being
   recomputed re-materializes its own saved tensors in the backward;
 * a frozen tower with nothing trainable upstream saves nothing; a frozen tower downstream of a
-  trainable one (or upstream of nothing) saves only what the input gradient needs.
+  trainable one (or upstream of nothing) saves only what the input gradient needs;
+* LoRA (PEFT's ``lora.Linear``: ``base(x) + B(A(dropout(x))) * scaling``) freezes the text
+  tower's own weights and adds a trainable ``A``/``B`` pair per targeted Linear (a layer entry
+  of its own right after its decoder layer, so ZeRO shards and Adam states see its tensors);
+  each adapted Linear saves the dropout's mask and output (what ``A`` needs for its weight
+  gradient) and ``A``'s output (what ``B`` needs); the frozen base saves only what the input
+  gradient needs, which every decoder layer propagates down to the first adapters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec.model import ModelSpec, TransformerSpec, VisionTowerSpec
+from ..spec.model import LORA_TARGETS, LoraSpec, ModelSpec, TransformerSpec, VisionTowerSpec
 from ..spec.precision import Precision
 from .config import Shapes, Step, resolve_shapes
 
@@ -50,6 +56,7 @@ class LayerMemory:
     largest: int = 0  # largest single activation tensor (transient scale in backward)
     tensors: int = 0  # parameter tensors
     tensor_params: tuple[int, ...] = ()  # elements of each parameter tensor
+    tensor_bytes: tuple[int, ...] = ()  # bytes of each, where not elements x the dtype's width
     saved_tensors: tuple[int, ...] = ()  # bytes of each saved tensor, when known (sum = saved)
 
 
@@ -116,6 +123,43 @@ def text_layer_params(t: TransformerSpec) -> tuple[int, ...]:
     return attn + (h * f, h * f, f * h) + (h, h)
 
 
+def lora_shapes(t: TransformerSpec, lora: LoraSpec) -> list[tuple[int, int]]:
+    """``(d_in, d_out)`` of each Linear of one decoder layer that ``lora`` adapts, in the
+    layer's registration order."""
+    h, f = t.hidden_size, t.ffn
+    kv = t.kv_heads * (h // t.num_attention_heads)
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    return [dims[name] for name in LORA_TARGETS if name in lora.targets]
+
+
+def lora_params(t: TransformerSpec, lora: LoraSpec) -> tuple[int, ...]:
+    """One decoder layer's adapter tensors: ``A`` (rank x d_in) and ``B`` (d_out x rank) per
+    adapted Linear (PEFT's ``lora_A`` / ``lora_B``, bias-free)."""
+    return tuple(n for d_in, d_out in lora_shapes(t, lora)
+                 for n in (lora.rank * d_in, d_out * lora.rank))
+
+
+def text_layer_weights(t: TransformerSpec) -> tuple[bool, ...]:
+    """Which of :func:`text_layer_params`' tensors are Linear weights (not biases or norms)."""
+    attn = (True, False) * 3 + (True,) if t.family == "qwen2" else (True,) * 4
+    return attn + (True,) * 3 + (False, False)
+
+
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+NF4_NESTED_BLOCK = 256  # double quantization: the 8-bit absmax get an fp32 absmax per 256
+
+
+def nf4_bytes(n: int) -> int:
+    """Device bytes of an ``n``-element weight in bitsandbytes' nf4 with double quantization
+    (``quantize_4bit(..., quant_type="nf4", compress_statistics=True)``, what ``Linear4bit``
+    and LLaVA's ``--bits 4 --double_quant True`` store): packed 4-bit weights, an 8-bit absmax
+    per block, an fp32 absmax per nested block, the nested 8-bit code (256 fp32), the nf4 code
+    (16 fp32) and the fp32 offset."""
+    blocks = -(-n // NF4_BLOCK)
+    return -(-n // 2) + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4 * (256 + 16 + 1)
+
+
 def projector_params(spec: ModelSpec) -> tuple[int, ...]:
     vh, th = spec.vision.hidden_size, spec.text.hidden_size
     if spec.projector == "linear":
@@ -167,7 +211,7 @@ def eager_scores_saved(batch: int, heads: int, seq: int, b: int) -> list[int]:
 
 
 def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attention: str,
-                      trainable: bool) -> tuple[list[int], int]:
+                      trainable: bool, lora: LoraSpec | None = None) -> tuple[list[int], int]:
     """Tensors (bytes; several small saves of one op may be lumped) a Llama/Qwen2 decoder layer
     saves, and its largest single saved tensor."""
     n = batch * seq
@@ -177,7 +221,12 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
     lin = dict(input_grad=True, weight_trainable=trainable)
     # two RMSNorms; their output is saved once for the Linears that need it for weight grads
     norm_out = n * h * dt.res if trainable and not dt.autocast else 0
-    parts = [rmsnorm_saved(n, h, dt), norm_out] * 2
+    norm = rmsnorm_saved(n, h, dt)
+    if lora is not None and lora.dropout and not trainable:
+        # LoRA's frozen norm weights need no normalized input, and the adapters read their
+        # dropout's output instead of the norm's
+        norm -= n * h * dt.res
+    parts = [norm, norm_out] * 2
     if dt.res == F32:  # residual adds feed the norms directly (else their fp32 upcast is saved)
         parts += [n * h * dt.res] * 2
     parts.append(linear_saved(n, h, h, bias, dt, input_low=False, **lin))
@@ -187,11 +236,35 @@ def llama_layer_saved(t: TransformerSpec, batch: int, seq: int, dt: _Dt, attenti
         parts += flash_saved(batch, heads, seq, h, kv, n, dt.mm)
     else:  # q and repeated k/v made contiguous for bmm, output copy for o_proj, scores
         parts += [n * h * dt.mm] * 4 + eager_scores_saved(batch, heads, seq, dt.mm)
-    parts += [n * f * dt.mm] * (4 if trainable else 3)  # gate, silu, up (, gate*up for down)
+    # gate, silu, up (, gate*up for down's weight gradient, or for its adapter's A without
+    # dropout)
+    down_in = trainable or (lora is not None and not lora.dropout and "down_proj" in lora.targets)
+    parts += [n * f * dt.mm] * (4 if down_in else 3)
     parts += [linear_saved(n, h, f, False, dt, input_low=False, **lin)] * 2
     parts.append(linear_saved(n, f, h, False, dt, input_low=True, **lin))
     largest = max(n * f * dt.mm, batch * heads * seq * seq * F32 if attention == "unfused" else 0)
     return [x for x in parts if x], largest
+
+
+def lora_saved(t: TransformerSpec, lora: LoraSpec, tokens: int, dt: _Dt) -> list[int]:
+    """Tensors one decoder layer's adapters save: per adapted Linear the dropout's bool mask
+    and output (``A``'s input; without dropout ``A`` shares the input the base Linear got),
+    ``A``'s output (``B``'s input), and under autocast their cast weights and input copies."""
+    r, parts = lora.rank, []
+    if dt.autocast and not lora.dropout:
+        # A casts its fp32 input, a norm's output, to a low-precision copy it saves: one per
+        # norm whose Linears it adapts (the traced step shares it between q/k/v, gate/up)
+        h = t.hidden_size
+        groups = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+        parts += [tokens * h * dt.mm for g in groups if g & set(lora.targets)]
+    for d_in, d_out in lora_shapes(t, lora):
+        if lora.dropout:
+            parts += [tokens * d_in, tokens * d_in * dt.mm]
+        parts.append(tokens * r * dt.mm)
+        lin = dict(input_grad=True, weight_trainable=True, input_low=True)
+        parts += [linear_saved(tokens, d_in, r, False, dt, **lin),
+                  linear_saved(tokens, r, d_out, False, dt, **lin)]
+    return [x for x in parts if x]
 
 
 def vit_layer_saved(v: VisionTowerSpec, images: int, tokens: int, dt: _Dt, attention: str,
@@ -228,16 +301,18 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     shapes: Shapes = resolve_shapes(spec, cfg)
     p = cfg.precision
     dt = _Dt.of(p)
-    frozen = set(spec.frozen)
+    # LoRA freezes the text tower's own weights; its adapters are separate layer entries
+    frozen = set(spec.frozen) | ({"llm"} if spec.lora is not None else set())
     fz = Factorization()
     wbytes = dt.w
 
-    def add(name, tower, sizes, saved=0, largest=0, trainable=None, parts=()):
+    def add(name, tower, sizes, saved=0, largest=0, trainable=None, parts=(), nbytes=()):
         n, tensors = sum(sizes), len(sizes)
         tr = tower not in frozen if trainable is None else trainable
         parts = tuple(parts) if sum(parts) == saved else ()  # adjusted totals: shapes unknown
-        fz.layers.append(LayerMemory(name, tower, n, n * wbytes, tr, saved, largest, tensors,
-                                     tuple(sizes), parts))
+        fz.layers.append(LayerMemory(name, tower, n, sum(nbytes) or n * wbytes, tr, saved,
+                                     largest, tensors, tuple(sizes), tensor_bytes=tuple(nbytes),
+                                     saved_tensors=parts))
         fz.num_param_tensors += tensors
         fz.num_trainable_tensors += tensors if tr else 0
 
@@ -299,8 +374,11 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
     if t is not None:
         train_t = "llm" not in frozen
         n = cfg.batch * t.seq_length
-        needs = train_t or grad_flows
-        parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t)
+        needs = train_t or grad_flows or spec.lora is not None
+        parts, largest = llama_layer_saved(t, cfg.batch, t.seq_length, dt, spec.attention, train_t,
+                                           spec.lora)
+        if spec.lora is not None:
+            parts += lora_saved(t, spec.lora, n, dt)
         per = sum(parts)
         if not needs:
             parts, per, largest = [], 0, 0
@@ -308,11 +386,22 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
         add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
+        qbytes: tuple[int, ...] = ()
+        qlargest = largest
+        if spec.lora is not None and spec.lora.base_bits == 4:
+            # QLoRA: the Linear weights in nf4; each is dequantized to the compute dtype around
+            # its matmul (forward and backward), a transient of the largest one
+            qbytes = tuple(nf4_bytes(n) if w else n * wbytes for n, w in zip(
+                text_layer_params(t), text_layer_weights(t), strict=True))
+            qlargest = max(largest, t.hidden_size * t.ffn * dt.mm)
         for i in range(t.num_layers):
             saved = per
             if cfg.checkpointing == "full" and needs:
                 saved = n * t.hidden_size * dt.res
-            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, largest, parts=parts)
+            add(f"llm.layers.{i}", "llm", text_layer_params(t), saved, qlargest, parts=parts,
+                nbytes=qbytes)
+            if spec.lora is not None:
+                add(f"llm.layers.{i}.lora", "lora", lora_params(t, spec.lora), trainable=True)
         tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
         head = () if tied else (t.vocab_size * t.hidden_size,)
         add("llm.head", "llm", (t.hidden_size, *head),

@@ -4,15 +4,17 @@ The analytical phase walk (:mod:`phases`) predicts the allocated peak, the tenso
 (:mod:`replay`) the reserved peak; LightGBM learns ``log(measured reserved / replayed reserved)``
 from collected ground truth, on scale-free features (shares of each component, dtypes, flags,
 log sizes), so it transfers across model families and sizes; rows weigh by size, since the
-verdict is decided on large configurations. The OOM verdict's safety margin is a split-conformal
-bound of the out-of-family under-prediction per bin of predicted size (:class:`SizeMargins`).
-Shipped as ``predictors/models/memory_residual.txt`` (+ ``.json``)."""
+verdict is decided on large configurations. The OOM verdict's margins (:mod:`verdict`, the one
+margin implementation) are split-conformal bounds of the out-of-family residuals, one per
+family of work the presets predict (:func:`margin_family`). Shipped as
+``predictors/models/memory_residual.txt`` (+ ``.json``) and, the margins, in
+``predictors/models/memory_margins.json``."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from .allocator import (
     ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
+    GiB,
     MiB,
 )
 from .config import Step
@@ -31,19 +34,17 @@ from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
 from .replay import replay_reserved
-from .verdict import conformal_quantile
+from .verdict import DEFAULT_COVERAGE, Margin, MarginError
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"
 MODEL_JSON = MODELS_DIR / "memory_residual.json"
 PHASE_CODE = {"forward": 0, "backward": 1, "optimizer": 2}
 ROUNDS = 300
-DEFAULT_MARGIN = 0.05  # without a trained margin model
-MARGIN_QUANTILE = 0.95
-MIN_MARGIN = 0.01
-# lower edges of the margin's size bins (predicted reserved bytes); a bin needs MIN_BIN_ROWS
-MARGIN_BIN_EDGES = [256 * MiB, 1024 * MiB, 4096 * MiB]
-MIN_BIN_ROWS = 20
+# the margins calibrate on rows of at least this measured reserved peak: below it a job is
+# decided by the allocator's granularity (a 20 MiB segment is 2-8% of a few hundred MiB), not
+# by the model's error, and no card is that small; the margins claim coverage above it
+MARGIN_MIN_RESERVED = 1 * GiB
 SIZE_WEIGHT_POWER = 3  # held-out MAPE 2.29 -> 2.53%, but xl (near-capacity) errors halve
 
 
@@ -137,62 +138,71 @@ def _size_weights(x: np.ndarray, names: list[str]) -> np.ndarray:
     return np.maximum(x[:, names.index("log_total_mib")], 1.0) ** SIZE_WEIGHT_POWER
 
 
-@dataclass
-class SizeMargins:
-    """Mondrian (size-conditional) conformal safety margin. Allocator slack is bounded per
-    tensor and per segment, so the relative error of a prediction shrinks as configurations
-    grow; one quantile over all sizes would be set by megabyte-scale toys and be far too wide
-    near a card's capacity. Each bin of predicted reserved bytes gets its own quantile of the
-    out-of-family under-predictions that fall in it; the top bin is open-ended."""
+def margin_family(spec: ModelSpec) -> str:
+    """The family of work whose registered margin (:func:`verdict.margin_for`) bounds a preset
+    prediction: ``multimodal`` (a vision tower feeding a text tower), ``text`` (a text tower
+    alone) or ``vision`` (a ViT alone): their errors differ (checkpointed ViTs are
+    under-predicted by up to ~40% on the H200 rows, LLMs by under 3%). Not ``dense``: that
+    margin is the traced module path's on MLPs, a different predictor."""
+    if spec.multimodal:
+        return "multimodal"
+    return "text" if spec.text is not None else "vision"
 
-    edges: list[float]  # lower edges (bytes) of the bins, ascending; edges[0] == 0
-    bounds: list[float]  # conformal bound of log(measured / predicted) per bin
 
-    def margin(self, predicted: float) -> float:
-        i = max(k for k, lo in enumerate(self.edges) if predicted >= lo)
-        return max(math.exp(self.bounds[i]) - 1.0, MIN_MARGIN)
+POOLED = "pooled"  # the margins' key for all families of work together (a family's fallback)
 
-    @classmethod
-    def calibrate(cls, predicted: np.ndarray, err: np.ndarray) -> SizeMargins:
-        edges, bounds = [0.0], []
-        for lo in MARGIN_BIN_EDGES:
-            if np.sum(predicted >= lo) >= MIN_BIN_ROWS:
-                edges.append(lo)
-        for i, lo in enumerate(edges):
-            hi = edges[i + 1] if i + 1 < len(edges) else math.inf
-            inside = (predicted >= lo) & (predicted < hi)
-            bounds.append(conformal_quantile(err[inside].tolist(), MARGIN_QUANTILE))
-        return cls(edges, bounds)
+
+def fit_margins(residuals: list[float], families: list[str], measured: list[int],
+                source: str) -> dict[str, Margin]:
+    """Per family of work, the split-conformal margin of ``measured / predicted - 1`` over the
+    rows of at least :data:`MARGIN_MIN_RESERVED`, and all of them :data:`POOLED`."""
+    big = [(r, f) for r, f, m in zip(residuals, families, measured, strict=True)
+           if m >= MARGIN_MIN_RESERVED]
+    out = {}
+    for fam in sorted({f for _, f in big}) + [POOLED]:
+        res = [r for r, f in big if fam in (f, POOLED)]
+        out[fam] = Margin.fit(fam, res, DEFAULT_COVERAGE,
+                              f"split-conformal on {len(res)} out-of-family residuals of the "
+                              f"preset model, rows >= {MARGIN_MIN_RESERVED // GiB} GiB ({source})")
+    return out
 
 
 @dataclass
 class MemoryModel:
-    """``predicted reserved = replayed reserved x exp(residual)``; ``margins`` give the relative
-    safety margin the OOM verdict adds (a conformal bound of the under-prediction)."""
+    """``predicted reserved = replayed reserved x exp(residual)``; ``margins``: the verdict's
+    margins per family of work, fitted on the training rows' out-of-family residuals (none
+    without at least two model families)."""
 
     booster: object | None
     feature_names: list[str]
     trained_on: str = ""
-    margins: SizeMargins | None = None
+    margins: dict[str, Margin] = field(default_factory=dict)
 
     def residual(self, feats: dict[str, float]) -> float:
         if self.booster is None:
             return 0.0
         return float(self.booster.predict(self._row(feats))[0])
 
-    def margin(self, predicted: float) -> float:
-        """Relative safety margin for a prediction (``DEFAULT_MARGIN`` without calibration)."""
-        return DEFAULT_MARGIN if self.margins is None else self.margins.margin(predicted)
+    def margin(self, family: str) -> Margin:
+        """The margin fitted for ``family``; a family the training rows lacked (a held-out one)
+        gets the pooled margin of the others, so no row calibrates its own verdict."""
+        if family in self.margins:
+            return self.margins[family]
+        if POOLED not in self.margins:
+            raise MarginError(f"family={family!r}: this model fitted no margins (it needs two "
+                              "model families to hold each out)")
+        pooled = self.margins[POOLED]
+        return replace(pooled, family=family,
+                       source=f"no {family} rows in training: pooled, {pooled.source}")
 
     def _row(self, feats: dict[str, float]) -> np.ndarray:
         return np.array([[feats[k] for k in self.feature_names]])
 
     def predict(self, spec: ModelSpec, cfg: Step, overheads: CudaOverheads = HOPPER
-                ) -> tuple[int, PeakEstimate, float]:
-        """(predicted peak reserved, analytical estimate, safety margin)."""
+                ) -> tuple[int, PeakEstimate]:
+        """(predicted peak reserved, analytical estimate)."""
         feats, est, replayed = features(spec, cfg, overheads)
-        predicted = int(replayed * math.exp(self.residual(feats)))
-        return predicted, est, self.margin(predicted)
+        return int(replayed * math.exp(self.residual(feats))), est
 
     def predict_reserved(self, spec: ModelSpec, cfg: Step,
                          overheads: CudaOverheads = HOPPER) -> int:
@@ -204,13 +214,15 @@ class MemoryModel:
         """Residual model on all ``pairs``. The margins are calibrated on out-of-family errors:
         each model family is held out in turn (the way a new family is met in use), so no
         calibration error comes from a row the residual model has seen."""
-        rows, y, fams, base = [], [], [], []
-        for spec, cfg, measured in pairs:
+        rows, y, fams, base, work, measured = [], [], [], [], [], []
+        for spec, cfg, peak in pairs:
             feats, _, replayed = features(spec, cfg, overheads)
             rows.append(feats)
-            y.append(math.log(measured / replayed))
+            y.append(math.log(peak / replayed))
             fams.append(spec.family)
             base.append(replayed)
+            work.append(margin_family(spec))
+            measured.append(peak)
         names = list(rows[0])
         x = np.array([[r[k] for k in names] for r in rows])
         y = np.array(y)
@@ -224,29 +236,24 @@ class MemoryModel:
         for g in groups:
             out = fam == g
             oof[out] = _train(x[~out], y[~out], names, w[~out]).predict(x[out])
-        predicted = np.array(base) * np.exp(oof)
-        return cls(booster, names, trained_on, SizeMargins.calibrate(predicted, y - oof))
+        residuals = (np.exp(y - oof) - 1).tolist()  # measured / out-of-family prediction - 1
+        return cls(booster, names, trained_on,
+                   fit_margins(residuals, work, measured, f"{len(pairs)} training rows"))
 
     def save(self, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> None:
         txt.parent.mkdir(parents=True, exist_ok=True)
         self.booster.save_model(str(txt))
-        margins = None if self.margins is None else {
-            "edges_bytes": self.margins.edges, "log_bounds": self.margins.bounds}
         meta.write_text(json.dumps({
             "features": self.feature_names, "trained_on": self.trained_on,
-            "target": "log(peak_reserved / allocator-replay reserved peak)",
-            "margin": f"split-conformal {MARGIN_QUANTILE} bound of out-of-family "
-                      f"under-prediction per bin of predicted bytes, floor {MIN_MARGIN:.0%}",
-            "margins": margins}, indent=1))
+            "target": "log(peak_reserved / allocator-replay reserved peak)"}, indent=1))
 
     @classmethod
     def load(cls, txt: Path = MODEL_TXT, meta: Path = MODEL_JSON) -> MemoryModel:
-        """The shipped model; without one, the allocator replay alone (residual 0)."""
+        """The shipped model (its margins are the registered ones, :mod:`verdict`); without
+        one, the allocator replay alone (residual 0)."""
         if not txt.exists():
             return cls(None, [], "none (allocator replay only)")
         import lightgbm as lgb
 
         m = json.loads(meta.read_text())
-        mg = m.get("margins")
-        margins = SizeMargins(mg["edges_bytes"], mg["log_bounds"]) if mg else None
-        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"], margins)
+        return cls(lgb.Booster(model_file=str(txt)), m["features"], m["trained_on"])

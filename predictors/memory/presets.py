@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..spec.engines import HF_TEXT_FAMILIES
-from ..spec.model import ModelSpec, TransformerSpec, UnknownModelError, VisionTowerSpec
+from ..spec.model import (
+    LoraSpec,
+    ModelSpec,
+    TransformerSpec,
+    UnknownModelError,
+    VisionTowerSpec,
+)
 
 PRESET_SEQ = 2048  # the presets' text seq_length (predict_peak_memory's seq replaces it)
 
@@ -89,11 +95,13 @@ def memory_text_tower(t: TransformerSpec) -> TransformerSpec:
 def as_memory_model(model: str | ModelSpec | TransformerSpec, *, seq: int | None = None,
                     image_res: int | None = None, images_per_sample: int | None = None,
                     attention: str | None = None,
-                    frozen: tuple[str, ...] | None = None) -> ModelSpec:
+                    frozen: tuple[str, ...] | None = None,
+                    lora: LoraSpec | None = None) -> ModelSpec:
     """A preset name, a model or a text tower alone, as the model the memory predictor walks;
     the keywords set the model's own facts (None keeps them): the text tower's sequence length
     (image tokens included), the vision tower's resolution, images per sample, the attention
-    implementation of every tower and the frozen towers."""
+    implementation of every tower, the frozen towers and LoRA adapters on the text tower
+    (whose own weights they freeze)."""
     if isinstance(model, str):
         model = get_preset(model)
     elif isinstance(model, TransformerSpec):
@@ -106,4 +114,6 @@ def as_memory_model(model: str | ModelSpec | TransformerSpec, *, seq: int | None
         model = model.with_attention(attention)
     if images_per_sample is not None:
         model = replace(model, images_per_sample=images_per_sample)
+    if lora is not None:
+        model = replace(model, lora=lora)
     return model if frozen is None else replace(model, frozen=frozen)

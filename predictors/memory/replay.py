@@ -17,6 +17,8 @@ from .overheads import CudaOverheads
 def _param_tensors(layer: LayerMemory) -> list[int]:
     """The layer's parameter tensors in bytes (their real shapes, so gradients and Adam states
     reuse the holes activations leave the way the real step's do)."""
+    if layer.tensor_bytes:  # quantized weights: bytes per tensor as stored
+        return list(layer.tensor_bytes)
     width = layer.param_bytes // max(layer.params, 1)
     return [n * width for n in layer.tensor_params] or [layer.param_bytes]
 

@@ -10,10 +10,12 @@ capacity; ``oom``: even the lower bound exceeds it; ``tight``: in between (launc
 gamble the prediction cannot settle).
 
 Margins are split-conformal bounds of the relative residual ``measured / predicted - 1`` of
-one family of work (``dense``, ``conv``, ``multimodal``: their errors differ, conv nets' by
-cuDNN's transient workspaces), each with its nominal coverage and the number of rows it was
-fitted on. Families are registered (:func:`register_margin`); the shipped ones live in
-``predictors/models/memory_margins.json``. An evaluation fits them inside each fold without the
+one family of work (``dense`` and ``conv`` for the traced module path, ``multimodal``,
+``text`` and ``vision`` for the presets: their errors differ, conv nets' by cuDNN's transient
+workspaces), each with its nominal coverage and the number of rows it was fitted on. Families
+are registered (:func:`register_margin`); the shipped ones live in
+``predictors/models/memory_margins.json`` (``dense``/``conv`` written by the memory benchmark's
+``--write-margins``, ``multimodal``/``text``/``vision`` by the preset model's training). An evaluation fits them inside each fold without the
 scored rows (:func:`cross_fitted`).
 """
 
@@ -31,6 +33,9 @@ from .allocator import GiB, MiB
 ALLOCATOR_RESERVE = 64 * MiB  # a few 20 MiB large-pool segments of slack below the capacity
 DEFAULT_COVERAGE = 0.99  # nominal P(measured <= upper bound) and P(measured >= lower bound)
 MARGINS_JSON = Path(__file__).resolve().parents[1] / "models" / "memory_margins.json"
+MARGINS_NOTE = ("dense/conv: benchmarks/bench_memory_predictor.py --write-margins; "
+                "multimodal/text/vision: python -m predictors.memory.train; residual = "
+                "measured reserved / predicted - 1")
 
 
 class Verdict(StrEnum):
@@ -125,9 +130,12 @@ def load_margins(path: Path = MARGINS_JSON) -> None:
 
 
 def save_margins(margins: Sequence[Margin], path: Path, note: str) -> None:
-    path.write_text(json.dumps({"note": note, "margins": {
-        m.family: {k: v for k, v in asdict(m).items() if k != "family"} for m in margins}},
-        indent=1) + "\n")
+    """Write ``margins`` into ``path``, keeping the other families stored there (each family's
+    ``source`` says what fitted it; ``note`` says what wrote the file last)."""
+    stored = json.loads(path.read_text())["margins"] if path.exists() else {}
+    stored.update({m.family: {k: v for k, v in asdict(m).items() if k != "family"}
+                   for m in margins})
+    path.write_text(json.dumps({"note": note, "margins": stored}, indent=1) + "\n")
 
 
 @dataclass(frozen=True)

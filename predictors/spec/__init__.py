@@ -5,6 +5,7 @@ Nothing here imports the predictors."""
 
 from .model import (
     ATTENTION_IMPLS,
+    LoraSpec,
     ModelSpec,
     ModelSpecError,
     ResolutionError,
@@ -15,6 +16,6 @@ from .model import (
 from .options import DEFAULT_OPTIONS, FRAMEWORKS, RECOMPUTE_MODES, TrainingOptions
 from .strategy import ParallelStrategy, StrategyError
 
-__all__ = ["ATTENTION_IMPLS", "DEFAULT_OPTIONS", "FRAMEWORKS", "RECOMPUTE_MODES", "ModelSpec",
-           "ModelSpecError", "ParallelStrategy", "ResolutionError", "StrategyError",
+__all__ = ["ATTENTION_IMPLS", "DEFAULT_OPTIONS", "FRAMEWORKS", "RECOMPUTE_MODES", "LoraSpec",
+           "ModelSpec", "ModelSpecError", "ParallelStrategy", "ResolutionError", "StrategyError",
            "TrainingOptions", "TransformerSpec", "UnknownModelError", "VisionTowerSpec"]

@@ -109,12 +109,50 @@ class VisionTowerSpec:
         return (self.image_size // self.patch_size) ** 2
 
 
+# a Llama/Qwen2 decoder layer's Linears as PEFT's ``target_modules`` name them
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the text tower (PEFT's ``LoraConfig``): each targeted Linear
+    ``d_in -> d_out`` of every decoder layer gains a trainable ``A`` (``rank x d_in``) and
+    ``B`` (``d_out x rank``) while the tower's own weights are frozen (no gradients, no
+    optimizer state). The default targets are every Linear of the decoder layers but the
+    head, what LLaVA's ``find_all_linear_names`` gives (``llava/train/train.py``; its
+    ``finetune_lora.sh`` trains rank 128); ``dropout``: PEFT's ``lora_dropout`` (LLaVA 0.05),
+    a dropout on each adapter's input that keeps a mask and its output for the backward.
+    ``alpha`` only scales the update, so it is no part of the memory. ``base_bits``: 16 (the
+    frozen weights in the step's dtype) or 4 (QLoRA: the decoder layers' Linear weights in
+    bitsandbytes' nf4 with double quantization, LLaVA's ``--bits 4``)."""
+
+    rank: int
+    targets: tuple[str, ...] = LORA_TARGETS
+    dropout: float = 0.05
+    base_bits: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 1:
+            raise ModelSpecError(f"lora rank={self.rank} must be >= 1")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ModelSpecError(f"lora targets={list(self.targets)}: choose from "
+                                 f"{LORA_TARGETS}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ModelSpecError(f"lora dropout={self.dropout} must be in [0, 1)")
+        if self.base_bits not in (16, 4):
+            raise ModelSpecError(f"lora base_bits={self.base_bits}: choose 16 or 4 "
+                                 "(bitsandbytes nf4)")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model: a text tower, a vision tower, or both joined by a projector. ``family`` (llava |
     qwen-vl | blip2 | llm | vit) groups models for held-out evaluation. ``frozen``: the towers
     trained with frozen weights (of :data:`TOWERS`); ``images_per_sample``: images each
-    sample's text interleaves (a multimodal model's input)."""
+    sample's text interleaves (a multimodal model's input); ``lora``: LoRA adapters on the
+    text tower, whose own weights are then frozen (:class:`LoraSpec`)."""
 
     name: str
     family: str
@@ -124,10 +162,14 @@ class ModelSpec:
     num_classes: int = 1000  # ViT classification head (no text tower)
     frozen: tuple[str, ...] = ()
     images_per_sample: int = 1
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if self.vision is None and self.text is None:
             raise ModelSpecError(f"model {self.name!r} has neither a vision nor a text tower")
+        if self.lora is not None and self.text is None:
+            raise ModelSpecError(f"model {self.name!r}: lora adapts the text tower, and it has "
+                                 "none")
         for tower in self.frozen:
             if tower not in TOWERS:
                 raise UnknownModelError(f"frozen tower {tower!r} unknown; choose from {TOWERS}")

@@ -8,8 +8,9 @@ from predictors.memory.api import predict_peak_memory
 from predictors.memory.cli import main
 from predictors.memory.collect import GROUND_TRUTH_CSV, collect, row_key
 from predictors.memory.evaluate import evaluate, load_rows
-from predictors.memory.model import MIN_MARGIN, MemoryModel
+from predictors.memory.model import MARGIN_MIN_RESERVED, MemoryModel, margin_family
 from predictors.memory.presets import as_memory_model
+from predictors.memory.verdict import margin_for
 from predictors.spec import (
     ModelSpecError,
     ParallelStrategy,
@@ -49,9 +50,23 @@ def test_heldout_family_and_size_mape_on_shipped_data():
         <= STATED_AGREEMENT_HELDOUT_SIM
     # the replay beats the analytical peak, the residual model beats the replay
     assert rep.mape_heldout < rep.mape_replay < rep.mape_analytical
-    # the predicted margins never let a configuration that OOMs pass as fitting
+    # the folds' margins never let a configuration that OOMs pass as fitting
     assert all(cm["fn"] == 0 for cm in rep.confusion.values())
-    assert MIN_MARGIN <= rep.margin_range[0] <= rep.margin_range[1] < 0.5
+    assert 0 < rep.margin_range[0] <= rep.margin_range[1] < 0.5
+    # each held-out row is judged with its family of work's margin, fitted by its fold's model
+    # on that model's training rows only: fewer rows than the family has >= 1 GiB in all; a
+    # held-out family that is its work's only one (llm: text, vit: vision) gets the pooled
+    # margin of the other families
+    assert all(r.margin.family == margin_family(r.spec) for r in rep.rows)
+    rows = load_rows(GROUND_TRUTH_CSV)
+    for fam in ("multimodal", "text", "vision"):
+        big = sum(margin_family(r.spec) == fam and r.measured >= MARGIN_MIN_RESERVED
+                  for r in rows)
+        fitted = {r.margin.rows for r in rep.rows if r.margin.family == fam
+                  and not r.margin.source.startswith("no ")}
+        assert fitted and max(fitted) < big, fam
+    held_llm = {r.margin.source for r in rep.rows if r.family == "llm" and r.size != "xl"}
+    assert len(held_llm) == 1 and held_llm.pop().startswith("no text rows in training: pooled")
 
 
 def test_api_breakdown_and_verdict():
@@ -60,8 +75,9 @@ def test_api_breakdown_and_verdict():
     small = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
                                 "80")
     assert small.fits and small.peak_reserved >= small.peak_allocated_analytical * 0.9
-    assert MIN_MARGIN <= small.margin.upper < 0.5  # predicted by the shipped margin model
-    assert small.margin.family == "multimodal" and small.margin.coverage is not None
+    # the registered margin of the family of work (predictors/models/memory_margins.json)
+    assert small.margin == margin_for("multimodal") and small.margin.rows > 0
+    assert 0 < small.margin.upper < 0.5 and small.margin.coverage is not None
     fixed = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
                                 margin=0.05)
     assert fixed.margin.upper == 0.05 and fixed.margin.coverage is None
