@@ -398,6 +398,10 @@ class Sweep:
     ours: Calls = field(default_factory=Calls)
     rules: dict[str, Calls] = field(default_factory=lambda: {n: Calls() for n in RULES})
 
+    def false_oom_rate(self, calls: Calls) -> float:
+        """% of the measured fits that ``calls`` called ``oom``."""
+        return 100 * calls.false_oom / max(self.measured_fits, 1)
+
     def add(self, other: Sweep) -> None:
         self.pairs += other.pairs
         self.measured_fits += other.measured_fits
@@ -694,13 +698,13 @@ def main() -> None:
     wrong = wrong_calls(sweep, outcomes)
     runs = len(sweep.networks) + len(outcomes)
     print(f"accelerate_false_fits={len(acc.false_fits)} "
-          f"accelerate_false_oom_rate={100 * acc.false_oom / max(sweep.measured_fits, 1):.1f} "
+          f"accelerate_false_oom_rate={sweep.false_oom_rate(acc):.1f} "
           f"accelerate_llava_outcomes={sum(o.rules['accelerate'] == o.outcome for o in outcomes)}/{n} "
           + " ".join(f"wrong_real_runs_{name}={w}" for name, w in wrong.items())
           + f" real_runs={runs}")
     print(f"mape_dev_convnets={c_mape:.2f} mape_dynamic={c_dyn:.2f} "
           f"false_fits_sweep={len(ours.false_fits)} "
-          f"false_oom_rate={100 * ours.false_oom / max(sweep.measured_fits, 1):.1f} "
+          f"false_oom_rate={sweep.false_oom_rate(ours):.1f} "
           f"tight_rate={100 * ours.tight / sweep.pairs:.1f} "
           f"rule80_false_fits={len(r80.false_fits)} "
           f"rule80_tight_rate={100 * r80.tight / sweep.pairs:.1f} "

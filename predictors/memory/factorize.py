@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec.model import LORA_TARGETS, LoraSpec, ModelSpec, TransformerSpec, VisionTowerSpec
+from ..spec.model import LoraSpec, ModelSpec, TransformerSpec, VisionTowerSpec
 from ..spec.precision import Precision
 from .config import Shapes, Step, resolve_shapes
 
@@ -113,24 +113,33 @@ def vision_post_params(v: VisionTowerSpec) -> tuple[int, ...]:
     return (h, h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * f, f, f * h, h)
 
 
-def text_layer_params(t: TransformerSpec) -> tuple[int, ...]:
+def text_linears(t: TransformerSpec) -> dict[str, tuple[int, int]]:
+    """``(d_in, d_out)`` of a Llama/Qwen2 decoder layer's Linears by PEFT's name for them, in
+    the layer's registration order."""
     h, f = t.hidden_size, t.ffn
     kv = t.kv_heads * (h // t.num_attention_heads)
-    if t.family == "qwen2":  # q/k/v projections carry biases
-        attn = (h * h, h, h * kv, kv, h * kv, kv, h * h)
-    else:
-        attn = (h * h, h * kv, h * kv, h * h)
-    return attn + (h * f, h * f, f * h) + (h, h)
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+
+def _text_layer_tensors(t: TransformerSpec) -> list[tuple[int, bool]]:
+    """A decoder layer's parameter tensors in order: (elements, whether a Linear weight)."""
+    out = []
+    for name, (d_in, d_out) in text_linears(t).items():
+        out.append((d_in * d_out, True))
+        if t.family == "qwen2" and name in ("q_proj", "k_proj", "v_proj"):
+            out.append((d_out, False))  # Qwen2's q/k/v projections carry biases
+    return out + [(t.hidden_size, False)] * 2  # the two RMSNorms
+
+
+def text_layer_params(t: TransformerSpec) -> tuple[int, ...]:
+    return tuple(n for n, _ in _text_layer_tensors(t))
 
 
 def lora_shapes(t: TransformerSpec, lora: LoraSpec) -> list[tuple[int, int]]:
     """``(d_in, d_out)`` of each Linear of one decoder layer that ``lora`` adapts, in the
     layer's registration order."""
-    h, f = t.hidden_size, t.ffn
-    kv = t.kv_heads * (h // t.num_attention_heads)
-    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-    return [dims[name] for name in LORA_TARGETS if name in lora.targets]
+    return [dims for name, dims in text_linears(t).items() if name in lora.targets]
 
 
 def lora_params(t: TransformerSpec, lora: LoraSpec) -> tuple[int, ...]:
@@ -142,8 +151,7 @@ def lora_params(t: TransformerSpec, lora: LoraSpec) -> tuple[int, ...]:
 
 def text_layer_weights(t: TransformerSpec) -> tuple[bool, ...]:
     """Which of :func:`text_layer_params`' tensors are Linear weights (not biases or norms)."""
-    attn = (True, False) * 3 + (True,) if t.family == "qwen2" else (True,) * 4
-    return attn + (True,) * 3 + (False, False)
+    return tuple(w for _, w in _text_layer_tensors(t))
 
 
 NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
@@ -391,7 +399,7 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
         if spec.lora is not None and spec.lora.base_bits == 4:
             # QLoRA: the Linear weights in nf4; each is dequantized to the compute dtype around
             # its matmul (forward and backward), a transient of the largest one
-            qbytes = tuple(nf4_bytes(n) if w else n * wbytes for n, w in zip(
+            qbytes = tuple(nf4_bytes(k) if w else k * wbytes for k, w in zip(
                 text_layer_params(t), text_layer_weights(t), strict=True))
             qlargest = max(largest, t.hidden_size * t.ffn * dt.mm)
         for i in range(t.num_layers):
