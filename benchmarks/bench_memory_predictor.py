@@ -16,7 +16,8 @@
 2. OOM verdict (``predictors/memory/verdict.py``: fits / tight / oom) over a sweep of budgets:
    every 0.5 GiB from the smallest to the largest measured peak (not picked budgets), each row
    judged with its family's split-conformal margin fitted on the other folds (row position
-   mod 5; never the scored fold), measured "fits" when the observed peak is within the budget.
+   mod 5; never the scored fold; relative above ``MARGIN_SCALE``, bytes below, each fitted on
+   its own runs), measured "fits" when the observed peak is within the budget.
    False "fits" (``fits``, measured OOM) count NETWORKS (a network falsely called fits at any
    budget counts once; the network x budget pairs are printed beside); ``tight_rate`` is the
    share of network x budget pairs called tight. The same pairs are judged by every
@@ -283,18 +284,18 @@ def report_cnn(recs: list[dict]) -> tuple[float, float]:
 
 
 FOLDS = 5  # the margins of the verdict sweep are fitted inside each fold, without the scored one
-MIN_CALIBRATION_MIB = 256  # smaller dynamic parts calibrate nothing (the allocator reserve
-# covers their tens of MiB of error; their relative errors would widen every margin)
+MARGIN_SCALE = 256 * MiB  # the dense/conv margins are absolute (bytes) below this predicted
+# reserved peak, relative above it (verdict.Margin.fit_sized): a small job's error is a 20 MiB
+# segment or two, not a share of it. It was the floor below which runs calibrated nothing,
+# while the relative margin fitted above it was applied to every job, the small ones too.
 RULE80 = 0.8  # Fujii et al.: no job estimated below 80% of the GPU's memory ran out of it
 
 
-def residual(r: dict) -> float | None:
-    """``measured / predicted - 1`` of the reserved bytes (measured minus what lives outside
-    the allocator); None for a crashed run or a small one."""
-    dyn = r["measured_mib"] - (r["device_used_mib"] - r["reserved_mib"])
-    if r.get("oom") or dyn < MIN_CALIBRATION_MIB:
-        return None
-    return dyn / r["reserved_mib"] - 1
+def calibration_pair(r: dict) -> tuple[float, float | None]:
+    """(predicted, measured) reserved bytes of a row: measured device memory minus what the
+    prediction puts outside the allocator; measured None for a crashed run (no peak)."""
+    measured = r["measured_mib"] - (r["device_used_mib"] - r["reserved_mib"])
+    return r["reserved_mib"] * MiB, None if r.get("oom") else measured * MiB
 
 
 # The rules users use, judged beside our verdict on the same jobs: each reads one job's record
@@ -424,14 +425,18 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
     other folds' rows (row position mod ``FOLDS``), and by every registered rule; crashed
     runs (``oom``) must not be called ``fits`` on the card they crashed on. Networks are keyed
     ``name:index``."""
-    margins = cross_fitted([residual(r) for r in recs], [family] * len(recs),
-                           [k % FOLDS for k in range(len(recs))])
+    pairs = [calibration_pair(r) for r in recs]
+    margins = cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
+                           [k % FOLDS for k in range(len(recs))], MARGIN_SCALE)
     ok = [(r, m) for r, m in zip(recs, margins, strict=True) if not r.get("oom")]
     out = Sweep()
     out.networks = {f"{name}:{int(r['index'])}" for r in recs}
     print(f"{name}: OOM verdict per budget, {family} margins fitted in {FOLDS} folds without "
           f"the scored one: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
-          f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%} "
+          f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%}; "
+          f"below {MARGIN_SCALE // MiB} MiB lower "
+          f"{min(m.absolute[0] for m in margins) / MiB:+.0f}..{max(m.absolute[0] for m in margins) / MiB:+.0f} MiB, "
+          f"upper {min(m.absolute[1] for m in margins) / MiB:+.0f}..{max(m.absolute[1] for m in margins) / MiB:+.0f} MiB "
           f"(nominal coverage {margins[0].coverage:.0%} per side)")
     print("  budget  measured fits  fits tight  oom  false fits  false oom | "
           + " | ".join(f"{n}: fits tight oom false fits" for n in RULES))
@@ -475,10 +480,12 @@ def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
     margins = []
     for family, recs, what in (("dense", mlps, "GPUMemNet MLPs"),
                                ("conv", cnns, "GPUMemNet CNN development rows")):
-        res = [x for x in map(residual, recs) if x is not None]
-        margins.append(Margin.fit(family, res, DEFAULT_COVERAGE,
-                                  f"split-conformal on {len(res)} {what} (A100-40GB, "
-                                  f"development), dynamic part >= {MIN_CALIBRATION_MIB} MiB"))
+        pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
+        margins.append(Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs],
+                                        MARGIN_SCALE, DEFAULT_COVERAGE,
+                                        f"split-conformal by size on {len(pairs)} {what} "
+                                        "(A100-40GB, development): relative above "
+                                        f"{MARGIN_SCALE // MiB} MiB, bytes below"))
     save_margins(margins, path, MARGINS_NOTE)
     for m in margins:
         print(f"wrote {m.describe()}")
