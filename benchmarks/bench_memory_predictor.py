@@ -110,9 +110,10 @@ def prediction_code_version() -> str:
     """Version of the code a GPUMemNet prediction runs through (every module the memory API and
     the GPUMemNet rebuild can import) and this benchmark's row handling."""
     from predictors.codegraph import code_version
+    from predictors.memory.workspaces import WORKSPACES_JSON
 
     return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
-                        extra=[Path(__file__).resolve()])[:12]
+                        extra=[Path(__file__).resolve(), WORKSPACES_JSON])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
@@ -491,36 +492,92 @@ def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
         print(f"wrote {m.describe()}")
 
 
-def h200_convnets() -> float | None:
-    """The GPU kit's conv-net rows through ``predict_module_memory`` (DEVELOPMENT)."""
+H200_RUN = ROOT / "predictors" / "data" / "gpu" / "h200-2026-12-04-run5"  # the event streams
+
+
+def _h200_rows() -> dict[tuple[str, str], dict]:
+    """The GPU kit's conv-net rows, (model-bBATCH, precision) -> the first run's row."""
+    seen: dict[tuple[str, str], dict] = {}
+    for path in sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory.csv")):
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                if r["family"] == "vision" and r["status"] == "ok":
+                    seen.setdefault((r["model"], r["precision"]), r)
+    return seen
+
+
+def _predict_h200(model: str, precision: str):
     import torch
 
     from gpucheck.parts.memory import VISION
     from support import convnets
 
-    paths = sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory.csv"))
-    seen: dict[tuple[str, str], dict] = {}
-    for path in paths:
-        with path.open() as f:
-            for r in csv.DictReader(f):
-                if r["family"] == "vision" and r["status"] == "ok":
-                    seen.setdefault((r["model"], r["precision"]), r)  # first run's row
+    name, batch = model.rsplit("-b", 1)
+    with torch.device("meta"):
+        net = convnets.build(name)
+    x, y = convnets.batch(name, int(batch), VISION["gpu"][name][0], "meta")
+    return predict_module_memory(net, [x], y, optimizer="adamw:foreach", precision=precision,
+                                 device="h200")
+
+
+def workspace_samples() -> list:
+    """Every tensor-core convolution call of the recorded H200 steps with the workspace the
+    real stream allocated for it (``workspaces.samples``: the traced step, recorded without
+    modelled workspaces, aligned with the real event stream)."""
+    from predictors.memory import workspaces
+    from predictors.memory.cuda_events import load_steps
+
+    out = []
+    for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
+        p = step.point
+        if p["family"] != "vision" or p["precision"] == "fp32":
+            continue
+        with workspaces.recording() as traced:
+            _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
+        out += workspaces.samples(p["model"], "tf32" if p["precision"] == "tf32" else "half",
+                                  traced, step)
+    return out
+
+
+def write_workspaces(path: Path) -> None:
+    from predictors.memory import workspaces
+
+    samples = workspace_samples()
+    nets = sorted({s.network for s in samples})
+    model = workspaces.fit(samples, f"median ratios of {len(samples)} tensor-core convolution "
+                           f"calls of the H200 event streams ({', '.join(nets)}; "
+                           f"{H200_RUN.name}), DEVELOPMENT")
+    model.save(path)
+    print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
+                                         for k, r in sorted(model.ratios.items())))
+
+
+def h200_convnets() -> float | None:
+    """The GPU kit's conv-net rows through ``predict_module_memory`` (DEVELOPMENT), each
+    network's tensor-core workspaces from a model fitted on the other networks' streams."""
+    from predictors.memory import workspaces
+
+    seen = _h200_rows()
     if not seen:
         return None
+    samples = workspace_samples()
     errs = []
-    for (model, precision), r in sorted(seen.items()):
-        name, batch = model.rsplit("-b", 1)
-        with torch.device("meta"):
-            net = convnets.build(name)
-        x, y = convnets.batch(name, int(batch), VISION["gpu"][name][0], "meta")
-        p = predict_module_memory(net, [x], y, optimizer="adamw:foreach", precision=precision,
-                                  device="h200")
-        errs.append(100 * (p.max_memory_reserved / float(r["peak_reserved"]) - 1))
-        print(f"  {model:17s} {precision:5s} reserved {float(r['peak_reserved']) / GiB:6.2f} "
-              f"GiB, predicted {p.max_memory_reserved / GiB:6.2f} ({errs[-1]:+.1f}%)")
+    try:
+        for (model, precision), r in sorted(seen.items()):
+            net = model.rsplit("-b", 1)[0]
+            workspaces.register_model(workspaces.fit(s for s in samples if s.network != net))
+            p = _predict_h200(model, precision)
+            errs.append(100 * (p.max_memory_reserved / float(r["peak_reserved"]) - 1))
+            print(f"  {model:17s} {precision:5s} reserved {float(r['peak_reserved']) / GiB:6.2f}"
+                  f" GiB, predicted {p.max_memory_reserved / GiB:6.2f} ({errs[-1]:+.1f}%)")
+    finally:
+        workspaces.register_model(None)
     mape = statistics.fmean(abs(e) for e in errs)
-    print(f"H200 conv nets (DEVELOPMENT: the workspace rule was read off them), {len(errs)} "
-          f"configurations: max_memory_reserved MAPE {mape:.2f}%")
+    tc = [abs(e) for (_, prec), e in zip(sorted(seen), errs, strict=True) if prec != "fp32"]
+    print(f"H200 conv nets (DEVELOPMENT: the fp32 workspace rule was read off them; tensor-core "
+          f"workspaces fitted without the scored network), {len(errs)} configurations: "
+          f"max_memory_reserved MAPE {mape:.2f}% (tensor cores, tf32 and bf16: "
+          f"{statistics.fmean(tc):.2f}%)")
     return mape
 
 
@@ -670,11 +727,18 @@ def main() -> None:
     ap.add_argument("--two-step", action="store_true",
                     help="ablation: trace two full steps only, not the generator's loader "
                          "(4096 samples: a smaller last batch every epoch)")
+    ap.add_argument("--write-workspaces", type=Path, default=None,
+                    help="fit the tensor-core cuDNN workspace model on every recorded H200 "
+                         "stream, write it here (predictors/models/cudnn_workspaces.json) and "
+                         "stop")
     ap.add_argument("--write-margins", type=Path, default=None,
                     help="fit the shipped margins on every calibration row, write them here "
                          "(predictors/models/memory_margins.json) and stop")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.write_workspaces:
+        write_workspaces(args.write_workspaces)
+        return
     cache = args.cache or ROOT / "out" / (
         f"bench_memory_gpumemnet{'_twostep' if args.two_step else ''}_"
         f"{prediction_code_version()}.csv")
