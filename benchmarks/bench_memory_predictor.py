@@ -41,7 +41,10 @@
    DEVELOPMENT SET: the workspace and cuDNN-context rules were shaped with these rows in view.
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
-   step) through the same API: DEVELOPMENT figures (the workspace rule was read off them).
+   step) through the same API: DEVELOPMENT figures (the fp32 workspace rule was read off them;
+   each network's tensor-core workspaces come from a model fitted on the other networks'
+   event streams, ``predictors.memory.workspaces``; ``--write-workspaces`` fits the shipped
+   one on all of them).
 5. The allocator rules alone: the real event streams of those steps (run 5,
    ``GPUCHECK_MEMORY_EVENTS``) replayed through the simulator from their recorded segments
    (``predictors.memory.cuda_events``): where this matches and 4. does not, the error is in
