@@ -16,7 +16,8 @@
 2. OOM verdict (``predictors/memory/verdict.py``: fits / tight / oom) over a sweep of budgets:
    every 0.5 GiB from the smallest to the largest measured peak (not picked budgets), each row
    judged with its family's split-conformal margin fitted on the other folds (row position
-   mod 5; never the scored fold), measured "fits" when the observed peak is within the budget.
+   mod 5; never the scored fold; relative above ``MARGIN_SCALE``, bytes below, each fitted on
+   its own runs), measured "fits" when the observed peak is within the budget.
    False "fits" (``fits``, measured OOM) count NETWORKS (a network falsely called fits at any
    budget counts once; the network x budget pairs are printed beside); ``tight_rate`` is the
    share of network x budget pairs called tight. The same pairs are judged by every
@@ -40,7 +41,10 @@
    DEVELOPMENT SET: the workspace and cuDNN-context rules were shaped with these rows in view.
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
-   step) through the same API: DEVELOPMENT figures (the workspace rule was read off them).
+   step) through the same API: DEVELOPMENT figures (the fp32 workspace rule was read off them;
+   each network's tensor-core workspaces come from a model fitted on the other networks'
+   event streams, ``predictors.memory.workspaces``; ``--write-workspaces`` fits the shipped
+   one on all of them).
 5. The allocator rules alone: the real event streams of those steps (run 5,
    ``GPUCHECK_MEMORY_EVENTS``) replayed through the simulator from their recorded segments
    (``predictors.memory.cuda_events``): where this matches and 4. does not, the error is in
@@ -109,9 +113,10 @@ def prediction_code_version() -> str:
     """Version of the code a GPUMemNet prediction runs through (every module the memory API and
     the GPUMemNet rebuild can import) and this benchmark's row handling."""
     from predictors.codegraph import code_version
+    from predictors.memory.workspaces import WORKSPACES_JSON
 
     return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
-                        extra=[Path(__file__).resolve()])[:12]
+                        extra=[Path(__file__).resolve(), WORKSPACES_JSON])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
@@ -283,18 +288,18 @@ def report_cnn(recs: list[dict]) -> tuple[float, float]:
 
 
 FOLDS = 5  # the margins of the verdict sweep are fitted inside each fold, without the scored one
-MIN_CALIBRATION_MIB = 256  # smaller dynamic parts calibrate nothing (the allocator reserve
-# covers their tens of MiB of error; their relative errors would widen every margin)
+MARGIN_SCALE = 256 * MiB  # the dense/conv margins are absolute (bytes) below this predicted
+# reserved peak, relative above it (verdict.Margin.fit_sized): a small job's error is a 20 MiB
+# segment or two, not a share of it. It was the floor below which runs calibrated nothing,
+# while the relative margin fitted above it was applied to every job, the small ones too.
 RULE80 = 0.8  # Fujii et al.: no job estimated below 80% of the GPU's memory ran out of it
 
 
-def residual(r: dict) -> float | None:
-    """``measured / predicted - 1`` of the reserved bytes (measured minus what lives outside
-    the allocator); None for a crashed run or a small one."""
-    dyn = r["measured_mib"] - (r["device_used_mib"] - r["reserved_mib"])
-    if r.get("oom") or dyn < MIN_CALIBRATION_MIB:
-        return None
-    return dyn / r["reserved_mib"] - 1
+def calibration_pair(r: dict) -> tuple[float, float | None]:
+    """(predicted, measured) reserved bytes of a row: measured device memory minus what the
+    prediction puts outside the allocator; measured None for a crashed run (no peak)."""
+    measured = r["measured_mib"] - (r["device_used_mib"] - r["reserved_mib"])
+    return r["reserved_mib"] * MiB, None if r.get("oom") else measured * MiB
 
 
 # The rules users use, judged beside our verdict on the same jobs: each reads one job's record
@@ -424,14 +429,18 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
     other folds' rows (row position mod ``FOLDS``), and by every registered rule; crashed
     runs (``oom``) must not be called ``fits`` on the card they crashed on. Networks are keyed
     ``name:index``."""
-    margins = cross_fitted([residual(r) for r in recs], [family] * len(recs),
-                           [k % FOLDS for k in range(len(recs))])
+    pairs = [calibration_pair(r) for r in recs]
+    margins = cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
+                           [k % FOLDS for k in range(len(recs))], MARGIN_SCALE)
     ok = [(r, m) for r, m in zip(recs, margins, strict=True) if not r.get("oom")]
     out = Sweep()
     out.networks = {f"{name}:{int(r['index'])}" for r in recs}
     print(f"{name}: OOM verdict per budget, {family} margins fitted in {FOLDS} folds without "
           f"the scored one: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
-          f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%} "
+          f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%}; "
+          f"below {MARGIN_SCALE // MiB} MiB lower "
+          f"{min(m.absolute[0] for m in margins) / MiB:+.0f}..{max(m.absolute[0] for m in margins) / MiB:+.0f} MiB, "
+          f"upper {min(m.absolute[1] for m in margins) / MiB:+.0f}..{max(m.absolute[1] for m in margins) / MiB:+.0f} MiB "
           f"(nominal coverage {margins[0].coverage:.0%} per side)")
     print("  budget  measured fits  fits tight  oom  false fits  false oom | "
           + " | ".join(f"{n}: fits tight oom false fits" for n in RULES))
@@ -475,45 +484,103 @@ def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
     margins = []
     for family, recs, what in (("dense", mlps, "GPUMemNet MLPs"),
                                ("conv", cnns, "GPUMemNet CNN development rows")):
-        res = [x for x in map(residual, recs) if x is not None]
-        margins.append(Margin.fit(family, res, DEFAULT_COVERAGE,
-                                  f"split-conformal on {len(res)} {what} (A100-40GB, "
-                                  f"development), dynamic part >= {MIN_CALIBRATION_MIB} MiB"))
+        pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
+        margins.append(Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs],
+                                        MARGIN_SCALE, DEFAULT_COVERAGE,
+                                        f"split-conformal by size on {len(pairs)} {what} "
+                                        "(A100-40GB, development): relative above "
+                                        f"{MARGIN_SCALE // MiB} MiB, bytes below"))
     save_margins(margins, path, MARGINS_NOTE)
     for m in margins:
         print(f"wrote {m.describe()}")
 
 
-def h200_convnets() -> float | None:
-    """The GPU kit's conv-net rows through ``predict_module_memory`` (DEVELOPMENT)."""
+H200_RUN = ROOT / "predictors" / "data" / "gpu" / "h200-2026-12-04-run5"  # the event streams
+
+
+def _h200_rows() -> dict[tuple[str, str], dict]:
+    """The GPU kit's conv-net rows, (model-bBATCH, precision) -> the first run's row."""
+    seen: dict[tuple[str, str], dict] = {}
+    for path in sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory.csv")):
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                if r["family"] == "vision" and r["status"] == "ok":
+                    seen.setdefault((r["model"], r["precision"]), r)
+    return seen
+
+
+def _predict_h200(model: str, precision: str):
     import torch
 
     from gpucheck.parts.memory import VISION
     from support import convnets
 
-    paths = sorted((ROOT / "predictors" / "data" / "gpu").glob("h200-*/memory.csv"))
-    seen: dict[tuple[str, str], dict] = {}
-    for path in paths:
-        with path.open() as f:
-            for r in csv.DictReader(f):
-                if r["family"] == "vision" and r["status"] == "ok":
-                    seen.setdefault((r["model"], r["precision"]), r)  # first run's row
+    name, batch = model.rsplit("-b", 1)
+    with torch.device("meta"):
+        net = convnets.build(name)
+    x, y = convnets.batch(name, int(batch), VISION["gpu"][name][0], "meta")
+    return predict_module_memory(net, [x], y, optimizer="adamw:foreach", precision=precision,
+                                 device="h200")
+
+
+def workspace_samples() -> list:
+    """Every tensor-core convolution call of the recorded H200 steps with the workspace the
+    real stream allocated for it (``workspaces.samples``: the traced step, recorded without
+    modelled workspaces, aligned with the real event stream)."""
+    from predictors.memory import workspaces
+    from predictors.memory.cuda_events import load_steps
+
+    out = []
+    for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
+        p = step.point
+        if p["family"] != "vision" or p["precision"] == "fp32":
+            continue
+        with workspaces.recording() as traced:
+            _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
+        out += workspaces.samples(p["model"], "tf32" if p["precision"] == "tf32" else "half",
+                                  traced, step)
+    return out
+
+
+def write_workspaces(path: Path) -> None:
+    from predictors.memory import workspaces
+
+    samples = workspace_samples()
+    nets = sorted({s.network for s in samples})
+    model = workspaces.fit(samples, f"median ratios of {len(samples)} tensor-core convolution "
+                           f"calls of the H200 event streams ({', '.join(nets)}; "
+                           f"{H200_RUN.name}), DEVELOPMENT")
+    model.save(path)
+    print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
+                                         for k, r in sorted(model.ratios.items())))
+
+
+def h200_convnets() -> float | None:
+    """The GPU kit's conv-net rows through ``predict_module_memory`` (DEVELOPMENT), each
+    network's tensor-core workspaces from a model fitted on the other networks' streams."""
+    from predictors.memory import workspaces
+
+    seen = _h200_rows()
     if not seen:
         return None
+    samples = workspace_samples()
     errs = []
-    for (model, precision), r in sorted(seen.items()):
-        name, batch = model.rsplit("-b", 1)
-        with torch.device("meta"):
-            net = convnets.build(name)
-        x, y = convnets.batch(name, int(batch), VISION["gpu"][name][0], "meta")
-        p = predict_module_memory(net, [x], y, optimizer="adamw:foreach", precision=precision,
-                                  device="h200")
-        errs.append(100 * (p.max_memory_reserved / float(r["peak_reserved"]) - 1))
-        print(f"  {model:17s} {precision:5s} reserved {float(r['peak_reserved']) / GiB:6.2f} "
-              f"GiB, predicted {p.max_memory_reserved / GiB:6.2f} ({errs[-1]:+.1f}%)")
+    try:
+        for (model, precision), r in sorted(seen.items()):
+            net = model.rsplit("-b", 1)[0]
+            workspaces.register_model(workspaces.fit(s for s in samples if s.network != net))
+            p = _predict_h200(model, precision)
+            errs.append(100 * (p.max_memory_reserved / float(r["peak_reserved"]) - 1))
+            print(f"  {model:17s} {precision:5s} reserved {float(r['peak_reserved']) / GiB:6.2f}"
+                  f" GiB, predicted {p.max_memory_reserved / GiB:6.2f} ({errs[-1]:+.1f}%)")
+    finally:
+        workspaces.register_model(None)
     mape = statistics.fmean(abs(e) for e in errs)
-    print(f"H200 conv nets (DEVELOPMENT: the workspace rule was read off them), {len(errs)} "
-          f"configurations: max_memory_reserved MAPE {mape:.2f}%")
+    tc = [abs(e) for (_, prec), e in zip(sorted(seen), errs, strict=True) if prec != "fp32"]
+    print(f"H200 conv nets (DEVELOPMENT: the fp32 workspace rule was read off them; tensor-core "
+          f"workspaces fitted without the scored network), {len(errs)} configurations: "
+          f"max_memory_reserved MAPE {mape:.2f}% (tensor cores, tf32 and bf16: "
+          f"{statistics.fmean(tc):.2f}%)")
     return mape
 
 
@@ -663,11 +730,18 @@ def main() -> None:
     ap.add_argument("--two-step", action="store_true",
                     help="ablation: trace two full steps only, not the generator's loader "
                          "(4096 samples: a smaller last batch every epoch)")
+    ap.add_argument("--write-workspaces", type=Path, default=None,
+                    help="fit the tensor-core cuDNN workspace model on every recorded H200 "
+                         "stream, write it here (predictors/models/cudnn_workspaces.json) and "
+                         "stop")
     ap.add_argument("--write-margins", type=Path, default=None,
                     help="fit the shipped margins on every calibration row, write them here "
                          "(predictors/models/memory_margins.json) and stop")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.write_workspaces:
+        write_workspaces(args.write_workspaces)
+        return
     cache = args.cache or ROOT / "out" / (
         f"bench_memory_gpumemnet{'_twostep' if args.two_step else ''}_"
         f"{prediction_code_version()}.csv")

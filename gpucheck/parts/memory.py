@@ -52,7 +52,7 @@ class Point:
     optimizer: str
     checkpointing: str
     model: str = ""  # vision: a support.convnets name
-    batch: int = 0  # vision
+    batch: int = 0  # vision; a preset's batch instead of PRESET_MODELS' (0: that one)
 
 
 # (preset, width, depth, vocab, image_res, seq, batch) per family and size
@@ -69,6 +69,10 @@ PRESET_MODELS = {
         "llm": ("llama-7b-like", 0.0625, 1, 8192, None, 16, 1),
     },
 }
+# LLaVA-style tower (ViT + projector + small LLM) in bf16 autocast at a second batch size beside
+# the grid's (issue 45 item 5): with GPUCHECK_MEMORY_EVENTS=1 its two event streams are the
+# multimodal verdict's ground truth as the conv nets' streams are the workspace model's
+LLAVA_EVENT_BATCHES = {"gpu": 8, "tiny": 2}
 MLP_SIZES = {"gpu": (1024, 4096, 8, 1000, 2048), "tiny": (32, 64, 2, 10, 4)}  # in, hid, L, C, B
 CNN_SIZES = {"gpu": ((64, 128, 256), 2, 224, 64), "tiny": ((8, 16), 1, 16, 2)}
 # vision: model -> (image side, batch sizes); tiny: the dry run's small images
@@ -97,6 +101,8 @@ def grid(tiny: bool) -> list[Point]:
               for family in ("llava", "vit", "llm", "mlp", "cnn") for prec in PRECISIONS
               for opt in ("fused", "foreach") for ckpt in ("none", "full")
               if not (family == "cnn" and ckpt == "full")]  # the zoo's CNN: no checkpointing
+    points.append(Point("llava", size, "bf16", "foreach", "none",
+                        batch=LLAVA_EVENT_BATCHES[size]))
     random.Random(0).shuffle(points)
     points = [Point("vision", size, prec, "foreach", "none", model, b)
               for model, (_, batches) in VISION[size].items() for b in batches
@@ -115,7 +121,7 @@ def grid(tiny: bool) -> list[Point]:
 def _preset(point: Point):
     base, width, depth, vocab, res, seq, batch = PRESET_MODELS[point.size][point.family]
     spec = adapters.memory_scaled(base, width, depth, vocab or 8192, res, seq)
-    cfg = adapters.memory_step(batch, point.precision, point.checkpointing)
+    cfg = adapters.memory_step(point.batch or batch, point.precision, point.checkpointing)
     return spec, cfg
 
 

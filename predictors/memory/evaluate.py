@@ -3,8 +3,8 @@
 * held out by family: train on four of LLaVA-like / Qwen-VL-like / BLIP-2-like / LLM / ViT and
   predict the fifth (small and medium sizes);
 * held out by size: train on the small and medium models, predict the full-size ones (``xl``);
-* OOM verdict for 24/40/80/141 GiB cards (:mod:`verdict`): "fits" when prediction x (1 + the
-  margin's upper bound) + CUDA context + the allocator's reserve <= capacity, where the margin
+* OOM verdict for 24/40/80/141 GiB cards (:mod:`verdict`): "fits" when the prediction's
+  upper bound (the margin's) + CUDA context <= capacity, where the margin
   is the family of work's split-conformal margin fitted by the fold's model on its own
   training rows' out-of-family residuals (so never on the held-out rows; or a fixed one when
   given), against measured reserved peak + the same CUDA context <= capacity (both sides:
@@ -112,7 +112,7 @@ def evaluate(path: Path = GROUND_TRUTH_CSV, margin: float | None = None) -> Eval
     rep.mape_allocated_analytical = 100 * sum(abs(analytic[id(r)] / r.measured_allocated - 1)
                                               for r in rows) / len(rows)
     rep.margin_range = (min(r.margin.upper for r in held), max(r.margin.upper for r in held))
-    rep.margin_coverage = 100 * sum(r.measured <= r.predicted * (1 + r.margin.upper)
+    rep.margin_coverage = 100 * sum(r.measured <= r.margin.bounds(r.predicted)[1]
                                     for r in held) / len(held)
     agree = total = 0
     for card in CARDS:

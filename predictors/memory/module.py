@@ -35,7 +35,7 @@ from .device import DEVICES, TORCH_OPTIONS, CommBuffers, DeviceProfile, Sharding
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
 from .simulate import Measurement, loss_from_output, prepare_model, trace_step
-from .verdict import ALLOCATOR_RESERVE, Judgement, Margin, Verdict, judge, margin_for
+from .verdict import Judgement, Margin, Verdict, judge, margin_for
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
@@ -236,8 +236,7 @@ def predict_module_memory(
     # Near or over the capacity: replay again with the allocator bounded by the usable capacity
     # over the upper margin, so cached blocks are freed and retried as PyTorch does; if that
     # replay runs, its reserved peak's upper bound fits by construction.
-    limit = int((capacity - sum(outside.values()) - ALLOCATOR_RESERVE) / (1 + m.upper)) \
-        - extra["delta"]
+    limit = m.largest_fitting(capacity - sum(outside.values())) - extra["delta"]
     try:
         bounded = run(max(limit, 0))
     except SimulatedOutOfMemoryError as exc:

@@ -8,8 +8,8 @@ replayed live through :class:`CachingAllocatorSim`.
 
 Labels: ``parameter`` (registered before the step), ``gradient`` (becomes a ``.grad``),
 ``optimizer_state`` (lives in ``optimizer.state``), ``activation`` (allocated in the forward and
-still alive when the forward ends, i.e. saved for backward), ``workspace`` (modelled cuBLAS
-workspaces) and ``temporary`` (everything else).
+still alive when the forward ends, i.e. saved for backward), ``workspace`` (modelled cuBLAS and
+cuDNN workspaces: :mod:`workspaces` on tensor cores) and ``temporary`` (everything else).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from . import workspaces
 from .allocator import CachingAllocatorSim, SimulatedOutOfMemoryError
 from .overheads import NONE, CudaOverheads
+from .workspaces import ConvCall
 
 LABELS = ("parameter", "gradient", "optimizer_state", "activation", "workspace", "temporary")
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot"}
@@ -79,8 +81,11 @@ class MemoryTracker(TorchDispatchMode):
         self.convolutions = 0  # a step with any loads cuDNN (its kernels outside the allocator)
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def _alloc(self, key: int, nbytes: int, label: str, op: str) -> _Record:
+    def _alloc(self, key: int, nbytes: int, label: str, op: str,
+                conv: ConvCall | None = None) -> _Record:
         handle = self.allocator.malloc(nbytes)
+        if label != "workspace":
+            workspaces.record(nbytes, conv)
         module = self._module_stack[-1] if self._module_stack else ""
         self._seq += 1
         rec = _Record(nbytes, label, self.phase, module, op, handle, self._seq)
@@ -102,13 +107,16 @@ class MemoryTracker(TorchDispatchMode):
         rec.free_seq = self._seq
         self.allocator.free(rec.handle)
 
-    def _watch(self, t: torch.Tensor, label: str, op: str) -> None:
+    def _watch(self, t: torch.Tensor, label: str, op: str,
+               conv: ConvCall | None = None) -> bool:
+        """Account for ``t``'s storage if it is new; whether it was."""
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._live or storage.nbytes() == 0:
-            return
-        self._alloc(key, storage.nbytes(), label, op)
+            return False
+        self._alloc(key, storage.nbytes(), label, op, conv)
         weakref.finalize(storage, self._free, key)
+        return True
 
     def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
         """Account for storages that exist before tracking starts (parameters, inputs)."""
@@ -135,6 +143,7 @@ class MemoryTracker(TorchDispatchMode):
                 self.module_saved[rec.module] += rec.nbytes
 
     def reset_peak(self) -> None:
+        workspaces.clear_record()
         self.allocator.reset_peak()
         self.peak = PeakSnapshot(self.allocator.stats.allocated, self.phase, self._seq)
         self.phase_peaks = {}
@@ -186,10 +195,52 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if workspace is not None:
             self._free(workspace)
+        if name in _CONVS and self._tensor_cores(name, args):
+            self._tensor_core_outputs(name, args, out)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._watch(t, "temporary", name)
         return out
+
+    def _tensor_cores(self, name: str, args: tuple) -> bool:
+        x = args[1] if name == "convolution_backward" else args[0]
+        return self.tf32 and x.dtype == torch.float32 or x.dtype in (torch.float16,
+                                                                     torch.bfloat16)
+
+    def _tensor_core_outputs(self, name: str, args: tuple, out) -> None:
+        """A tensor-core convolution's outputs, each followed by its cuDNN call's transient
+        workspace (:mod:`workspaces`: allocated after the output, freed when the call ends, as
+        the H200 streams show; the backward's data call before its filter call)."""
+        if name == "convolution":
+            x, w, stride, outs = args[0], args[1], args[3], [(out, "forward")]
+            layout = x.nbytes + out.nbytes + w.nbytes
+        else:
+            go, x, w, stride = args[0], args[1], args[2], args[4]
+            outs = list(zip(out, ("backward_data", "backward_filter", None), strict=True))
+            layout = go.nbytes + x.nbytes + w.nbytes
+        model = workspaces.current_model() if self.overheads.cudnn_workspaces else None
+        cls = workspaces.tensor_core_class(x.element_size())
+        for t, call in outs:
+            if t is None:
+                continue
+            conv = None if call is None else ConvCall.of(call, int(x.shape[1]), w.shape[2:],
+                                                         stride, layout)
+            if self._watch(t, "temporary", name, conv) and conv and model is not None:
+                self._transient(model.workspace(cls, conv))
+
+    def _transient(self, nbytes: int) -> None:
+        """A workspace allocated and freed at once; PyTorch's cuDNN v8 path tries the next
+        engine when it cannot be allocated (``aten/src/ATen/native/cudnn/Conv_v8.cpp``), so
+        one that does not fit is skipped rather than causing the OOM."""
+        if nbytes <= 0:
+            return
+        key = -1000 - self._seq  # not a storage: negative keys never collide with _cdata
+        try:
+            self._alloc(key, nbytes, "workspace", "cudnn")
+        except SimulatedOutOfMemoryError:
+            return
+        self._free(key)
 
     def _cudnn_workspace(self, name: str, args: tuple) -> int | None:
         """cuDNN's convolution workspace, allocated through the caching allocator for the
@@ -200,11 +251,9 @@ class MemoryTracker(TorchDispatchMode):
         (``aten/src/ATen/native/cudnn/Conv_v8.cpp``), so a workspace never causes the OOM itself:
         one that does not fit is skipped.
 
-        Only true-fp32 convolutions get one: on tensor cores (fp16/bf16 inputs, or TF32) cuDNN's
-        heuristics pick implicit-GEMM kernels whose workspace is negligible. Measured on an H200
-        (predictors/data/gpu/h200-2026-12-04): every bf16-autocast conv net's peak allocated
-        (ResNet-18/50, DenseNet-121, VGG-16, U-Net, two batch sizes) is within 1.2% of the
-        trace without workspaces, while the lowered-matrix size overshot it by up to 50%."""
+        Only true-fp32 convolutions get this one; tensor-core convolutions (fp16/bf16 inputs,
+        or TF32) get the layout-transform workspaces fitted on the H200 streams
+        (:meth:`_tensor_core_outputs`, :mod:`workspaces`)."""
         if not self.overheads.cudnn_workspaces or self.tf32:
             return None
         x = args[1] if name == "convolution_backward" else args[0]

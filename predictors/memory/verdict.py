@@ -1,22 +1,25 @@
 """The OOM verdict: ``fits`` / ``tight`` / ``oom`` from a prediction and a calibrated margin.
 
 A point estimate compared with the capacity promises nothing, so the verdict compares an
-interval: the predicted reserved bytes times ``1 + margin.upper`` (the upper bound) and times
-``1 + margin.lower`` (the lower bound) with the *usable* capacity, what is left of the card
-after everything outside the caching allocator (CUDA context, cuDNN's kernels, NCCL) and the
-allocator's reserve (a few 20 MiB large-pool segments: a request is served from whole segments,
-so the card's last megabytes cannot hold it). ``fits``: the upper bound is below the usable
-capacity; ``oom``: even the lower bound exceeds it; ``tight``: in between (launching it is a
-gamble the prediction cannot settle).
+interval, a lower and an upper bound of the predicted reserved bytes, with the *usable*
+capacity, what is left of the card after everything outside the caching allocator (CUDA
+context, cuDNN's kernels, NCCL). ``fits``: the upper bound is within the usable capacity;
+``oom``: even the lower bound exceeds it; ``tight``: in between (launching it is a gamble the
+prediction cannot settle).
 
-Margins are split-conformal bounds of the relative residual ``measured / predicted - 1`` of
-one family of work (``dense`` and ``conv`` for the traced module path, ``multimodal``,
-``text`` and ``vision`` for the presets: their errors differ, conv nets' by cuDNN's transient
-workspaces), each with its nominal coverage and the number of rows it was fitted on. Families
-are registered (:func:`register_margin`); the shipped ones live in
-``predictors/models/memory_margins.json`` (``dense``/``conv`` written by the memory benchmark's
-``--write-margins``, ``multimodal``/``text``/``vision`` by the preset model's training). An evaluation fits them inside each fold without the
-scored rows (:func:`cross_fitted`).
+Margins are split-conformal bounds of one family of work's errors (``dense`` and ``conv`` for
+the traced module path, ``multimodal``, ``text`` and ``vision`` for the presets: their errors
+differ, conv nets' by cuDNN's transient workspaces), each with its nominal coverage and the
+number of rows it was fitted on: relative bounds of ``measured / predicted - 1``, and, for a
+margin with a ``scale``, absolute bounds in bytes of ``measured - predicted`` for predictions
+below it, each fitted on its own rows (Mondrian split-conformal by size): a small job's error
+is an allocator segment or two, not a share of its size, and a relative margin fitted on
+large jobs is too narrow for it on the upper side and, with any fixed slack under the card,
+wrong on the lower one (small jobs that ran called ``oom``). Families are registered
+(:func:`register_margin`); the shipped ones live in ``predictors/models/memory_margins.json``
+(``dense``/``conv`` written by the memory benchmark's ``--write-margins``, ``multimodal``/
+``text``/``vision`` by the preset model's training). An evaluation fits them inside each fold
+without the scored rows (:func:`cross_fitted`).
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from pathlib import Path
 
 from .allocator import GiB, MiB
 
-ALLOCATOR_RESERVE = 64 * MiB  # a few 20 MiB large-pool segments of slack below the capacity
 DEFAULT_COVERAGE = 0.99  # nominal P(measured <= upper bound) and P(measured >= lower bound)
 MARGINS_JSON = Path(__file__).resolve().parents[1] / "models" / "memory_margins.json"
 MARGINS_NOTE = ("dense/conv: benchmarks/bench_memory_predictor.py --write-margins; "
                 "multimodal/text/vision: python -m predictors.memory.train; residual = "
-                "measured reserved / predicted - 1")
+                "measured reserved / predicted - 1 (absolute: measured - predicted bytes, "
+                "predictions below scale)")
 
 
 class Verdict(StrEnum):
@@ -61,9 +64,10 @@ def conformal_quantile(errors: Sequence[float], level: float) -> float:
 
 @dataclass(frozen=True)
 class Margin:
-    """Relative bounds around a predicted reserved peak: the measured peak lies in
-    ``[predicted x (1 + lower), predicted x (1 + upper)]`` with probability ``coverage`` on
-    each side (nominal; ``rows`` residuals calibrated it, 0 where the calibration did not record
+    """Bounds around a predicted reserved peak: the measured peak lies in ``[predicted x (1 +
+    lower), predicted x (1 + upper)]``, or for a prediction below ``scale`` bytes in
+    ``[predicted + absolute[0], predicted + absolute[1]]``, with probability ``coverage`` on
+    each side (nominal; ``rows`` errors calibrated it, 0 where the calibration did not record
     its count)."""
 
     family: str
@@ -72,11 +76,16 @@ class Margin:
     coverage: float | None  # None: a fixed margin, no coverage is claimed
     rows: int
     source: str
+    scale: int = 0  # bytes: predictions below it take the absolute bounds
+    absolute: tuple[int, int] = (0, 0)  # (lower <= 0, upper >= 0) bytes, below ``scale``
 
     def __post_init__(self) -> None:
         if not -1.0 < self.lower <= 0.0 <= self.upper:
             raise MarginError(f"margin {self.family}: need -1 < lower <= 0 <= upper, got "
                               f"lower={self.lower} upper={self.upper}")
+        if self.scale < 0 or not self.absolute[0] <= 0 <= self.absolute[1]:
+            raise MarginError(f"margin {self.family}: need scale >= 0 and absolute[0] <= 0 <= "
+                              f"absolute[1], got scale={self.scale} absolute={self.absolute}")
 
     @classmethod
     def fixed(cls, relative: float, family: str = "fixed") -> Margin:
@@ -90,18 +99,56 @@ class Margin:
             source: str = "") -> Margin:
         """Split-conformal bounds of ``residuals`` (``measured / predicted - 1``): the upper
         bound at ``coverage``, the lower one at ``coverage`` of the negated residuals."""
-        if not 0.5 < coverage < 1.0:
-            raise MarginError(f"coverage={coverage} must be in (0.5, 1)")
-        upper = max(conformal_quantile(residuals, coverage), 0.0)
-        lower = min(-conformal_quantile([-r for r in residuals], coverage), 0.0)
+        lower, upper = _bounds(residuals, coverage)
         return cls(family, max(lower, -0.99), upper, coverage, len(residuals),
                    source or f"split-conformal, {len(residuals)} residuals")
+
+    @classmethod
+    def fit_sized(cls, family: str, predicted: Sequence[float], measured: Sequence[float],
+                  scale: int, coverage: float = DEFAULT_COVERAGE, source: str = "") -> Margin:
+        """Split-conformal bounds per size (Mondrian): relative ones (:meth:`fit`) on the
+        predictions of at least ``scale`` bytes, absolute ones (bytes) on the smaller ones;
+        with no small rows the relative bounds at ``scale`` stand in for them."""
+        big = [m / p - 1 for p, m in zip(predicted, measured, strict=True) if p >= scale]
+        if not big:
+            raise MarginError(f"margin {family}: no prediction of at least scale={scale} bytes "
+                              "to fit its relative bounds")
+        rel = cls.fit(family, big, coverage)
+        small = [m - p for p, m in zip(predicted, measured, strict=True) if p < scale]
+        lo, up = _bounds(small, coverage) if small else (rel.lower * scale, rel.upper * scale)
+        return cls(family, rel.lower, rel.upper, coverage, len(big) + len(small),
+                   source or f"split-conformal by size, {len(big)} + {len(small)} rows", scale,
+                   (math.floor(lo), math.ceil(up)))
+
+    def bounds(self, predicted: int) -> tuple[int, int]:
+        """(lower, upper) bound of the reserved bytes around ``predicted``."""
+        if predicted < self.scale:
+            return max(predicted + self.absolute[0], 0), predicted + self.absolute[1]
+        return int(predicted * (1 + self.lower)), int(predicted * (1 + self.upper))
+
+    def largest_fitting(self, usable: int) -> int:
+        """The largest prediction whose upper bound is within ``usable`` bytes (0 if none)."""
+        fitting = [r for r in (int(usable / (1 + self.upper)),) if r >= self.scale]
+        if self.scale:
+            fitting.append(min(usable - self.absolute[1], self.scale - 1))
+        return max(max(fitting, default=0), 0)
 
     def describe(self) -> str:
         cov = ("no coverage claimed" if self.coverage is None
                else f"coverage {self.coverage:.0%} per side"
                + (f" on {self.rows} rows" if self.rows else ""))
-        return f"{self.family} margin {self.lower:+.1%} / {self.upper:+.1%} ({cov}; {self.source})"
+        small = (f", {self.absolute[0] / MiB:+.0f} / {self.absolute[1] / MiB:+.0f} MiB below "
+                 f"{self.scale / MiB:.0f} MiB" if self.scale else "")
+        return (f"{self.family} margin {self.lower:+.1%} / {self.upper:+.1%}{small} ({cov}; "
+                f"{self.source})")
+
+
+def _bounds(errors: Sequence[float], coverage: float) -> tuple[float, float]:
+    """(lower <= 0, upper >= 0) split-conformal bounds of ``errors`` at ``coverage`` per side."""
+    if not 0.5 < coverage < 1.0:
+        raise MarginError(f"coverage={coverage} must be in (0.5, 1)")
+    return (min(-conformal_quantile([-e for e in errors], coverage), 0.0),
+            max(conformal_quantile(errors, coverage), 0.0))
 
 
 _MARGINS: dict[str, Margin] = {}
@@ -126,7 +173,8 @@ def load_margins(path: Path = MARGINS_JSON) -> None:
     """Register the margins stored in ``path`` (the shipped ones by default)."""
     for family, m in json.loads(path.read_text())["margins"].items():
         register_margin(Margin(family, m["lower"], m["upper"], m["coverage"], m["rows"],
-                               m["source"]))
+                               m["source"], m.get("scale", 0),
+                               tuple(m.get("absolute", (0, 0)))))
 
 
 def save_margins(margins: Sequence[Margin], path: Path, note: str) -> None:
@@ -146,7 +194,7 @@ class Judgement:
     predicted: int  # predicted max_memory_reserved
     lower: int  # its lower bound
     upper: int  # its upper bound
-    usable: int  # capacity - outside the allocator - the allocator's reserve
+    usable: int  # capacity - outside the allocator
     capacity: int
     margin: Margin
 
@@ -154,7 +202,9 @@ class Judgement:
         return {"verdict": self.verdict.value, "reserved_lower": self.lower,
                 "reserved_upper": self.upper, "usable": self.usable,
                 "margin_family": self.margin.family, "margin_lower": self.margin.lower,
-                "margin_upper": self.margin.upper, "margin_coverage": self.margin.coverage,
+                "margin_upper": self.margin.upper, "margin_scale": self.margin.scale,
+                "margin_absolute": list(self.margin.absolute),
+                "margin_coverage": self.margin.coverage,
                 "margin_rows": self.margin.rows, "margin_source": self.margin.source}
 
     def describe(self) -> str:
@@ -169,9 +219,8 @@ def judge(predicted_reserved: int, outside_allocator: int, capacity: int, margin
     """The verdict for a predicted reserved peak. ``out_of_memory``: the replay bounded by the
     usable capacity over the upper margin failed even after freeing its cache, so ``fits``
     cannot be promised (``oom`` still needs the lower bound above the usable capacity)."""
-    usable = capacity - outside_allocator - ALLOCATOR_RESERVE
-    lower = int(predicted_reserved * (1 + margin.lower))
-    upper = int(predicted_reserved * (1 + margin.upper))
+    usable = capacity - outside_allocator
+    lower, upper = margin.bounds(predicted_reserved)
     if upper <= usable and not out_of_memory:
         v = Verdict.FITS
     elif lower > usable:
@@ -181,23 +230,25 @@ def judge(predicted_reserved: int, outside_allocator: int, capacity: int, margin
     return Judgement(v, predicted_reserved, lower, upper, usable, capacity, margin)
 
 
-def cross_fitted(residuals: Sequence[float | None], families: Sequence[str],
-                 folds: Sequence[int], coverage: float = DEFAULT_COVERAGE) -> list[Margin]:
-    """Per row, the margin of its family fitted on the other folds' rows of that family only
-    (the scored fold never calibrates its own margin). A row whose residual is ``None`` is
-    judged but calibrates nothing (for example a crashed run with no peak)."""
-    if not len(residuals) == len(families) == len(folds):
-        raise MarginError("residuals, families and folds must have one entry per row")
+def cross_fitted(predicted: Sequence[float], measured: Sequence[float | None],
+                 families: Sequence[str], folds: Sequence[int], scale: int = 0,
+                 coverage: float = DEFAULT_COVERAGE) -> list[Margin]:
+    """Per row, the margin of its family (:meth:`Margin.fit_sized` at ``scale``) fitted on the
+    other folds' rows of that family only (the scored fold never calibrates its own margin).
+    A row whose ``measured`` is ``None`` is judged but calibrates nothing (for example a
+    crashed run with no peak)."""
+    if not len(predicted) == len(measured) == len(families) == len(folds):
+        raise MarginError("predicted, measured, families and folds must have one entry per row")
+    rows = list(zip(predicted, measured, families, folds, strict=True))
     fitted: dict[tuple[str, int], Margin] = {}
     out = []
     for fam, fold in zip(families, folds, strict=True):
         if (fam, fold) not in fitted:
-            calib = [r for r, f, k in zip(residuals, families, folds, strict=True)
-                     if f == fam and k != fold and r is not None]
+            calib = [(p, m) for p, m, f, k in rows if f == fam and k != fold and m is not None]
             if not calib:
                 raise MarginError(f"family {fam!r}: no rows outside fold {fold} to fit a margin")
-            fitted[fam, fold] = Margin.fit(fam, calib, coverage,
-                                           f"split-conformal on {len(calib)} rows outside "
-                                           f"fold {fold}")
+            fitted[fam, fold] = Margin.fit_sized(
+                fam, [p for p, _ in calib], [m for _, m in calib], scale, coverage,
+                f"split-conformal on {len(calib)} rows outside fold {fold}")
         out.append(fitted[fam, fold])
     return out

@@ -152,3 +152,20 @@ def test_predictions_from_worker_processes_join_their_rows_in_grid_order(tmp_pat
     rows = list(csv.DictReader(open(tmp_path / "kvio.csv")))
     assert [(r["path"], r["repeats"]) for r in rows] == [("leg0", "0"), ("leg1", "1"),
                                                          ("leg2", "2")]
+
+
+def test_memory_grid_has_the_llava_tower_at_two_batch_sizes_in_bf16():
+    """Issue 45 item 5: the LLaVA-style tower (ViT + projector + small LLM) in bf16 autocast at
+    two batch sizes, each its own ground-truth row (the fold keys rows by their config), so a
+    run with GPUCHECK_MEMORY_EVENTS=1 records both event streams."""
+    from gpucheck import adapters
+    from gpucheck.parts import memory
+
+    tower = [p for p in memory.grid(tiny=False) if (p.family, p.precision, p.optimizer,
+                                                    p.checkpointing) == ("llava", "bf16",
+                                                                         "foreach", "none")]
+    pairs = [memory._preset(p) for p in tower]
+    assert sorted(cfg.batch for _, cfg in pairs) == [4, 8]
+    assert pairs[0][0].multimodal and pairs[0][0] == pairs[1][0]  # the same tower
+    keys = {adapters.memory_row_fields(spec, cfg)["key"] for spec, cfg in pairs}
+    assert len(keys) == 2

@@ -27,7 +27,7 @@ from predictors.memory.overheads import CONTEXTS
 from predictors.memory.presets import PRESETS, scaled
 from predictors.memory.simple import CnnSpec, MlpSpec
 from predictors.memory.simulate import simulate_step
-from predictors.memory.verdict import ALLOCATOR_RESERVE, Verdict
+from predictors.memory.verdict import Verdict
 from predictors.spec import ModelSpecError, ParallelStrategy, TrainingOptions
 from predictors.step import default_loss
 
@@ -98,9 +98,8 @@ def test_capacity_bound_frees_cached_segments_then_ooms():
     assert slack > 20 * MiB  # cached segments beyond the live bytes
     assert free.margin.family == "conv"
     # room for the allocated peak + margin but not for the unbounded reserved peak
-    up = 1 + free.margin.upper
-    tight = run(((free.max_memory_allocated + slack // 2) * up + ALLOCATOR_RESERVE + outside)
-                / 2**30)
+    room = free.margin.bounds(free.max_memory_allocated + slack // 2)[1]
+    tight = run((room + outside) / 2**30)
     assert tight.verdict is Verdict.FITS and tight.segments_released > 0
     assert tight.max_memory_allocated <= tight.max_memory_reserved < free.max_memory_reserved
     over = run((free.max_memory_allocated // 2 + outside) / 2**30)
@@ -226,11 +225,11 @@ def test_cli_mlp_cnn_and_named_errors(capsys):
     assert d["reserved_upper"] <= d["usable"] and 0.5 < d["margin_coverage"] < 1
     # a card whose usable part lies between the bounds: tight, exit status 3
     outside = d["device_used"] - d["max_memory_reserved"]
-    mid = d["max_memory_reserved"] * (1 + (d["margin_lower"] + d["margin_upper"]) / 2)
+    mid = (d["reserved_lower"] + d["reserved_upper"]) / 2
     rc = main(["memory", "--model", "mlp", "--input", "512", "--hidden", "256,128",
                "--classes", "10", "--batch", "32", "--precision", "fp32",
                "--device", "a100-40gb", "--json", "--capacity-gib",
-               str((outside + ALLOCATOR_RESERVE + mid) / 2**30)])
+               str((outside + mid) / 2**30)])
     assert rc == 3 and json.loads(capsys.readouterr().out)["verdict"] == "tight"
     rc = main(["memory", "--model", "cnn", "--channels", "16,32", "--image-res", "32",
                "--batch", "4", "--device", "h200", "--optimizer", "adamw:fused"])
