@@ -631,8 +631,13 @@ def llava_job(r: dict):
     model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
                             frozen=("vision",), lora=LoraSpec(LLAVA_LORA) if lora else None)
     strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
-    options = TrainingOptions.for_zero_stage(int(r["zero"]), recompute=r["checkpointing"])
-    return model, strategy, options, "bf16-mixed" if lora else "bf16"
+    # LLaVA trains through DeepSpeed (its scripts' zero2/zero3.json, no "optimizer" section:
+    # the HF Trainer's torch AdamW, foreach); the row's torch is what LLaVA's pyproject.toml
+    # pinned at the source's date (2.0.1 until 2024-01-31, then 2.1.2)
+    options = TrainingOptions.for_zero_stage(
+        int(r["zero"]), recompute=r["checkpointing"], framework="deepspeed",
+        foreach_temporaries=2 if tuple(map(int, r["torch"].split(".")[:2])) < (2, 1) else 1)
+    return model, strategy, options, "bf16-mixed"
 
 
 @dataclass
