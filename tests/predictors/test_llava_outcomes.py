@@ -22,9 +22,6 @@ KNOWN_MISSES: dict[str, tuple[str, str]] = {
     # ZeRO-2's step on the whole partition: the bounds (25.5..39.6 GiB) straddle the usable
     # 38.6 GiB: undecided, not a false fit
     "issue655-7b-8xa100-40g-zero2-b1": ("oom", "tight"),
-    # the README gives no batch for the RTX 3090 (24 GiB): finetune_lora.sh's 16 is assumed
-    # (19.5..30.3 GiB against a usable 22.6)
-    "readme-lora-7b-8xrtx3090": ("fits", "tight"),
 }
 
 
