@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # name: (published outcome, today's verdict), with why (docs/predictors-memory.md)
 KNOWN_MISSES: dict[str, tuple[str, str]] = {
     # the README gives no batch for 40G: the script's batch 16 is assumed; the multimodal
-    # margin's wide lower side (-31.6%) leaves it undecided (25.3..39.3 GiB vs usable 38.6)
+    # bounds straddle the card (34.3..40.5 GiB vs usable 38.6)
     "readme-7b-8xa100-40g": ("fits", "tight"),
     # DeepSpeed ZeRO-3's step (bf16 gradient buffer, one 1e9-element sub-group's fp32
-    # gradient and torch 2.0's two foreach AdamW temporaries) reaches 27.4..42.5 GiB against
+    # gradient and torch 2.0's two foreach AdamW temporaries) reaches 36.3..42.8 GiB against
     # the usable 38.6: undecided, no longer a false fit
     "issue569-13b-8xa100-40g-b1": ("oom", "tight"),
-    # ZeRO-2's step on the whole partition: the bounds (25.5..39.6 GiB) straddle the usable
+    # ZeRO-2's step on the whole partition: the bounds (33.7..39.7 GiB) straddle the usable
     # 38.6 GiB: undecided, not a false fit
     "issue655-7b-8xa100-40g-zero2-b1": ("oom", "tight"),
 }
