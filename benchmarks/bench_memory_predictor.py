@@ -533,12 +533,12 @@ def workspace_samples() -> list:
     out = []
     for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
         p = step.point
-        if p["family"] != "vision" or p["precision"] == "fp32":
+        if p["family"] != "vision":
             continue
         with workspaces.recording() as traced:
             _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
-        out += workspaces.samples(p["model"], "tf32" if p["precision"] == "tf32" else "half",
-                                  traced, step)
+        cls = {"fp32": "fp32", "tf32": "tf32"}.get(p["precision"], "half")
+        out += workspaces.samples(p["model"], cls, traced, step)
     return out
 
 
@@ -547,8 +547,8 @@ def write_workspaces(path: Path) -> None:
 
     samples = workspace_samples()
     nets = sorted({s.network for s in samples})
-    model = workspaces.fit(samples, f"median ratios of {len(samples)} tensor-core convolution "
-                           f"calls of the H200 event streams ({', '.join(nets)}; "
+    model = workspaces.fit(samples, f"median ratios of {len(samples)} convolution calls (tf32, "
+                           f"bf16 and true fp32) of the H200 event streams ({', '.join(nets)}; "
                            f"{H200_RUN.name}), DEVELOPMENT")
     model.save(path)
     print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
@@ -577,8 +577,8 @@ def h200_convnets() -> float | None:
         workspaces.register_model(None)
     mape = statistics.fmean(abs(e) for e in errs)
     tc = [abs(e) for (_, prec), e in zip(sorted(seen), errs, strict=True) if prec != "fp32"]
-    print(f"H200 conv nets (DEVELOPMENT: the fp32 workspace rule was read off them; tensor-core "
-          f"workspaces fitted without the scored network), {len(errs)} configurations: "
+    print(f"H200 conv nets (DEVELOPMENT; workspaces, tensor-core and true fp32, fitted "
+          f"without the scored network), {len(errs)} configurations: "
           f"max_memory_reserved MAPE {mape:.2f}% (tensor cores, tf32 and bf16: "
           f"{statistics.fmean(tc):.2f}%)")
     return mape
