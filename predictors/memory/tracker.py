@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -298,3 +299,23 @@ class MemoryTracker(TorchDispatchMode):
         self._workspace_phases.add(thread)
         self._alloc(-1 - len(self._workspace_phases), self.overheads.cublas_workspace_bytes,
                     "workspace", "cublas")
+
+
+class CudaDropout(TorchFunctionMode):
+    """CUDA's dropout in the traced (CPU) step. On CUDA ``F.dropout`` in training with
+    0 < p < 1 runs the fused ``native_dropout`` (``aten/src/ATen/native/Dropout.cpp``,
+    ``is_fused_kernel_acceptable``), whose saved mask is bool (1 B per element); the CPU path
+    draws its noise in the input dtype and saves that (4 B in fp32), which over-predicted
+    every dropout layer of GPUMemNet's nets. In-place dropout takes the noise path on CUDA
+    too, and p = 0 returns the input: both are left as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            names = ("input", "p", "training", "inplace")
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            x, p = bound["input"], float(bound.get("p", 0.5))
+            if (bound.get("training", True) and not bound.get("inplace", False)
+                    and 0 < p < 1 and x.numel() > 0):
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
