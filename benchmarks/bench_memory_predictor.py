@@ -533,12 +533,12 @@ def workspace_samples() -> list:
     out = []
     for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
         p = step.point
-        if p["family"] != "vision" or p["precision"] == "fp32":
+        if p["family"] != "vision":
             continue
         with workspaces.recording() as traced:
             _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
-        out += workspaces.samples(p["model"], "tf32" if p["precision"] == "tf32" else "half",
-                                  traced, step)
+        cls = {"fp32": "fp32", "tf32": "tf32"}.get(p["precision"], "half")
+        out += workspaces.samples(p["model"], cls, traced, step)
     return out
 
 
@@ -547,8 +547,8 @@ def write_workspaces(path: Path) -> None:
 
     samples = workspace_samples()
     nets = sorted({s.network for s in samples})
-    model = workspaces.fit(samples, f"median ratios of {len(samples)} tensor-core convolution "
-                           f"calls of the H200 event streams ({', '.join(nets)}; "
+    model = workspaces.fit(samples, f"median ratios of {len(samples)} convolution calls (tf32, "
+                           f"bf16 and true fp32) of the H200 event streams ({', '.join(nets)}; "
                            f"{H200_RUN.name}), DEVELOPMENT")
     model.save(path)
     print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
@@ -577,8 +577,8 @@ def h200_convnets() -> float | None:
         workspaces.register_model(None)
     mape = statistics.fmean(abs(e) for e in errs)
     tc = [abs(e) for (_, prec), e in zip(sorted(seen), errs, strict=True) if prec != "fp32"]
-    print(f"H200 conv nets (DEVELOPMENT: the fp32 workspace rule was read off them; tensor-core "
-          f"workspaces fitted without the scored network), {len(errs)} configurations: "
+    print(f"H200 conv nets (DEVELOPMENT; workspaces, tensor-core and true fp32, fitted "
+          f"without the scored network), {len(errs)} configurations: "
           f"max_memory_reserved MAPE {mape:.2f}% (tensor cores, tf32 and bf16: "
           f"{statistics.fmean(tc):.2f}%)")
     return mape
@@ -631,8 +631,13 @@ def llava_job(r: dict):
     model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
                             frozen=("vision",), lora=LoraSpec(LLAVA_LORA) if lora else None)
     strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
-    options = TrainingOptions.for_zero_stage(int(r["zero"]), recompute=r["checkpointing"])
-    return model, strategy, options, "bf16-mixed" if lora else "bf16"
+    # LLaVA trains through DeepSpeed (its scripts' zero2/zero3.json, no "optimizer" section:
+    # the HF Trainer's torch AdamW, foreach); the row's torch is what LLaVA's pyproject.toml
+    # pinned at the source's date (2.0.1 until 2024-01-31, then 2.1.2)
+    options = TrainingOptions.for_zero_stage(
+        int(r["zero"]), recompute=r["checkpointing"], framework="deepspeed",
+        foreach_temporaries=2 if tuple(map(int, r["torch"].split(".")[:2])) < (2, 1) else 1)
+    return model, strategy, options, "bf16-mixed"
 
 
 @dataclass

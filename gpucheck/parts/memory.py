@@ -208,8 +208,12 @@ def _recorded_step(step, inputs, kw, target, events) -> None:
                              "segments_after": after}) + "\n")
 
 
+WARMUP_MAX_STEPS = 32  # GradScaler halves its 2**16 scale per skipped step
+
+
 def measure(point: Point, device: str, events=None) -> dict:
-    """One warm-up step, peak statistics reset, one measured step (the steady state);
+    """Warm-up steps (one, or until the optimizer holds its states), peak statistics reset,
+    one measured step (the steady state);
     ``events``: a text file the measured step's allocator events go to (CUDA only)."""
     import torch
 
@@ -224,6 +228,12 @@ def measure(point: Point, device: str, events=None) -> dict:
     step = RealStep(model, point.precision, device, point.optimizer)
     params = count_params(model)
     step(inputs, kw, target)  # warm-up: Adam states, cuBLAS workspaces, autotuning
+    # fp16's GradScaler skips optimizer.step() while its scale overflows (a non-fused AdamW
+    # then has no states yet: predictors.memory.evaluate.skipped_step); warm up until it ran
+    for _ in range(WARMUP_MAX_STEPS - 1):
+        if step.optimizer is None or step.optimizer.state:
+            break
+        step(inputs, kw, target)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

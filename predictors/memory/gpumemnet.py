@@ -132,7 +132,12 @@ class _Residual(nn.Module):
                                           nn.BatchNorm2d(cout) if row.batchnorm else nn.Identity())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x) + self.shortcut(x)
+        # the generator's order (ResidualBlock.forward): the shortcut first, then the body; it
+        # decides the backward's order too (autograd runs the later branch first), so the
+        # body's backward runs before the shortcut's and no partial input gradient waits
+        # through it
+        residual = self.shortcut(x)
+        return self.body(x) + residual
 
 
 class _Dense(nn.Module):

@@ -22,9 +22,19 @@ from ..spec.model import ModelSpec
 from .config import ShardingError, Step
 from .factorize import F32, Factorization, factorize
 from .overheads import CudaOverheads
-from .zero import zero3_params
+from .zero import deepspeed_step, zero3_params
 
 ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parameter (one block)
+
+
+def deepspeed_zero(cfg: Step) -> bool:
+    """DeepSpeed's ZeRO 2/3 (one rank included): its optimizer step is :func:`deepspeed_step`'s."""
+    return cfg.options.framework == "deepspeed" and cfg.zero >= 2
+
+
+def trainable_tensors(fz: Factorization) -> list[int]:
+    """Elements of each trainable parameter tensor, in model order."""
+    return [n for x in fz.layers if x.trainable for n in (x.tensor_params or (x.params,))]
 
 
 @dataclass
@@ -87,7 +97,10 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
         live_grad += grads[i]
         visit("backward", remaining, live_grad, transient, 2)
         remaining -= acts[i]
-    if p.master_weights_fp32:  # low-precision grads are cast to fp32 and dropped one by one
+    if p.master_weights_fp32 and deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
+        opt_grads = deepspeed_step(trainable_tensors(fz), dp, cfg.zero, w,
+                                   cfg.options.foreach_temporaries).peak(w)
+    elif p.master_weights_fp32:  # low-precision grads are cast to fp32 and dropped one by one
         largest_grad = max((g for g in grads if g), default=0)
         opt_grads = trainable * F32 // shard_grad + largest_grad // len(fz.layers)
     else:

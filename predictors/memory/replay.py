@@ -12,6 +12,8 @@ from .allocator import CachingAllocatorSim
 from .config import Step
 from .factorize import F32, Factorization, LayerMemory
 from .overheads import CudaOverheads
+from .phases import deepspeed_zero, trainable_tensors
+from .zero import deepspeed_step
 
 
 def _param_tensors(layer: LayerMemory) -> list[int]:
@@ -55,6 +57,13 @@ def replay_reserved(fz: Factorization, cfg: Step, overheads: CudaOverheads) -> i
     def gathered(i: int) -> list[int]:
         return [sim.malloc(s) for s in full[i]] if gather else []
     trained = [i for i, x in enumerate(fz.layers) if x.trainable]
+    # DeepSpeed ZeRO 2/3: gradient partitions in one flat buffer for the run, each layer's
+    # full gradients transient until reduce-scattered into it, the step one sub-group at a time
+    ds = (deepspeed_step(trainable_tensors(fz), cfg.dp, cfg.zero, p.param_dtype.itemsize,
+                         cfg.options.foreach_temporaries)
+          if deepspeed_zero(cfg) and p.master_weights_fp32 else None)
+    if ds is not None:
+        sim.malloc(ds.grad_buffer)
     if p.master_weights_fp32:
         for i in trained:
             for s in params[i]:
@@ -92,13 +101,24 @@ def replay_reserved(fz: Factorization, cfg: Step, overheads: CudaOverheads) -> i
             x = fz.layers[i]
             weights = gathered(i)
             tmp = [sim.malloc(x.largest), sim.malloc(x.largest)] if x.largest else []
-            if x.trainable:
+            if x.trainable and ds is not None:
+                tmp += [sim.malloc(s) for s in full[i]]
+            elif x.trainable:
                 grads[i] = [sim.malloc(s) for s in _shard(full[i], grad_dp)]
             for h in tmp + saved[i] + weights:
                 sim.free(h)
             if dlogits is not None and i == len(fz.layers) - 1:
                 sim.free(dlogits)
-        if p.master_weights_fp32:
+        if ds is not None:
+            w = p.param_dtype.itemsize
+            for n in ds.groups:
+                flat = sim.malloc(n * w)
+                fp32_grad = sim.malloc(n * F32)
+                sim.free(flat)
+                temps = [sim.malloc(n * F32) for _ in range(ds.optimizer_temporaries)]
+                for h in temps + [fp32_grad]:
+                    sim.free(h)
+        elif p.master_weights_fp32:
             for i in trained:
                 for k, s in enumerate(_shard(full[i], grad_dp)):
                     new = sim.malloc(int(s * ratio))

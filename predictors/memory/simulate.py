@@ -30,7 +30,7 @@ from .allocator import CachingAllocatorSim
 from .build import build_model, make_inputs, tower_modules
 from .config import ShardingError, Step, resolve_shapes
 from .overheads import HOPPER, CudaOverheads
-from .tracker import MemoryTracker
+from .tracker import CudaDropout, MemoryTracker
 
 GROUND_TRUTH_SIM = "fake-tensor trace + caching-allocator simulation (cpu, CUDA rules)"
 
@@ -131,7 +131,7 @@ def trace_step(build: Callable[[], torch.nn.Module],
             step.optimizer.register_step_pre_hook(lambda opt, a, k: tracker.relabel(
                 [q.grad for g in opt.param_groups for q in g["params"]], "gradient"))
         hooks = tracker.attach(model)
-        with tracker:
+        with tracker, CudaDropout():
             tracker.register(model.parameters(), "parameter")
             tracker.register(model.buffers(), "parameter")
             tracker.register(step.masters, "optimizer_state")

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -189,14 +190,15 @@ class MemoryTracker(TorchDispatchMode):
         if name in _GEMMS and self.overheads.cublas_workspaces:
             self._cublas_workspace()
         workspace = None
+        fitted = name in _CONVS and self._fitted_workspaces(name, args)
         if name in _CONVS:
             self.convolutions += 1
-            workspace = self._cudnn_workspace(name, args)
+            workspace = None if fitted else self._cudnn_workspace(name, args)
         out = func(*args, **(kwargs or {}))
         if workspace is not None:
             self._free(workspace)
-        if name in _CONVS and self._tensor_cores(name, args):
-            self._tensor_core_outputs(name, args, out)
+        if fitted:
+            self._conv_outputs(name, args, out)
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -208,10 +210,19 @@ class MemoryTracker(TorchDispatchMode):
         return self.tf32 and x.dtype == torch.float32 or x.dtype in (torch.float16,
                                                                      torch.bfloat16)
 
-    def _tensor_core_outputs(self, name: str, args: tuple, out) -> None:
-        """A tensor-core convolution's outputs, each followed by its cuDNN call's transient
-        workspace (:mod:`workspaces`: allocated after the output, freed when the call ends, as
-        the H200 streams show; the backward's data call before its filter call)."""
+    def _fitted_workspaces(self, name: str, args: tuple) -> bool:
+        """Whether the convolution's workspaces come from the fitted model (:mod:`workspaces`):
+        tensor-core calls always; true-fp32 ones where the model has fp32 ratios, and while
+        a :func:`workspaces.recording` logs the calls (no model then)."""
+        if self._tensor_cores(name, args):
+            return True
+        model = workspaces.current_model()
+        return model is None or model.has_class("fp32")
+
+    def _conv_outputs(self, name: str, args: tuple, out) -> None:
+        """A convolution's outputs, each followed by its cuDNN call's transient workspace
+        (:mod:`workspaces`: allocated after the output, freed when the call ends, as the H200
+        streams show; the backward's data call before its filter call)."""
         if name == "convolution":
             x, w, stride, outs = args[0], args[1], args[3], [(out, "forward")]
             layout = x.nbytes + out.nbytes + w.nbytes
@@ -220,7 +231,7 @@ class MemoryTracker(TorchDispatchMode):
             outs = list(zip(out, ("backward_data", "backward_filter", None), strict=True))
             layout = go.nbytes + x.nbytes + w.nbytes
         model = workspaces.current_model() if self.overheads.cudnn_workspaces else None
-        cls = workspaces.tensor_core_class(x.element_size())
+        cls = workspaces.workspace_class(x.element_size(), self._tensor_cores(name, args))
         for t, call in outs:
             if t is None:
                 continue
@@ -251,9 +262,9 @@ class MemoryTracker(TorchDispatchMode):
         (``aten/src/ATen/native/cudnn/Conv_v8.cpp``), so a workspace never causes the OOM itself:
         one that does not fit is skipped.
 
-        Only true-fp32 convolutions get this one; tensor-core convolutions (fp16/bf16 inputs,
-        or TF32) get the layout-transform workspaces fitted on the H200 streams
-        (:meth:`_tensor_core_outputs`, :mod:`workspaces`)."""
+        Only true-fp32 convolutions under a workspace model without fp32 ratios get this one;
+        the others get the workspaces fitted on the H200 streams (:meth:`_conv_outputs`,
+        :mod:`workspaces`)."""
         if not self.overheads.cudnn_workspaces or self.tf32:
             return None
         x = args[1] if name == "convolution_backward" else args[0]
@@ -288,3 +299,23 @@ class MemoryTracker(TorchDispatchMode):
         self._workspace_phases.add(thread)
         self._alloc(-1 - len(self._workspace_phases), self.overheads.cublas_workspace_bytes,
                     "workspace", "cublas")
+
+
+class CudaDropout(TorchFunctionMode):
+    """CUDA's dropout in the traced (CPU) step. On CUDA ``F.dropout`` in training with
+    0 < p < 1 runs the fused ``native_dropout`` (``aten/src/ATen/native/Dropout.cpp``,
+    ``is_fused_kernel_acceptable``), whose saved mask is bool (1 B per element); the CPU path
+    draws its noise in the input dtype and saves that (4 B in fp32), which over-predicted
+    every dropout layer of GPUMemNet's nets. In-place dropout takes the noise path on CUDA
+    too, and p = 0 returns the input: both are left as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            names = ("input", "p", "training", "inplace")
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            x, p = bound["input"], float(bound.get("p", 0.5))
+            if (bound.get("training", True) and not bound.get("inplace", False)
+                    and 0 < p < 1 and x.numel() > 0):
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)

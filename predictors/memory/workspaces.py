@@ -12,8 +12,11 @@ ratio per (tensor-core class, call, kernel class), fitted as the median over the
 that took one, or none where most took none (:func:`fit`); the shipped one is fitted on every
 recorded network (``predictors/models/cudnn_workspaces.json``, written by the memory
 benchmark's ``--write-workspaces``), and evaluations fit it without the network they score.
-True-fp32 convolutions keep the explicit-GEMM bound of :mod:`tracker` (their algorithms, FFT
-among them, are chosen otherwise).
+True-fp32 convolutions (TF32 off) are a class of their own (``fp32``), fitted the same way on
+the fp32 streams: cuDNN's NCHW algorithms take no workspace in most forward and backward-data
+calls and ~2-3 x the three tensors in the backward-filter call; the few FFT-sized forward
+workspaces are beyond a per-call median. A model without fp32 ratios leaves them to the
+explicit-GEMM bound of :mod:`tracker`.
 """
 
 from __future__ import annotations
@@ -54,8 +57,14 @@ class ConvCall:
         return cls(call, k, layout_bytes)
 
 
-def tensor_core_class(dtype_bytes: int) -> str:
-    """``tf32`` for fp32 inputs on tensor cores, ``half`` for bf16 / fp16."""
+TENSOR_CORE_CLASSES = ("tf32", "half")
+
+
+def workspace_class(dtype_bytes: int, tensor_cores: bool = True) -> str:
+    """``tf32`` for fp32 inputs on tensor cores, ``half`` for bf16 / fp16, ``fp32`` for true
+    fp32 (TF32 off: cuDNN's NCHW kernels, other algorithms)."""
+    if not tensor_cores:
+        return "fp32"
     return "tf32" if dtype_bytes == 4 else "half"
 
 
@@ -64,7 +73,7 @@ class Sample:
     """An aligned call: the workspace the real stream allocated for it (0: none)."""
 
     network: str
-    cls: str  # tensor_core_class
+    cls: str  # workspace_class
     conv: ConvCall
     workspace: int
 
@@ -72,17 +81,20 @@ class Sample:
 @dataclass(frozen=True)
 class WorkspaceModel:
     """``workspace = ratio x layout_bytes`` per ``(class, call, kernel)``; a key it lacks gets
-    the same call and kernel of the other class, else none."""
+    the same call and kernel of the other tensor-core class, else none."""
 
     ratios: dict[tuple[str, str, str], float]
     source: str = ""
 
+    def has_class(self, cls: str) -> bool:
+        return any(k[0] == cls for k in self.ratios)
+
     def workspace(self, cls: str, conv: ConvCall) -> int:
         r = self.ratios.get((cls, conv.call, conv.kernel))
-        if r is None:
+        if r is None and cls in TENSOR_CORE_CLASSES:
             other = "half" if cls == "tf32" else "tf32"
-            r = self.ratios.get((other, conv.call, conv.kernel), 0.0)
-        return int(r * conv.layout_bytes)
+            r = self.ratios.get((other, conv.call, conv.kernel))
+        return int((r or 0.0) * conv.layout_bytes)
 
     def save(self, path: Path = WORKSPACES_JSON) -> None:
         path.write_text(json.dumps({"source": self.source, "ratios": [

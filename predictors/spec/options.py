@@ -96,12 +96,19 @@ class TrainingOptions:
     # torch.compile (Inductor): elementwise chains fused into fewer kernels
     compiled: bool = False
     framework: str = "megatron"  # one of FRAMEWORKS
+    # parameter-sized fp32 temporaries of torch's foreach AdamW where a framework steps it on
+    # one flat tensor (DeepSpeed ZeRO without an "optimizer" config section: the HF Trainer's
+    # AdamW): 1 since torch 2.1 (pytorch/pytorch#104780), 2 before (``exp_avg_sq.sqrt()`` and
+    # ``denom``, pytorch/pytorch#97712)
+    foreach_temporaries: int = 1
 
     def __post_init__(self) -> None:
         if self.framework not in FRAMEWORKS:
             raise StrategyError(f"framework={self.framework!r} must be one of {FRAMEWORKS}")
         if self.recompute not in RECOMPUTE_MODES:
             raise StrategyError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
+        if self.foreach_temporaries < 0:
+            raise StrategyError(f"foreach_temporaries={self.foreach_temporaries} must be >= 0")
         if self.virtual_pipeline < 1:
             raise StrategyError(f"virtual_pipeline={self.virtual_pipeline} must be >= 1")
         if self.fsdp and self.distributed_optimizer:

@@ -99,10 +99,22 @@ def test_tensor_core_convolutions_get_transient_workspaces_in_the_trace():
     assert calls == ["forward", "forward", "backward_data", "backward_filter",
                      "backward_filter"]
     assert [c.kernel for _, c in log if c is not None][0] == "stem"
-    # true fp32 (no TF32) keeps the explicit-GEMM rule: nothing logged as a tensor-core call
+    # true fp32 (no TF32): its calls are logged too (the fp32 class is fitted on the fp32
+    # streams); a model without fp32 ratios keeps the explicit-GEMM bound of the tracker,
+    # one with them inserts its transients instead
     with workspaces.recording() as log32:
-        _small_conv_step("fp32")
-    assert all(c is None for _, c in log32)
+        rec32 = _small_conv_step("fp32")
+    assert [c.call for _, c in log32 if c is not None] == calls
+    try:
+        workspaces.register_model(WorkspaceModel({}))
+        gemm = _small_conv_step("fp32")
+        workspaces.register_model(WorkspaceModel({("fp32", c, "spatial"): 40.0
+                                                  for c in workspaces.CALLS}))
+        fitted = _small_conv_step("fp32")
+    finally:
+        workspaces.register_model(None)
+    assert gemm.max_memory_allocated > rec32.max_memory_allocated
+    assert fitted.max_memory_reserved > rec32.max_memory_reserved + 40 * MiB
 
 
 @pytest.mark.slow
@@ -111,7 +123,7 @@ def test_held_out_networks_workspaces_and_reserved_peaks_on_the_real_streams(mem
     workspaces predicted by a model fitted on the other four. Per spatial call, the median
     error is within 5% and three quarters are within 25%; the reserved peaks of the
     small-batch steps improve from ~9% MAPE without workspaces to under 6%."""
-    samples = memory_bench.workspace_samples()
+    samples = [s for s in memory_bench.workspace_samples() if s.cls != "fp32"]
     nets = sorted({s.network for s in samples})
     assert nets == ["densenet121", "resnet18", "resnet50", "unet", "vgg16"]
     held = {net: fit(s for s in samples if s.network != net) for net in nets}

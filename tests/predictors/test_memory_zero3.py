@@ -12,7 +12,8 @@ from predictors.memory.module import predict_module_memory
 from predictors.memory.overheads import HOPPER
 from predictors.memory.phases import walk_phases
 from predictors.memory.presets import get_preset
-from predictors.memory.zero import zero3_params
+from predictors.memory.replay import replay_reserved
+from predictors.memory.zero import deepspeed_step, sub_groups, zero3_params
 from predictors.spec import ParallelStrategy, TrainingOptions
 
 MB = 2**20
@@ -64,3 +65,71 @@ def test_module_path_uses_the_same_zero3_model():
     assert p.inside_allocator["ds_prefetch_bucket"] == z3.prefetch == int(1e5 * 4)
     # biases and the LayerNorm (< 1e5 elements) stay whole; the weights are sharded
     assert z3.persistent == (2048 + 512 + 1024) * 4 - (2048 + 512 + 1024) * 4 // 4
+
+
+def test_deepspeed_sub_groups_follow_its_partitioning():
+    # stage3.py _create_fp16_sub_groups: whole group when it fits, else parameters in order
+    # until their partitions reach sub_group_size (the last group takes the rest)
+    assert sub_groups([3, 4], 10) == [7]
+    assert sub_groups([6, 5, 4, 3], 10) == [11, 7]
+    assert sub_groups([10, 10, 1], 10) == [10, 10, 1]
+
+
+def test_deepspeed_step_bytes_hand_computed():
+    # three tensors over dp=2 in bf16, sub-groups of 1e9 partition elements: each partition
+    # (1.5e9, 1.5e9, 1e9) is its own sub-group; the bf16 flat gradient buffer holds all four
+    # billion; the largest sub-group steps with its fp32 gradient and torch 2.0's two foreach
+    # AdamW temporaries (12 B per element), more than its bf16 flat copy beside the fp32 cast
+    ds = deepspeed_step([3 * 10**9, 3 * 10**9, 2 * 10**9], dp=2, zero=3, elem=2,
+                        optimizer_temporaries=2)
+    assert ds.groups == (15 * 10**8, 15 * 10**8, 10**9)
+    assert ds.peak(2) == 4 * 10**9 * 2 + 15 * 10**8 * 12
+    # stage 2 steps the whole partition; torch >= 2.1 keeps one temporary
+    ds2 = deepspeed_step([3 * 10**9, 3 * 10**9, 2 * 10**9], dp=2, zero=2, elem=2)
+    assert ds2.groups == (4 * 10**9,) and ds2.peak(2) == 4 * 10**9 * (2 + 8)
+
+
+def test_preset_walk_steps_deepspeed_zero3_by_sub_group():
+    spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
+                   frozen=("vision",))
+    opts = TrainingOptions.for_zero_stage(3, recompute="full", framework="deepspeed",
+                                          foreach_temporaries=2)
+    cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2), opts, "bf16-mixed")
+    fz = factorize(spec, cfg)
+    parts = [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
+    shard = sum(parts)  # one sub-group: the rank's partition is below 1e9 elements
+    est = walk_phases(spec, cfg, HOPPER, fz)
+    megatron = walk_phases(spec, replace(cfg, options=TrainingOptions.for_zero_stage(
+        3, recompute="full")), HOPPER, fz)
+    # Megatron-style: fp32 gradients of the shard; DeepSpeed: its bf16 flat buffer, the fp32
+    # gradient and two fp32 temporaries of the one sub-group
+    ds_grads = shard * 2 + shard * 4 * 3
+    assert (est.phase_peaks["optimizer"] - ds_grads
+            == megatron.phase_peaks["optimizer"] - _megatron_step_grads(fz, 8))
+    assert est.phase_peaks["optimizer"] > megatron.phase_peaks["optimizer"]
+
+
+def _megatron_step_grads(fz, dp):
+    trainable = sum(x.params for x in fz.layers if x.trainable)
+    grads = [x.param_bytes // dp for x in fz.layers if x.trainable]
+    return trainable * 4 // dp + max(grads) // len(fz.layers)
+
+
+def test_replay_holds_the_deepspeed_step():
+    # the replayed reserved peak holds what the step keeps live: the rank's bf16 shard, fp32
+    # masters and Adam states, the bf16 gradient buffer, the sub-group's fp32 gradient and
+    # its two temporaries; Megatron's step (fp32 gradients of the shard) holds less
+    spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
+                   frozen=("vision",))
+    opts = TrainingOptions.for_zero_stage(3, recompute="full", framework="deepspeed",
+                                          foreach_temporaries=2)
+    cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2), opts, "bf16-mixed")
+    fz = factorize(spec, cfg)
+    parts = [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
+    total = sum(x.params for x in fz.layers)
+    live = total * 2 // 8 + sum(parts) * (12 + 2) + sum(parts) * 12
+    ds = replay_reserved(fz, cfg, HOPPER)
+    meg = replay_reserved(fz, replace(cfg, options=TrainingOptions.for_zero_stage(
+        3, recompute="full")), HOPPER)
+    assert ds >= live
+    assert ds > meg
