@@ -143,6 +143,8 @@ class ConaSession:
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
+        # (strategy, noise scale then): a larger batch was measured to pay over this one
+        self._floor: tuple[ParallelStrategy, float] | None = None
         self._same_batch = 0  # rankings in a row on the running global batch
         self._explore_wait = config.explore_after  # doubles after every experiment
         self._experimenting = False  # the last decision is an experiment
@@ -217,6 +219,17 @@ class ConaSession:
         # a strategy rolled back is not tried again until the noise scale moved 2x since
         candidates = [s for s in self.candidates if s == strategy or s not in self.tried
                       or not 0.5 < phi / self.tried[s] < 2.0]
+        # nor down to the batch of one a larger batch was measured to beat, on a strategy no
+        # faster per sample, while the noise scale has not fallen 2x: a batch's efficiency
+        # gain from halving, (phi + B/2) / (phi + B), shrinks as B grows, and so does the
+        # samples per second it costs, so a doubling that paid at one batch pays more at
+        # every smaller one (the noise scale only grows as the loss falls)
+        if self._floor is not None and phi > self._floor[1] / 2:
+            worse = self._floor[0]
+            pace = worse.global_batch_size / self.times.iteration_time(worse)
+            candidates = [s for s in candidates if s == strategy
+                          or s.global_batch_size > worse.global_batch_size
+                          or s.global_batch_size / self.times.iteration_time(s) > pace]
         if self.gns.converged(self.config.converged_tolerance) and not stale:
             return candidates, None
         pool = [s for s in candidates if measures_noise(s.dp, s.num_microbatches)]
@@ -254,6 +267,8 @@ class ConaSession:
             self.tried[new] = self.noise_scale
         elif verdict.confident and verdict.observed >= 1.0:
             self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
+            if new.global_batch_size > old.global_batch_size:
+                self._floor = (old, self.noise_scale)
         return verdict, False
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:

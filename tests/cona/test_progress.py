@@ -186,6 +186,43 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     assert s.progress.bias > 10 and small in s.tried
 
 
+def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
+    """The probe reads phi = 4, so batch 16 ranks first and batch 8 (slower per sample)
+    second. An experiment moves to batch 32 and its comparison says it paid, but teaches
+    nothing about the probe's bias (a verdict without evidence): the ranking still puts batch
+    8 above 32. Batch 16 was measured worse, and batch 8, no faster per sample, lies below
+    it: CONA stays on 32 until the noise scale falls below half of what it was."""
+    from megatron_cona.gns import GradStats
+    from megatron_cona.progress import Verdict
+
+    small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
+    secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}  # samples/s: 16, 22.4, 8.9
+    s = _session([small, big, tiny], secs, explore_after=2)
+    s.progress.judge = lambda old, new, phi, seen: Verdict(
+        old, new, 1.3, 0.1, 0.9, math.nan, paid=True, rollback=False, confident=True)
+    phi = {"now": 4.0}
+
+    def stats(batch):  # replicas reading phi: |G|^2 = 1, tr(S) = phi
+        local = batch // 4
+        return GradStats([1 + phi["now"] / local] * 4, local, 1 + phi["now"] / batch, batch)
+
+    path, prefers_tiny = [], []
+    for i in range(10):
+        if i == 7:
+            phi["now"] = 1.5  # below half of 4: what was measured no longer holds
+        now = s.executor.strategy
+        for _ in range(20):
+            s.observe(secs[now], stats(now.global_batch_size), loss=10.0 - 0.01 * i)
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+        prefers_tiny.append(s.current_estimate(tiny).goodput > s.current_estimate(big).goodput)
+    first = path.index(big)
+    assert 0 < first < 7 and path[:first] == [small] * first  # the probe's ranking, then 32
+    assert path[first:7] == [big] * (7 - first)  # neither back to 16 nor down to 8 ...
+    assert all(prefers_tiny[first:7])  # ... though the estimate puts 8 above 32
+    assert path[7] != big  # the floor lifts once the noise scale fell 2x
+
+
 def test_an_experiment_waits_until_its_comparison_can_be_confident():
     """The same biased probe, but the loss readings are so noisy against 20 iterations'
     progress (sd 3 nats vs 0.32 nats of progress an interval) that even a comparison of
