@@ -77,19 +77,25 @@ def _small_conv_step(precision: str):
                                  device="h200")
 
 
+def _without_and_with_wide_ratios(workspace_class: str, dtype: str):
+    """The small conv step traced with an empty workspace model, then with a ratio of 40 for
+    every call of ``workspace_class``'s spatial convolutions (the shipped model restored)."""
+    try:
+        workspaces.register_model(WorkspaceModel({}))
+        without = _small_conv_step(dtype)
+        workspaces.register_model(WorkspaceModel({(workspace_class, c, "spatial"): 40.0
+                                                  for c in workspaces.CALLS}))
+        return without, _small_conv_step(dtype)
+    finally:
+        workspaces.register_model(None)
+
+
 def test_tensor_core_convolutions_get_transient_workspaces_in_the_trace():
     """A huge fitted ratio reserves more; no ratio reserves what the trace without workspaces
     does; while recording, no workspace is inserted and every conv call's output is logged
     with its call (the second conv's backward computes its input's gradient, the first's
     does not: no data call for the image)."""
-    try:
-        workspaces.register_model(WorkspaceModel({}))
-        bare = _small_conv_step("bf16")
-        workspaces.register_model(WorkspaceModel({("half", c, "spatial"): 40.0
-                                                  for c in workspaces.CALLS}))
-        wide = _small_conv_step("bf16")
-    finally:
-        workspaces.register_model(None)
+    bare, wide = _without_and_with_wide_ratios("half", "bf16")
     assert wide.max_memory_reserved > bare.max_memory_reserved + 40 * MiB
     assert wide.max_memory_allocated > bare.max_memory_allocated
     with workspaces.recording() as log:
@@ -105,14 +111,7 @@ def test_tensor_core_convolutions_get_transient_workspaces_in_the_trace():
     with workspaces.recording() as log32:
         rec32 = _small_conv_step("fp32")
     assert [c.call for _, c in log32 if c is not None] == calls
-    try:
-        workspaces.register_model(WorkspaceModel({}))
-        gemm = _small_conv_step("fp32")
-        workspaces.register_model(WorkspaceModel({("fp32", c, "spatial"): 40.0
-                                                  for c in workspaces.CALLS}))
-        fitted = _small_conv_step("fp32")
-    finally:
-        workspaces.register_model(None)
+    gemm, fitted = _without_and_with_wide_ratios("fp32", "fp32")
     assert gemm.max_memory_allocated > rec32.max_memory_allocated
     assert fitted.max_memory_reserved > rec32.max_memory_reserved + 40 * MiB
 

@@ -89,14 +89,20 @@ def test_deepspeed_step_bytes_hand_computed():
     assert ds2.groups == (4 * 10**9,) and ds2.peak(2) == 4 * 10**9 * (2 + 8)
 
 
-def test_preset_walk_steps_deepspeed_zero3_by_sub_group():
+def _llava_deepspeed_zero3():
+    """A 2+2-layer LLaVA-7B-like step under DeepSpeed ZeRO-3 over 8 ranks (torch < 2.1's two
+    AdamW temporaries), and each trainable tensor's partition on a rank."""
     spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
                    frozen=("vision",))
     opts = TrainingOptions.for_zero_stage(3, recompute="full", framework="deepspeed",
                                           foreach_temporaries=2)
     cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2), opts, "bf16-mixed")
     fz = factorize(spec, cfg)
-    parts = [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
+    return spec, cfg, fz, [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
+
+
+def test_preset_walk_steps_deepspeed_zero3_by_sub_group():
+    spec, cfg, fz, parts = _llava_deepspeed_zero3()
     shard = sum(parts)  # one sub-group: the rank's partition is below 1e9 elements
     est = walk_phases(spec, cfg, HOPPER, fz)
     megatron = walk_phases(spec, replace(cfg, options=TrainingOptions.for_zero_stage(
@@ -119,13 +125,7 @@ def test_replay_holds_the_deepspeed_step():
     # the replayed reserved peak holds what the step keeps live: the rank's bf16 shard, fp32
     # masters and Adam states, the bf16 gradient buffer, the sub-group's fp32 gradient and
     # its two temporaries; Megatron's step (fp32 gradients of the shard) holds less
-    spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
-                   frozen=("vision",))
-    opts = TrainingOptions.for_zero_stage(3, recompute="full", framework="deepspeed",
-                                          foreach_temporaries=2)
-    cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2), opts, "bf16-mixed")
-    fz = factorize(spec, cfg)
-    parts = [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
+    spec, cfg, fz, parts = _llava_deepspeed_zero3()
     total = sum(x.params for x in fz.layers)
     live = total * 2 // 8 + sum(parts) * (12 + 2) + sum(parts) * 12
     ds = replay_reserved(fz, cfg, HOPPER)
