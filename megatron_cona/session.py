@@ -220,10 +220,10 @@ class ConaSession:
         candidates = [s for s in self.candidates if s == strategy or s not in self.tried
                       or not 0.5 < phi / self.tried[s] < 2.0]
         # nor down to the batch of one a larger batch was measured to beat, on a strategy no
-        # faster per sample, while the noise scale has not fallen 2x: a batch's efficiency
-        # gain from halving, (phi + B/2) / (phi + B), shrinks as B grows, and so does the
-        # samples per second it costs, so a doubling that paid at one batch pays more at
-        # every smaller one (the noise scale only grows as the loss falls)
+        # faster per sample, while the noise scale has not fallen 2x: the per-sample
+        # efficiency a doubling to B keeps, (phi + B/2) / (phi + B), is larger at smaller B,
+        # and so is the samples per second a doubling adds, so a doubling that paid at one
+        # batch pays more at every smaller one (the noise scale only grows as the loss falls)
         if self._floor is not None and phi > self._floor[1] / 2:
             worse = self._floor[0]
             pace = worse.global_batch_size / self.times.iteration_time(worse)
