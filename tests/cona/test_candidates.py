@@ -93,11 +93,13 @@ def test_memory_predictor_drops_what_a_small_card_cannot_hold():
 
 
 def test_memory_filter_uses_the_jobs_device_and_options():
-    """An A100-80GB (compute 8.0) gets Ampere's CUDA context, not Hopper's by its size; the
-    job's distributed optimizer shards the Adam states, so a rank holds less."""
+    """An A100-80GB (compute 8.0) is predicted as Ampere (its CUDA context and allocator
+    overheads), not as Hopper by its size; the job's distributed optimizer shards the Adam
+    states, so a rank holds less."""
     import argparse
 
     from megatron_cona.session import memory_model_for
+    from predictors.memory.api import predict_peak_memory
 
     model = TransformerSpec("gpt", 24, 2048, 16, 1024, 51200)
     strategy = ParallelStrategy(8, 1, 1, 1, 64)
@@ -113,7 +115,10 @@ def test_memory_filter_uses_the_jobs_device_and_options():
     hopper = memory_model_for(80 * 2**30, 9, args(), 8)
     assert (ampere.architecture, hopper.architecture) == ("pre-hopper", "hopper")
     a, h = (m.peak_bytes(model, strategy, precision) for m in (ampere, hopper))
-    assert a < h  # Ampere's smaller context and allocator overheads
+    by_arch = {arch: predict_peak_memory(model, strategy, ampere.options, precision, 80,
+                                         architecture=arch).device_total
+               for arch in ("pre-hopper", "hopper")}
+    assert (a, h) == (by_arch["pre-hopper"], by_arch["hopper"]) and a != h
     zero = memory_model_for(80 * 2**30, 9, args(use_distributed_optimizer=True), 8)
     assert zero.options.distributed_optimizer
     assert zero.peak_bytes(model, strategy, precision) < h
