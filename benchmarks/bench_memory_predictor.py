@@ -625,7 +625,7 @@ def llava_job(r: dict):
     adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
     masters and Adam states of what trains (the adapters and the projector)."""
     from predictors.memory.presets import as_memory_model
-    from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions
+    from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions, foreach_temporaries
 
     lora = r["lora"] == "1"
     model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
@@ -636,7 +636,7 @@ def llava_job(r: dict):
     # pinned at the source's date (2.0.1 until 2024-01-31, then 2.1.2)
     options = TrainingOptions.for_zero_stage(
         int(r["zero"]), recompute=r["checkpointing"], framework="deepspeed",
-        foreach_temporaries=2 if tuple(map(int, r["torch"].split(".")[:2])) < (2, 1) else 1)
+        foreach_temporaries=foreach_temporaries(r["torch"]))
     return model, strategy, options, "bf16-mixed"
 
 
