@@ -529,6 +529,7 @@ def workspace_samples() -> list:
     modelled workspaces, aligned with the real event stream)."""
     from predictors.memory import workspaces
     from predictors.memory.cuda_events import load_steps
+    from predictors.spec.precision import get_precision
 
     out = []
     for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
@@ -537,7 +538,8 @@ def workspace_samples() -> list:
             continue
         with workspaces.recording() as traced:
             _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
-        cls = {"fp32": "fp32", "tf32": "tf32"}.get(p["precision"], "half")
+        precision = get_precision(p["precision"])
+        cls = workspaces.workspace_class(precision.compute_dtype, precision.tf32)
         out += workspaces.samples(p["model"], cls, traced, step)
     return out
 
