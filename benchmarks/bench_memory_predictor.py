@@ -111,12 +111,15 @@ FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated
 
 def prediction_code_version() -> str:
     """Version of the code a GPUMemNet prediction runs through (every module the memory API and
-    the GPUMemNet rebuild can import) and this benchmark's row handling."""
+    the GPUMemNet rebuild can import), the shipped models it reads and this benchmark's row
+    handling."""
     from predictors.codegraph import code_version
+    from predictors.memory.verdict import MARGINS_JSON
     from predictors.memory.workspaces import WORKSPACES_JSON
 
+    # the shipped margins too: a prediction near the card replays bounded by its upper bound
     return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
-                        extra=[Path(__file__).resolve(), WORKSPACES_JSON])[:12]
+                        extra=[Path(__file__).resolve(), WORKSPACES_JSON, MARGINS_JSON])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
@@ -247,7 +250,9 @@ def _predict_cnn(row: CnnRow):
                                  device="a100-40gb", last_batch=NUM_SAMPLES % row.batch or None)
 
 
-def run_cnn(every: int, cache: Path, minutes: float) -> list[dict]:
+def run_cnn(every: int, cache: Path, minutes: float, outside_sample: bool = False) -> list[dict]:
+    """Predictions of every ``every``-th trainable CNN row (the sample scored here), or with
+    ``outside_sample`` of every other one (``--cnn-coverage``)."""
     rows = load_cnn_rows()
 
     def predict(i: int) -> dict:
@@ -258,8 +263,8 @@ def run_cnn(every: int, cache: Path, minutes: float) -> list[dict]:
                 "reserved_mib": p.max_memory_reserved / MiB,
                 "context_mib": (outside["cuda_context"] + outside.get("cudnn", 0)) / MiB}
 
-    picked = [i for i in range(0, len(rows), every)
-              if rows[i].runs and i != CNN_CALIBRATION_ROW]
+    picked = [i for i in range(len(rows)) if (i % every == 0) != outside_sample
+              and rows[i].runs and i != CNN_CALIBRATION_ROW]
     done = resumable(cache, CNN_FIELDS, picked, "GPUMemNet CNNs", minutes, predict)
     return [{k: (v if k == "arch" else float(v)) for k, v in done[i].items() if k in CNN_FIELDS}
             for i in picked if i in done]
@@ -424,19 +429,21 @@ def verdict_at(r: dict, margin: Margin, budget_gib: float) -> Verdict:
 
 
 def verdict_sweep(recs: list[dict], family: str, name: str,
-                  crash_card_gib: float | None = None) -> Sweep:
+                  crash_card_gib: float | None = None, fitted: Margin | None = None) -> Sweep:
     """Each row judged at every budget of the sweep with its family's margin fitted on the
-    other folds' rows (row position mod ``FOLDS``), and by every registered rule; crashed
-    runs (``oom``) must not be called ``fits`` on the card they crashed on. Networks are keyed
-    ``name:index``."""
+    other folds' rows (row position mod ``FOLDS``), or ``fitted`` on rows apart from ``recs``,
+    and by every registered rule; crashed runs (``oom``) must not be called ``fits`` on the card
+    they crashed on. Networks are keyed ``name:index``."""
     pairs = [calibration_pair(r) for r in recs]
-    margins = cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
-                           [k % FOLDS for k in range(len(recs))], MARGIN_SCALE)
+    margins = ([fitted] * len(recs) if fitted is not None else
+               cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
+                            [k % FOLDS for k in range(len(recs))], MARGIN_SCALE))
     ok = [(r, m) for r, m in zip(recs, margins, strict=True) if not r.get("oom")]
     out = Sweep()
     out.networks = {f"{name}:{int(r['index'])}" for r in recs}
-    print(f"{name}: OOM verdict per budget, {family} margins fitted in {FOLDS} folds without "
-          f"the scored one: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
+    how = (f"fitted on {fitted.rows} other rows" if fitted is not None else
+           f"fitted in {FOLDS} folds without the scored one")
+    print(f"{name}: OOM verdict per budget, {family} margins {how}: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
           f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%}; "
           f"below {MARGIN_SCALE // MiB} MiB lower "
           f"{min(m.absolute[0] for m in margins) / MiB:+.0f}..{max(m.absolute[0] for m in margins) / MiB:+.0f} MiB, "
@@ -479,20 +486,48 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
     return out
 
 
+def shipped_margin(family: str, recs: list[dict], what: str) -> Margin:
+    """A family's margin as ``--write-margins`` ships it: fitted on every calibration row of
+    ``recs`` (DEVELOPMENT rows)."""
+    pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
+    return Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs], MARGIN_SCALE,
+                            DEFAULT_COVERAGE, f"split-conformal by size on {len(pairs)} {what} "
+                            "(A100-40GB, development): relative above "
+                            f"{MARGIN_SCALE // MiB} MiB, bytes below")
+
+
 def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
     """The shipped margins: every calibration row of each family (DEVELOPMENT rows)."""
-    margins = []
-    for family, recs, what in (("dense", mlps, "GPUMemNet MLPs"),
-                               ("conv", cnns, "GPUMemNet CNN development rows")):
-        pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
-        margins.append(Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs],
-                                        MARGIN_SCALE, DEFAULT_COVERAGE,
-                                        f"split-conformal by size on {len(pairs)} {what} "
-                                        "(A100-40GB, development): relative above "
-                                        f"{MARGIN_SCALE // MiB} MiB, bytes below"))
+    margins = [shipped_margin("dense", mlps, "GPUMemNet MLPs"),
+               shipped_margin("conv", cnns, "GPUMemNet CNN development rows")]
     save_margins(margins, path, MARGINS_NOTE)
     for m in margins:
         print(f"wrote {m.describe()}")
+
+
+def conv_coverage(sample: list[dict], others: list[dict]) -> None:
+    """The ``conv`` margin fitted on the scored sample, as ``--write-margins`` would ship it,
+    against the development CNN rows outside the sample (which calibrate nothing here): the
+    share of them beyond each bound (nominal at most ``1 - coverage`` per side) and the
+    networks it and the rules call wrongly over their own budget sweep."""
+    m = shipped_margin("conv", sample, "GPUMemNet CNN rows of the sample")
+    ran = [(p, meas) for p, meas in map(calibration_pair, others) if meas is not None]
+    above = sum(meas > m.bounds(int(p))[1] for p, meas in ran)
+    below = sum(meas < m.bounds(int(p))[0] for p, meas in ran)
+    print(f"conv margin coverage on the {len(ran)} CNN development rows outside the sample "
+          f"(DEVELOPMENT; {m.describe()}): above the upper bound {100 * above / len(ran):.2f}%,"
+          f" below the lower {100 * below / len(ran):.2f}% (nominal <= "
+          f"{100 * (1 - DEFAULT_COVERAGE):.0f}% each)")
+    cnn_rows = load_cnn_rows()
+    sweep = verdict_sweep(with_accelerate(others, lambda i: build_cnn(cnn_rows[i])), "conv",
+                          "cnn-outside", crash_card_gib=CARD_GIB, fitted=m)
+    print(f"conv_coverage_rows={len(ran)} above_upper={100 * above / len(ran):.2f} "
+          f"below_lower={100 * below / len(ran):.2f} "
+          f"false_fits={len(sweep.ours.false_fits)} "
+          f"tight_rate={100 * sweep.ours.tight / sweep.pairs:.1f} "
+          + " ".join(f"{n}_false_fits={len(c.false_fits)} "
+                     f"{n}_tight_rate={100 * c.tight / sweep.pairs:.1f}"
+                     for n, c in sweep.rules.items()))
 
 
 H200_RUN = ROOT / "predictors" / "data" / "gpu" / "h200-2026-12-04-run5"  # the event streams
@@ -741,6 +776,10 @@ def main() -> None:
                     help="fit the tensor-core cuDNN workspace model on every recorded H200 "
                          "stream, write it here (predictors/models/cudnn_workspaces.json) and "
                          "stop")
+    ap.add_argument("--cnn-coverage", action="store_true",
+                    help="also predict every CNN development row outside the sample (~5 min "
+                         "more, cached) and check the conv margin fitted on the sample against "
+                         "them (held-out coverage; printed above the last line)")
     ap.add_argument("--write-margins", type=Path, default=None,
                     help="fit the shipped margins on every calibration row, write them here "
                          "(predictors/models/memory_margins.json) and stop")
@@ -767,6 +806,9 @@ def main() -> None:
     c_mape, c_dyn = report_cnn(cnn)
     sweep.add(verdict_sweep(with_accelerate(cnn, lambda i: build_cnn(cnn_rows[i])), "conv",
                             "cnn", crash_card_gib=CARD_GIB))
+    if args.cnn_coverage:
+        conv_coverage(cnn, run_cnn(args.cnn_every, cnn_cache, args.minutes,
+                                   outside_sample=True))
     h200 = h200_convnets()
     allocator_on_real_streams()
     outcomes = llava_outcomes()
