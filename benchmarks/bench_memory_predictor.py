@@ -37,7 +37,9 @@
    conv net, row 600, not scored). Device-level MAPE (``mape_dev_convnets``), the dynamic part,
    the verdict sweep of 2. with the ``conv`` margin (an ``OOM_CRASH`` run must not be called
    fits on the 40 GiB card) and the false-"OOM" rate (``oom`` verdicts / measured fits over
-   both sweeps).
+   both sweeps). ``--cnn-coverage`` also predicts the CNN development rows outside the sample
+   and checks the ``conv`` margin fitted on the sample against them (held out: the share beyond
+   each bound, and that sweep's false fits by ours and the rules).
    DEVELOPMENT SET: the workspace and cuDNN-context rules were shaped with these rows in view.
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
