@@ -37,7 +37,9 @@
    conv net, row 600, not scored). Device-level MAPE (``mape_dev_convnets``), the dynamic part,
    the verdict sweep of 2. with the ``conv`` margin (an ``OOM_CRASH`` run must not be called
    fits on the 40 GiB card) and the false-"OOM" rate (``oom`` verdicts / measured fits over
-   both sweeps).
+   both sweeps). ``--cnn-coverage`` also predicts the CNN development rows outside the sample
+   and checks the ``conv`` margin fitted on the sample against them (held out: the share beyond
+   each bound, and that sweep's false fits by ours and the rules).
    DEVELOPMENT SET: the workspace and cuDNN-context rules were shaped with these rows in view.
 4. The H200 conv nets of the GPU kit (``predictors/data/gpu/h200-2026-12-04*``: ResNet-18/50,
    DenseNet-121, VGG-16, U-Net x 2 batches x fp32/tf32/bf16, ``max_memory_reserved`` of a real
@@ -111,12 +113,15 @@ FIELDS = ["index", "measured_mib", "device_used_mib", "reserved_mib", "allocated
 
 def prediction_code_version() -> str:
     """Version of the code a GPUMemNet prediction runs through (every module the memory API and
-    the GPUMemNet rebuild can import) and this benchmark's row handling."""
+    the GPUMemNet rebuild can import), the shipped models it reads and this benchmark's row
+    handling."""
     from predictors.codegraph import code_version
+    from predictors.memory.verdict import MARGINS_JSON
     from predictors.memory.workspaces import WORKSPACES_JSON
 
+    # the shipped margins too: a prediction near the card replays bounded by its upper bound
     return code_version("predictors.memory.module", "predictors.memory.gpumemnet",
-                        extra=[Path(__file__).resolve(), WORKSPACES_JSON])[:12]
+                        extra=[Path(__file__).resolve(), WORKSPACES_JSON, MARGINS_JSON])[:12]
 
 
 def _predict(row: MlpRow, optimizer: str, last_batch: bool = False):
@@ -247,7 +252,9 @@ def _predict_cnn(row: CnnRow):
                                  device="a100-40gb", last_batch=NUM_SAMPLES % row.batch or None)
 
 
-def run_cnn(every: int, cache: Path, minutes: float) -> list[dict]:
+def run_cnn(every: int, cache: Path, minutes: float, outside_sample: bool = False) -> list[dict]:
+    """Predictions of every ``every``-th trainable CNN row (the sample scored here), or with
+    ``outside_sample`` of every other one (``--cnn-coverage``)."""
     rows = load_cnn_rows()
 
     def predict(i: int) -> dict:
@@ -258,8 +265,8 @@ def run_cnn(every: int, cache: Path, minutes: float) -> list[dict]:
                 "reserved_mib": p.max_memory_reserved / MiB,
                 "context_mib": (outside["cuda_context"] + outside.get("cudnn", 0)) / MiB}
 
-    picked = [i for i in range(0, len(rows), every)
-              if rows[i].runs and i != CNN_CALIBRATION_ROW]
+    picked = [i for i in range(len(rows)) if (i % every == 0) != outside_sample
+              and rows[i].runs and i != CNN_CALIBRATION_ROW]
     done = resumable(cache, CNN_FIELDS, picked, "GPUMemNet CNNs", minutes, predict)
     return [{k: (v if k == "arch" else float(v)) for k, v in done[i].items() if k in CNN_FIELDS}
             for i in picked if i in done]
@@ -424,19 +431,21 @@ def verdict_at(r: dict, margin: Margin, budget_gib: float) -> Verdict:
 
 
 def verdict_sweep(recs: list[dict], family: str, name: str,
-                  crash_card_gib: float | None = None) -> Sweep:
+                  crash_card_gib: float | None = None, fitted: Margin | None = None) -> Sweep:
     """Each row judged at every budget of the sweep with its family's margin fitted on the
-    other folds' rows (row position mod ``FOLDS``), and by every registered rule; crashed
-    runs (``oom``) must not be called ``fits`` on the card they crashed on. Networks are keyed
-    ``name:index``."""
+    other folds' rows (row position mod ``FOLDS``), or ``fitted`` on rows apart from ``recs``,
+    and by every registered rule; crashed runs (``oom``) must not be called ``fits`` on the card
+    they crashed on. Networks are keyed ``name:index``."""
     pairs = [calibration_pair(r) for r in recs]
-    margins = cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
-                           [k % FOLDS for k in range(len(recs))], MARGIN_SCALE)
+    margins = ([fitted] * len(recs) if fitted is not None else
+               cross_fitted([p for p, _ in pairs], [m for _, m in pairs], [family] * len(recs),
+                            [k % FOLDS for k in range(len(recs))], MARGIN_SCALE))
     ok = [(r, m) for r, m in zip(recs, margins, strict=True) if not r.get("oom")]
     out = Sweep()
     out.networks = {f"{name}:{int(r['index'])}" for r in recs}
-    print(f"{name}: OOM verdict per budget, {family} margins fitted in {FOLDS} folds without "
-          f"the scored one: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
+    how = (f"fitted on {fitted.rows} other rows" if fitted is not None else
+           f"fitted in {FOLDS} folds without the scored one")
+    print(f"{name}: OOM verdict per budget, {family} margins {how}: lower {min(m.lower for m in margins):+.1%}..{max(m.lower for m in margins):+.1%}, "
           f"upper {min(m.upper for m in margins):+.1%}..{max(m.upper for m in margins):+.1%}; "
           f"below {MARGIN_SCALE // MiB} MiB lower "
           f"{min(m.absolute[0] for m in margins) / MiB:+.0f}..{max(m.absolute[0] for m in margins) / MiB:+.0f} MiB, "
@@ -479,20 +488,48 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
     return out
 
 
+def shipped_margin(family: str, recs: list[dict], what: str) -> Margin:
+    """A family's margin as ``--write-margins`` ships it: fitted on every calibration row of
+    ``recs`` (DEVELOPMENT rows)."""
+    pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
+    return Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs], MARGIN_SCALE,
+                            DEFAULT_COVERAGE, f"split-conformal by size on {len(pairs)} {what} "
+                            "(A100-40GB, development): relative above "
+                            f"{MARGIN_SCALE // MiB} MiB, bytes below")
+
+
 def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
     """The shipped margins: every calibration row of each family (DEVELOPMENT rows)."""
-    margins = []
-    for family, recs, what in (("dense", mlps, "GPUMemNet MLPs"),
-                               ("conv", cnns, "GPUMemNet CNN development rows")):
-        pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
-        margins.append(Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs],
-                                        MARGIN_SCALE, DEFAULT_COVERAGE,
-                                        f"split-conformal by size on {len(pairs)} {what} "
-                                        "(A100-40GB, development): relative above "
-                                        f"{MARGIN_SCALE // MiB} MiB, bytes below"))
+    margins = [shipped_margin("dense", mlps, "GPUMemNet MLPs"),
+               shipped_margin("conv", cnns, "GPUMemNet CNN development rows")]
     save_margins(margins, path, MARGINS_NOTE)
     for m in margins:
         print(f"wrote {m.describe()}")
+
+
+def conv_coverage(sample: list[dict], others: list[dict]) -> None:
+    """The ``conv`` margin fitted on the scored sample, as ``--write-margins`` would ship it,
+    against the development CNN rows outside the sample (which calibrate nothing here): the
+    share of them beyond each bound (nominal at most ``1 - coverage`` per side) and the
+    networks it and the rules call wrongly over their own budget sweep."""
+    m = shipped_margin("conv", sample, "GPUMemNet CNN rows of the sample")
+    ran = [(p, meas) for p, meas in map(calibration_pair, others) if meas is not None]
+    above = sum(meas > m.bounds(int(p))[1] for p, meas in ran)
+    below = sum(meas < m.bounds(int(p))[0] for p, meas in ran)
+    print(f"conv margin coverage on the {len(ran)} CNN development rows outside the sample "
+          f"(DEVELOPMENT; {m.describe()}): above the upper bound {100 * above / len(ran):.2f}%,"
+          f" below the lower {100 * below / len(ran):.2f}% (nominal <= "
+          f"{100 * (1 - DEFAULT_COVERAGE):.0f}% each)")
+    cnn_rows = load_cnn_rows()
+    sweep = verdict_sweep(with_accelerate(others, lambda i: build_cnn(cnn_rows[i])), "conv",
+                          "cnn-outside", crash_card_gib=CARD_GIB, fitted=m)
+    print(f"conv_coverage_rows={len(ran)} above_upper={100 * above / len(ran):.2f} "
+          f"below_lower={100 * below / len(ran):.2f} "
+          f"false_fits={len(sweep.ours.false_fits)} "
+          f"tight_rate={100 * sweep.ours.tight / sweep.pairs:.1f} "
+          + " ".join(f"{n}_false_fits={len(c.false_fits)} "
+                     f"{n}_tight_rate={100 * c.tight / sweep.pairs:.1f}"
+                     for n, c in sweep.rules.items()))
 
 
 H200_RUN = ROOT / "predictors" / "data" / "gpu" / "h200-2026-12-04-run5"  # the event streams
@@ -529,6 +566,7 @@ def workspace_samples() -> list:
     modelled workspaces, aligned with the real event stream)."""
     from predictors.memory import workspaces
     from predictors.memory.cuda_events import load_steps
+    from predictors.spec.precision import get_precision
 
     out = []
     for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
@@ -537,7 +575,8 @@ def workspace_samples() -> list:
             continue
         with workspaces.recording() as traced:
             _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
-        cls = {"fp32": "fp32", "tf32": "tf32"}.get(p["precision"], "half")
+        precision = get_precision(p["precision"])
+        cls = workspaces.workspace_class(precision.compute_dtype, precision.tf32)
         out += workspaces.samples(p["model"], cls, traced, step)
     return out
 
@@ -625,7 +664,7 @@ def llava_job(r: dict):
     adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
     masters and Adam states of what trains (the adapters and the projector)."""
     from predictors.memory.presets import as_memory_model
-    from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions
+    from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions, foreach_temporaries
 
     lora = r["lora"] == "1"
     model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
@@ -636,7 +675,7 @@ def llava_job(r: dict):
     # pinned at the source's date (2.0.1 until 2024-01-31, then 2.1.2)
     options = TrainingOptions.for_zero_stage(
         int(r["zero"]), recompute=r["checkpointing"], framework="deepspeed",
-        foreach_temporaries=2 if tuple(map(int, r["torch"].split(".")[:2])) < (2, 1) else 1)
+        foreach_temporaries=foreach_temporaries(r["torch"]))
     return model, strategy, options, "bf16-mixed"
 
 
@@ -739,6 +778,10 @@ def main() -> None:
                     help="fit the tensor-core cuDNN workspace model on every recorded H200 "
                          "stream, write it here (predictors/models/cudnn_workspaces.json) and "
                          "stop")
+    ap.add_argument("--cnn-coverage", action="store_true",
+                    help="also predict every CNN development row outside the sample (~5 min "
+                         "more, cached) and check the conv margin fitted on the sample against "
+                         "them (held-out coverage; printed above the last line)")
     ap.add_argument("--write-margins", type=Path, default=None,
                     help="fit the shipped margins on every calibration row, write them here "
                          "(predictors/models/memory_margins.json) and stop")
@@ -765,6 +808,9 @@ def main() -> None:
     c_mape, c_dyn = report_cnn(cnn)
     sweep.add(verdict_sweep(with_accelerate(cnn, lambda i: build_cnn(cnn_rows[i])), "conv",
                             "cnn", crash_card_gib=CARD_GIB))
+    if args.cnn_coverage:
+        conv_coverage(cnn, run_cnn(args.cnn_every, cnn_cache, args.minutes,
+                                   outside_sample=True))
     h200 = h200_convnets()
     allocator_on_real_streams()
     outcomes = llava_outcomes()

@@ -205,10 +205,12 @@ class MemoryTracker(TorchDispatchMode):
                 self._watch(t, "temporary", name)
         return out
 
-    def _tensor_cores(self, name: str, args: tuple) -> bool:
+    def _workspace_class(self, name: str, args: tuple) -> str:
         x = args[1] if name == "convolution_backward" else args[0]
-        return self.tf32 and x.dtype == torch.float32 or x.dtype in (torch.float16,
-                                                                     torch.bfloat16)
+        return workspaces.workspace_class(x.dtype, self.tf32)
+
+    def _tensor_cores(self, name: str, args: tuple) -> bool:
+        return self._workspace_class(name, args) in workspaces.TENSOR_CORE_CLASSES
 
     def _fitted_workspaces(self, name: str, args: tuple) -> bool:
         """Whether the convolution's workspaces come from the fitted model (:mod:`workspaces`):
@@ -231,7 +233,7 @@ class MemoryTracker(TorchDispatchMode):
             outs = list(zip(out, ("backward_data", "backward_filter", None), strict=True))
             layout = go.nbytes + x.nbytes + w.nbytes
         model = workspaces.current_model() if self.overheads.cudnn_workspaces else None
-        cls = workspaces.workspace_class(x.element_size(), self._tensor_cores(name, args))
+        cls = self._workspace_class(name, args)
         for t, call in outs:
             if t is None:
                 continue

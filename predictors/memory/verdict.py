@@ -127,11 +127,14 @@ class Margin:
         return int(predicted * (1 + self.lower)), int(predicted * (1 + self.upper))
 
     def largest_fitting(self, usable: int) -> int:
-        """The largest prediction whose upper bound is within ``usable`` bytes (0 if none)."""
-        fitting = [r for r in (int(usable / (1 + self.upper)),) if r >= self.scale]
-        if self.scale:
-            fitting.append(min(usable - self.absolute[1], self.scale - 1))
-        return max(max(fitting, default=0), 0)
+        """The largest prediction whose upper bound (:meth:`bounds`) is within ``usable`` bytes
+        (0 if none): the relative side's inverse where it reaches ``scale``, else the absolute
+        side's below ``scale`` (the upper bound may drop at ``scale``, so a relative answer
+        at or above it is the larger one whenever there is one)."""
+        relative = int(usable / (1 + self.upper))
+        if relative >= self.scale:
+            return relative
+        return max(min(usable - self.absolute[1], self.scale - 1), 0)
 
     def describe(self) -> str:
         cov = ("no coverage claimed" if self.coverage is None

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .cuda_events import RecordedStep
 
 WORKSPACES_JSON = Path(__file__).resolve().parents[1] / "models" / "cudnn_workspaces.json"
@@ -60,12 +62,13 @@ class ConvCall:
 TENSOR_CORE_CLASSES = ("tf32", "half")
 
 
-def workspace_class(dtype_bytes: int, tensor_cores: bool = True) -> str:
-    """``tf32`` for fp32 inputs on tensor cores, ``half`` for bf16 / fp16, ``fp32`` for true
-    fp32 (TF32 off: cuDNN's NCHW kernels, other algorithms)."""
-    if not tensor_cores:
-        return "fp32"
-    return "tf32" if dtype_bytes == 4 else "half"
+def workspace_class(dtype: torch.dtype, tf32: bool) -> str:
+    """The class of a convolution whose input is ``dtype`` with cuDNN's TF32 switch ``tf32``:
+    ``tf32`` for fp32 inputs on tensor cores, ``half`` for bf16 / fp16, ``fp32`` for true fp32
+    (TF32 off: cuDNN's NCHW kernels, other algorithms) and any other dtype."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return "half"
+    return "tf32" if tf32 and dtype == torch.float32 else "fp32"
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,16 @@ from .model import (
     UnknownModelError,
     VisionTowerSpec,
 )
-from .options import DEFAULT_OPTIONS, FRAMEWORKS, RECOMPUTE_MODES, TrainingOptions
+from .options import (
+    DEFAULT_OPTIONS,
+    FRAMEWORKS,
+    RECOMPUTE_MODES,
+    TrainingOptions,
+    foreach_temporaries,
+)
 from .strategy import ParallelStrategy, StrategyError
 
 __all__ = ["ATTENTION_IMPLS", "DEFAULT_OPTIONS", "FRAMEWORKS", "RECOMPUTE_MODES", "LoraSpec",
            "ModelSpec", "ModelSpecError", "ParallelStrategy", "ResolutionError", "StrategyError",
-           "TrainingOptions", "TransformerSpec", "UnknownModelError", "VisionTowerSpec"]
+           "TrainingOptions", "TransformerSpec", "UnknownModelError", "VisionTowerSpec",
+           "foreach_temporaries"]

@@ -68,6 +68,19 @@ def fp8_kernels(framework: str) -> Fp8Kernels:
     return FP8_KERNELS.get(framework, Fp8Kernels())
 
 
+def foreach_temporaries(torch_version: str) -> int:
+    """Parameter-sized fp32 temporaries of torch's foreach AdamW step under ``torch_version``
+    (``"2.0.1"``, ``"2.1.2+cu121"``): 1 since torch 2.1 (pytorch/pytorch#104780), 2 before
+    (``exp_avg_sq.sqrt()`` and ``denom``, pytorch/pytorch#97712). The value of
+    :attr:`TrainingOptions.foreach_temporaries` for a job that runs that torch."""
+    try:
+        major, minor = (int(part) for part in torch_version.split(".")[:2])
+    except ValueError:
+        raise StrategyError(f"torch_version={torch_version!r} is not MAJOR.MINOR[.PATCH]") \
+            from None
+    return 2 if (major, minor) < (2, 1) else 1
+
+
 @dataclass(frozen=True)
 class TrainingOptions:
     """Framework settings that decide how much communication hides under compute (Megatron's
@@ -98,8 +111,7 @@ class TrainingOptions:
     framework: str = "megatron"  # one of FRAMEWORKS
     # parameter-sized fp32 temporaries of torch's foreach AdamW where a framework steps it on
     # one flat tensor (DeepSpeed ZeRO without an "optimizer" config section: the HF Trainer's
-    # AdamW): 1 since torch 2.1 (pytorch/pytorch#104780), 2 before (``exp_avg_sq.sqrt()`` and
-    # ``denom``, pytorch/pytorch#97712)
+    # AdamW); the torch version decides it: :func:`foreach_temporaries`
     foreach_temporaries: int = 1
 
     def __post_init__(self) -> None:

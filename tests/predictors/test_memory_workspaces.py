@@ -25,6 +25,19 @@ def test_conv_calls_are_classed_by_kernel():
     assert ConvCall.of("backward_data", 64, (3, 3), (1, 1), 10).kernel == "spatial"
 
 
+def test_workspace_class_of_each_precision():
+    """The one rule the trace and the benchmark's stream alignment both use: a precision's
+    compute dtype and TF32 switch."""
+    from predictors.spec.precision import get_precision
+
+    classes = {name: workspaces.workspace_class(get_precision(name).compute_dtype,
+                                                get_precision(name).tf32)
+               for name in ("fp32", "tf32", "bf16", "fp16", "bf16-mixed")}
+    assert classes == {"fp32": "fp32", "tf32": "tf32", "bf16": "half", "fp16": "half",
+                       "bf16-mixed": "half"}
+    assert workspaces.workspace_class(torch.float64, tf32=True) == "fp32"
+
+
 def test_alignment_takes_the_transient_after_a_calls_output():
     """Traced: input, a forward conv's output, a backward's grad input and grad weight, a
     last tensor. Real: the same sizes, a 999-byte transient after the forward output (its

@@ -3,6 +3,7 @@ activation checkpointing) against states computed by hand."""
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from predictors.memory.config import Step
@@ -14,7 +15,7 @@ from predictors.memory.phases import walk_phases
 from predictors.memory.presets import get_preset
 from predictors.memory.replay import replay_reserved
 from predictors.memory.zero import deepspeed_step, sub_groups, zero3_params
-from predictors.spec import ParallelStrategy, TrainingOptions
+from predictors.spec import ParallelStrategy, StrategyError, TrainingOptions, foreach_temporaries
 
 MB = 2**20
 
@@ -95,7 +96,7 @@ def _llava_deepspeed_zero3():
     spec = replace(get_preset("llava-1.5-7b-like").with_layers(2, 2).with_seq(1024),
                    frozen=("vision",))
     opts = TrainingOptions.for_zero_stage(3, recompute="full", framework="deepspeed",
-                                          foreach_temporaries=2)
+                                          foreach_temporaries=foreach_temporaries("2.0.1"))
     cfg = Step(ParallelStrategy(8, 1, 1, micro_batch=2), opts, "bf16-mixed")
     fz = factorize(spec, cfg)
     return spec, cfg, fz, [-(-n // 8) for x in fz.layers if x.trainable for n in x.tensor_params]
@@ -133,3 +134,11 @@ def test_replay_holds_the_deepspeed_step():
         3, recompute="full")), HOPPER)
     assert ds >= live
     assert ds > meg
+
+
+def test_foreach_temporaries_follow_the_torch_version():
+    # torch 2.1 dropped foreach AdamW's second parameter-sized temporary (pytorch#104780)
+    assert [foreach_temporaries(v) for v in ("1.13.1", "2.0.1", "2.1.2+cu121", "2.11.0")] \
+        == [2, 2, 1, 1]
+    with pytest.raises(StrategyError, match="torch_version='nightly'"):
+        foreach_temporaries("nightly")
