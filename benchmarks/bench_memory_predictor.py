@@ -607,9 +607,9 @@ def write_workspaces(path: Path) -> None:
 
     samples = workspace_samples()
     nets = sorted({s.network for s in samples})
-    model = workspaces.fit(samples, f"median ratios of {len(samples)} convolution calls (tf32, "
-                           f"bf16 and true fp32) of the H200 event streams ({', '.join(nets)}; "
-                           f"{H200_RUN.name}), DEVELOPMENT")
+    model = workspaces.fit(samples, f"median over {len(nets)} networks of their median ratios "
+                           f"({len(samples)} convolution calls: tf32, bf16 and true fp32) of the "
+                           f"H200 event streams ({', '.join(nets)}; {H200_RUN.name}), DEVELOPMENT")
     model.save(path)
     print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
                                          for k, r in sorted(model.ratios.items())))

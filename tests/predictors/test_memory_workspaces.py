@@ -71,6 +71,20 @@ def test_fit_takes_the_median_ratio_or_none_where_most_took_none():
     assert m.workspace("tf32", ConvCall("backward_data", "spatial", 1000)) == 0
 
 
+def test_fit_counts_every_network_once_whatever_its_number_of_calls():
+    """Nine calls of one network at 3.0 and one call each of two others at 2.2 and 2.3: per
+    call the median would be 3.0, the one network's own; per network it is 2.3. The share that
+    took one is averaged over the networks too: one network where every call took one and two
+    where none did give none."""
+    def s(net, workspace):
+        return Sample(net, "fp32", ConvCall("backward_filter", "spatial", 100), workspace)
+
+    m = fit([s("dense", 300)] * 9 + [s("res", 220), s("vgg", 230)])
+    assert m.ratios[("fp32", "backward_filter", "spatial")] == pytest.approx(2.3)
+    m = fit([s("dense", 300)] * 9 + [s("res", 0), s("vgg", 0)])
+    assert m.ratios[("fp32", "backward_filter", "spatial")] == 0.0
+
+
 def test_the_model_round_trips_and_the_shipped_one_loads(tmp_path):
     m = WorkspaceModel({("tf32", "forward", "spatial"): 1.0, ("half", "forward", "stem"): 1.26},
                        "two")
