@@ -76,7 +76,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +93,7 @@ from predictors.memory.gpumemnet import (
     example_cnn_batch,
     smallest_network,
 )
-from predictors.memory.module import predict_module_memory
+from predictors.memory.module import DeviceMemoryPrediction, predict_module_memory
 from predictors.memory.verdict import (
     DEFAULT_COVERAGE,
     MARGINS_NOTE,
@@ -560,10 +560,22 @@ def _predict_h200(model: str, precision: str):
                                  device="h200")
 
 
-def workspace_samples() -> list:
-    """Every tensor-core convolution call of the recorded H200 steps with the workspace the
-    real stream allocated for it (``workspaces.samples``: the traced step, recorded without
-    modelled workspaces, aligned with the real event stream)."""
+@dataclass(frozen=True)
+class AlignedStep:
+    """A recorded H200 step traced once inside ``workspaces.recording()``: its convolution
+    calls aligned with the real stream, and the prediction of that trace, which inserts no
+    modelled workspace (the no-workspace baseline, for free)."""
+
+    model: str  # NAME-bBATCH
+    precision: str
+    samples: list  # workspaces.Sample, one per convolution call
+    bare: DeviceMemoryPrediction
+
+
+def aligned_steps(precisions: Collection[str] | None = None) -> list[AlignedStep]:
+    """Every recorded H200 conv-net step (of ``precisions``; None: all), each traced once,
+    recorded without modelled workspaces, its calls aligned with the real event stream by
+    ``workspaces.samples``."""
     from predictors.memory import workspaces
     from predictors.memory.cuda_events import load_steps
     from predictors.spec.precision import get_precision
@@ -571,14 +583,23 @@ def workspace_samples() -> list:
     out = []
     for step in load_steps(H200_RUN / "memory_events.jsonl.gz"):
         p = step.point
-        if p["family"] != "vision":
+        if p["family"] != "vision" or (precisions is not None
+                                       and p["precision"] not in precisions):
             continue
+        model = f"{p['model']}-b{p['batch']}"
         with workspaces.recording() as traced:
-            _predict_h200(f"{p['model']}-b{p['batch']}", p["precision"])
+            bare = _predict_h200(model, p["precision"])
         precision = get_precision(p["precision"])
         cls = workspaces.workspace_class(precision.compute_dtype, precision.tf32)
-        out += workspaces.samples(p["model"], cls, traced, step)
+        out.append(AlignedStep(model, p["precision"],
+                               workspaces.samples(p["model"], cls, traced, step), bare))
     return out
+
+
+def workspace_samples() -> list:
+    """Every convolution call of the recorded H200 steps with the workspace the real stream
+    allocated for it (:func:`aligned_steps`)."""
+    return [s for a in aligned_steps() for s in a.samples]
 
 
 def write_workspaces(path: Path) -> None:
@@ -586,9 +607,9 @@ def write_workspaces(path: Path) -> None:
 
     samples = workspace_samples()
     nets = sorted({s.network for s in samples})
-    model = workspaces.fit(samples, f"median ratios of {len(samples)} convolution calls (tf32, "
-                           f"bf16 and true fp32) of the H200 event streams ({', '.join(nets)}; "
-                           f"{H200_RUN.name}), DEVELOPMENT")
+    model = workspaces.fit(samples, f"median over {len(nets)} networks of their median ratios "
+                           f"({len(samples)} convolution calls: tf32, bf16 and true fp32) of the "
+                           f"H200 event streams ({', '.join(nets)}; {H200_RUN.name}), DEVELOPMENT")
     model.save(path)
     print(f"wrote {path}: " + ", ".join(f"{'/'.join(k)} {r:.2f}"
                                          for k, r in sorted(model.ratios.items())))
