@@ -463,6 +463,7 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
                                        cooldown=args.cona_cooldown))
     times = CalibratedThroughput(base or base_throughput(model, precision, args.cona_device))
     config = SessionConfig(interval=settings.interval, base_batch=args.global_batch_size,
-                           lr_rule=args.cona_lr_scaling, start=args.cona_start)
+                           lr_rule=args.cona_lr_scaling, start=args.cona_start,
+                           probe_bias_prior=args.cona_probe_bias)
     return ConaSession(candidates.kept, times, policy, GradientNoiseScale(args.cona_gns_decay),
                        config, executor, DecisionLog(args.cona_log if write_log else None))
