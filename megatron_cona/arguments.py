@@ -9,6 +9,7 @@ the flag.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from megatron_cona.candidates import CandidateSpec, parse_candidate_list
@@ -59,6 +60,10 @@ def add_cona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="A switch must repay its measured cost within this many intervals.")
     group.add_argument("--cona-gns-decay", type=float, default=0.95,
                        help="EMA decay of the gradient-noise-scale statistics.")
+    group.add_argument("--cona-probe-bias", type=float, default=10.0,
+                       help="Centre of the prior on the critical batch / the probe's noise "
+                       "scale (published: ~1 to 10-100); set it where branched runs measured "
+                       "it for this job.")
     group.add_argument("--cona-device", type=str, default="auto",
                        help="Device the time predictor ranks unseen strategies for "
                        "('auto' = the local one).")
@@ -136,6 +141,9 @@ def validate_cona_args(
         raise ConaArgumentError("--cona-horizon", f"{args.cona_horizon} must be > 0")
     if not 0 <= args.cona_gns_decay < 1:
         raise ConaArgumentError("--cona-gns-decay", f"{args.cona_gns_decay} must be in [0, 1)")
+    if not (args.cona_probe_bias > 0 and math.isfinite(args.cona_probe_bias)):
+        raise ConaArgumentError("--cona-probe-bias", f"{args.cona_probe_bias} must be a "
+                                "positive finite ratio")
     if args.cona_global_batch_range is None:
         lo = hi = start.global_batch_size
     else:

@@ -160,8 +160,12 @@ class ProgressMonitor:
 
     z: float = 2.0  # standard errors a rollback needs (and a calibration must be within)
     max_relative_error: float = 0.25  # comparisons noisier than this teach nothing
-    # prior on the probe's bias k (phi_true = k phi_probe): log-normal around 1 with this sd
-    # of ln k; ln 10 puts Merrill et al.'s 10-100x gap at one to two standard deviations
+    # prior on the probe's bias k (phi_true = k phi_probe): log-normal around ``prior_bias``
+    # with ``prior_sd`` of ln k. Published ratios of the critical batch to the simple noise
+    # scale span ~1 (McCandlish et al. 2018, arXiv 1812.06162: B_simple tracks B_crit) to
+    # 10-100 (Merrill et al. 2025, arXiv 2505.23971, OLMo-1B); the prior is centred on their
+    # geometric middle, so that both ends lie one standard deviation away
+    prior_bias: float = 10.0
     prior_sd: float = math.log(10.0)
     calibrated_sd: float = math.log(2.0) / 2  # the bias counts as measured below this sd
     _times: list[float] = field(default_factory=list)
@@ -171,7 +175,7 @@ class ProgressMonitor:
     rates: list[Rate] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     _evidence: list[Evidence] = field(default_factory=list)
-    _posterior: tuple[float, float] = (0.0, math.log(10.0))  # mean, sd of ln k
+    _posterior: tuple[float, float] = (0.0, 0.0)  # mean, sd of ln k (set from the prior)
     _nodes: tuple[tuple[float, float], ...] = ()  # the posterior of k as (k, weight) nodes
     _pending: Evidence | None = None
 
@@ -195,7 +199,7 @@ class ProgressMonitor:
     @property
     def bias(self) -> float:
         """The factor the probe's noise scale is multiplied by: the posterior mean of ln k
-        given every comparison so far (1 before any)."""
+        given every comparison so far (``prior_bias`` before any)."""
         return math.exp(self._posterior[0])
 
     @property
@@ -216,7 +220,7 @@ class ProgressMonitor:
         """ln k on a grid: the log-normal prior times each comparison's Gaussian likelihood of
         its observed progress ratio under ``throughput x (k phi + B_old) / (k phi + B_new)``."""
         grid = np.linspace(math.log(1e-2), math.log(1e4), 601)
-        log_post = -0.5 * (grid / self.prior_sd) ** 2
+        log_post = -0.5 * ((grid - math.log(self.prior_bias)) / self.prior_sd) ** 2
         k = np.exp(grid)
         for e in self._evidence:
             predicted = e.throughput * (k * e.probe_phi + e.batch_old) / (

@@ -51,7 +51,7 @@ log = logging.getLogger("megatron_cona.session")
 
 
 # the biases an experiment must be able to tell apart: the posterior's mean +- this many sd
-# (at the prior, sd ln 10, 1/100 to 100: Merrill et al.'s 10-100x gap inside)
+# (at the prior, sd ln 10 around 10: 1/10 to 1,000, Merrill et al.'s 10-100x gap inside)
 RESOLVE_SD = 2.0
 
 
@@ -84,8 +84,15 @@ class SessionConfig:
     # and CONA grows it from the probe's first readings, as Pollux grows from its initial batch;
     # 'configured' -- the job's own global batch
     start: str = "smallest"
+    # the centre of the prior on the probe's bias (critical batch / probe's noise scale):
+    # :attr:`ProgressMonitor.prior_bias`, the published ratios' geometric middle; a job whose
+    # ratio was measured (branched runs) sets its own
+    probe_bias_prior: float = 10.0
 
     def __post_init__(self) -> None:
+        if not (self.probe_bias_prior > 0 and math.isfinite(self.probe_bias_prior)):
+            raise ValueError(f"probe_bias_prior={self.probe_bias_prior!r} must be a positive "
+                             "finite ratio")
         if self.start not in STARTS:
             raise ValueError(f"start={self.start!r} is unknown; choose one of "
                              f"{', '.join(STARTS)}")
@@ -138,7 +145,7 @@ class ConaSession:
         self._interval_time = 0.0
         self._lr = config.batch_lr()
         self._blind_rankings = 0  # rankings made in a row on a layout blind to the noise scale
-        self.progress = ProgressMonitor()
+        self.progress = ProgressMonitor(prior_bias=config.probe_bias_prior)
         self._elapsed = 0.0  # training seconds observed
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
@@ -456,6 +463,7 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
                                        cooldown=args.cona_cooldown))
     times = CalibratedThroughput(base or base_throughput(model, precision, args.cona_device))
     config = SessionConfig(interval=settings.interval, base_batch=args.global_batch_size,
-                           lr_rule=args.cona_lr_scaling, start=args.cona_start)
+                           lr_rule=args.cona_lr_scaling, start=args.cona_start,
+                           probe_bias_prior=args.cona_probe_bias)
     return ConaSession(candidates.kept, times, policy, GradientNoiseScale(args.cona_gns_decay),
                        config, executor, DecisionLog(args.cona_log if write_log else None))

@@ -57,6 +57,8 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-interval", "0"], 4, "--cona-interval"),
         (["--cona-min-gain", "-0.1"], 4, "--cona-min-gain"),
         (["--cona-candidates", "tp2"], 4, "--cona-candidates"),
+        (["--cona-probe-bias", "0"], 4, "--cona-probe-bias"),
+        (["--cona-probe-bias", "nan"], 4, "--cona-probe-bias"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):

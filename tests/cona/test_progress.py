@@ -186,6 +186,24 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     assert s.progress.bias > 10 and small in s.tried
 
 
+@pytest.mark.parametrize("prior, chosen", [(None, "gb64"), (1.0, "gb16")])
+def test_before_any_comparison_the_ranking_hedges_towards_published_biases(prior, chosen):
+    """The probe reads phi = 8. Were it the critical batch, batch 64 (2x the samples per
+    second of batch 16) would make 2 x (8+16)/(8+64) = 0.67 of batch 16's progress; at the
+    published 10-100x (Merrill et al. 2025) it makes 1.33-1.89x. With no comparison yet the
+    default prior, centred on the published ratios' middle, ranks batch 64 first; a job that
+    centres it on its probe (``probe_bias_prior=1``) stays on batch 16."""
+    from megatron_cona.gns import GradStats
+
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb16gb64")
+    secs = {small: 1.0, big: 2.0}
+    s = _session([small, big], secs, confirm=False,
+                 **({} if prior is None else {"probe_bias_prior": prior}))
+    for _ in range(20):
+        s.observe(1.0, GradStats([1 + 8.0 / 4] * 4, 4, 1 + 8.0 / 16, 16), loss=10.0)
+    assert s.decide(0).best.strategy.name.endswith(chosen)
+
+
 def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
     """The probe reads phi = 4, so batch 16 ranks first and batch 8 (slower per sample)
     second. An experiment moves to batch 32 and its comparison says it paid, but teaches
@@ -197,7 +215,8 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
 
     small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
     secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}  # samples/s: 16, 22.4, 8.9
-    s = _session([small, big, tiny], secs, explore_after=2)
+    # the prior centred on the probe's reading, so that its ranking is the scenario's
+    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0)
     s.progress.judge = lambda old, new, phi, seen: Verdict(
         old, new, 1.3, 0.1, 0.9, math.nan, paid=True, rollback=False, confident=True)
     phi = {"now": 4.0}
@@ -320,7 +339,7 @@ def test_an_experiment_runs_only_where_the_plausible_biases_predict_different_ou
 
     small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
     secs = {small: 1.0, big: 1.0 / 0.7}
-    s = _session([small, big], secs, explore_after=3)
+    s = _session([small, big], secs, explore_after=3, probe_bias_prior=1.0)
     rng = np.random.default_rng(0)
     loss, path, waits = 10.0, [], []
     for _ in range(10):
