@@ -514,8 +514,9 @@ def conv_coverage(sample: list[dict], others: list[dict]) -> None:
     networks it and the rules call wrongly over their own budget sweep."""
     m = shipped_margin("conv", sample, "GPUMemNet CNN rows of the sample")
     ran = [(p, meas) for p, meas in map(calibration_pair, others) if meas is not None]
-    above = sum(meas > m.bounds(int(p))[1] for p, meas in ran)
-    below = sum(meas < m.bounds(int(p))[0] for p, meas in ran)
+    bounds = [(m.bounds(int(p)), meas) for p, meas in ran]
+    above = sum(meas > hi for (_, hi), meas in bounds)
+    below = sum(meas < lo for (lo, _), meas in bounds)
     print(f"conv margin coverage on the {len(ran)} CNN development rows outside the sample "
           f"(DEVELOPMENT; {m.describe()}): above the upper bound {100 * above / len(ran):.2f}%,"
           f" below the lower {100 * below / len(ran):.2f}% (nominal <= "

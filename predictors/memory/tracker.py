@@ -190,15 +190,16 @@ class MemoryTracker(TorchDispatchMode):
         if name in _GEMMS and self.overheads.cublas_workspaces:
             self._cublas_workspace()
         workspace = None
-        fitted = name in _CONVS and self._fitted_workspaces(name, args)
-        if name in _CONVS:
+        cls = self._workspace_class(name, args) if name in _CONVS else None
+        fitted = cls is not None and self._fitted_workspaces(cls)
+        if cls is not None:
             self.convolutions += 1
             workspace = None if fitted else self._cudnn_workspace(name, args)
         out = func(*args, **(kwargs or {}))
         if workspace is not None:
             self._free(workspace)
         if fitted:
-            self._conv_outputs(name, args, out)
+            self._conv_outputs(name, args, out, cls)
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -209,22 +210,22 @@ class MemoryTracker(TorchDispatchMode):
         x = args[1] if name == "convolution_backward" else args[0]
         return workspaces.workspace_class(x.dtype, self.tf32)
 
-    def _tensor_cores(self, name: str, args: tuple) -> bool:
-        return self._workspace_class(name, args) in workspaces.TENSOR_CORE_CLASSES
-
-    def _fitted_workspaces(self, name: str, args: tuple) -> bool:
-        """Whether the convolution's workspaces come from the fitted model (:mod:`workspaces`):
-        tensor-core calls always; true-fp32 ones where the model has fp32 ratios, and while
-        a :func:`workspaces.recording` logs the calls (no model then)."""
-        if self._tensor_cores(name, args):
+    @staticmethod
+    def _fitted_workspaces(cls: str) -> bool:
+        """Whether a convolution of workspace class ``cls`` takes its workspaces from the
+        fitted model (:mod:`workspaces`): tensor-core calls always; true-fp32 ones where the
+        model has fp32 ratios, and while a :func:`workspaces.recording` logs the calls (no
+        model then)."""
+        if cls in workspaces.TENSOR_CORE_CLASSES:
             return True
         model = workspaces.current_model()
         return model is None or model.has_class("fp32")
 
-    def _conv_outputs(self, name: str, args: tuple, out) -> None:
-        """A convolution's outputs, each followed by its cuDNN call's transient workspace
-        (:mod:`workspaces`: allocated after the output, freed when the call ends, as the H200
-        streams show; the backward's data call before its filter call)."""
+    def _conv_outputs(self, name: str, args: tuple, out, cls: str) -> None:
+        """A convolution's outputs (workspace class ``cls``), each followed by its cuDNN
+        call's transient workspace (:mod:`workspaces`: allocated after the output, freed when
+        the call ends, as the H200 streams show; the backward's data call before its filter
+        call)."""
         if name == "convolution":
             x, w, stride, outs = args[0], args[1], args[3], [(out, "forward")]
             layout = x.nbytes + out.nbytes + w.nbytes
@@ -233,7 +234,6 @@ class MemoryTracker(TorchDispatchMode):
             outs = list(zip(out, ("backward_data", "backward_filter", None), strict=True))
             layout = go.nbytes + x.nbytes + w.nbytes
         model = workspaces.current_model() if self.overheads.cudnn_workspaces else None
-        cls = self._workspace_class(name, args)
         for t, call in outs:
             if t is None:
                 continue
