@@ -56,6 +56,7 @@ class Verdict:
 
 
 NODE_BLOCK = 20  # grid points of ln k per node of the bias posterior
+GRID_SD = 3.0  # the posterior grid's half-width in prior standard deviations (ln k)
 OLD_HISTORY = 4  # the old strategy's intervals a comparison extrapolates from (pooled)
 
 
@@ -219,8 +220,12 @@ class ProgressMonitor:
     def _update_posterior(self) -> None:
         """ln k on a grid: the log-normal prior times each comparison's Gaussian likelihood of
         its observed progress ratio under ``throughput x (k phi + B_old) / (k phi + B_new)``."""
-        grid = np.linspace(math.log(1e-2), math.log(1e4), 601)
-        log_post = -0.5 * ((grid - math.log(self.prior_bias)) / self.prior_sd) ** 2
+        # the grid spans the prior's +-GRID_SD standard deviations around its centre, wherever
+        # the centre is: a fixed range would cut off the prior of a job that set its own
+        centre = math.log(self.prior_bias)
+        grid = np.linspace(centre - GRID_SD * self.prior_sd, centre + GRID_SD * self.prior_sd,
+                           601)
+        log_post = -0.5 * ((grid - centre) / self.prior_sd) ** 2
         k = np.exp(grid)
         for e in self._evidence:
             predicted = e.throughput * (k * e.probe_phi + e.batch_old) / (

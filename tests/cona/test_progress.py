@@ -85,6 +85,20 @@ def test_a_switch_as_predicted_is_kept_and_leaves_the_bias_near_one():
     assert 0.3 < m.bias < 3
 
 
+@pytest.mark.parametrize("centre", [1e-3, 1.0, 10.0, 1e3, 1e6])
+def test_the_prior_on_the_bias_keeps_its_shape_wherever_it_is_centred(centre):
+    """A job that measured its own ratio sets the prior's centre (``--cona-probe-bias``): before
+    any comparison the posterior is that prior, neither cut off nor shifted by a fixed range."""
+    m = ProgressMonitor(prior_bias=centre)
+    assert m.bias == pytest.approx(centre, rel=1e-6)
+    assert m.bias_sd == pytest.approx(ProgressMonitor(prior_bias=10.0).bias_sd, rel=1e-9)
+    assert m.bias_sd == pytest.approx(m.prior_sd, rel=0.02)
+    nodes = m.bias_nodes
+    assert sum(w for _, w in nodes) == pytest.approx(1.0)
+    ln_mean = sum(w * math.log(k) for k, w in nodes)
+    assert ln_mean == pytest.approx(math.log(centre), abs=1e-3)  # nodes drop the last ~1e-4
+
+
 class _Exec(SingleProcessExecutor):
     def switch(self, target):
         self._strategy = target
