@@ -280,25 +280,44 @@ class ConaSession:
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
         """The estimate to try when the probe's bias is still unmeasured and the batch has not
-        changed for ``explore_after`` rankings: the best at twice the running global batch,
-        held until its comparison is confident or ``judge_intervals`` passed
-        (``_check_last_switch``); empty: no experiment now."""
+        changed for ``explore_after`` rankings: the best at twice the running global batch (at
+        half where there is no twice larger one, below), held until its comparison is
+        confident or ``judge_intervals`` passed (``_check_last_switch``); empty: no experiment
+        now."""
         cfg = self.config
         if not cfg.confirm or not cfg.explore_after or self.progress.calibrated \
                 or self._same_batch < self._explore_wait:
             return []
-        double = [e for e in ranking if e.strategy.global_batch_size
-                  == 2 * strategy.global_batch_size]
+        batch = strategy.global_batch_size
+        # up, as the published biases (10-100x) say the probe reads low; down only where there
+        # is no twice larger batch to try (a job on its largest batch could otherwise never
+        # learn that the prior sits above the truth), when the bias's plausible low end would
+        # choose a smaller batch and its high end no larger one
+        target = 2 * batch
+        if not any(e.strategy.global_batch_size == target for e in ranking):
+            pool = [strategy, *(e.strategy for e in ranking)]
+            mean, sd = self.progress.bias, self.progress.bias_sd
+            low = self._best_at(pool, mean * math.exp(-sd)).global_batch_size
+            high = self._best_at(pool, mean * math.exp(sd)).global_batch_size
+            if low < batch and high <= batch:
+                target = batch // 2
+        trial = [e for e in ranking if e.strategy.global_batch_size == target]
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
         # scale near enough to the batch for the bias to show in the efficiency
-        if double and self.progress.expected_error(cfg.judge_intervals) > self._resolvable(
-                strategy.global_batch_size, double[0].strategy.global_batch_size):
+        if trial and self.progress.expected_error(cfg.judge_intervals) > self._resolvable(
+                batch, trial[0].strategy.global_batch_size):
             return []
-        if double:  # each experiment costs an interval: they get rarer (bounded cost)
+        if trial:  # each experiment costs an interval: they get rarer (bounded cost)
             self._explore_wait *= 2
-        return double[:1]
+        return trial[:1]
+
+    def _best_at(self, pool: list[ParallelStrategy], bias: float) -> ParallelStrategy:
+        """The best of ``pool`` were the probe's bias exactly ``bias``."""
+        phi = self.gns.noise_scale
+        return rank(pool, self.times, phi, self.config.base_batch,
+                    lambda s: self._efficiency_lr_scale(s, phi * bias), ((bias, 1.0),))[0].strategy
 
     def _resolvable(self, batch_old: int, batch_new: int) -> float:
         """The relative error a comparison from ``batch_old`` to ``batch_new`` may have and still

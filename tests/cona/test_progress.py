@@ -200,6 +200,45 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     assert s.progress.bias > 10 and small in s.tried
 
 
+def test_an_experiment_tries_a_smaller_batch_when_the_prior_sits_above_the_truth():
+    """The probe reads phi = 8 and is right (k = 1), but the default prior (centred on 10)
+    ranks batch 64 first. The plausible low end of the bias would pick batch 16 and the high
+    end nothing larger than 64, so the experiment halves the batch: batch 32 makes
+    (32/1.4) x 24/40 = 13.7 of progress against batch 64's 32 x 24/72 = 10.7, the comparison
+    says k is near 1 and CONA goes on down to batch 16 (16 x 24/24 = 16). A doubling
+    experiment would have had no larger batch to try and left the job on 64 for good."""
+    from megatron_cona.gns import GradStats
+
+    big, mid, small = P("dp4tp1pp1mb16gb64"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb4gb16")
+    secs = {big: 2.0, mid: 1.4, small: 1.0}
+    s = _session([big, mid, small], secs, explore_after=2)
+
+    def stats(batch):  # replicas reading phi = 8: |G|^2 = 1, tr(S) = 8
+        local = batch // 4
+        return GradStats([1 + 8 / local] * 4, local, 1 + 8 / batch, batch)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 8
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (8 + 16) / (8 + b)
+
+    rng = np.random.default_rng(0)
+    loss, path = 10.0, []
+    for _ in range(10):
+        now = s.executor.strategy
+        for _ in range(20):
+            loss -= rate(now) * secs[now]
+            s.observe(secs[now], stats(now.global_batch_size),
+                      loss=loss + float(rng.normal(0, 1e-5)))
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+    first = path.index(mid)
+    assert path[:first] == [big] * first and 2 <= first <= 3  # the prior's pick, then halved
+    assert path[-1] == small  # the comparison taught k ~ 1: on down to batch 16
+    v = s.progress.verdicts[0]
+    assert (v.old, v.new) == (big, mid) and v.confident and v.paid
+    assert s.progress.bias < 3 and big in s.tried
+
+
 @pytest.mark.parametrize("prior, chosen", [(None, "gb64"), (1.0, "gb16")])
 def test_before_any_comparison_the_ranking_hedges_towards_published_biases(prior, chosen):
     """The probe reads phi = 8. Were it the critical batch, batch 64 (2x the samples per
