@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_cona.executor import SingleProcessExecutor, SwitchOutcome
-from megatron_cona.gns import GradientNoiseScale, measures_noise
+from megatron_cona.gns import GradientNoiseScale, GradStats, measures_noise
 from megatron_cona.goodput import CalibratedThroughput
 from megatron_cona.lawsim.clock import TableThroughput
 from megatron_cona.policy import PolicyConfig, SwitchPolicy
@@ -117,20 +117,38 @@ def _session(candidates, times, **config):
                        _Exec(candidates[0]))
 
 
+def _replicas_reading(phi, batch):
+    """Probe statistics of 4 replicas whose gradients read the noise scale ``phi`` exactly:
+    |G|^2 = 1, tr(S) = phi."""
+    local = batch // 4
+    return GradStats([1 + phi / local] * 4, local, 1 + phi / batch, batch)
+
+
+def _run_intervals(s, secs, rate, probe_phi, intervals):
+    """``intervals`` rankings of 20 iterations each, the loss falling at ``rate(strategy)``
+    per second with 1e-5 of reading noise, the probe reading ``probe_phi``: the strategy
+    after each ranking."""
+    rng = np.random.default_rng(0)
+    loss, path = 10.0, []
+    for _ in range(intervals):
+        now = s.executor.strategy
+        for _ in range(20):
+            loss -= rate(now) * secs[now]
+            s.observe(secs[now], _replicas_reading(probe_phi, now.global_batch_size),
+                      loss=loss + float(rng.normal(0, 1e-5)))
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+    return path
+
+
 def test_session_rolls_back_a_switch_that_did_not_pay_and_does_not_retry_it():
     """Scripted readings: the probe's noise scale says 3, so batch 16 (half the throughput of
     batch 64) looks 1.8x better; the true noise scale is 300, so progress per second on batch
     16 is 0.5 x (300+64)/(300+16) = 0.58 of batch 64's: the session rolls back, learns the
     probe's bias from the comparison and does not try batch 16 again."""
-    from megatron_cona.gns import GradStats
-
     big, small = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb1gb16")
     secs = {big: 1.0, small: 0.5}
     s = _session([big, small], secs, explore_after=0)
-
-    def stats(batch):  # replicas reading phi = 3 exactly: |G|^2 = 1, tr(S) = 3
-        local = batch // 4
-        return GradStats([1 + 3 / local] * 4, local, 1 + 3 / batch, batch)
 
     rate = {big: 0.01, small: 0.01 * 0.5 * (300 + 64) / (300 + 16)}
     t, loss, path = 0.0, 10.0, []
@@ -140,7 +158,8 @@ def test_session_rolls_back_a_switch_that_did_not_pay_and_does_not_retry_it():
             t += secs[now]
             loss -= rate[now] * secs[now]
             # no probe reading in the first two intervals: the old rate's trend is measured
-            s.observe(secs[now], stats(now.global_batch_size) if k >= 2 else None, loss=loss)
+            s.observe(secs[now], _replicas_reading(3, now.global_batch_size) if k >= 2 else None,
+                      loss=loss)
         s.act(0, s.decide(0))
         path.append(s.executor.strategy)
     assert path[:2] == [big, big]
@@ -167,31 +186,15 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     rankings CONA tries batch 32 (1.4x the throughput per sample here), holds it while the
     comparison is unsure, sees progress x1.4 x (400+16)/(400+32) = 1.35 of batch 16's, keeps
     it and learns that the probe reads low."""
-    from megatron_cona.gns import GradStats
-
     small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
     secs = {small: 1.0, big: 1.0 / 0.7}  # per iteration: 32 samples in 1.43 s vs 16 in 1 s
     s = _session([small, big], secs, explore_after=3)
-
-    def stats(batch):  # replicas reading phi = 4: |G|^2 = 1, tr(S) = 4
-        local = batch // 4
-        return GradStats([1 + 4 / local] * 4, local, 1 + 4 / batch, batch)
 
     def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
         b = strategy.global_batch_size
         return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
 
-    rng = np.random.default_rng(0)
-    t, loss, path = 0.0, 10.0, []
-    for _ in range(9):
-        now = s.executor.strategy
-        for _ in range(20):
-            t += secs[now]
-            loss -= rate(now) * secs[now]
-            s.observe(secs[now], stats(now.global_batch_size),
-                      loss=loss + float(rng.normal(0, 1e-5)))
-        s.act(0, s.decide(0))
-        path.append(s.executor.strategy)
+    path = _run_intervals(s, secs, rate, 4, 9)
     assert path[:3] == [small] * 3  # the probe's ranking: batch 16
     assert path[3] == big  # the experiment
     assert all(p == big for p in path[4:])  # kept: it paid
@@ -207,30 +210,15 @@ def test_an_experiment_tries_a_smaller_batch_when_the_prior_sits_above_the_truth
     (32/1.4) x 24/40 = 13.7 of progress against batch 64's 32 x 24/72 = 10.7, the comparison
     says k is near 1 and CONA goes on down to batch 16 (16 x 24/24 = 16). A doubling
     experiment would have had no larger batch to try and left the job on 64 for good."""
-    from megatron_cona.gns import GradStats
-
     big, mid, small = P("dp4tp1pp1mb16gb64"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb4gb16")
     secs = {big: 2.0, mid: 1.4, small: 1.0}
     s = _session([big, mid, small], secs, explore_after=2)
-
-    def stats(batch):  # replicas reading phi = 8: |G|^2 = 1, tr(S) = 8
-        local = batch // 4
-        return GradStats([1 + 8 / local] * 4, local, 1 + 8 / batch, batch)
 
     def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 8
         b = strategy.global_batch_size
         return 1e-3 * (b / secs[strategy]) * (8 + 16) / (8 + b)
 
-    rng = np.random.default_rng(0)
-    loss, path = 10.0, []
-    for _ in range(10):
-        now = s.executor.strategy
-        for _ in range(20):
-            loss -= rate(now) * secs[now]
-            s.observe(secs[now], stats(now.global_batch_size),
-                      loss=loss + float(rng.normal(0, 1e-5)))
-        s.act(0, s.decide(0))
-        path.append(s.executor.strategy)
+    path = _run_intervals(s, secs, rate, 8, 10)
     first = path.index(mid)
     assert path[:first] == [big] * first and 2 <= first <= 3  # the prior's pick, then halved
     assert path[-1] == small  # the comparison taught k ~ 1: on down to batch 16
@@ -246,14 +234,12 @@ def test_before_any_comparison_the_ranking_hedges_towards_published_biases(prior
     published 10-100x (Merrill et al. 2025) it makes 1.33-1.89x. With no comparison yet the
     default prior, centred on the published ratios' middle, ranks batch 64 first; a job that
     centres it on its probe (``probe_bias_prior=1``) stays on batch 16."""
-    from megatron_cona.gns import GradStats
-
     small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb16gb64")
     secs = {small: 1.0, big: 2.0}
     s = _session([small, big], secs, confirm=False,
                  **({} if prior is None else {"probe_bias_prior": prior}))
     for _ in range(20):
-        s.observe(1.0, GradStats([1 + 8.0 / 4] * 4, 4, 1 + 8.0 / 16, 16), loss=10.0)
+        s.observe(1.0, _replicas_reading(8.0, 16), loss=10.0)
     assert s.decide(0).best.strategy.name.endswith(chosen)
 
 
@@ -263,7 +249,6 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
     nothing about the probe's bias (a verdict without evidence): the ranking still puts batch
     8 above 32. Batch 16 was measured worse, and batch 8, no faster per sample, lies below
     it: CONA stays on 32 until the noise scale falls below half of what it was."""
-    from megatron_cona.gns import GradStats
     from megatron_cona.progress import Verdict
 
     small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
@@ -274,17 +259,14 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
         old, new, 1.3, 0.1, 0.9, math.nan, paid=True, rollback=False, confident=True)
     phi = {"now": 4.0}
 
-    def stats(batch):  # replicas reading phi: |G|^2 = 1, tr(S) = phi
-        local = batch // 4
-        return GradStats([1 + phi["now"] / local] * 4, local, 1 + phi["now"] / batch, batch)
-
     path, prefers_tiny = [], []
     for i in range(10):
         if i == 7:
             phi["now"] = 1.5  # below half of 4: what was measured no longer holds
         now = s.executor.strategy
         for _ in range(20):
-            s.observe(secs[now], stats(now.global_batch_size), loss=10.0 - 0.01 * i)
+            s.observe(secs[now], _replicas_reading(phi["now"], now.global_batch_size),
+                      loss=10.0 - 0.01 * i)
         s.act(0, s.decide(0))
         path.append(s.executor.strategy)
         prefers_tiny.append(s.current_estimate(tiny).goodput > s.current_estimate(big).goodput)
@@ -301,15 +283,9 @@ def test_an_experiment_waits_until_its_comparison_can_be_confident():
     four intervals on each side could not tell 2x apart: CONA does not spend intervals on an
     experiment that cannot teach (the wait is not doubled either). Once the readings the
     comparison extrapolates from are clean the experiment runs and finds the bias."""
-    from megatron_cona.gns import GradStats
-
     small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
     secs = {small: 1.0, big: 1.0 / 0.7}
     s = _session([small, big], secs, explore_after=3)
-
-    def stats(batch):
-        local = batch // 4
-        return GradStats([1 + 4 / local] * 4, local, 1 + 4 / batch, batch)
 
     rng = np.random.default_rng(0)
     loss, path, waits = 10.0, [], []
@@ -319,7 +295,7 @@ def test_an_experiment_waits_until_its_comparison_can_be_confident():
         for _ in range(20):
             b = now.global_batch_size
             loss -= 1e-3 * (b / secs[now]) * (400 + 16) / (400 + b) * secs[now]
-            s.observe(secs[now], stats(b), loss=loss + float(rng.normal(0, noise)))
+            s.observe(secs[now], _replicas_reading(4, b), loss=loss + float(rng.normal(0, noise)))
         s.act(0, s.decide(0))
         path.append(s.executor.strategy)
         waits.append(s._explore_wait)
@@ -388,8 +364,6 @@ def test_an_experiment_runs_only_where_the_plausible_biases_predict_different_ou
     Reading phi = 0.04, every plausible k phi stays far below 16 and they all predict
     ~0.5-0.55x: no comparison these readings allow could say which, so none is run and the
     wait is not doubled."""
-    from megatron_cona.gns import GradStats
-
     small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
     secs = {small: 1.0, big: 1.0 / 0.7}
     s = _session([small, big], secs, explore_after=3, probe_bias_prior=1.0)
@@ -400,9 +374,8 @@ def test_an_experiment_runs_only_where_the_plausible_biases_predict_different_ou
         for _ in range(20):
             b = now.global_batch_size
             loss -= 1e-3 * (b / secs[now]) * (400 + 16) / (400 + b) * secs[now]
-            local = b // 4
-            stats = GradStats([1 + probe_phi / local] * 4, local, 1 + probe_phi / b, b)
-            s.observe(secs[now], stats, loss=loss + float(rng.normal(0, 0.3)))
+            s.observe(secs[now], _replicas_reading(probe_phi, b),
+                      loss=loss + float(rng.normal(0, 0.3)))
         s.act(0, s.decide(0))
         path.append(s.executor.strategy)
         waits.append(s._explore_wait)
