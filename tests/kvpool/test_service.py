@@ -193,6 +193,47 @@ def test_the_first_engine_starts_the_daemon_and_racing_engines_share_one(tmp_pat
             os.kill(pid, 15)
 
 
+def test_engines_racing_to_autostart_spawn_one_daemon(tmp_path, monkeypatch):
+    """Three engines find no daemon at the same instant: they take turns on the start lock and
+    only the first spawns one (the others find it answering), however slowly it starts."""
+    import vllm_kvpool.service.remote as remote
+
+    sock = tmp_path / "run" / "pool.sock"
+    cfg = load_pool_config(pool_config(tmp_path, sock, autostart=True))
+    layout = ChunkLayout((GroupLayout(0, ("x",), 4096, 16),), 2, layout_version=1)
+    spawned, real_start = [], remote.start_daemon
+
+    def slow_start(config, socket_path):
+        spawned.append(socket_path)
+        time.sleep(0.5)  # a loaded node: every racer has dialled and found nothing by now
+        return real_start(config, socket_path)
+
+    monkeypatch.setattr(remote, "start_daemon", slow_start)
+    gate, pools, errors = threading.Barrier(3), [], []
+
+    def engine(i: int) -> None:
+        gate.wait()
+        try:
+            pools.append(RemotePool(cfg, layout, 1, "model"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and len(pools) == 3
+        assert spawned == [str(sock)]
+        assert len(daemon_pids(sock)) == 1
+    finally:
+        for p in pools:
+            p.close()
+        for pid in daemon_pids(sock):
+            os.kill(pid, 15)
+
+
 # -- the protocol ----------------------------------------------------------------------------
 @pytest.fixture
 def served(tmp_path):

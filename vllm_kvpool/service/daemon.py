@@ -18,7 +18,8 @@ Unix socket (``wire``).
   engines only through the socket. A malformed message gets an error and changes nothing; one
   that breaks the framing (bad header, oversized, truncated) also closes that connection.
 * **One per socket.** The service holds an exclusive ``flock`` on ``<socket>.lock`` while it
-  runs, so two engines starting it at once leave exactly one.
+  runs, so a second daemon on the socket exits (engines starting one at once also take turns
+  on ``<socket>.start``, so they spawn only one: ``remote.ServiceClient``).
 """
 
 from __future__ import annotations

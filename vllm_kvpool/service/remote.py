@@ -10,6 +10,7 @@ connection (the daemon restarted) connects and attaches again once before giving
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -87,18 +88,11 @@ class ServiceClient:
         """Dial (starting the daemon first when none answers and ``autostart``: then waiting up
         to ``start_timeout`` for it), else waiting up to ``wait`` s, then attach."""
         sock = self._dial()
-        proc = None
         if sock is None and self.service.autostart:
-            os.makedirs(os.path.dirname(self.service.socket) or ".", mode=0o700, exist_ok=True)
-            proc = start_daemon(self.config, self.service.socket)
+            sock = self._start()
             wait = self.service.start_timeout
-        deadline = time.monotonic() + wait
-        while sock is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            sock = self._dial()
-            if sock is None and proc is not None and proc.poll() not in (None, 0):
-                raise ServiceError(f"kvpool daemon for {self.service.socket} exited with "
-                                   f"{proc.returncode} (see {self.service.socket}.log)")  # fmt: skip
+        elif sock is None:
+            sock = self._await(time.monotonic() + wait, None)
         if sock is None:
             raise ServiceUnavailable(f"no kvpool service answers at {self.service.socket} after "
                                      f"{wait:g} s"
@@ -116,6 +110,43 @@ class ServiceClient:
                 self.on_attach(reply, fds)
         finally:
             wire.close_fds(fds)
+
+    def _start(self) -> socket.socket | None:
+        """Start the daemon unless a racing engine does. The engines of a node take turns on an
+        ``flock`` of ``<socket>.start`` and only one that still finds no answer under it starts
+        one, so racing engines spawn exactly one daemon (the daemon's own lock would also leave
+        one serving, but a loser would still cost a process start). The kernel drops the lock
+        of an engine killed while starting, and the next one starts the daemon again."""
+        os.makedirs(os.path.dirname(self.service.socket) or ".", mode=0o700, exist_ok=True)
+        deadline = time.monotonic() + self.service.start_timeout
+        fd = os.open(f"{self.service.socket}.start", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)  # fmt: skip
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(0.05)
+            sock = self._dial()
+            if sock is None:
+                sock = self._await(deadline, start_daemon(self.config, self.service.socket))
+            return sock
+        finally:
+            os.close(fd)
+
+    def _await(self, deadline: float, proc: subprocess.Popen | None) -> socket.socket | None:
+        """Dial until ``deadline``; a daemon ``proc`` this engine started that fails ends it."""
+        sock = None
+        while sock is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            sock = self._dial()
+            if sock is None and proc is not None and proc.poll() not in (None, 0):
+                raise ServiceError(f"kvpool daemon for {self.service.socket} exited with "
+                                   f"{proc.returncode} (see {self.service.socket}.log)")  # fmt: skip
+        return sock
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The service's reply; ``ServiceUnavailable`` at once while it is down (dialled again
