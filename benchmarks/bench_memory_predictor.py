@@ -95,7 +95,6 @@ from predictors.memory.gpumemnet import (
 )
 from predictors.memory.module import DeviceMemoryPrediction, predict_module_memory
 from predictors.memory.verdict import (
-    DEFAULT_COVERAGE,
     MARGINS_NOTE,
     Margin,
     Verdict,
@@ -450,7 +449,8 @@ def verdict_sweep(recs: list[dict], family: str, name: str,
           f"below {MARGIN_SCALE // MiB} MiB lower "
           f"{min(m.absolute[0] for m in margins) / MiB:+.0f}..{max(m.absolute[0] for m in margins) / MiB:+.0f} MiB, "
           f"upper {min(m.absolute[1] for m in margins) / MiB:+.0f}..{max(m.absolute[1] for m in margins) / MiB:+.0f} MiB "
-          f"(nominal coverage {margins[0].coverage:.0%} per side)")
+          f"(nominal coverage: upper {margins[0].upper_coverage:.0%}, lower "
+          f"{margins[0].lower_coverage:.0%})")
     print("  budget  measured fits  fits tight  oom  false fits  false oom | "
           + " | ".join(f"{n}: fits tight oom false fits" for n in RULES))
     for b in budget_sweep([r for r, _ in ok]):
@@ -493,7 +493,7 @@ def shipped_margin(family: str, recs: list[dict], what: str) -> Margin:
     ``recs`` (DEVELOPMENT rows)."""
     pairs = [(p, m) for p, m in map(calibration_pair, recs) if m is not None]
     return Margin.fit_sized(family, [p for p, _ in pairs], [m for _, m in pairs], MARGIN_SCALE,
-                            DEFAULT_COVERAGE, f"split-conformal by size on {len(pairs)} {what} "
+                            source=f"split-conformal by size on {len(pairs)} {what} "
                             "(A100-40GB, development): relative above "
                             f"{MARGIN_SCALE // MiB} MiB, bytes below")
 
@@ -510,7 +510,7 @@ def write_margins(mlps: list[dict], cnns: list[dict], path: Path) -> None:
 def conv_coverage(sample: list[dict], others: list[dict]) -> None:
     """The ``conv`` margin fitted on the scored sample, as ``--write-margins`` would ship it,
     against the development CNN rows outside the sample (which calibrate nothing here): the
-    share of them beyond each bound (nominal at most ``1 - coverage`` per side) and the
+    share of them beyond each bound (nominal at most 1 - that side's coverage) and the
     networks it and the rules call wrongly over their own budget sweep."""
     m = shipped_margin("conv", sample, "GPUMemNet CNN rows of the sample")
     ran = [(p, meas) for p, meas in map(calibration_pair, others) if meas is not None]
@@ -520,7 +520,8 @@ def conv_coverage(sample: list[dict], others: list[dict]) -> None:
     print(f"conv margin coverage on the {len(ran)} CNN development rows outside the sample "
           f"(DEVELOPMENT; {m.describe()}): above the upper bound {100 * above / len(ran):.2f}%,"
           f" below the lower {100 * below / len(ran):.2f}% (nominal <= "
-          f"{100 * (1 - DEFAULT_COVERAGE):.0f}% each)")
+          f"{100 * (1 - m.upper_coverage):.0f}% above, {100 * (1 - m.lower_coverage):.0f}% "
+          "below)")
     cnn_rows = load_cnn_rows()
     sweep = verdict_sweep(with_accelerate(others, lambda i: build_cnn(cnn_rows[i])), "conv",
                           "cnn-outside", crash_card_gib=CARD_GIB, fitted=m)

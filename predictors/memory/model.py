@@ -34,7 +34,7 @@ from .factorize import Factorization, factorize
 from .overheads import HOPPER, CudaOverheads
 from .phases import PeakEstimate, walk_phases
 from .replay import replay_reserved
-from .verdict import DEFAULT_COVERAGE, Margin, MarginError
+from .verdict import Margin, MarginError
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 MODEL_TXT = MODELS_DIR / "memory_residual.txt"
@@ -161,8 +161,8 @@ def fit_margins(residuals: list[float], families: list[str], measured: list[int]
     out = {}
     for fam in sorted({f for _, f in big}) + [POOLED]:
         res = [r for r, f in big if fam in (f, POOLED)]
-        out[fam] = Margin.fit(fam, res, DEFAULT_COVERAGE,
-                              f"split-conformal on {len(res)} out-of-family residuals of the "
+        out[fam] = Margin.fit(fam, res,
+                              source=f"split-conformal on {len(res)} out-of-family residuals of the "
                               f"preset model, rows >= {MARGIN_MIN_RESERVED // GiB} GiB ({source})")
     return out
 

@@ -77,10 +77,12 @@ def test_api_breakdown_and_verdict():
     assert small.fits and small.peak_reserved >= small.peak_allocated_analytical * 0.9
     # the registered margin of the family of work (predictors/models/memory_margins.json)
     assert small.margin == margin_for("multimodal") and small.margin.rows > 0
-    assert 0 < small.margin.upper < 0.5 and small.margin.coverage is not None
+    assert 0 < small.margin.upper < 0.5
+    assert (small.margin.lower_coverage, small.margin.upper_coverage) == (0.95, 0.99)
     fixed = predict_peak_memory(llava_1k, ParallelStrategy(8, 1, 1), zero1_full, "bf16-mixed",
                                 margin=0.05)
-    assert fixed.margin.upper == 0.05 and fixed.margin.coverage is None
+    assert fixed.margin.upper == 0.05
+    assert fixed.margin.lower_coverage is None and fixed.margin.upper_coverage is None
     assert fixed.peak_reserved == small.peak_reserved
     assert small.components["optimizer_states"] < small.components["parameters"]
     big = predict_peak_memory("llava-1.5-7b-like", ParallelStrategy(1, 1, 1, micro_batch=16),
@@ -119,7 +121,7 @@ def test_cli_prints_breakdown_and_verdict(capsys):
                "--checkpointing", "full"])
     out = capsys.readouterr().out
     assert rc in (0, 2, 3) and "verdict:" in out and "activations" in out
-    assert "coverage" in out
+    assert "coverage 99% upper (fits side) / 95% lower (oom side)" in out
     assert "trained on" in out
     assert main(["memory", "--model", "nope"]) == 1
     assert "UnknownModelError" in capsys.readouterr().err

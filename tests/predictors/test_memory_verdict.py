@@ -12,6 +12,8 @@ import pytest
 
 from predictors.memory.allocator import GiB, MiB
 from predictors.memory.verdict import (
+    FITS_COVERAGE,
+    OOM_COVERAGE,
     Margin,
     MarginError,
     Verdict,
@@ -22,7 +24,7 @@ from predictors.memory.verdict import (
     save_margins,
 )
 
-M = Margin("scripted", -0.10, 0.20, 0.95, 100, "scripted")
+M = Margin("scripted", -0.10, 0.20, 0.95, 0.99, 100, "scripted")
 CAP, OUTSIDE = 10 * GiB, 1 * GiB
 USABLE = CAP - OUTSIDE
 
@@ -46,31 +48,74 @@ def test_a_failed_bounded_replay_is_never_called_fits_and_the_json_names_the_mar
     j = judge(7 * GiB, OUTSIDE, CAP, M, out_of_memory=True)
     assert j.verdict is Verdict.TIGHT  # its lower bound is still below the usable capacity
     d = j.as_dict()
-    assert d["verdict"] == "tight" and d["margin_coverage"] == 0.95
-    assert d["margin_upper"] == 0.20 and d["margin_rows"] == 100
-    assert "coverage 95%" in j.describe() and "TIGHT" in j.describe()
+    assert d["verdict"] == "tight" and d["margin_upper"] == 0.20 and d["margin_rows"] == 100
+    assert (d["margin_lower_coverage"], d["margin_upper_coverage"]) == (0.95, 0.99)
+    assert "coverage 99% upper (fits side) / 95% lower (oom side)" in j.describe()
+    assert "TIGHT" in j.describe()
     fixed = judge(7 * GiB, OUTSIDE, CAP, Margin.fixed(0.05))
     assert fixed.verdict is Verdict.FITS and "no coverage claimed" in fixed.describe()
 
 
 def test_conformal_margin_is_the_rank_it_promises():
     res = [i / 100 - 0.5 for i in range(1, 100)]  # -0.49 .. 0.49, n = 99
-    m = Margin.fit("dense", res, coverage=0.9)
+    m = Margin.fit("dense", res, lower_coverage=0.9, upper_coverage=0.9)
     # ceil((99 + 1) x 0.9) = 90th smallest: 0.40; the lower side mirrors it
     assert m.upper == pytest.approx(0.40) and m.lower == pytest.approx(-0.40)
-    assert m.rows == 99 and m.coverage == 0.9
-    few = Margin.fit("dense", [0.01, 0.03, -0.02], coverage=0.99)  # too few: the extremes
+    assert m.rows == 99 and (m.lower_coverage, m.upper_coverage) == (0.9, 0.9)
+    few = Margin.fit("dense", [0.01, 0.03, -0.02], lower_coverage=0.99,
+                     upper_coverage=0.99)  # too few: the extremes
     assert few.upper == 0.03 and few.lower == -0.02
+
+
+def test_each_side_takes_its_own_coverage_rank():
+    """The upper bound decides ``fits`` (a miss crashes a job: 99%), the lower one ``oom`` (a
+    miss makes a user shrink a job that would have run, budgeted at 5%: 95%). On symmetric
+    scripted residuals the two sides take different ranks, in every fitting path."""
+    res = [i / 100 - 0.5 for i in range(1, 100)]  # -0.49 .. 0.49, n = 99
+    assert (OOM_COVERAGE, FITS_COVERAGE) == (0.95, 0.99)
+    m = Margin.fit("dense", res)
+    # upper: ceil(100 x 0.99) = 99th smallest, 0.49; lower: the 95th smallest of the negated
+    # residuals, 0.45 (one coverage for both sides gave -0.49)
+    assert m.upper == pytest.approx(0.49) and m.lower == pytest.approx(-0.45)
+    assert (m.lower_coverage, m.upper_coverage) == (0.95, 0.99)
+    m = Margin.fit("dense", res, lower_coverage=0.8, upper_coverage=0.9)
+    assert m.upper == pytest.approx(0.40) and m.lower == pytest.approx(-0.30)
+    # per size: the small jobs' absolute bounds take the same two ranks
+    small_p, big_p = [64 * MiB] * 99, [GiB] * 99
+    small_m = [64 * MiB + k * MiB for k in range(-49, 50)]
+    big_m = [GiB * (1 + r) for r in res]
+    s = Margin.fit_sized("dense", small_p + big_p, small_m + big_m, 256 * MiB)
+    assert s.absolute == (-45 * MiB, 49 * MiB)
+    assert s.upper == pytest.approx(0.49) and s.lower == pytest.approx(-0.45)
+    # cross-fitted: each fold's margin on the other folds' rows, at the coverages asked for
+    n = 200
+    pred = [float(GiB)] * n
+    meas = [GiB * (1 + (i % 100 - 49.5) / 100) for i in range(n)]  # symmetric, -0.495 .. 0.495
+    folds = [i // 100 for i in range(n)]  # each fold holds every residual once
+    for m in cross_fitted(pred, meas, ["dense"] * n, folds):
+        assert (m.lower_coverage, m.upper_coverage) == (0.95, 0.99)
+        # 100 rows outside the fold: the 100th and the 96th smallest
+        assert m.upper == pytest.approx(0.495) and m.lower == pytest.approx(-0.455)
+    assert all((m.lower_coverage, m.upper_coverage) == (0.8, 0.9) for m in cross_fitted(
+        pred, meas, ["dense"] * n, folds, lower_coverage=0.8, upper_coverage=0.9))
+    # what the lower side decides: residuals within +-4.9%, a job predicted 5% over the usable
+    # capacity is ``oom`` with the oom side at 95% (lower bound -4.5%); with 99% on both sides,
+    # as before, it was ``tight`` (-4.9%)
+    narrow = [r / 10 for r in res]
+    over = int(USABLE * 1.05)
+    assert judge(over, OUTSIDE, CAP, Margin.fit("dense", narrow)).verdict is Verdict.OOM
+    assert judge(over, OUTSIDE, CAP, Margin.fit("dense", narrow, lower_coverage=0.99)
+                 ).verdict is Verdict.TIGHT
 
 
 def test_conformal_margin_covers_fresh_errors_at_its_nominal_rate():
     rng = random.Random(7)
     calib = [rng.gauss(0.02, 0.05) for _ in range(2000)]
     fresh = [rng.gauss(0.02, 0.05) for _ in range(20000)]
-    m = Margin.fit("conv", calib, coverage=0.95)
+    m = Margin.fit("conv", calib, lower_coverage=0.90, upper_coverage=0.95)
     above = sum(r <= m.upper for r in fresh) / len(fresh)
     below = sum(r >= m.lower for r in fresh) / len(fresh)
-    assert 0.93 <= above <= 0.97 and 0.93 <= below <= 0.97
+    assert 0.93 <= above <= 0.97 and 0.88 <= below <= 0.92
 
 
 def test_margin_is_fitted_without_the_scored_fold():
@@ -80,12 +125,12 @@ def test_margin_is_fitted_without_the_scored_fold():
     meas = [GiB * (1 + rng.uniform(-0.05, 0.05)) for _ in range(n)]
     fams = ["dense" if i % 2 else "conv" for i in range(n)]
     folds = [i % 3 for i in range(n)]
-    base = cross_fitted(pred, meas, fams, folds, coverage=0.95)
+    base = cross_fitted(pred, meas, fams, folds, lower_coverage=0.95, upper_coverage=0.95)
     # a wild under-prediction in fold 0 of the dense family
     leak = next(i for i in range(n) if folds[i] == 0 and fams[i] == "dense")
     meas2 = list(meas)
     meas2[leak] = 6.0 * GiB
-    after = cross_fitted(pred, meas2, fams, folds, coverage=0.95)
+    after = cross_fitted(pred, meas2, fams, folds, lower_coverage=0.95, upper_coverage=0.95)
     for i in range(n):
         if folds[i] == 0 or fams[i] == "conv":  # the scored fold, and the other family
             assert after[i] == base[i], i
@@ -116,9 +161,11 @@ def test_sized_margin_is_absolute_below_its_scale_and_relative_above():
     small_m = [p + rng.choice((-2, 0, 0, 2, 20)) * MiB for p in small_p]
     big_p = [rng.randrange(300, 3000) * MiB for _ in range(99)]
     big_m = [p * (1 + rng.uniform(-0.08, 0.1)) for p in big_p]
-    m = Margin.fit_sized("dense", small_p + big_p, small_m + big_m, 256 * MiB, coverage=0.9)
+    m = Margin.fit_sized("dense", small_p + big_p, small_m + big_m, 256 * MiB,
+                         lower_coverage=0.9, upper_coverage=0.9)
     assert m.absolute == (-2 * MiB, 20 * MiB) and m.rows == 198
-    rel = Margin.fit("dense", [b / p - 1 for p, b in zip(big_p, big_m, strict=True)], 0.9)
+    rel = Margin.fit("dense", [b / p - 1 for p, b in zip(big_p, big_m, strict=True)],
+                     lower_coverage=0.9, upper_coverage=0.9)
     assert (m.lower, m.upper) == (rel.lower, rel.upper)  # the large jobs' own, as fit()
     assert -0.08 <= m.lower < -0.04 and 0.07 < m.upper <= 0.1  # ~ the 90% ranks of U(-8, 10%)
     assert m.bounds(76 * MiB) == (74 * MiB, 96 * MiB)
@@ -130,16 +177,17 @@ def test_sized_margin_is_absolute_below_its_scale_and_relative_above():
     assert judge(76 * MiB, 1429 * MiB, 1429 * MiB + 70 * MiB, m).verdict is Verdict.OOM
     assert "-2 / +20 MiB below 256 MiB" in m.describe()
     # with no small rows, the relative bounds at the scale stand in for the absolute ones
-    only_big = Margin.fit_sized("dense", big_p, big_m, 256 * MiB, coverage=0.9)
+    only_big = Margin.fit_sized("dense", big_p, big_m, 256 * MiB, lower_coverage=0.9,
+                                upper_coverage=0.9)
     assert only_big.absolute[1] == math.ceil(only_big.upper * 256 * MiB)
     with pytest.raises(MarginError, match="scale=268435456"):
         Margin.fit_sized("dense", small_p, small_m, 256 * MiB)
 
 
 @pytest.mark.parametrize("margin", [
-    Margin("rel", -0.1, 0.2, 0.9, 1, ""),
-    Margin("sized", -0.1, 0.2, 0.9, 1, "", 256 * MiB, (-30 * MiB, 40 * MiB)),
-    Margin("jump", -0.1, 0.05, 0.9, 1, "", 256 * MiB, (-30 * MiB, 40 * MiB)),
+    Margin("rel", -0.1, 0.2, 0.9, 0.9, 1, ""),
+    Margin("sized", -0.1, 0.2, 0.9, 0.9, 1, "", 256 * MiB, (-30 * MiB, 40 * MiB)),
+    Margin("jump", -0.1, 0.05, 0.9, 0.9, 1, "", 256 * MiB, (-30 * MiB, 40 * MiB)),
 ])
 def test_largest_fitting_prediction_is_the_upper_bounds_inverse(margin):
     """The capacity-bounded replay of ``predict_module_memory`` replays with the largest
@@ -153,9 +201,13 @@ def test_largest_fitting_prediction_is_the_upper_bounds_inverse(margin):
 
 def test_bad_margins_are_named():
     with pytest.raises(MarginError, match="lower=0.1"):
-        Margin("x", 0.1, 0.2, 0.9, 1, "")
-    with pytest.raises(MarginError, match="coverage=1.2"):
-        Margin.fit("x", [0.1], coverage=1.2)
+        Margin("x", 0.1, 0.2, 0.9, 0.9, 1, "")
+    with pytest.raises(MarginError, match="upper_coverage=1.2"):
+        Margin.fit("x", [0.1], upper_coverage=1.2)
+    with pytest.raises(MarginError, match="lower_coverage=0.5 "):
+        Margin("x", -0.1, 0.2, 0.5, 0.9, 1, "")
+    with pytest.raises(MarginError, match="on both sides or on neither"):
+        Margin("x", -0.1, 0.2, None, 0.9, 1, "")
     with pytest.raises(MarginError, match="margin=-0.1"):
         Margin.fixed(-0.1)
     with pytest.raises(MarginError, match="family='audio'"):
@@ -164,23 +216,36 @@ def test_bad_margins_are_named():
 
 def test_shipped_margins_round_trip(tmp_path):
     path = tmp_path / "m.json"
-    m = Margin.fit("dense", [0.01, -0.02, 0.04, 0.0], coverage=0.9, source="four rows")
+    m = Margin.fit("dense", [0.01, -0.02, 0.04, 0.0], lower_coverage=0.8, upper_coverage=0.9,
+                   source="four rows")
     save_margins([m], path, "test")
-    assert json.loads(path.read_text())["margins"]["dense"]["rows"] == 4
+    stored = json.loads(path.read_text())["margins"]["dense"]
+    assert stored["rows"] == 4
+    assert (stored["lower_coverage"], stored["upper_coverage"]) == (0.8, 0.9)
     # a writer of one family keeps the others (the benchmark and the preset training each
     # write their own)
     mm = Margin.fit_sized("multimodal", [GiB, 2 * GiB, 10 * MiB], [GiB, 2 * GiB, 12 * MiB],
-                          256 * MiB, coverage=0.9, source="three rows")
+                          256 * MiB, lower_coverage=0.9, upper_coverage=0.99,
+                          source="three rows")
     save_margins([mm], path, "test 2")
     assert set(json.loads(path.read_text())["margins"]) == {"dense", "multimodal"}
     load_margins(path)
     try:
         assert margin_for("dense") == m and margin_for("multimodal") == mm
         assert mm.absolute == (0, 2 * MiB) and mm.scale == 256 * MiB
+        assert (margin_for("dense").lower_coverage, margin_for("dense").upper_coverage) == (
+            0.8, 0.9)
+        # a file written before each side had its own coverage: its one coverage is both sides'
+        old = {"lower": -0.1, "upper": 0.2, "coverage": 0.99, "rows": 7, "source": "old"}
+        path.write_text(json.dumps({"note": "old", "margins": {"dense": old}}))
+        load_margins(path)
+        assert margin_for("dense") == Margin("dense", -0.1, 0.2, 0.99, 0.99, 7, "old")
     finally:
         load_margins()  # the shipped ones again
     shipped = {f: margin_for(f) for f in ("dense", "conv", "multimodal", "text", "vision")}
-    assert all(0.5 < s.coverage < 1 and s.rows > 0 for s in shipped.values())
+    # refitted with the coverage each side has in the code
+    assert all((s.lower_coverage, s.upper_coverage) == (OOM_COVERAGE, FITS_COVERAGE)
+               and s.rows > 0 for s in shipped.values())
     # conv nets' transient cuDNN workspaces make their errors wider than the MLPs'
     assert shipped["conv"].upper > shipped["dense"].upper
 
