@@ -59,12 +59,6 @@ def engine(model_dir, tmp_path_factory):
     ensure_kv_transfer_shutdown()  # the worker connector is a process global: the next engine builds its own
 
 
-def _generate_saved(llm, worker, prompt):
-    out = e2e_engine.generate(llm, prompt)
-    worker.engine.wait_all()  # the async writes land; the next step acknowledges them
-    return out
-
-
 def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
     llm, core, worker = engine
     sched = core.scheduler.connector
@@ -73,15 +67,15 @@ def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
     assert kinds == ["FullAttentionSpec", "SlidingWindowSpec"]
     assert sched.layout.num_groups == 2 and sched.layout.hybrid
 
-    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
     hits = sched.pool.lookups.hit_tokens
-    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
+    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # 7 chunks + the prompt's stored partial
 
     # negative control: the same pooled KV, altered (with its checksums, so it is consumed)
     _scale_all_pool_data(worker, 64.0, sched.pool)
     hits = sched.pool.lookups.hit_tokens
-    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) != reference["B"]
+    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # it really was the pool's KV
     _scale_all_pool_data(worker, 1 / 64, sched.pool)
-    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
+    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]

@@ -59,12 +59,6 @@ def engine(model_dir, tmp_path_factory):
     ensure_kv_transfer_shutdown()  # the worker connector is a process global: the next engine builds its own
 
 
-def _generate_saved(llm, worker, prompt):
-    out = e2e_engine.generate(llm, prompt)
-    worker.engine.wait_all()  # the async writes land; the next step acknowledges them
-    return out
-
-
 def _scale_all_pool_data(worker, factor: float, pool=None):
     """Multiply every float of the pool (host memory and the SSD file) by a power of two:
     exactly reversible, and wrong KV (sharper attention, larger values). SSD reads are always
@@ -96,9 +90,9 @@ def _scale_all_pool_data(worker, factor: float, pool=None):
 
 def test_second_prompt_served_from_pool_matches_no_connector_run(engine, reference):
     llm, sched, worker = engine
-    assert _generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
     hits = sched.pool.lookups.hit_tokens
-    out_b = _generate_saved(llm, worker, e2e_engine.PROMPTS["B"])
+    out_b = e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"])
     served = sched.pool.lookups.hit_tokens - hits
     assert served >= 960, served  # the 1000-token prefix (whole blocks) came from the pool
     assert out_b == reference["B"]
@@ -112,10 +106,10 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
     assert any(e.committed for e in sched.pool.index.entries.values())  # B's prefix is pooled
     _scale_all_pool_data(worker, 64.0, sched.pool)  # negative control: wrong KV, consumed
     hits = sched.pool.lookups.hit_tokens
-    assert _generate_saved(llm, worker, prompt) != reference["B"]
+    assert e2e_engine.generate_saved(llm, worker, prompt) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits >= 960  # it really was the pool's KV
     _scale_all_pool_data(worker, 1 / 64, sched.pool)  # exact bytes (and checksums) back
-    assert _generate_saved(llm, worker, prompt) == reference["B"]
+    assert e2e_engine.generate_saved(llm, worker, prompt) == reference["B"]
     # one flipped byte in one SSD chunk: detected, dropped, recomputed; the output stays right
     entry = next(e for e in sched.pool.index.entries.values()
                  if e.committed and sched.pool_config.devices[e.location.device].kind == "ssd")  # fmt: skip
@@ -126,8 +120,7 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x40]))
     corrupt = sched.pool.transfers.devices["ssd0"].corrupt
-    assert _generate_saved(llm, worker, prompt) == reference["B"]
-    e2e_engine.generate(llm, [5, 6, 7])  # one more step delivers the worker's report
+    assert e2e_engine.generate_saved(llm, worker, prompt) == reference["B"]
     assert sched.pool.transfers.devices["ssd0"].corrupt == corrupt + 1
     assert sched.pool.index.get(entry.key) is not entry  # the bad copy left the index
 
