@@ -17,8 +17,8 @@ Phases (each request records the one it completed in):
 * ``ssd1-failed``: ``ssd1``'s file is renamed away and truncated (reads past its end fail and
   the engine marks it failed; a save re-extends the file, so a read below the new end finds
   zeros and the chunk is counted corrupt; either way its chunks become misses);
-* ``ssd1-restored``: the file grows back (the engine reopens and checks it and places chunks
-  there again);
+* ``ssd1-restored``: a new empty file of the old size takes the path (the engine reopens and
+  checks it and places chunks there again; what it wrote into the lost file stays lost);
 * ``after-restart``: the server is drained, stopped and started again on the same files (chunks
   on the SSDs are found again through their index records; host-memory chunks are lost). Where
   the C++ module is built with fault injection (``_kvio.fault_injection()``), this lifetime runs
@@ -329,8 +329,13 @@ def load(run: Run, pooled: Server, seconds: float, clients: int, startup_timeout
             step = "restore"
         elif step == "restore" and now >= restore_at:
             failed = [u["name"] for u in pooled.status().get("usage", []) if u["failed"]]
-            os.truncate(away, size)  # back, empty: the engine reopens and checks it
-            os.rename(away, ssd1)
+            # Back, empty: a new file (the engine reopens and checks it). Not the lost one
+            # again: a save whose data landed before the truncation and its index record after
+            # it left a record over zeros there, which the byte check would charge to the pool.
+            # The lost file goes with whatever the engine wrote into it meanwhile.
+            with open(ssd1, "xb") as f:
+                f.truncate(size)
+            os.unlink(away)
             run.phase = "ssd1-restored"
             event(f"ssd1 reattached (failed before: {failed})", phase=run.phase)
             step = "recovered"

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,26 @@ def daemon_pids(socket_path: Path) -> list[int]:
         if b"daemon" in args and str(socket_path).encode() in args and d.name.isdigit():
             out.append(int(d.name))
     return out
+
+
+def daemon_connections(socket_path: Path) -> int:
+    """Connections the daemon on ``socket_path`` still holds open (from /proc/net/unix: the
+    sockets it accepted carry the socket's path). It closes one only after dropping that
+    session (its leases and unsettled writes), so a killed engine's are gone once this falls."""
+    with open("/proc/net/unix") as f:
+        next(f)  # Num RefCount Protocol Flags Type St Inode Path
+        rows = [line.split(maxsplit=7) for line in f]
+    return sum(1 for r in rows if len(r) == 8 and r[5] == "03" and r[7].strip() == str(socket_path))
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` s (generous: a
+    loaded 2-core CI machine may starve the process that makes it true)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not after {timeout:g} s: {what}")
+        time.sleep(0.02)
 
 
 class Daemon:

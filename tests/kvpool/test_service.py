@@ -22,8 +22,10 @@ from support.kvpool_node import (  # noqa: E402
     Daemon,
     EngineProcess,
     block_hashes,
+    daemon_connections,
     daemon_pids,
     pool_config,
+    wait_until,
 )
 from vllm_kvpool.config import load_pool_config  # noqa: E402
 from vllm_kvpool.layout import ChunkLayout, GroupLayout  # noqa: E402
@@ -53,6 +55,26 @@ def start(tmp_path, sock, daemons, **kw) -> dict:
     cfg = pool_config(tmp_path, sock, **kw)
     daemons.append(Daemon(cfg, sock, tmp_path / f"daemon{len(daemons)}.log"))
     return cfg
+
+
+def start_two_engines(cfg: dict, tmp_path, sock, engines: list) -> tuple[EngineProcess, EngineProcess, int]:
+    """Engines a and b on the daemon, and how many connections a holds there."""
+    a = EngineProcess(cfg, tmp_path / "a.log")
+    engines.append(a)
+    a_holds = daemon_connections(sock)
+    b = EngineProcess(cfg, tmp_path / "b.log")
+    engines.append(b)
+    return a, b, a_holds
+
+
+def kill_and_await_detach(a: EngineProcess, a_holds: int, sock) -> None:
+    """SIGKILL ``a``, then wait until the daemon has closed a's connections: it drops a
+    session's leases and unsettled writes on that connection's thread once it reads the EOF,
+    and the other engine's next request may reach it first (a loaded machine's scheduler
+    decides)."""
+    left = daemon_connections(sock) - a_holds
+    a.kill()
+    wait_until(lambda: daemon_connections(sock) == left, "the daemon dropped the killed engine")
 
 
 # -- the shared host pool -------------------------------------------------------------------
@@ -103,16 +125,13 @@ def test_two_engines_share_prefix_hits_through_the_daemon(node):
 def test_leases_hold_across_engines_and_drop_with_a_killed_engine(node):
     tmp_path, sock, daemons, engines = node
     cfg = start(tmp_path, sock, daemons, host="128KiB", ssd="")  # 4 slots of 32 KiB
-    a = EngineProcess(cfg, tmp_path / "a.log")
-    engines.append(a)
-    b = EngineProcess(cfg, tmp_path / "b.log")
-    engines.append(b)
+    a, b, a_holds = start_two_engines(cfg, tmp_path, sock, engines)
     assert a.call("save", seq=1, blocks=8)["committed"] == 4  # the pool is full
     assert a.call("pin", seq=1, blocks=8)["pinned"] == 4  # a load of a's is in flight
     assert b.call("save", seq=2, blocks=8)["committed"] == 0  # nothing may be evicted
     got = b.call("fetch", seq=1, blocks=8)
     assert got["hit_blocks"] == 8 and got["wrong_bytes"] == 0, got
-    a.kill()  # kill -9: the daemon sees the socket close, a's leases drop
+    kill_and_await_detach(a, a_holds, sock)  # kill -9: the daemon sees the socket close, a's leases drop
     assert b.call("save", seq=2, blocks=8)["committed"] == 4  # evicts what a held
     assert b.call("fetch", seq=2, blocks=8)["wrong_bytes"] == 0
 
@@ -120,15 +139,12 @@ def test_leases_hold_across_engines_and_drop_with_a_killed_engine(node):
 def test_engine_killed_mid_save_leaves_the_other_serving_correct_bytes(node):
     tmp_path, sock, daemons, engines = node
     cfg = start(tmp_path, sock, daemons, host="256KiB", ssd="")  # 8 slots
-    a = EngineProcess(cfg, tmp_path / "a.log")
-    engines.append(a)
-    b = EngineProcess(cfg, tmp_path / "b.log")
-    engines.append(b)
+    a, b, a_holds = start_two_engines(cfg, tmp_path, sock, engines)
     assert b.call("save", seq=7, blocks=4)["committed"] == 2
     # a reserves 4 slots for a prefix, writes half of each chunk, and is killed
     assert a.call("plan", seq=1, blocks=8, scribble=True)["planned"] == 4
     assert b.call("fetch", seq=1, blocks=8)["hit_blocks"] == 0  # never visible uncommitted
-    a.kill()
+    kill_and_await_detach(a, a_holds, sock)
     assert b.call("fetch", seq=1, blocks=8)["hit_blocks"] == 0
     # the slots a reserved are free again once a is gone: b fills the whole pool
     assert b.call("save", seq=1, blocks=12)["committed"] == 6
