@@ -111,6 +111,13 @@ def daemon_pids(socket_path: Path) -> list[int]:
     return out
 
 
+def stop_daemons(socket_path: Path) -> None:
+    """SIGTERM every ``kvpool daemon`` on this socket (an autostarted one is no child of the
+    test: it runs in its own session)."""
+    for pid in daemon_pids(socket_path):
+        os.kill(pid, signal.SIGTERM)
+
+
 def daemon_connections(socket_path: Path) -> int:
     """Connections the daemon on ``socket_path`` still holds open (from /proc/net/unix: the
     sockets it accepted carry the socket's path). It closes one only after dropping that

@@ -6,7 +6,6 @@ computed every token (the pool was empty)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 
@@ -15,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
-from support.kvpool_node import daemon_pids  # noqa: E402
+from support.kvpool_node import daemon_pids, stop_daemons  # noqa: E402
 from support.model import write_tiny_llama  # noqa: E402
 from support.serving import Server  # noqa: E402
 
@@ -69,5 +68,4 @@ def test_two_serve_instances_share_prefix_hits_through_one_daemon(tmp_path):
     finally:
         for s in servers:
             s.stop()
-        for pid in daemon_pids(sock):
-            os.kill(pid, 15)
+        stop_daemons(sock)

@@ -25,6 +25,7 @@ from support.kvpool_node import (  # noqa: E402
     daemon_connections,
     daemon_pids,
     pool_config,
+    stop_daemons,
     wait_until,
 )
 from vllm_kvpool.config import load_pool_config  # noqa: E402
@@ -205,8 +206,7 @@ def test_the_first_engine_starts_the_daemon_and_racing_engines_share_one(tmp_pat
     finally:
         for e in engines:
             e.stop()
-        for pid in daemon_pids(sock):
-            os.kill(pid, 15)
+        stop_daemons(sock)
 
 
 def test_engines_racing_to_autostart_spawn_one_daemon(tmp_path, monkeypatch):
@@ -246,8 +246,7 @@ def test_engines_racing_to_autostart_spawn_one_daemon(tmp_path, monkeypatch):
     finally:
         for p in pools:
             p.close()
-        for pid in daemon_pids(sock):
-            os.kill(pid, 15)
+        stop_daemons(sock)
 
 
 # -- the protocol ----------------------------------------------------------------------------
