@@ -8,8 +8,10 @@ scheduled, then calls the connector hooks in the order vLLM's model runner does.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,3 +286,24 @@ def corrupt_on_disk(handler: Any, slot: int, offset: int = 100) -> None:
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@contextlib.contextmanager
+def ssd_writes_held(engine: Any) -> Iterator[None]:
+    """Inside, a transfer engine's SSD writes do not complete (a busy device): its reaper
+    thread waits before reaping them, host-memory writes complete as usual. They complete on
+    exit (their commits reach the scheduler with a later step's worker report)."""
+    saves, gate = engine.saves, threading.Event()
+    reap = saves._reap_writes
+
+    def held(device: int, *args: Any) -> None:
+        if not engine.tiers[device].resident:
+            gate.wait()
+        reap(device, *args)
+
+    saves._reap_writes = held
+    try:
+        yield
+    finally:
+        gate.set()
+        del saves._reap_writes  # the class's again (writes already queued pass the open gate)

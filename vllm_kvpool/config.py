@@ -127,6 +127,10 @@ class PoolConfig:
     save_decode: bool = True  # also save chunks of generated tokens (multi-turn reuse)
     staging: int = 256 * 2**20  # bytes of host staging per SSD device (reads in flight)
     device_retry_seconds: float = 10.0  # a failed device is reopened and checked this often
+    # A request whose pooled prefix goes on into a chunk still being saved (an earlier
+    # request's, just finished) is held up to this long for that save, then recomputes the
+    # rest; 0: never held.
+    save_wait_seconds: float = 0.5
     service: ServiceConfig | None = None  # None: the pool lives in this engine (the default)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
 
@@ -160,6 +164,7 @@ class PoolConfig:
             "save_decode": self.save_decode,
             "staging": self.staging,
             "device_retry_seconds": self.device_retry_seconds,
+            "save_wait_seconds": self.save_wait_seconds,
             "migration": vars(self.migration).copy(),
             **({"service": vars(self.service).copy()} if self.service else {}),
         }
@@ -202,6 +207,14 @@ def float_field(obj: Mapping[str, Any], key: str, default: float | None,
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
                               f"expected a positive number, got {value!r}")  # fmt: skip
+    return float(value)
+
+
+def _seconds_field(obj: Mapping[str, Any], key: str, default: float) -> float:
+    """A duration that may be 0 (a top-level field)."""
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise PoolConfigError(key, f"expected a number of seconds >= 0, got {value!r}")
     return float(value)
 
 
@@ -264,7 +277,7 @@ def _name_devices(devices: list[DeviceConfig]) -> tuple[DeviceConfig, ...]:
 
 _TOP_KEYS = {"devices", "chunk_tokens", "placement", "probe", "load_mode", "load_failure",
              "verify_checksums", "copy_threads", "save_decode", "staging",
-             "device_retry_seconds", "service", "migration"}  # fmt: skip
+             "device_retry_seconds", "save_wait_seconds", "service", "migration"}  # fmt: skip
 _MIGRATION_KEYS = {"enabled", "margin", "bandwidth", "every"}
 _SERVICE_KEYS = {"socket", "autostart", "start_timeout"}
 _PROBE_KEYS = {"enabled", "seconds", "size", "learn_after", "half_life"}
@@ -299,6 +312,7 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),
+        save_wait_seconds=_seconds_field(raw, "save_wait_seconds", 0.5),
         service=(service := _parse_service(raw.get("service"))),
         migration=_parse_migration(raw.get("migration", {}), service),
     )

@@ -135,10 +135,25 @@ class UnifiedPool:
     def lookup(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
         """The hits a load may use: the matched prefix, cut back to where every sliding window
         is stored (the end of a stored chunk) when the layout has sliding-window groups."""
+        return self.lookup_pending(hashes)[0]
+
+    def lookup_pending(self, hashes: Sequence[BlockHash]) -> tuple[list[ChunkHit], int]:
+        """``lookup``, and the blocks of ``hashes`` the matched prefix would cover once the
+        chunk right after it commits, when that chunk is being written (else 0): a request
+        may wait for that save instead of recomputing what it is about to store."""
         hits = self.match(hashes)
         usable = self.layout.usable_hit_blocks(
             [(h.first_block, h.entry.location.num_blocks, h.num_blocks) for h in hits])
-        return [h for h in hits if h.first_block < usable]
+        bpc = self.layout.blocks_per_chunk
+        first = prefix_blocks(hits)
+        pending = 0
+        if (not hits or hits[-1].num_blocks == bpc) and first < len(hashes):
+            entry = self.index.get(hashes[first])
+            # uncommitted: reserved by a save plan, not yet reported written by every rank
+            # (a failed write or device drops it from the index)
+            if entry is not None and not entry.committed:
+                pending = first + entry.matching_blocks(hashes[first : first + bpc])
+        return [h for h in hits if h.first_block < usable], pending
 
     def load_jobs(self, hits: Sequence[ChunkHit], group_ids: GroupBlockIds, load_from: int = 0,
                   hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip

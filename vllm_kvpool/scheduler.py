@@ -60,6 +60,7 @@ class PoolScheduler:
         self.pool = open_pool(config, layout, world_size, engine)
         self._requests: dict[str, _RequestState] = {}
         self._lookups: dict[str, tuple[int, list]] = {}
+        self._save_waits: dict[str, float] = {}  # request -> monotonic end of its wait for saves
         self._load_pins: dict[str, list[ChunkEntry]] = {}
         self._sync_loads: list[str] = []
         self._save_owner: dict[bytes, str] = {}
@@ -74,13 +75,27 @@ class PoolScheduler:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
         # At least one prompt token must be computed to produce logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = self.pool.lookup(self._hashes(request)[:max_blocks])
+        hits, pending = self.pool.lookup_pending(self._hashes(request)[:max_blocks])
         matched = prefix_blocks(hits) * self.block_size
+        if pending * self.block_size > max(matched, num_computed_tokens) \
+                and self._may_wait(request.request_id):  # fmt: skip
+            return None, False  # vLLM asks again next step, after that step's worker report
+        self._save_waits.pop(request.request_id, None)
         self._lookups[request.request_id] = (num_computed_tokens, hits)
         external = matched - num_computed_tokens
         if external <= 0:
             return 0, False
         return external, self.pool_config.load_mode == "async"
+
+    def _may_wait(self, req_id: str) -> bool:
+        """Whether a request may still be held for the save of the chunk its pooled prefix
+        runs into. The save is planned and its data is being (or was just) written, but its
+        commit reaches this side only with a step's worker report, which vLLM applies after
+        that step's lookups: a request arriving right after the one that saved the chunk (or
+        while it is still being written) would miss it and recompute what the pool is about
+        to hold. Held at most ``save_wait_seconds`` from its first hold (a stuck device)."""
+        now = time.monotonic()
+        return now < self._save_waits.setdefault(req_id, now + self.pool_config.save_wait_seconds)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:  # fmt: skip
@@ -233,6 +248,7 @@ class PoolScheduler:
                          block_ids: Any) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
         req_id = request.request_id
         self._lookups.pop(req_id, None)
+        self._save_waits.pop(req_id, None)  # aborted while held
         self.pool.forget_request(req_id)
         state = self._requests.pop(req_id, None)
         if state is None or not state.inflight_saves:

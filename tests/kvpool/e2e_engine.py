@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +45,17 @@ def generate(llm: Any, prompt: list[int]) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-def generate_saved(llm: Any, worker: Any, prompt: list[int]) -> list[int]:
-    """``generate``, then its saves known to the scheduler: the async writes land
-    (``wait_all``), and one more engine step (a 3-token prompt: no whole block, no lookup, no
-    save) delivers the worker's report of them. Without that step the next prompt's lookup,
-    which vLLM makes before the step's report is applied, sees only the chunks reported while
-    the first prompt was still decoding: on a loaded machine its last writes land after its
-    last step (the e2e tests then read 128 hit tokens of 1000)."""
+def generate_saved(llm: Any, prompt: list[int]) -> list[int]:
+    """``generate``, then the idle engine stepped while the connector has saves whose outcome
+    it has not heard yet (``has_pending_push_work``: vLLM's serving loop keeps stepping for
+    it, ``LLM.generate`` returns without those steps). The prompt's saves are then settled in
+    the pool's index, as a test that alters the pool's bytes needs."""
     out = generate(llm, prompt)
-    worker.engine.wait_all()
-    generate(llm, [5, 6, 7])
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    deadline = time.monotonic() + 120
+    while connector.has_pending_push_work():
+        assert time.monotonic() < deadline, "the prompt's saves never settled"
+        llm.llm_engine.step()
     return out
 
 

@@ -7,6 +7,7 @@ Shapes: 2 layers x 2 KV heads x head 32 x fp32, block 32 tokens -> 32 KiB per bl
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -16,7 +17,13 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
 from support.model import write_tiny_llama  # noqa: E402
-from support.vllm_harness import BLOCK_SIZE, Harness, corrupt_on_disk, make_vllm_config  # noqa: E402
+from support.vllm_harness import (  # noqa: E402
+    BLOCK_SIZE,
+    Harness,
+    corrupt_on_disk,
+    make_vllm_config,
+    ssd_writes_held,
+)
 
 PROMPT = list(range(3, 3 + 640))  # 20 blocks = 10 chunks
 
@@ -130,6 +137,51 @@ def test_sleep_mode_unregister_drains_background_copies(model_dir, tmp_path):
     sending, _, _ = engine.take_finished([])
     assert sending == {"A"}  # every save written by the time it returns
     assert len(engine.take_report().committed) == 10  # the prompt's chunks
+
+
+def test_prompt_after_a_finished_one_is_served_its_late_saves(model_dir, tmp_path):
+    """A's SSD writes complete only after A finished, and before B arrives. Their commits
+    reach the scheduler with a step's worker report, which vLLM applies after that step's
+    lookups: B's lookup must wait for them rather than stop at A's first SSD chunk."""
+    h = build(model_dir, tmp_path)
+    h.add("A", PROMPT + [900, 901, 902])
+    with ssd_writes_held(h.worker.engine):
+        for _ in range(10):
+            h.step()
+            if "A" in h.finished:
+                break
+    assert "A" in h.finished
+    h.worker.engine.wait_all()  # every save of A written (not yet reported)
+    pool = h.connector.pool
+    assert len([e for e in pool.index.entries.values() if e.committed]) < 10
+    hits = pool.lookups.hit_tokens
+    got, _ = run_and_capture(h, "B", PROMPT + [5, 6], 20)
+    assert pool.lookups.hit_tokens - hits == 20 * BLOCK_SIZE  # all 10 chunks from the pool
+    want = expected(h, PROMPT, 20)
+    for name in h.kv:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_wait_for_a_save_that_never_settles_is_bounded(model_dir, tmp_path):
+    """A chunk reserved for a save that never reports (a stuck writer): a request whose
+    prefix runs into it is held ``save_wait_seconds``, then recomputes from there."""
+    pool_dict = {**pool_cfg(tmp_path), "save_wait_seconds": 0.3}
+    h = Harness.build(make_vllm_config(model_dir, pool_dict), num_blocks=128)
+    save_first_request(h)
+    pool = h.connector.pool
+    hashes = h.requests["A"].block_hashes
+    stuck = pool.index.get(hashes[8])  # chunk 4: blocks 8-9
+    pool.invalidate(stuck.key)
+    assert pool.plan_saves("ghost", [(8, hashes[8:10])])  # reserved; no worker writes it
+    hits = pool.lookups.hit_tokens
+    start = time.monotonic()
+    h.add("B", PROMPT + [5, 6], max_tokens=2)
+    h.step()
+    assert h.requests["B"].num_computed_tokens == 0  # held, not scheduled
+    while "B" not in h.finished and time.monotonic() - start < 60:  # idle steps are fast
+        h.step()
+    assert "B" in h.finished and time.monotonic() - start >= 0.3
+    assert pool.lookups.hit_tokens - hits == 8 * BLOCK_SIZE  # chunks 0-3; the rest recomputed
 
 
 @pytest.mark.parametrize("save_decode", [True, False])

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
+from support.vllm_harness import ssd_writes_held  # noqa: E402
 from tests.kvpool import e2e_engine  # noqa: E402
 from tests.kvpool.hybrid_support import write_tiny_hybrid  # noqa: E402
 from tests.kvpool.test_e2e_vllm import _scale_all_pool_data  # noqa: E402
@@ -67,15 +68,18 @@ def test_hybrid_model_served_from_pool_with_hma_on(engine, reference):
     assert kinds == ["FullAttentionSpec", "SlidingWindowSpec"]
     assert sched.layout.num_groups == 2 and sched.layout.hybrid
 
-    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    with ssd_writes_held(worker.engine):  # A's SSD writes complete after A finished
+        assert e2e_engine.generate(llm, e2e_engine.PROMPTS["A"]) == reference["A"]
+    worker.engine.wait_all()  # written, not yet reported: B is held until they are
+    assert sched.has_pending_push_work()
     hits = sched.pool.lookups.hit_tokens
-    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
+    assert e2e_engine.generate_saved(llm, e2e_engine.PROMPTS["B"]) == reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # 7 chunks + the prompt's stored partial
 
     # negative control: the same pooled KV, altered (with its checksums, so it is consumed)
     _scale_all_pool_data(worker, 64.0, sched.pool)
     hits = sched.pool.lookups.hit_tokens
-    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) != reference["B"]
+    assert e2e_engine.generate_saved(llm, e2e_engine.PROMPTS["B"]) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits == 992  # it really was the pool's KV
     _scale_all_pool_data(worker, 1 / 64, sched.pool)
-    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"]) == reference["B"]
+    assert e2e_engine.generate_saved(llm, e2e_engine.PROMPTS["B"]) == reference["B"]

@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
 from support.model import write_tiny_llama  # noqa: E402
+from support.vllm_harness import ssd_writes_held  # noqa: E402
 from tests.kvpool import e2e_engine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -90,9 +91,14 @@ def _scale_all_pool_data(worker, factor: float, pool=None):
 
 def test_second_prompt_served_from_pool_matches_no_connector_run(engine, reference):
     llm, sched, worker = engine
-    assert e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["A"]) == reference["A"]
+    # A's SSD writes complete after A finished (as on a loaded machine): B, sent right after,
+    # is held until their commits reach the scheduler instead of missing A's SSD chunks
+    with ssd_writes_held(worker.engine):
+        assert e2e_engine.generate(llm, e2e_engine.PROMPTS["A"]) == reference["A"]
+    worker.engine.wait_all()  # A's saves written, not yet reported
+    assert sched.has_pending_push_work()
     hits = sched.pool.lookups.hit_tokens
-    out_b = e2e_engine.generate_saved(llm, worker, e2e_engine.PROMPTS["B"])
+    out_b = e2e_engine.generate_saved(llm, e2e_engine.PROMPTS["B"])
     served = sched.pool.lookups.hit_tokens - hits
     assert served >= 960, served  # the 1000-token prefix (whole blocks) came from the pool
     assert out_b == reference["B"]
@@ -106,10 +112,10 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
     assert any(e.committed for e in sched.pool.index.entries.values())  # B's prefix is pooled
     _scale_all_pool_data(worker, 64.0, sched.pool)  # negative control: wrong KV, consumed
     hits = sched.pool.lookups.hit_tokens
-    assert e2e_engine.generate_saved(llm, worker, prompt) != reference["B"]
+    assert e2e_engine.generate_saved(llm, prompt) != reference["B"]
     assert sched.pool.lookups.hit_tokens - hits >= 960  # it really was the pool's KV
     _scale_all_pool_data(worker, 1 / 64, sched.pool)  # exact bytes (and checksums) back
-    assert e2e_engine.generate_saved(llm, worker, prompt) == reference["B"]
+    assert e2e_engine.generate_saved(llm, prompt) == reference["B"]
     # one flipped byte in one SSD chunk: detected, dropped, recomputed; the output stays right
     entry = next(e for e in sched.pool.index.entries.values()
                  if e.committed and sched.pool_config.devices[e.location.device].kind == "ssd")  # fmt: skip
@@ -120,7 +126,7 @@ def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, referenc
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x40]))
     corrupt = sched.pool.transfers.devices["ssd0"].corrupt
-    assert e2e_engine.generate_saved(llm, worker, prompt) == reference["B"]
+    assert e2e_engine.generate_saved(llm, prompt) == reference["B"]
     assert sched.pool.transfers.devices["ssd0"].corrupt == corrupt + 1
     assert sched.pool.index.get(entry.key) is not entry  # the bad copy left the index
 

@@ -130,6 +130,23 @@ def test_uncommitted_and_wrong_layout_are_misses():
     assert pool.match(a) == []
 
 
+def test_lookup_says_where_a_chunk_being_written_would_take_the_prefix():
+    pool = _pool()
+    a = _hashes("a", 6)
+    planned = pool.plan_saves("A", [(0, a[:2]), (2, a[2:4]), (4, a[4:])])
+    assert pool.lookup_pending(a) == ([], 2)  # chunk 0 is being written
+    pool.acknowledge_save(planned[0].entry.key, 0, 1)
+    hits, pending = pool.lookup_pending(a)
+    assert [(h.first_block, h.num_blocks) for h in hits] == [(0, 2)] and pending == 4
+    # a request sharing one block of chunk 1 would get that block once it commits
+    assert pool.lookup_pending(a[:3] + _hashes("b", 3))[1] == 3
+    pool.acknowledge_save(planned[2].entry.key, 0, 1)  # chunk 2 done, chunk 1 still not
+    assert pool.lookup_pending(a)[1] == 4
+    pool.invalidate(planned[1].entry.key)  # chunk 1's write failed: nothing to wait for
+    assert pool.lookup_pending(a)[1] == 0
+    assert pool.lookup_pending(a[:1] + _hashes("c", 5))[1] == 0  # diverged inside chunk 0
+
+
 def test_full_pool_evicts_lru_never_pinned():
     pool = _pool(capacities=("256KiB", "256KiB"))  # 2 slots of 128 KiB each
     old, mid = _hashes("old", 4), _hashes("mid", 4)

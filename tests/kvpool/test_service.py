@@ -390,6 +390,22 @@ def test_a_lookup_holds_its_hits_until_the_load_pins_them(served):
     b.close()
 
 
+def test_a_lookup_says_when_another_engines_save_would_extend_it(served):
+    service, server = served
+    cfg = load_pool_config({**service.config.to_dict(),
+                            "service": {"socket": str(server.path), "autostart": False}})
+    a, b = RemotePool(cfg, LAYOUT, 1, "a"), RemotePool(cfg, LAYOUT, 1, "b")
+    hs = block_hashes(3, 4)
+    planned = a.plan_saves("r", [(0, hs[:2]), (2, hs[2:])])
+    a.apply_report(WorkerReport(committed=[(planned[0].entry.key, 0, 1)]))
+    hits, pending = b.lookup_pending(hs)  # chunk 1 is still being written by a
+    assert [h.first_block for h in hits] == [0] and pending == 4
+    a.apply_report(WorkerReport(committed=[(planned[1].entry.key, 0, 1)]))
+    assert b.lookup_pending(hs)[1] == 0 and len(b.lookup(hs)) == 2
+    a.close()
+    b.close()
+
+
 def test_the_service_field_is_one_config_field_away_and_checked():
     base = {"devices": [{"host": {"capacity": "1MiB"}}]}
     assert load_pool_config(base).service is None  # in process: the default

@@ -209,10 +209,10 @@ class PoolService:
         assert self.pool is not None
         hs = wire.hashes(msg, "hashes")
         self.pool.unpin(s.tentative, completed=False)
-        hits = self.pool.lookup(hs)
+        hits, pending = self.pool.lookup_pending(hs)
         s.tentative = [h.entry for h in hits]
         self.pool.pin(s.tentative)
-        return {"hits": codec.hits_to_wire(hits)}
+        return {"hits": codec.hits_to_wire(hits), "pending": pending}
 
     def _is_stored(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.pool is not None

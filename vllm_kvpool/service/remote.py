@@ -239,10 +239,14 @@ class RemotePool:
 
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash]) -> list[ChunkHit]:
+        return self.lookup_pending(hashes)[0]
+
+    def lookup_pending(self, hashes: Sequence[BlockHash]) -> tuple[list[ChunkHit], int]:
         if not hashes:
-            return []
-        reply = self._call("lookup", {"hits": []}, hashes=wire.hexes(hashes))
-        return codec.hits_from_wire(reply["hits"])
+            return [], 0
+        reply = self._call("lookup", {"hits": [], "pending": 0}, hashes=wire.hexes(hashes))
+        # a running service of an earlier release (same wire version) replies without it
+        return codec.hits_from_wire(reply["hits"]), int(reply.get("pending", 0))
 
     def load_jobs(self, hits: Sequence[ChunkHit], group_ids: GroupBlockIds, load_from: int = 0,
                   hit_end: int | None = None) -> list[tuple[ChunkRead, ChunkEntry]]:  # fmt: skip
