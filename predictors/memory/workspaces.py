@@ -7,7 +7,12 @@ The H200 event streams of the GPU kit (``predictors/data/gpu/h200-2026-12-04-run
 aligned with the traced step (:func:`samples`), the median workspace of a spatial convolution
 is 1.00 x (input + output + weight bytes) in the forward, the backward-data and the
 backward-filter call, in TF32 and bf16; 1x1 stride-1 convolutions mostly take none in the
-forward; the stem (the image input) a little more. The model (:class:`WorkspaceModel`) is a
+forward; the stem (the image input) a little more. Strided convolutions and strided stems are
+classes of their own: FFT and Winograd algorithms need stride 1, and in true fp32 the strided
+ones take none in most forward and backward-data calls and ~1 x in the backward-filter call
+where the stride-1 ones take ~2.3 x; a stride-2 7x7 stem (ResNet, DenseNet) takes a layout
+copy on tensor cores where a stride-1 3x3 one (VGG, U-Net) mostly takes none. The model
+(:class:`WorkspaceModel`) is a
 ratio per (tensor-core class, call, kernel class), fitted as the median over the networks of
 each one's median over its aligned calls that took one, or none where most took none, every
 network counting once (:func:`fit`); the shipped one is fitted on every
@@ -36,7 +41,9 @@ from .cuda_events import RecordedStep
 
 WORKSPACES_JSON = Path(__file__).resolve().parents[1] / "models" / "cudnn_workspaces.json"
 CALLS = ("forward", "backward_data", "backward_filter")
-KERNELS = ("stem", "pointwise", "spatial")
+KERNELS = ("stem", "strided_stem", "pointwise", "strided", "spatial")
+# A model fitted before a class was split off falls back to the class it was part of.
+_SPLIT_FROM = {"strided": "spatial", "strided_stem": "stem"}
 
 
 @dataclass(frozen=True)
@@ -45,15 +52,17 @@ class ConvCall:
     three tensors (input, output, weight at the compute dtype)."""
 
     call: str  # forward | backward_data | backward_filter
-    kernel: str  # stem (<= 4 input channels) | pointwise (1x1, stride 1) | spatial
+    kernel: str  # stem | strided_stem (<= 4 input channels) | pointwise (1x1) | strided | spatial
     layout_bytes: int  # input + output + weight
 
     @classmethod
     def of(cls, call: str, in_channels: int, kernel: Sequence[int], stride: Sequence[int],
            layout_bytes: int) -> ConvCall:
         if in_channels <= 4:
-            k = "stem"
-        elif all(int(d) == 1 for d in kernel) and all(int(s) == 1 for s in stride):
+            k = "stem" if all(int(s) == 1 for s in stride) else "strided_stem"
+        elif any(int(s) != 1 for s in stride):
+            k = "strided"
+        elif all(int(d) == 1 for d in kernel):
             k = "pointwise"
         else:
             k = "spatial"
@@ -95,6 +104,8 @@ class WorkspaceModel:
 
     def workspace(self, cls: str, conv: ConvCall) -> int:
         r = self.ratios.get((cls, conv.call, conv.kernel))
+        if r is None and conv.kernel in _SPLIT_FROM:
+            r = self.ratios.get((cls, conv.call, _SPLIT_FROM[conv.kernel]))
         if r is None and cls in TENSOR_CORE_CLASSES:
             other = "half" if cls == "tf32" else "tf32"
             r = self.ratios.get((other, conv.call, conv.kernel))

@@ -19,10 +19,24 @@ from predictors.memory.workspaces import ConvCall, Sample, WorkspaceModel, fit
 
 
 def test_conv_calls_are_classed_by_kernel():
-    assert ConvCall.of("forward", 3, (7, 7), (2, 2), 10).kernel == "stem"
+    """A strided convolution (any stride above 1, a 1x1 downsampling one too) is a class of
+    its own, the image stem too: FFT and Winograd algorithms need stride 1, so cuDNN picks
+    among other kernels for them."""
+    assert ConvCall.of("forward", 3, (7, 7), (2, 2), 10).kernel == "strided_stem"
+    assert ConvCall.of("forward", 3, (3, 3), (1, 1), 10).kernel == "stem"
     assert ConvCall.of("forward", 64, (1, 1), (1, 1), 10).kernel == "pointwise"
-    assert ConvCall.of("forward", 64, (1, 1), (2, 2), 10).kernel == "spatial"
+    assert ConvCall.of("forward", 64, (1, 1), (2, 2), 10).kernel == "strided"
+    assert ConvCall.of("forward", 64, (3, 3), (1, 2), 10).kernel == "strided"
     assert ConvCall.of("backward_data", 64, (3, 3), (1, 1), 10).kernel == "spatial"
+
+
+def test_a_model_without_the_strided_classes_uses_the_class_they_were_split_from():
+    m = WorkspaceModel({("tf32", "forward", "spatial"): 1.0, ("tf32", "forward", "stem"): 2.0,
+                        ("tf32", "forward", "strided"): 0.5})
+    assert m.workspace("tf32", ConvCall("forward", "strided", 100)) == 50  # its own
+    assert m.workspace("tf32", ConvCall("forward", "strided_stem", 100)) == 200
+    m = WorkspaceModel({("tf32", "forward", "spatial"): 1.0})
+    assert m.workspace("tf32", ConvCall("forward", "strided", 100)) == 100
 
 
 def test_workspace_class_of_each_precision():
@@ -183,3 +197,25 @@ def test_held_out_networks_workspaces_and_reserved_peaks_on_the_real_streams(mem
     without = 100 * statistics.fmean(err(a, a.bare) for a in small)
     with_held_out = 100 * statistics.fmean(errs)
     assert with_held_out < 6.0 and with_held_out < 0.7 * without, (with_held_out, without)
+
+
+@pytest.mark.slow
+def test_strided_fp32_convolutions_are_priced_by_their_own_class(memory_bench):
+    """True fp32 (TF32 off) on the committed H200 streams: a strided convolution takes no
+    workspace in most forward and backward-data calls and about its three tensors (1x) in the
+    backward-filter call, where a stride-1 spatial one takes ~2.3x there and ~1.5x in the
+    backward-data call (FFT and Winograd algorithms need stride 1). Held out by network (the
+    model fitted on the other networks' streams), the strided class misses each network's
+    strided calls by less than half of what the spatial class's ratios would."""
+    steps = memory_bench.aligned_steps(precisions=("fp32",))
+    samples = [s for a in steps for s in a.samples]
+    nets = sorted({s.network for s in samples if s.conv.kernel == "strided"})
+    assert nets == ["resnet18", "resnet50", "unet"]
+    for net in nets:
+        held = fit(s for s in samples if s.network != net)
+        calls = [s for s in samples if s.network == net and s.conv.kernel == "strided"]
+        own = sum(abs(held.workspace(s.cls, s.conv) - s.workspace) for s in calls)
+        as_spatial = sum(abs(held.workspace(s.cls, ConvCall(s.conv.call, "spatial",
+                                                            s.conv.layout_bytes))
+                             - s.workspace) for s in calls)
+        assert own < 0.5 * as_spatial, (net, own, as_spatial)
