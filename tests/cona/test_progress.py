@@ -29,7 +29,7 @@ def test_fit_rate_recovers_a_slope_and_its_error():
     rng = np.random.default_rng(0)
     t = np.linspace(0, 10, 200)
     loss = 5.0 - 0.3 * t + rng.normal(0, 0.05, t.size)
-    rate, se = fit_rate(list(t), list(loss))
+    rate, se, _, _ = fit_rate(list(t), list(loss))
     assert abs(rate - 0.3) < 4 * se and 0 < se < 0.01
     assert math.isnan(fit_rate([0.0, 1.0], [1.0, 0.9])[0])
 
