@@ -34,6 +34,21 @@ def test_fit_rate_recovers_a_slope_and_its_error():
     assert math.isnan(fit_rate([0.0, 1.0], [1.0, 0.9])[0])
 
 
+def test_a_rate_is_filed_under_the_loss_at_its_own_time():
+    """On a bending curve (early training) the readings' mean loss lies above the loss where
+    the fitted slope is taken; a pooled rate filed under the mean was compared with the old
+    strategy's rate at too high a loss. Noiseless L = 10 - 0.2 t + 0.004 t^2 over t in
+    [0, 20]: the rate, 0.12 per second, belongs to L(t0) = 8.4 at the mean time t0 = 10, not
+    to the readings' mean 8.54 (the loss of 1.2 seconds earlier)."""
+    m = ProgressMonitor()
+    for t in np.linspace(0.0, 20.0, 41):
+        m.observe(float(t), 10.0 - 0.2 * t + 0.004 * t * t, 0.5, 0.5)
+    r = m.close_interval(P("dp4tp1pp1mb4gb16"))
+    assert r.mid_time == pytest.approx(10.0)
+    assert r.value == pytest.approx(0.2 - 0.008 * 10.0, rel=1e-9)
+    assert r.mid_loss == pytest.approx(10.0 - 2.0 + 0.4, abs=1e-9)
+
+
 def test_implied_noise_scale_inverts_the_efficiency_ratio():
     phi, b_old, b_new = 300.0, 64, 16
     e = (phi + b_old) / (phi + b_new)
