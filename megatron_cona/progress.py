@@ -236,7 +236,9 @@ class ProgressMonitor:
                 k * e.probe_phi + e.batch_new)
             # the new rate's noise is the loss readings' (absolute); the old rates' is relative
             # to the ratio, so it is taken at the predicted ratio, not at the observed one
-            sigma = np.sqrt(e.new_error ** 2 + (predicted * e.old_relative_error) ** 2)
+            # (hypot: an old rate extrapolated to nearly 0 gives errors whose squares overflow;
+            # such a comparison is only weightless, never a crash)
+            sigma = np.hypot(e.new_error, predicted * e.old_relative_error)
             log_post -= 0.5 * ((e.observed - predicted) / sigma) ** 2 + np.log(sigma)
         w = np.exp(log_post - log_post.max())
         w /= w.sum()

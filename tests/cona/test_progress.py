@@ -49,6 +49,20 @@ def test_a_rate_is_filed_under_the_loss_at_its_own_time():
     assert r.mid_loss == pytest.approx(10.0 - 2.0 + 0.4, abs=1e-9)
 
 
+def test_a_comparison_with_a_vanishing_old_rate_teaches_nothing_and_does_not_crash():
+    """An old rate extrapolated to nearly 0 (a bend fitted to noise) makes the comparison's
+    errors ~1e300: their squares overflowed a float (the grid crashed once on it). The
+    evidence is weightless: the posterior stays the prior."""
+    from megatron_cona.progress import Evidence
+
+    m = ProgressMonitor()
+    prior = (m.bias, m.bias_sd)
+    m._evidence.append(Evidence(1.0, 16, 32, 4.0, observed=1e298, new_error=1e300,
+                                old_relative_error=1e3))
+    m._update_posterior()
+    assert (m.bias, m.bias_sd) == pytest.approx(prior, rel=1e-6)
+
+
 def test_implied_noise_scale_inverts_the_efficiency_ratio():
     phi, b_old, b_new = 300.0, 64, 16
     e = (phi + b_old) / (phi + b_new)
