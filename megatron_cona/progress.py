@@ -34,8 +34,8 @@ class Rate:
     strategy: ParallelStrategy
     value: float
     stderr: float
-    mid_time: float
-    mid_loss: float  # the loss level the rate belongs to (mean of the readings)
+    mid_time: float  # the readings' mean time, where the slope is taken
+    mid_loss: float  # the fitted loss there: the level the rate belongs to
     seconds_per_sample: float  # measured: the throughput side of the ratio
     readings: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # (times, losses)
 
@@ -105,15 +105,19 @@ def fit_curve(times: list[float], losses: list[float], degree: int = 2
     return coef * unscale, cov * np.outer(unscale, unscale), t0
 
 
-def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float]:
-    """The loss decrease per second at the readings' mean time, and its standard error:
-    :func:`fit_curve`'s slope, so that a curve's bend within an interval is not mistaken for
-    noise; (nan, inf) with fewer than three readings."""
+def fit_rate(times: list[float], losses: list[float]) -> tuple[float, float, float, float]:
+    """The loss decrease per second at the readings' mean time, its standard error, that time
+    and the fitted loss there: :func:`fit_curve`'s slope, so that a curve's bend within an
+    interval is not mistaken for noise, and its level, the loss the slope belongs to (on a
+    bending curve the readings' mean loss lies above it, the more so the longer the run: a
+    rate pooled over four intervals filed under their mean loss was compared with the old
+    strategy's rate at too high a loss, i.e. too fast a one); (nan, inf, nan, nan) with
+    fewer than three readings."""
     fit = fit_curve(times, losses)
     if fit is None:
-        return math.nan, math.inf
-    coef, cov, _ = fit
-    return float(-coef[1]), float(math.sqrt(max(cov[1, 1], 0.0)))
+        return math.nan, math.inf, math.nan, math.nan
+    coef, cov, t0 = fit
+    return float(-coef[1]), float(math.sqrt(max(cov[1, 1], 0.0))), t0, float(coef[0])
 
 
 def rate_at_loss(times: list[float], losses: list[float], loss: float
@@ -232,7 +236,9 @@ class ProgressMonitor:
                 k * e.probe_phi + e.batch_new)
             # the new rate's noise is the loss readings' (absolute); the old rates' is relative
             # to the ratio, so it is taken at the predicted ratio, not at the observed one
-            sigma = np.sqrt(e.new_error ** 2 + (predicted * e.old_relative_error) ** 2)
+            # (hypot: an old rate extrapolated to nearly 0 gives errors whose squares overflow;
+            # such a comparison is only weightless, never a crash)
+            sigma = np.hypot(e.new_error, predicted * e.old_relative_error)
             log_post -= 0.5 * ((e.observed - predicted) / sigma) ** 2 + np.log(sigma)
         w = np.exp(log_post - log_post.max())
         w /= w.sum()
@@ -268,11 +274,10 @@ class ProgressMonitor:
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
         """The interval's rate on ``strategy`` (None without enough readings); starts the
         next interval."""
-        value, stderr = fit_rate(self._times, self._losses)
+        value, stderr, mid_time, level = fit_rate(self._times, self._losses)
         rate = None
         if math.isfinite(value) and self._samples > 0:
-            rate = Rate(strategy, value, stderr, (self._times[0] + self._times[-1]) / 2,
-                        sum(self._losses) / len(self._losses), self._seconds / self._samples,
+            rate = Rate(strategy, value, stderr, mid_time, level, self._seconds / self._samples,
                         (tuple(self._times), tuple(self._losses)))
             self.rates.append(rate)
         self._times, self._losses, self._seconds, self._samples = [], [], 0.0, 0.0
@@ -349,10 +354,10 @@ class ProgressMonitor:
     @staticmethod
     def _pooled(rates: list[Rate]) -> Rate | None:
         times, losses = readings(rates)
-        value, stderr = fit_rate(times, losses)
+        value, stderr, mid_time, level = fit_rate(times, losses)
         if not math.isfinite(value):
             return None
         weight = [len(r.readings[0]) for r in rates]
         per = sum(r.seconds_per_sample * w for r, w in zip(rates, weight, strict=True))
-        return Rate(rates[0].strategy, value, stderr, (times[0] + times[-1]) / 2,
-                    sum(losses) / len(losses), per / sum(weight), (tuple(times), tuple(losses)))
+        return Rate(rates[0].strategy, value, stderr, mid_time, level, per / sum(weight),
+                    (tuple(times), tuple(losses)))

@@ -29,9 +29,38 @@ def test_fit_rate_recovers_a_slope_and_its_error():
     rng = np.random.default_rng(0)
     t = np.linspace(0, 10, 200)
     loss = 5.0 - 0.3 * t + rng.normal(0, 0.05, t.size)
-    rate, se = fit_rate(list(t), list(loss))
+    rate, se, _, _ = fit_rate(list(t), list(loss))
     assert abs(rate - 0.3) < 4 * se and 0 < se < 0.01
     assert math.isnan(fit_rate([0.0, 1.0], [1.0, 0.9])[0])
+
+
+def test_a_rate_is_filed_under_the_loss_at_its_own_time():
+    """On a bending curve (early training) the readings' mean loss lies above the loss where
+    the fitted slope is taken; a pooled rate filed under the mean was compared with the old
+    strategy's rate at too high a loss. Noiseless L = 10 - 0.2 t + 0.004 t^2 over t in
+    [0, 20]: the rate, 0.12 per second, belongs to L(t0) = 8.4 at the mean time t0 = 10, not
+    to the readings' mean 8.54 (the loss of 1.2 seconds earlier)."""
+    m = ProgressMonitor()
+    for t in np.linspace(0.0, 20.0, 41):
+        m.observe(float(t), 10.0 - 0.2 * t + 0.004 * t * t, 0.5, 0.5)
+    r = m.close_interval(P("dp4tp1pp1mb4gb16"))
+    assert r.mid_time == pytest.approx(10.0)
+    assert r.value == pytest.approx(0.2 - 0.008 * 10.0, rel=1e-9)
+    assert r.mid_loss == pytest.approx(10.0 - 2.0 + 0.4, abs=1e-9)
+
+
+def test_a_comparison_with_a_vanishing_old_rate_teaches_nothing_and_does_not_crash():
+    """An old rate extrapolated to nearly 0 (a bend fitted to noise) makes the comparison's
+    errors ~1e300: their squares overflowed a float (the grid crashed once on it). The
+    evidence is weightless: the posterior stays the prior."""
+    from megatron_cona.progress import Evidence
+
+    m = ProgressMonitor()
+    prior = (m.bias, m.bias_sd)
+    m._evidence.append(Evidence(1.0, 16, 32, 4.0, observed=1e298, new_error=1e300,
+                                old_relative_error=1e3))
+    m._update_posterior()
+    assert (m.bias, m.bias_sd) == pytest.approx(prior, rel=1e-6)
 
 
 def test_implied_noise_scale_inverts_the_efficiency_ratio():
