@@ -165,8 +165,11 @@ def code_hash(root: Path = ROOT, patterns: tuple[str, ...] = CODE_FILES) -> str:
 def engine_versions() -> dict[str, str]:
     from importlib.metadata import version
 
+    # the CPU kernels torch dispatches to (AVX2, AVX512, ...): float sums differ between them,
+    # so a curve re-trains bit for bit only where they are the same
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "megatron-core": version("megatron-core"), "numpy": version("numpy")}
+            "megatron-core": version("megatron-core"), "numpy": version("numpy"),
+            "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
 def provenance(*, code: str, engines: dict, model: TransformerSpec, seed: int, schedule: dict,

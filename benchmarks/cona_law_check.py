@@ -147,7 +147,10 @@ def retrain_check(opts: LawOptions, curves: dict[int, Curve], launch: Launcher) 
     prov = curve_provenance(opts, batch, code_hash(), engine_versions())
     got = launch(_train_worker, 1, opts, [prov], False, timeout=1800)[0][0]
     if not got.same_numbers(want):
-        changed = [k for k in ("code", "engines") if want.provenance[k] != prov[k]]
+        changed = ["code"] if want.provenance["code"] != prov["code"] else []
+        was, now = want.provenance["engines"], prov["engines"]
+        changed += [f"{k} {was.get(k, 'unrecorded')} -> {now[k]}" for k in now
+                    if was.get(k) != now[k]]
         raise CurveError(
             f"law check: re-training the batch-{batch} curve did not reproduce the committed one "
             f"bit for bit (changed since it was trained: {', '.join(changed) or 'nothing recorded'}"
