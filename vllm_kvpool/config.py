@@ -200,21 +200,15 @@ def bool_field(obj: Mapping[str, Any], key: str, default: bool, field_path: str)
 
 
 def float_field(obj: Mapping[str, Any], key: str, default: float | None,
-                field_path: str) -> float | None:  # fmt: skip
+                field_path: str, zero_ok: bool = False) -> float | None:  # fmt: skip
     value = obj.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 \
+            or (value == 0 and not zero_ok):  # fmt: skip
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
-                              f"expected a positive number, got {value!r}")  # fmt: skip
-    return float(value)
-
-
-def _seconds_field(obj: Mapping[str, Any], key: str, default: float) -> float:
-    """A duration that may be 0 (a top-level field)."""
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise PoolConfigError(key, f"expected a number of seconds >= 0, got {value!r}")
+                              f"expected a {'number >= 0' if zero_ok else 'positive number'}, "
+                              f"got {value!r}")  # fmt: skip
     return float(value)
 
 
@@ -312,7 +306,7 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),
-        save_wait_seconds=_seconds_field(raw, "save_wait_seconds", 0.5),
+        save_wait_seconds=float_field(raw, "save_wait_seconds", 0.5, "", zero_ok=True),
         service=(service := _parse_service(raw.get("service"))),
         migration=_parse_migration(raw.get("migration", {}), service),
     )

@@ -68,6 +68,10 @@ def test_sizes():
          "probe.seconds"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "chunk": 5}, "chunk"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "save_decode": "yes"}, "save_decode"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "save_wait_seconds": -1},
+         "save_wait_seconds"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "save_wait_seconds": "0.5"},
+         "save_wait_seconds"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"enabled": 1}}, "probe.enabled"),
         ({"devices": [{"host": {"capacity": "1GiB"}}], "migration": {"margin": -1}},
          "migration.margin"),
@@ -101,3 +105,13 @@ def test_chunk_tokens_must_be_block_multiple():
         cfg.check_block_size(32)
     assert load_pool_config({"devices": [{"host": {"capacity": "1GiB"}}],
                              "chunk_tokens": 64}).check_block_size(32) == 2  # fmt: skip
+
+
+def test_save_wait_may_be_zero_where_other_durations_may_not():
+    """``save_wait_seconds: 0`` turns the wait off; a probe of 0 seconds is still an error."""
+    host = {"devices": [{"host": {"capacity": "1GiB"}}]}
+    assert load_pool_config({**host, "save_wait_seconds": 0}).save_wait_seconds == 0.0
+    assert load_pool_config(host).save_wait_seconds == 0.5
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config({**host, "probe": {"seconds": 0}})
+    assert err.value.field == "probe.seconds"
