@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import statistics
 import sys
@@ -646,18 +647,16 @@ def h200_convnets() -> float | None:
     return mape
 
 
-@dataclass(frozen=True)
 class _RecordedWorkspaces:
     """Stands in for a :class:`workspaces.WorkspaceModel`: each convolution call of a traced
     step gets the workspace the real stream allocated for the same call (its aligned
-    samples, in order; the warm-up step's calls are the measured step's)."""
+    samples, in order, over again: the warm-up step's calls are the measured step's)."""
 
-    taken: list[int]
-    calls: list[int]  # a one-item counter
+    def __init__(self, taken: list[int]) -> None:
+        self._next = itertools.cycle(taken).__next__
 
     def workspace(self, cls: str, conv) -> int:
-        self.calls[0] += 1
-        return self.taken[(self.calls[0] - 1) % len(self.taken)]
+        return self._next()
 
     def has_class(self, cls: str) -> bool:
         return True
@@ -673,7 +672,7 @@ def h200_recorded_workspaces() -> float:
     errs = []
     try:
         for a in aligned_steps():
-            workspaces.register_model(_RecordedWorkspaces([s.workspace for s in a.samples], [0]))
+            workspaces.register_model(_RecordedWorkspaces([s.workspace for s in a.samples]))
             p = _predict_h200(a.model, a.precision)
             errs.append(_pct(p.max_memory_reserved,
                              float(seen[(a.model, a.precision)]["peak_reserved"])))
