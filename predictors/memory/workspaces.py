@@ -12,11 +12,10 @@ classes of their own: FFT and Winograd algorithms need stride 1, and in true fp3
 ones take none in most forward and backward-data calls and ~1 x in the backward-filter call
 where the stride-1 ones take ~2.3 x; a stride-2 7x7 stem (ResNet, DenseNet) takes a layout
 copy on tensor cores where a stride-1 3x3 one (VGG, U-Net) mostly takes none. The model
-(:class:`WorkspaceModel`) is a
-ratio per (tensor-core class, call, kernel class), fitted as the median over the networks of
-each one's median over its aligned calls that took one, or none where most took none, every
-network counting once (:func:`fit`); the shipped one is fitted on every
-recorded network (``predictors/models/cudnn_workspaces.json``, written by the memory
+(:class:`WorkspaceModel`) is a ratio per (tensor-core class, call, kernel class), fitted as
+the median over the networks of each one's median over its aligned calls that took one, or
+none where most took none, every network counting once (:func:`fit`); the shipped one is
+fitted on every recorded network (``predictors/models/cudnn_workspaces.json``, written by the memory
 benchmark's ``--write-workspaces``), and evaluations fit it without the network they score.
 True-fp32 convolutions (TF32 off) are a class of their own (``fp32``), fitted the same way on
 the fp32 streams: cuDNN's NCHW algorithms take no workspace in most forward and backward-data
