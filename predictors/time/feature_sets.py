@@ -31,6 +31,14 @@ def feature_code_version() -> str:
     return code_version("predictors.time.features")
 
 
+def features_cache_tag(device) -> str:
+    """What a features cache was computed with: the feature code's version, the device and its
+    peaks; rows under another tag are recomputed."""
+    import json
+
+    return f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"
+
+
 def measurement_features(df, precision_aware: bool, device, cache: str | Path | None = None
                          ) -> list[dict]:  # fmt: skip
     """Features of measured rows against the CPU profile they were measured with.
@@ -45,7 +53,7 @@ def measurement_features(df, precision_aware: bool, device, cache: str | Path | 
     from predictors.time.features import features
 
     cache = Path(cache) if cache else None
-    tag = f"{feature_code_version()}|{device.name}|{json.dumps(device.peak_flops, sort_keys=True)}"
+    tag = features_cache_tag(device)
     stored = {}
     if cache and cache.exists():
         blob = json.loads(cache.read_text())

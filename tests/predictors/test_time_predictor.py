@@ -162,6 +162,23 @@ def test_cpu_half_precision_gemm_is_capped_at_twice_fp32_without_amx():
     assert amx.matmul_rate("bf16", LARGE_GEMM_FLOPS) == 430e9
 
 
+def test_shipped_features_cache_matches_todays_feature_code():
+    """The shipped measurements' features cache is keyed by the code that computes features; a
+    stale one is silently recomputed (over two minutes of tracing in every CI run), so a change
+    to that code must ship the regenerated cache."""
+    from predictors.datasets import data_path
+    from predictors.devices import Device
+    from predictors.time.collect import device_profile_path, features_cache_path
+    from predictors.time.feature_sets import features_cache_tag
+
+    shipped = data_path("cpu_measurements.csv")
+    device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))
+    cache = features_cache_path(shipped)
+    assert json.loads(cache.read_text())["tag"] == features_cache_tag(device), (
+        f"{cache} is stale: run `pytest tests/predictors/test_time_predictor.py -k "
+        "heldout_by_family_and_size`, which rewrites it, and commit it")
+
+
 @pytest.mark.slow
 def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
     """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
