@@ -148,6 +148,35 @@ class Curve:
                                [[list(s) for s in it] for it in c.stats]])
         return text(self) == text(other)
 
+    def max_rel_diff(self, other: Curve) -> dict[str, float]:
+        """The largest relative difference between two curves' measured numbers, per kind:
+        ``loss`` (validation and training) and ``grad_norm`` (the probe's squared norms); inf
+        where their sample counts or batch sizes differ, or one number is not finite where the
+        other differs (NaN against NaN is equal)."""
+        def counts(c: Curve) -> str:
+            return json.dumps([c.samples, [[(s[1], s[3]) for s in it] for it in c.stats]])
+
+        def worst(a: list[float], b: list[float]) -> float:
+            if len(a) != len(b):
+                return math.inf
+            out = 0.0
+            for x, y in zip(a, b, strict=True):
+                if x == y or (math.isnan(x) and math.isnan(y)):
+                    continue
+                if not (math.isfinite(x) and math.isfinite(y)):
+                    return math.inf
+                out = max(out, abs(x - y) / max(abs(x), abs(y)))
+            return out
+
+        def norms(c: Curve) -> list[float]:
+            return [x for it in c.stats for s in it for x in (s[0], s[2])]
+
+        if counts(self) != counts(other):
+            return {"loss": math.inf, "grad_norm": math.inf}
+        return {"loss": worst([*self.val_loss, *self.train_loss],
+                              [*other.val_loss, *other.train_loss]),
+                "grad_norm": worst(norms(self), norms(other))}
+
 
 def code_hash(root: Path = ROOT, patterns: tuple[str, ...] = CODE_FILES) -> str:
     """sha256 over the path and bytes of every file that shapes a curve."""

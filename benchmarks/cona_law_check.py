@@ -18,13 +18,16 @@ same loss; ``k = B_crit / B_noise`` is the bias the simulator's ``noise_k*`` var
 (Merrill et al. 2025 report 10-100x on OLMo).
 
 The curves are committed (``benchmarks/data/cona_law/``, one JSON per curve, provenance inside:
-code hash, engine versions, model, seed, schedule, batch, LR). Every run re-trains one of them
-(the cheapest) and requires every number to match bit for bit; a mismatch means today's code or
-engines no longer produce them, and the run fails naming how to rebuild (``--rebuild``, about
-2 minutes on 2 cores).
+code hash, engine versions with the CPU's torch kernels, model, seed, schedule, batch, LR). Every
+run re-trains one of them (the cheapest) and requires every number to match bit for bit. Only
+where the CPU kernels differ from the recorded ones (float sums differ between AVX2 and AVX512)
+does it accept relative differences up to ``KERNEL_TOLERANCE`` (per kind: losses, gradient
+norms) and say so. Any other mismatch means today's code or engines no longer produce the
+curves, and the run fails naming how to rebuild (``--rebuild``, about 2.5 minutes on 2 cores).
 
-Last line: ``law_r2=Q law_targets=T law_batches=N bcrit_over_noise=K retrain_bit_exact=yes``
-(Q the worst target's R^2, K the median k over targets).
+Last line: ``law_r2=Q law_targets=T law_batches=N bcrit_over_noise=K retrain_bit_exact=R``
+(Q the worst target's R^2, K the median k over targets, R ``yes(batch=b)``, or
+``no(batch=b,cpu <was> -> <now>,loss=x<=tol,grad_norm=y<=tol)`` on other kernels).
 """
 
 from __future__ import annotations
@@ -139,24 +142,60 @@ def ensure_curves(opts: LawOptions, launch: Launcher, rebuild: bool = False,
     return curves
 
 
-def retrain_check(opts: LawOptions, curves: dict[int, Curve], launch: Launcher) -> int:
-    """Re-train the cheapest committed curve from its recorded provenance and require a
-    bit-exact match; returns its batch."""
+@dataclass(frozen=True)
+class Retrain:
+    """What re-training one committed curve found: ``exact`` (bit for bit), or the largest
+    relative differences per kind accepted because only the CPU kernels differ (``kernels``:
+    was -> now)."""
+
+    batch: int
+    exact: bool
+    max_rel: dict[str, float] = field(default_factory=dict)
+    kernels: str = ""
+
+    def text(self) -> str:
+        if self.exact:
+            return f"yes(batch={self.batch})"
+        diffs = ",".join(f"{k}={v:.1e}<={KERNEL_TOLERANCE[k]:.0e}"
+                         for k, v in self.max_rel.items())
+        return f"no(batch={self.batch},cpu {self.kernels},{diffs})"
+
+
+# Float sums differ between torch's CPU kernels (AVX2, AVX512, ...), so a curve re-trains bit for
+# bit only where they are the same. Measured on the batch-16 curve (eleventh and twelfth
+# sessions, development): trained on an earlier VM, re-trained on an AVX2 one, its losses
+# differ by at most 3.1e-6 and the probe's squared norms by 1.1e-3 (relative); an LR 0.1%
+# higher moves them by 6.5e-3 and 0.78. Each tolerance sits between the two, at least 9x
+# above the kernels' difference and 60x below the smallest change of what is trained.
+KERNEL_TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-2}
+
+
+def retrain_check(opts: LawOptions, curves: dict[int, Curve], launch: Launcher) -> Retrain:
+    """Re-train the cheapest committed curve from its recorded provenance. Bit for bit is
+    required unless the only recorded difference is the CPU's kernels (or the curve predates
+    their record); then every number must agree within ``KERNEL_TOLERANCE``."""
     batch = min(curves, key=lambda b: (curves[b].wall_s, b))
     want = curves[batch]
     prov = curve_provenance(opts, batch, code_hash(), engine_versions())
     got = launch(_train_worker, 1, opts, [prov], False, timeout=1800)[0][0]
-    if not got.same_numbers(want):
-        changed = ["code"] if want.provenance["code"] != prov["code"] else []
-        was, now = want.provenance["engines"], prov["engines"]
-        changed += [f"{k} {was.get(k, 'unrecorded')} -> {now[k]}" for k in now
-                    if was.get(k) != now[k]]
-        raise CurveError(
-            f"law check: re-training the batch-{batch} curve did not reproduce the committed one "
-            f"bit for bit (changed since it was trained: {', '.join(changed) or 'nothing recorded'}"
-            f"); if the change is intended, rebuild with `python benchmarks/cona_law_check.py "
-            f"--rebuild` and commit {opts.data}")
-    return batch
+    if got.same_numbers(want):
+        return Retrain(batch, True)
+    changed = ["code"] if want.provenance["code"] != prov["code"] else []
+    was, now = want.provenance["engines"], prov["engines"]
+    changed += [f"{k} {was.get(k, 'unrecorded')} -> {now[k]}" for k in now
+                if was.get(k) != now[k]]
+    max_rel = got.max_rel_diff(want)
+    kernels_only = len(changed) == 1 and changed[0].startswith("cpu ")
+    if kernels_only and all(max_rel[k] <= tol for k, tol in KERNEL_TOLERANCE.items()):
+        return Retrain(batch, False, max_rel, changed[0].removeprefix("cpu "))
+    diffs = ", ".join(f"{k} {v:.2e}" for k, v in max_rel.items())
+    tols = ", ".join(f"{k} {v:.0e}" for k, v in KERNEL_TOLERANCE.items())
+    raise CurveError(
+        f"law check: re-training the batch-{batch} curve did not reproduce the committed one "
+        f"(largest relative differences: {diffs}; changed since it was trained: "
+        f"{', '.join(changed) or 'nothing recorded'}; bit for bit is required unless only the "
+        f"CPU kernels changed, then within {tols}); if the change is intended, rebuild with "
+        f"`python benchmarks/cona_law_check.py --rebuild` and commit {opts.data}")
 
 
 # ------------------------------------------------------------------------------ the fit
@@ -241,7 +280,7 @@ def fit_target(curves: dict[int, Curve], target: float, window: float) -> Target
 @dataclass
 class LawReport:
     fits: list[TargetFit]
-    retrained_batch: int | None
+    retrain: Retrain | None
     wall_s: float
     provenance: dict = field(default_factory=dict)
     curves: dict[int, Curve] = field(default_factory=dict, repr=False)
@@ -260,7 +299,7 @@ class LawReport:
                f"steps={','.join(f'{s:.0f}' for s in f.steps)} S_min={f.s_min:.1f} "
                f"E_min={f.e_min:.0f} B_crit={f.b_crit:.1f} r2={f.r2:.3f} "
                f"B_noise={f.b_noise:.2f} k={f.k:.2f}" for f in self.fits]
-        exact = "not_run" if self.retrained_batch is None else f"yes(batch={self.retrained_batch})"
+        exact = "not_run" if self.retrain is None else self.retrain.text()
         out.append(f"law_r2={self.r2:.3f} law_targets={len(self.fits)} "
                    f"law_batches={len(self.fits[0].batches) if self.fits else 0} "
                    f"bcrit_over_noise={self.k:.2f} retrain_bit_exact={exact}")
@@ -271,10 +310,10 @@ def law_check(opts: LawOptions, launch: Launcher, rebuild: bool = False, retrain
               say: Callable[[str], None] = print) -> LawReport:
     t0 = time.time()
     curves = ensure_curves(opts, launch, rebuild, say)
-    batch = retrain_check(opts, curves, launch) if retrain and not rebuild else None
+    checked = retrain_check(opts, curves, launch) if retrain and not rebuild else None
     fits = [fit_target(curves, t, opts.noise_window) for t in opts.targets]
     first = next(iter(curves.values())).provenance
-    return LawReport(fits, batch, time.time() - t0,
+    return LawReport(fits, checked, time.time() - t0,
                      {k: first[k] for k in ("code", "engines", "model", "seed")}, curves)
 
 

@@ -22,19 +22,23 @@ from cona_curves import (  # noqa: E402
     CurveError,
     cache_key,
     code_hash,
+    engine_versions,
     exec_strategy,
     provenance,
     tiny_spec,
 )
 from cona_law_check import (  # noqa: E402
     DATA,
+    KERNEL_TOLERANCE,
     LawOptions,
     LawReport,
+    Retrain,
     curve_provenance,
     fit_hyperbola,
     fit_target,
     noise_scale_at,
     plot_law,
+    retrain_check,
     samples_to,
 )
 
@@ -97,6 +101,62 @@ def test_cache_round_trip_and_provenance_check(tmp_path):
         cache.get(prov)
 
 
+def test_max_rel_diff_reads_every_number_and_refuses_other_shapes():
+    prov = _prov()
+    base = Curve("k", prov, [0, 64], [5.0, 4.0], [math.nan, 4.5], [[(1.0, 8, 0.5, 16)]])
+    same = Curve("k", prov, [0, 64], [5.0, 4.0], [math.nan, 4.5], [[(1.0, 8, 0.5, 16)]])
+    assert base.max_rel_diff(same) == {"loss": 0.0, "grad_norm": 0.0}  # NaN against NaN
+    norm = Curve("k", prov, [0, 64], [5.0, 4.0], [math.nan, 4.5], [[(1.0, 8, 0.501, 16)]])
+    assert base.max_rel_diff(norm) == {"loss": 0.0, "grad_norm": pytest.approx(0.001 / 0.501)}
+    train = Curve("k", prov, [0, 64], [5.0, 4.0], [math.nan, 4.6], base.stats)
+    assert base.max_rel_diff(train) == {"loss": pytest.approx(0.1 / 4.6), "grad_norm": 0.0}
+    for other in (Curve("k", prov, [0, 32], base.val_loss, base.train_loss, base.stats),
+                  Curve("k", prov, [0, 64], base.val_loss, base.train_loss,
+                        [[(1.0, 4, 0.5, 16)]])):
+        assert set(base.max_rel_diff(other).values()) == {math.inf}
+    assert base.max_rel_diff(Curve("k", prov, [0, 64], base.val_loss, [4.6, 4.5],
+                                   base.stats))["loss"] == math.inf
+
+
+def _retrain(want_engines, want_code, loss_scale, norm_scale=1.0):
+    """Re-train a scripted committed curve whose provenance records ``want_engines`` and
+    ``want_code``; the re-training gives its losses times ``loss_scale`` and its gradient norms
+    times ``norm_scale``."""
+    opts = LawOptions()
+    prov = curve_provenance(opts, 8, want_code, want_engines)
+    want = Curve(cache_key(prov), prov, [0, 64], [5.0, 4.0], [math.nan, 4.5],
+                 [[(1.0, 2, 0.5, 8)]], 1.0)
+    got = Curve(want.key, prov, [0, 64], [5.0 * loss_scale, 4.0], [math.nan, 4.5],
+                [[(1.0, 2, 0.5 * norm_scale, 8)]], 1.0)
+
+    def launch(fn, world, opts, provs, write, timeout):
+        assert world == 1 and not write and provs[0]["batch"] == 8
+        return [[got]]
+
+    return retrain_check(opts, {8: want}, launch)
+
+
+def test_retrain_accepts_other_cpu_kernels_within_tolerance_and_nothing_else():
+    now, code = engine_versions(), code_hash()
+    older = {k: v for k, v in now.items() if k != "cpu"}  # a curve from before the record
+    other_cpu = now | {"cpu": "a different ISA"}
+    loss_tol, norm_tol = KERNEL_TOLERANCE["loss"], KERNEL_TOLERANCE["grad_norm"]
+    assert _retrain(now, code, 1.0) == Retrain(8, True)
+    got = _retrain(older, code, 1 + loss_tol / 2, 1 + norm_tol / 2)
+    assert not got.exact and got.max_rel["loss"] == pytest.approx(loss_tol / 2, rel=1e-3)
+    assert f"cpu unrecorded -> {now['cpu']}" in got.text()
+    assert _retrain(other_cpu, code, 1.0, 1 - norm_tol / 2).kernels == \
+        f"a different ISA -> {now['cpu']}"
+    refused = [(now, code, 1 + 1e-9, 1.0, "nothing recorded"),  # same kernels: bit for bit
+               (other_cpu, code, 1 + 2 * loss_tol, 1.0, "loss 2.00e-04"),
+               (other_cpu, code, 1.0, 1 + 3 * norm_tol, "grad_norm 2.9"),
+               (other_cpu, "another code", 1 + 1e-9, 1.0, "code"),
+               (other_cpu | {"torch": "0.0"}, code, 1 + 1e-9, 1.0, "torch 0.0")]
+    for engines, c, loss_scale, norm_scale, named in refused:
+        with pytest.raises(CurveError, match=named):
+            _retrain(engines, c, loss_scale, norm_scale)
+
+
 def test_exec_strategy():
     assert exec_strategy(64, 2) == ParallelStrategy(2, 1, 1, 16, 64)
     assert exec_strategy(4, 2) == ParallelStrategy(2, 1, 1, 2, 4)
@@ -143,7 +203,7 @@ def test_fit_target_recovers_bcrit_and_noise_scale():
 
 def test_report_line_and_plot(tmp_path):
     curves = {b: _synthetic(b, 40.0, 400.0, 3.0, 7.0) for b in (4, 8, 16, 32, 64)}
-    report = LawReport([fit_target(curves, 3.0, 0.05)], 8, 1.0, {}, curves)
+    report = LawReport([fit_target(curves, 3.0, 0.05)], Retrain(8, True), 1.0, {}, curves)
     last = report.lines()[-1]
     assert last.startswith("law_r2=1.000 law_targets=1 law_batches=5 bcrit_over_noise=1.43")
     assert last.endswith("retrain_bit_exact=yes(batch=8)")
