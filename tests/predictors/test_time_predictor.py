@@ -13,11 +13,6 @@ from predictors.spec.precision import UnknownPrecisionError
 from predictors.time.predictor import predict
 
 GPT = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257)
-# The CPU model held out by family and by size tier on the SHIPPED measurements: deterministic
-# (fixed data, deterministic LightGBM), so a regression check, not a timing claim (measured:
-# family 17.13%, size tier 18.88%, mean 18.0%; the 5% goal is NOT met). Accuracy on fresh
-# measurements (timing-dependent) is benchmarks/bench_time_predictor.py's job.
-CPU_HELDOUT_MAPE = 19.0
 
 
 def test_named_errors():
@@ -164,8 +159,8 @@ def test_cpu_half_precision_gemm_is_capped_at_twice_fp32_without_amx():
 
 def test_shipped_features_cache_matches_todays_feature_code():
     """The shipped measurements' features cache is keyed by the code that computes features; a
-    stale one is silently recomputed (over two minutes of tracing in every CI run), so a change
-    to that code must ship the regenerated cache."""
+    stale one is silently recomputed by every run of benchmarks/bench_time_predictor.py (and
+    rewritten in the checkout), so a change to that code must ship the regenerated cache."""
     from predictors.datasets import data_path
     from predictors.devices import Device
     from predictors.time.collect import device_profile_path, features_cache_path
@@ -175,29 +170,41 @@ def test_shipped_features_cache_matches_todays_feature_code():
     device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))
     cache = features_cache_path(shipped)
     assert json.loads(cache.read_text())["tag"] == features_cache_tag(device), (
-        f"{cache} is stale: run `pytest tests/predictors/test_time_predictor.py -k "
-        "heldout_by_family_and_size`, which rewrites it, and commit it")
+        f"{cache} is stale: run `python benchmarks/bench_time_predictor.py`, which rewrites "
+        "it, and commit it")
 
 
 @pytest.mark.slow
-def test_cpu_model_heldout_by_family_and_size_on_shipped_measurements():
-    """Leave-one-family-out and leave-one-size-tier-out on the shipped CPU measurements: the
-    stated MAPE holds and the precision-unaware ablation is far worse."""
+def test_cpu_held_out_splits_predict_every_row_from_a_fold_of_its_own():
+    """Leave-one-family-out, leave-one-size-tier-out (precision-aware and not), leave-one-
+    precision-out and unseen sequence length on the shipped CPU measurements: every group is
+    held out in turn, with per-kernel costs fitted for its fold, and every row predicted.
+    Their accuracy is timing-derived, so it is benchmarks/bench_time_predictor.py's figure
+    (issue 44: no accuracy threshold in a unit test)."""
     from predictors.datasets import data_path
     from predictors.datasets.measurements import load_measurements
     from predictors.devices import Device
-    from predictors.time.collect import device_profile_path, features_cache_path
-    from predictors.time.evaluate import evaluate_measurements
+    from predictors.time.collect import device_profile_path
+    from predictors.time.evaluate import evaluate_measurements, size_tier
 
     shipped = data_path("cpu_measurements.csv")
     device = Device.from_dict(json.loads(device_profile_path(shipped).read_text()))
-    res = evaluate_measurements(load_measurements(shipped), device,
-                                cache=features_cache_path(shipped))  # fmt: skip
-    aware = (res["by_family"].mape + res["by_size"].mape) / 2
-    unaware = (res["by_family_unaware"].mape + res["by_size_unaware"].mape) / 2
-    print(f"\nCPU held-out MAPE on shipped data: aware {aware:.2f}%, unaware {unaware:.2f}%")
-    assert aware <= CPU_HELDOUT_MAPE
-    assert unaware > 3 * aware
+    full = load_measurements(shipped)
+    # every 20th row keeps every family, size tier, precision and sequence length: the same
+    # folds in a fifth of the time; no cache, so the shipped one is neither read nor written
+    df = full.iloc[::20]
+    for column in ("family", "precision", "seq"):
+        assert set(df[column]) == set(full[column]), column
+    res = evaluate_measurements(df, device)
+    groups = {"by_family": set(df["family"]), "by_size": {size_tier(m) for m in df["model"]},
+              "by_precision": set(df["precision"])}
+    groups |= {f"{k}_unaware": v for k, v in groups.items() if k != "by_precision"}
+    for name, held in groups.items():
+        r = res[name]
+        assert set(r.per_group) == set(r.constants) == held, name
+        assert len(r.predicted) == len(df) and (r.predicted > 0).all(), name
+    seqs = {int(v) for v in df["seq"] if int(v) > 0}
+    assert set(res["by_seq"].per_group) == {f"seq{s}" for s in seqs}
 
 
 def test_uneven_pipeline_split_is_accepted_and_the_deepest_stage_sets_the_pace():

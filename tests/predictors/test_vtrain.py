@@ -6,9 +6,6 @@ from predictors.datasets import data_path
 from predictors.datasets.vtrain import VTRAIN_CSV, VTRAIN_LICENSE, load_vtrain
 from predictors.time.evaluate import evaluate_vtrain
 
-# Stated goal of the A100 model on vTrain, held out by model size (hidden x depth).
-VTRAIN_HELDOUT_MAPE = 8.0
-
 
 def test_shipped_with_licence():
     assert data_path(VTRAIN_CSV).exists()
@@ -27,17 +24,17 @@ def test_loader():
 
 @pytest.mark.slow
 def test_heldout_splits_fit_constants_inside_each_fold():
+    """Both directions of the unseen-hidden split and every depth group held out, each with
+    constants of its own fold. Their accuracy (U, D, and the roofline alone beside them) is
+    timing-derived, so it is benchmarks/bench_time_predictor.py's figure (issue 44: no accuracy
+    threshold in a unit test)."""
     res = evaluate_vtrain()
     by_depth, unseen = res["by_depth"], res["unseen_hidden"]
-    print(f"\nvTrain unseen hidden {unseen.mape:.2f}% {unseen.per_group}; by depth "
-          f"{by_depth.mape:.2f}%; analytical only {res['analytical_only'].mape:.1f}%")
-    # both directions of the unseen-hidden split, each with constants of its own fold
     assert set(unseen.per_group) == {"h1024", "h2048"} == set(unseen.constants)
     assert len(unseen.measured) == 1440 and len(by_depth.per_group) == 8
-    assert by_depth.mape <= VTRAIN_HELDOUT_MAPE
-    # the learned correction must beat the bare roofline, also on a hidden size it never saw
-    assert by_depth.mape < res["analytical_only"].mape / 3
-    assert unseen.mape < res["analytical_only"].mape
+    assert set(by_depth.per_group) == set(by_depth.constants) == {r.size for r in load_vtrain()}
+    for split in (unseen, by_depth):
+        assert len(split.predicted) == 1440 and (split.predicted > 0).all()
 
 
 def test_vtrain_rows_run_megatrons_unfused_attention():
