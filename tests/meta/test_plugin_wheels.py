@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -42,18 +41,6 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A clone's files (pip builds in the source tree: the checkout's build/ must not be used)."""
-    clone = tmp_path_factory.mktemp("clone")
-    files = _run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT).stdout
-    for rel in filter(None, files.split("\0")):
-        if (ROOT / rel).is_file():
-            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, clone / rel)
-    return clone
-
-
 def _pip_install(py: Path, *args: str) -> None:
     """``pip install`` into the venv of ``py``, from the wheelhouse only (no download)."""
     assert WHEELHOUSE.is_dir(), f"{WHEELHOUSE} is missing: run make bootstrap"
@@ -62,16 +49,9 @@ def _pip_install(py: Path, *args: str) -> None:
     assert inst.returncode == 0, inst.stdout + inst.stderr
 
 
-def _wheel_in_clean_venv(clone: Path, tmp: Path, env: dict[str, str],
-                         engines: bool = True) -> tuple[Path, Path, str]:
-    """Build the wheel from ``clone`` with ``env``, install it alone into a fresh venv under
-    ``tmp`` (with this venv's packages after its own where ``engines``); returns (the venv's
-    bin/, the wheel, the build's output)."""
-    shutil.rmtree(clone / "build", ignore_errors=True)
-    build = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                  "-w", str(tmp / "dist"), str(clone)], env={**os.environ, **env}, cwd=tmp)  # fmt: skip
-    assert build.returncode == 0, build.stdout + build.stderr
-    wheel = next((tmp / "dist").glob("llm_sys_plugins-*.whl"))
+def _clean_venv(wheel: Path, tmp: Path, engines: bool = True) -> Path:
+    """``wheel`` installed alone into a fresh venv under ``tmp`` (with this venv's packages
+    after its own where ``engines``); returns the venv's bin/."""
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)]).check_returncode()
     py = venv / "bin" / "python"
@@ -82,18 +62,17 @@ def _wheel_in_clean_venv(clone: Path, tmp: Path, env: dict[str, str],
     assert inst.returncode == 0, inst.stderr
     if engines:
         (purelib / "zz_engines.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    return venv / "bin", wheel, build.stdout + build.stderr
+    return venv / "bin"
 
 
 @pytest.fixture(scope="module")
-def clean_venv(clone, tmp_path_factory) -> tuple[Path, Path]:
+def clean_venv(build_wheel, tmp_path_factory) -> tuple[Path, Path]:
     """(the venv's bin/, the wheel) for a wheel built without a compiler, installed alone."""
     tmp = tmp_path_factory.mktemp("pure")
-    bindir, wheel, log = _wheel_in_clean_venv(
-        clone, tmp, {"CXX": str(tmp / "no-compiler" / "g++"), "KVPOOL_BUILD_CORE": "auto"},
-        engines=False)
+    wheel, log = build_wheel(tmp / "dist", {"CXX": str(tmp / "no-compiler" / "g++"),
+                                            "KVPOOL_BUILD_CORE": "auto"})  # fmt: skip
     assert "the C++ core vllm_kvpool._kvio was not built" in log
-    return bindir, wheel
+    return _clean_venv(wheel, tmp, engines=False), wheel
 
 
 def test_extras_declare_the_tested_torch(clean_venv):
@@ -167,14 +146,13 @@ def test_each_cli_runs_from_the_clean_venv(clean_venv, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def serving_venv(clone, tmp_path_factory) -> tuple[Path, Path]:
-    """(the venv's bin/, the wheel) for the serving plugin's wheel, built with the core, and
-    PyPI's torchvision for torch 2.13 installed beside it for real."""
-    tmp = tmp_path_factory.mktemp("serving")
-    bindir, wheel, _ = _wheel_in_clean_venv(clone, tmp, {"KVPOOL_BUILD_CORE": "1",
-                                                          "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+def serving_venv(core_wheel, tmp_path_factory) -> tuple[Path, Path]:
+    """(the venv's bin/, the wheel) for the serving plugin's wheel, built with the core (the
+    session's, tests/conftest.py), and PyPI's torchvision for torch 2.13 installed beside it
+    for real."""
+    bindir = _clean_venv(core_wheel, tmp_path_factory.mktemp("serving"))
     _pip_install(bindir / "python", "--no-deps", "torchvision==0.28.0")
-    return bindir, wheel
+    return bindir, core_wheel
 
 
 def test_the_serving_plugins_wheel_has_the_core_built_for_users(serving_venv, tmp_path):
