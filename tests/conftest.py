@@ -12,8 +12,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -123,3 +126,45 @@ def memory_bench() -> ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def source_clone(tmp_path_factory) -> Path:
+    """A clone's files (pip builds in the source tree: the checkout's build/ must not be used)."""
+    root = Path(__file__).resolve().parents[1]
+    clone = tmp_path_factory.mktemp("clone")
+    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    for rel in filter(None, files.split("\0")):
+        if (root / rel).is_file():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, clone / rel)
+    return clone
+
+
+@pytest.fixture(scope="session")
+def build_wheel(source_clone) -> Callable[[Path, dict[str, str]], tuple[Path, str]]:
+    """``build(dist, env)``: the plugins' wheel built from the clone with ``env`` added into
+    ``dist``, as ``pip wheel`` builds it for a user; (the wheel, the build's output)."""
+
+    def build(dist: Path, env: dict[str, str]) -> tuple[Path, str]:
+        shutil.rmtree(source_clone / "build", ignore_errors=True)  # no earlier build's objects
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps",
+                               "--no-build-isolation", "-w", str(dist), str(source_clone)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env}, cwd=dist.parent)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return next(dist.glob("llm_sys_plugins-*.whl")), proc.stdout + proc.stderr
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def core_wheel(build_wheel, tmp_path_factory) -> Path:
+    """The plugins' wheel with the C++ core built (``KVPOOL_BUILD_CORE=1``: a failed core build
+    fails it) and no fault injection, as users get it. Compiling the core takes about a minute
+    on two cores, so the session builds it once for every test that installs it (CONA's and
+    the serving plugin's)."""
+    wheel, _ = build_wheel(tmp_path_factory.mktemp("core-wheel") / "dist",
+                           {"KVPOOL_BUILD_CORE": "1", "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+    return wheel

@@ -18,14 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_megatron_cona_imports_from_an_installed_wheel(tmp_path):
-    wheels, target = tmp_path / "wheels", tmp_path / "site"
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(wheels), str(ROOT)], check=True, env=env, cwd=tmp_path)
-    wheel = next(wheels.glob("llm_sys_plugins-*.whl"))
+def test_megatron_cona_imports_from_an_installed_wheel(core_wheel, tmp_path):
+    """``core_wheel``: the session's wheel of a clone, as ``pip wheel .`` builds it with a
+    compiler (tests/conftest.py)."""
+    target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
-                    str(target), str(wheel)], check=True, cwd=tmp_path)
+                    str(target), str(core_wheel)], check=True, cwd=tmp_path)
     assert not (target / "megatron_cpu").exists()  # not packaged: nothing may need it
     assert not (target / "megatron_cona" / "ttp").exists()  # the retired harness
     assert not list(target.glob("**/cona_curves.py"))  # evaluation code stays in benchmarks/

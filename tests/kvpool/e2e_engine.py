@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,16 @@ def generate_saved(llm: Any, prompt: list[int]) -> list[int]:
         assert time.monotonic() < deadline, "the prompt's saves never settled"
         llm.llm_engine.step()
     return out
+
+
+def start_reference(model_dir: Path, out: Path) -> subprocess.Popen:
+    """The reference run (``main``) started in its own process and not waited for: a test
+    module starts it before building its connector engine, so the two engines' start-ups
+    (mostly one-core Python imports and model set-up, ~15 s each) overlap on two cores."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "tests.kvpool.e2e_engine", "--model",
+                             str(model_dir), "--out", str(out)], cwd=repo, env=env)  # fmt: skip
 
 
 def main() -> None:

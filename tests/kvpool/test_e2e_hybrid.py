@@ -4,10 +4,6 @@ hybrid KV cache manager ON: LLM.generate with the pool vs. a run without any con
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +16,6 @@ from tests.kvpool.hybrid_support import write_tiny_hybrid  # noqa: E402
 from tests.kvpool.test_e2e_vllm import _scale_all_pool_data  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +24,27 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    """Greedy outputs without a connector (own process; vLLM's hybrid manager on as well)."""
+def reference_run(model_dir, tmp_path_factory):
+    """The reference engine's process (``e2e_engine.start_reference``) and its output file;
+    ``engine`` requests it so that it starts first and the two start-ups overlap."""
     out = tmp_path_factory.mktemp("ref") / "ref.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "tests.kvpool.e2e_engine", "--model", str(model_dir),
-                    "--out", str(out)], check=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+    proc = e2e_engine.start_reference(model_dir, out)
+    yield proc, out
+    if proc.poll() is None:  # a test failed before waiting for it
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """Greedy outputs without a connector (own process; vLLM's hybrid manager on as well)."""
+    proc, out = reference_run
+    assert proc.wait(timeout=600) == 0, "the reference engine failed (its output: captured stderr)"
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def engine(model_dir, reference_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool")
     pool = {
         "chunk_tokens": 128,  # 4 blocks; the 64-token window needs the last 2

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +17,6 @@ from support.vllm_harness import ssd_writes_held  # noqa: E402
 from tests.kvpool import e2e_engine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +25,27 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    """Greedy outputs of an engine WITHOUT the connector (own process, same seeded weights)."""
+def reference_run(model_dir, tmp_path_factory):
+    """The reference engine's process (``e2e_engine.start_reference``) and its output file;
+    ``engine`` requests it so that it starts first and the two start-ups overlap."""
     out = tmp_path_factory.mktemp("ref") / "ref.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "tests.kvpool.e2e_engine", "--model", str(model_dir),
-                    "--out", str(out)], check=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+    proc = e2e_engine.start_reference(model_dir, out)
+    yield proc, out
+    if proc.poll() is None:  # a test failed before waiting for it
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """Greedy outputs of an engine WITHOUT the connector (own process, same seeded weights)."""
+    proc, out = reference_run
+    assert proc.wait(timeout=600) == 0, "the reference engine failed (its output: captured stderr)"
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def engine(model_dir, reference_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool")
     pool = {
         "chunk_tokens": 64,

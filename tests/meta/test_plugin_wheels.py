@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 import urllib.request
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,16 +42,12 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A clone's files (pip builds in the source tree: the checkout's build/ must not be used)."""
-    clone = tmp_path_factory.mktemp("clone")
-    files = _run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT).stdout
-    for rel in filter(None, files.split("\0")):
-        if (ROOT / rel).is_file():
-            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, clone / rel)
-    return clone
+def _run_all(cmds: dict[str, list[str]], **kw) -> dict[str, subprocess.CompletedProcess]:
+    """``_run`` of independent commands, as many at once as there are cores: each is mostly a
+    one-core import of torch, so run one after another they left a core idle."""
+    with ThreadPoolExecutor(min(len(cmds), os.cpu_count() or 1)) as pool:
+        futures = {name: pool.submit(_run, cmd, **kw) for name, cmd in cmds.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _pip_install(py: Path, *args: str) -> None:
@@ -62,16 +58,9 @@ def _pip_install(py: Path, *args: str) -> None:
     assert inst.returncode == 0, inst.stdout + inst.stderr
 
 
-def _wheel_in_clean_venv(clone: Path, tmp: Path, env: dict[str, str],
-                         engines: bool = True) -> tuple[Path, Path, str]:
-    """Build the wheel from ``clone`` with ``env``, install it alone into a fresh venv under
-    ``tmp`` (with this venv's packages after its own where ``engines``); returns (the venv's
-    bin/, the wheel, the build's output)."""
-    shutil.rmtree(clone / "build", ignore_errors=True)
-    build = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                  "-w", str(tmp / "dist"), str(clone)], env={**os.environ, **env}, cwd=tmp)  # fmt: skip
-    assert build.returncode == 0, build.stdout + build.stderr
-    wheel = next((tmp / "dist").glob("llm_sys_plugins-*.whl"))
+def _clean_venv(wheel: Path, tmp: Path, engines: bool = True) -> Path:
+    """``wheel`` installed alone into a fresh venv under ``tmp`` (with this venv's packages
+    after its own where ``engines``); returns the venv's bin/."""
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)]).check_returncode()
     py = venv / "bin" / "python"
@@ -82,18 +71,17 @@ def _wheel_in_clean_venv(clone: Path, tmp: Path, env: dict[str, str],
     assert inst.returncode == 0, inst.stderr
     if engines:
         (purelib / "zz_engines.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    return venv / "bin", wheel, build.stdout + build.stderr
+    return venv / "bin"
 
 
 @pytest.fixture(scope="module")
-def clean_venv(clone, tmp_path_factory) -> tuple[Path, Path]:
+def clean_venv(build_wheel, tmp_path_factory) -> tuple[Path, Path]:
     """(the venv's bin/, the wheel) for a wheel built without a compiler, installed alone."""
     tmp = tmp_path_factory.mktemp("pure")
-    bindir, wheel, log = _wheel_in_clean_venv(
-        clone, tmp, {"CXX": str(tmp / "no-compiler" / "g++"), "KVPOOL_BUILD_CORE": "auto"},
-        engines=False)
+    wheel, log = build_wheel(tmp / "dist", {"CXX": str(tmp / "no-compiler" / "g++"),
+                                            "KVPOOL_BUILD_CORE": "auto"})  # fmt: skip
     assert "the C++ core vllm_kvpool._kvio was not built" in log
-    return bindir, wheel
+    return _clean_venv(wheel, tmp, engines=False), wheel
 
 
 def test_extras_declare_the_tested_torch(clean_venv):
@@ -120,38 +108,44 @@ def test_each_cli_runs_from_the_clean_venv(clean_venv, tmp_path):
     bindir, wheel = clean_venv
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     _pip_install(bindir / "python", f"{wheel}[predictors]")
-    torch = _run([str(bindir / "python"), "-c", "import importlib.util, torch; print(torch.__file__,"
-                  " torch.__version__, importlib.util.find_spec('megatron'))"],
-                 cwd=tmp_path, env=env).stdout.split()  # fmt: skip
-    assert torch[0].startswith(str(bindir.parent)), torch  # the venv's own, not borrowed
-    assert torch[1].split("+")[0] == TESTED_TORCH and torch[2] == "None", torch
-    for cli in ("predict", "kvpool"):
-        out = _run([str(bindir / cli), "--help"], cwd=tmp_path, env=env)
-        assert out.returncode == 0 and "usage:" in out.stdout, (cli, out.stderr)
-    # one real command each: a prediction from the shipped model, and a config validation
-    pred = _run([str(bindir / "predict"), "time", "--layers", "2",
-                 "--hidden", "256", "--heads", "4", "--seq", "256", "--json"],
-                cwd=tmp_path, env=env)  # fmt: skip
-    assert pred.returncode == 0, pred.stderr
-    assert str(bindir.parent) in _run([str(bindir / "python"), "-c",
-                                        "import predictors; print(predictors.__file__)"],
-                                       cwd=tmp_path, env=env).stdout  # fmt: skip
-    assert json.loads(pred.stdout)
     # a user's model factory in the working directory (mypkg/models.py), as the docs name it
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "models.py").write_text(
         "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Conv2d(3, 8, 3), "
         "nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))\n")
-    mem = _run([str(bindir / "predict"), "memory", "--model", "module", "--module",
-                "mypkg.models:build", "--input-shape", "3x16x16", "--batch", "4", "--device",
-                "h100-80gb"], cwd=tmp_path, env=env)  # fmt: skip
-    assert mem.returncode == 0 and "FITS" in mem.stdout, mem.stdout + mem.stderr
     cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}}], "chunk_tokens": 256})
-    val = _run([str(bindir / "kvpool"), "validate", "--config", cfg], cwd=tmp_path, env=env)
+    py, predict, kvpool = (str(bindir / name) for name in ("python", "predict", "kvpool"))
+    done = _run_all({
+        "torch": [py, "-c", "import importlib.util, torch; print(torch.__file__, "
+                  "torch.__version__, importlib.util.find_spec('megatron'))"],
+        "predict": [predict, "--help"],
+        "kvpool": [kvpool, "--help"],
+        # one real command each: a prediction from the shipped model, and a config validation
+        "pred": [predict, "time", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq",
+                 "256", "--json"],
+        "where": [py, "-c", "import predictors; print(predictors.__file__)"],
+        "mem": [predict, "memory", "--model", "module", "--module", "mypkg.models:build",
+                "--input-shape", "3x16x16", "--batch", "4", "--device", "h100-80gb"],
+        "val": [kvpool, "validate", "--config", cfg],
+        "probe": [kvpool, "probe", "--config", cfg],
+    }, cwd=tmp_path, env=env)  # fmt: skip
+    torch = done["torch"].stdout.split()
+    assert torch[0].startswith(str(bindir.parent)), torch  # the venv's own, not borrowed
+    assert torch[1].split("+")[0] == TESTED_TORCH and torch[2] == "None", torch
+    for cli in ("predict", "kvpool"):
+        out = done[cli]
+        assert out.returncode == 0 and "usage:" in out.stdout, (cli, out.stderr)
+    pred = done["pred"]
+    assert pred.returncode == 0, pred.stderr
+    assert str(bindir.parent) in done["where"].stdout
+    assert json.loads(pred.stdout)
+    mem = done["mem"]
+    assert mem.returncode == 0 and "FITS" in mem.stdout, mem.stdout + mem.stderr
+    val = done["val"]
     assert val.returncode == 0 and json.loads(val.stdout)["chunk_tokens"] == 256, val.stderr
     # the core is what the install left out: kvpool names it and its fix, no traceback
-    probe = _run([str(bindir / "kvpool"), "probe", "--config", cfg], cwd=tmp_path, env=env)
+    probe = done["probe"]
     assert probe.returncode == 2
     assert "vllm_kvpool._kvio is not built" in probe.stderr and "liburing-dev" in probe.stderr
     assert "Traceback" not in probe.stderr
@@ -167,14 +161,13 @@ def test_each_cli_runs_from_the_clean_venv(clean_venv, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def serving_venv(clone, tmp_path_factory) -> tuple[Path, Path]:
-    """(the venv's bin/, the wheel) for the serving plugin's wheel, built with the core, and
-    PyPI's torchvision for torch 2.13 installed beside it for real."""
-    tmp = tmp_path_factory.mktemp("serving")
-    bindir, wheel, _ = _wheel_in_clean_venv(clone, tmp, {"KVPOOL_BUILD_CORE": "1",
-                                                          "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+def serving_venv(core_wheel, tmp_path_factory) -> tuple[Path, Path]:
+    """(the venv's bin/, the wheel) for the serving plugin's wheel, built with the core (the
+    session's, tests/conftest.py), and PyPI's torchvision for torch 2.13 installed beside it
+    for real."""
+    bindir = _clean_venv(core_wheel, tmp_path_factory.mktemp("serving"))
     _pip_install(bindir / "python", "--no-deps", "torchvision==0.28.0")
-    return bindir, wheel
+    return bindir, core_wheel
 
 
 def test_the_serving_plugins_wheel_has_the_core_built_for_users(serving_venv, tmp_path):
