@@ -11,8 +11,11 @@ bootstrap:
 lint: bootstrap
 	$(VENV)/bin/ruff check .
 
+# Two workers, one per core: the serving room's tests (tests/kvpool, tests/kvio) on one, the
+# rest on the other, each in order (tests/conftest.py groups them), so no two tests of a
+# room share the machine's daemons, pools or engines at once (serially ~1 core was idle).
 test: lint cpptest
-	$(PY) -m pytest -q -ra --timeout=1200 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -ra --timeout=1200 -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 # C++ unit tests of the I/O engine (ctest), in their own CMake build tree (with fault injection).
 cpptest: bootstrap

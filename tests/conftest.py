@@ -89,6 +89,21 @@ def pytest_make_collect_report(collector):
     _fail_required_skip(outcome.get_result())
 
 
+# `make test` runs two xdist workers with --dist loadgroup: the serving room's tests on one, the
+# rest on the other, each worker in file order. The serving tests share machine-wide things a
+# concurrent neighbour of their own kind could disturb (pool daemons, shared-memory pools, vLLM
+# engines, fault-injection switches), so they never run beside each other; the two groups share
+# none of them and take about as long (the wheel builds, CONA's ranks and the predictors on one,
+# the pools and engines on the other).
+SERVING_ROOM = ("tests/kvpool/", "tests/kvio/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        room = "serving" if item.nodeid.startswith(SERVING_ROOM) else "rest"
+        item.add_marker(pytest.mark.xdist_group(room))
+
+
 def package_counts(stats: dict) -> dict[str, Counter]:
     """Test outcomes per package (``tests/<package>/...``), setup errors counted as errors."""
     counts: dict[str, Counter] = {}
