@@ -71,6 +71,31 @@ def start_reference(model_dir: Path, out: Path) -> subprocess.Popen:
                              str(model_dir), "--out", str(out)], cwd=repo, env=env)  # fmt: skip
 
 
+def reference_fixtures() -> tuple[Any, Any]:
+    """``reference_run, reference = reference_fixtures()`` in a test module: module-scoped
+    fixtures on that module's ``model_dir``. ``reference_run`` starts the reference process
+    (:func:`start_reference`), so a connector engine that requests it starts beside it;
+    ``reference`` waits for it and gives its greedy outputs."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def reference_run(model_dir, tmp_path_factory):
+        out = tmp_path_factory.mktemp("ref") / "ref.json"
+        proc = start_reference(model_dir, out)
+        yield proc, out
+        if proc.poll() is None:  # a test failed before waiting for it
+            proc.kill()
+            proc.wait()
+
+    @pytest.fixture(scope="module")
+    def reference(reference_run):
+        proc, out = reference_run
+        assert proc.wait(timeout=600) == 0, "the reference engine failed (see captured stderr)"
+        return json.loads(out.read_text())
+
+    return reference_run, reference
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -24,24 +23,9 @@ def model_dir(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def reference_run(model_dir, tmp_path_factory):
-    """The reference engine's process (``e2e_engine.start_reference``) and its output file;
-    ``engine`` requests it so that it starts first and the two start-ups overlap."""
-    out = tmp_path_factory.mktemp("ref") / "ref.json"
-    proc = e2e_engine.start_reference(model_dir, out)
-    yield proc, out
-    if proc.poll() is None:  # a test failed before waiting for it
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run):
-    """Greedy outputs of an engine WITHOUT the connector (own process, same seeded weights)."""
-    proc, out = reference_run
-    assert proc.wait(timeout=600) == 0, "the reference engine failed (its output: captured stderr)"
-    return json.loads(out.read_text())
+# the reference (no connector) engine's process, started before this module's connector
+# engine so that the two start-ups overlap
+reference_run, reference = e2e_engine.reference_fixtures()
 
 
 @pytest.fixture(scope="module")
