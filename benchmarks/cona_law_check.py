@@ -180,14 +180,14 @@ def retrain_check(opts: LawOptions, curves: dict[int, Curve], launch: Launcher) 
     got = launch(_train_worker, 1, opts, [prov], False, timeout=1800)[0][0]
     if got.same_numbers(want):
         return Retrain(batch, True)
-    changed = ["code"] if want.provenance["code"] != prov["code"] else []
     was, now = want.provenance["engines"], prov["engines"]
-    changed += [f"{k} {was.get(k, 'unrecorded')} -> {now[k]}" for k in now
-                if was.get(k) != now[k]]
+    moved = {k: f"{was.get(k, 'unrecorded')} -> {now[k]}" for k in now if was.get(k) != now[k]}
+    same_code = want.provenance["code"] == prov["code"]
     max_rel = got.max_rel_diff(want)
-    kernels_only = len(changed) == 1 and changed[0].startswith("cpu ")
-    if kernels_only and all(max_rel[k] <= tol for k, tol in KERNEL_TOLERANCE.items()):
-        return Retrain(batch, False, max_rel, changed[0].removeprefix("cpu "))
+    if same_code and set(moved) == {"cpu"} and \
+            all(max_rel[k] <= tol for k, tol in KERNEL_TOLERANCE.items()):
+        return Retrain(batch, False, max_rel, moved["cpu"])
+    changed = ([] if same_code else ["code"]) + [f"{k} {v}" for k, v in moved.items()]
     diffs = ", ".join(f"{k} {v:.2e}" for k, v in max_rel.items())
     tols = ", ".join(f"{k} {v:.0e}" for k, v in KERNEL_TOLERANCE.items())
     raise CurveError(
