@@ -92,9 +92,10 @@ def pytest_make_collect_report(collector):
 # `make test` runs two xdist workers with --dist loadgroup: the serving room's tests on one, the
 # rest on the other, each worker in file order. The serving tests share machine-wide things a
 # concurrent neighbour of their own kind could disturb (pool daemons, shared-memory pools, vLLM
-# engines, fault-injection switches), so they never run beside each other; the two groups share
-# none of them and take about as long (the wheel builds, CONA's ranks and the predictors on one,
-# the pools and engines on the other).
+# engines, fault-injection switches), so they never run beside each other. The rest's few
+# serving runs (the wheel tests' `kvpool serve`, the GPU check's TTFT dry run) use in-process
+# pools under their own tmp paths, no pool daemon. The two groups take about as long (the wheel
+# builds, CONA's ranks and the predictors on one, the pools and engines on the other).
 SERVING_ROOM = ("tests/kvpool/", "tests/kvio/")
 
 
