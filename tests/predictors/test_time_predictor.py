@@ -195,6 +195,7 @@ def test_cpu_held_out_splits_predict_every_row_from_a_fold_of_its_own():
     df = full.iloc[::20]
     for column in ("family", "precision", "seq"):
         assert set(df[column]) == set(full[column]), column
+    assert {size_tier(m) for m in df["model"]} == {size_tier(m) for m in full["model"]}
     res = evaluate_measurements(df, device)
     groups = {"by_family": set(df["family"]), "by_size": {size_tier(m) for m in df["model"]},
               "by_precision": set(df["precision"])}
