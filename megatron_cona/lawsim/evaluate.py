@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 from megatron_cona.lawsim.cases import (
@@ -61,6 +64,8 @@ class SimOptions:
     exact_variants: tuple[str, ...] = tuple(VARIANTS)
     bound_snap: float = 0.0
     skip: tuple[str, ...] = field(default_factory=tuple)
+    # worker processes, one (family, GPU count) each at a time; the results do not depend on it
+    jobs: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
     def __post_init__(self) -> None:
         for name in self.families:
@@ -72,6 +77,8 @@ class SimOptions:
                 if name not in VARIANTS:
                     raise LawError(f"{field_name}: {name!r} is unknown; choose from "
                                    f"{', '.join(VARIANTS)}")
+        if self.jobs < 1:
+            raise LawError(f"jobs={self.jobs} must be >= 1 worker process")
         if not self.gpus or any(g < 1 for g in self.gpus):
             raise LawError(f"gpus={self.gpus} must be positive GPU counts")
 
@@ -297,37 +304,71 @@ def worst_line(summary: dict, gpus: int, variant: str) -> str:
         if math.isfinite(s[key]["worst"]))
 
 
-def run_sim(opts: SimOptions, switch_costs: tuple[float, float], progress=None,
-            say: Callable[[str], None] = print) -> dict:
-    """Checks first, then every case; ``sim.json`` rewritten after each case."""
+def world_cases(opts: SimOptions, family: str, gpus: int,
+                switch_costs: tuple[float, float]) -> list[dict]:
+    """Every law variant of one (family, GPU count), in ``opts.variants``' order, over one
+    world (clock, candidates and the reshard planner's byte cache are shared by the variants);
+    a plot per case as it finishes."""
     from megatron_cona.plot import plot_sim
 
+    world = (vtrain_world(opts, switch_costs) if family == "gpt3-1.3b" and gpus == 8
+             else predicted_world(opts, family, gpus, switch_costs))
+    out = []
+    for variant in opts.variants:
+        case = build_case(opts, family, gpus, variant, world)
+        result = run_case(case, opts.skip)
+        plot_sim(result, NOTE.format(clock=result["clock"]),
+                 opts.out / f"sim_{case.tag.replace('/', '_')}.png")
+        out.append(result)
+    return out
+
+
+def _worlds(opts: SimOptions, switch_costs: tuple[float, float],
+            init: Callable[[], object] | None) -> Iterator[list[dict]]:
+    """Each world's cases as it finishes: in this process with one job, else in ``opts.jobs``
+    spawned processes (each first calls ``init``, e.g. to register a chain), one world per
+    task. A world's cases do not depend on which process ran it or on the other worlds (no
+    state crosses worlds), so the report is the same whatever ``jobs`` is."""
+    jobs = [(f, g) for g in opts.gpus for f in opts.families]
+    if opts.jobs == 1 or len(jobs) == 1:
+        for family, gpus in jobs:
+            yield world_cases(opts, family, gpus, switch_costs)
+        return
+    # spawn, not fork: the caller may hold threads (a progress bar) and torch's thread pools
+    with ProcessPoolExecutor(min(opts.jobs, len(jobs)), mp_context=get_context("spawn"),
+                             initializer=init) as pool:
+        futures = [pool.submit(world_cases, opts, f, g, switch_costs) for f, g in jobs]
+        for future in as_completed(futures):
+            yield future.result()
+
+
+def run_sim(opts: SimOptions, switch_costs: tuple[float, float], progress=None,
+            say: Callable[[str], None] = print, init: Callable[[], object] | None = None
+            ) -> dict:
+    """Checks first, then every case (worlds in parallel with ``opts.jobs`` > 1; ``init`` runs
+    first in each worker process); ``sim.json`` rewritten after each world, its cases in the
+    options' order whatever order the worlds finished in."""
     opts.out.mkdir(parents=True, exist_ok=True)
     checks = run_checks()
     for check in checks:
         say(check.line())
-    report = {"options": {k: str(v) for k, v in asdict(opts).items()},
+    report = {"options": {k: str(v) for k, v in asdict(opts).items() if k != "jobs"},
               "switch_costs_s": {"layout_fixed": switch_costs[0], "batch": switch_costs[1]},
               "checks": [asdict(c) for c in checks], "cases": []}
     path = opts.out / "sim.json"
-    jobs = [(f, g) for g in opts.gpus for f in opts.families]
-    task = progress.add_task("cases", total=len(jobs) * len(opts.variants)) if progress else None
-    for family, gpus in jobs:
-        world = (vtrain_world(opts, switch_costs) if family == "gpt3-1.3b" and gpus == 8
-                 else predicted_world(opts, family, gpus, switch_costs))
-        for variant in opts.variants:
-            case = build_case(opts, family, gpus, variant, world)
-            result = run_case(case, opts.skip)
-            report["cases"].append(result)
-            path.write_text(json.dumps(report, indent=1, default=str))
-            plot_sim(result, NOTE.format(clock=result["clock"]),
-                     opts.out / f"sim_{case.tag.replace('/', '_')}.png")
+    order = {f"{f}/{g}gpu/{v}": i for i, (g, f, v) in enumerate(
+        (g, f, v) for g in opts.gpus for f in opts.families for v in opts.variants)}
+    task = progress.add_task("cases", total=len(order)) if progress else None
+    for results in _worlds(opts, switch_costs, init):
+        report["cases"] = sorted(report["cases"] + results, key=lambda c: order[c["tag"]])
+        path.write_text(json.dumps(report, indent=1, default=str))
+        for result in results:
             say(case_line(result))
             if result["violations"]:
-                raise LawError(f"{case.tag}: a chain beat the exact bound (a bug): "
+                raise LawError(f"{result['tag']}: a chain beat the exact bound (a bug): "
                                f"{'; '.join(result['violations'])}")
-            if progress:
-                progress.advance(task)
+        if progress:
+            progress.advance(task, len(results))
     passed = sum(c.passed for c in checks)
     report["checks_line"] = f"{passed}/{len(checks)}"
     report["summary"] = {v: summarize(report["cases"], v) for v in opts.variants}
