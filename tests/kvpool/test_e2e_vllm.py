@@ -99,7 +99,10 @@ def test_second_prompt_served_from_pool_matches_no_connector_run(engine, referen
 def test_altered_kv_changes_output_and_corruption_is_recomputed(engine, reference):
     llm, sched, worker = engine
     prompt = e2e_engine.PROMPTS["B"]
-    assert any(e.committed for e in sched.pool.index.entries.values())  # B's prefix is pooled
+    # B's prefix pooled and settled here, not left to the test before: a CI run once set this
+    # module's engine up anew for this test (an empty pool), whatever ran first
+    assert e2e_engine.generate_saved(llm, prompt) == reference["B"]
+    assert any(e.committed for e in sched.pool.index.entries.values())
     _scale_all_pool_data(worker, 64.0, sched.pool)  # negative control: wrong KV, consumed
     hits = sched.pool.lookups.hit_tokens
     assert e2e_engine.generate_saved(llm, prompt) != reference["B"]
