@@ -118,7 +118,9 @@ def trace_step(build: Callable[[], torch.nn.Module],
     and retries, and raises :class:`SimulatedOutOfMemoryError` when even that fails.
     ``inference_forward``: before training, one forward in eval mode under ``no_grad`` on the
     first ``batch(model)`` (what ``torchinfo.summary(model, input_size=...)`` runs on the
-    model's device); its blocks stay in the cache the training steps then split and reuse."""
+    model's device); its blocks stay in the cache the training steps then split and reuse.
+    That batch's target is allocated too (torchinfo makes none): a labels-sized block the
+    first step's labels would take anyway."""
     t0 = time.perf_counter()
     tracker = MemoryTracker(CachingAllocatorSim(capacity), overheads=overheads,
                             tf32=get_precision(precision).tf32)

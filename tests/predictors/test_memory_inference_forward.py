@@ -52,8 +52,9 @@ def test_runs_in_eval_mode_without_grad_and_restores_training():
 def test_its_blocks_stay_cached():
     # by hand, CUDACachingAllocator.cpp's rules: the 8 MiB weight opens a 20 MiB segment
     # (1-10 MiB requests, kLargeBuffer) and is split off it; the 12 MiB input takes the 12 MiB
-    # remainder (best fit); the 4 B target a 2 MiB small-pool segment; the 24 MiB output a
-    # segment of its own. The forward returns, its blocks are freed, and stay reserved.
+    # remainder (best fit); the 4 B target (the batch function's; torchinfo makes none) a
+    # 2 MiB small-pool segment; the 24 MiB output a segment of its own. The forward returns,
+    # its blocks are freed, and stay reserved.
     m, _ = _trace(steps=0, inference_forward=True)
     assert m.peak_allocated == (8 + 12 + 24) * MiB + 512
     assert m.peak_reserved == (20 + 2 + 24) * MiB
