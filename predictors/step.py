@@ -144,6 +144,18 @@ class TrainingStep:
         self._optimizer_step()
         return loss.detach()
 
+    def inference(self, batch: Batch) -> None:
+        """One forward of ``batch`` in eval mode under ``no_grad`` (as ``torchinfo.summary``
+        runs it before training); the model's previous mode is restored."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast_context(self.precision, self.target):
+                self.model(*self._cast_inputs(list(batch.inputs)),
+                           **self._cast_inputs(batch.kwargs or {}))
+        finally:
+            self.model.train(was_training)
+
     def _cast_inputs(self, tree: Any) -> Any:
         """Floating inputs (images, embeddings) enter a low-precision model in its dtype."""
         dtype = self.precision.param_dtype

@@ -166,6 +166,7 @@ def predict_module_memory(
     margin: float | None = None,
     context_mib: float | None = None,
     last_batch: int | None = None,
+    inference_forward: bool = False,
 ) -> DeviceMemoryPrediction:
     """Predict ``max_memory_allocated``, ``max_memory_reserved`` and device-level memory of one
     training step of ``model`` (an ``nn.Module``, real or on the meta device, or a factory
@@ -184,6 +185,9 @@ def predict_module_memory(
     the device's default from :data:`overheads.CONTEXTS`; ``last_batch``: a data loader's
     smaller last batch of an epoch (``len(dataset) % batch`` with ``drop_last=False``), traced
     between two full steps, since its differently sized blocks fragment the cache;
+    ``inference_forward``: the job runs one forward at the full batch in eval mode under
+    ``no_grad`` before training, as ``torchinfo.summary(model, input_size=...)`` does (the
+    blocks it allocates stay cached and shape the training steps' cache);
     ``margin``: a fixed relative margin +-``margin`` on the reserved bytes instead of the
     family's calibrated one (:mod:`verdict`: ``conv`` when the step ran a convolution, else
     ``dense``)."""
@@ -213,9 +217,10 @@ def predict_module_memory(
     opt = dist.effective_optimizer(opt)
 
     def run(limit: int | None) -> Measurement:
-        return trace_step(build, _as_batch(inputs, target, kwargs, sizes), precision,
-                          loss_fn=loss_fn, make_optimizer=opt.build, overheads=prof.overheads,
-                          capacity=limit, steps=len(sizes))
+        batches = _as_batch(inputs, target, kwargs, [None] * inference_forward + sizes)
+        return trace_step(build, batches, precision, loss_fn=loss_fn, make_optimizer=opt.build,
+                          overheads=prof.overheads, capacity=limit, steps=len(sizes),
+                          inference_forward=inference_forward)
 
     meas = run(None)
     if meas.convolutions and prof.overheads.cudnn_context_bytes:

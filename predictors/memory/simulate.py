@@ -111,11 +111,16 @@ def trace_step(build: Callable[[], torch.nn.Module],
                loss_fn: LossFn = default_loss,
                make_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                overheads: CudaOverheads = HOPPER, capacity: int | None = None,
-               steps: int = 2) -> Measurement:
+               steps: int = 2, inference_forward: bool = False) -> Measurement:
     """Trace ``steps`` training steps of the module ``build()`` returns (called under
     ``FakeTensorMode``) on inputs from ``batch(model)``; the last step's peaks are reported.
     ``capacity`` bounds the simulated allocator: under pressure it frees its cached segments
-    and retries, and raises :class:`SimulatedOutOfMemoryError` when even that fails."""
+    and retries, and raises :class:`SimulatedOutOfMemoryError` when even that fails.
+    ``inference_forward``: before training, one forward in eval mode under ``no_grad`` on the
+    first ``batch(model)`` (what ``torchinfo.summary(model, input_size=...)`` runs on the
+    model's device); its blocks stay in the cache the training steps then split and reuse.
+    That batch's target is allocated too (torchinfo makes none): a labels-sized block the
+    first step's labels would take anyway."""
     t0 = time.perf_counter()
     tracker = MemoryTracker(CachingAllocatorSim(capacity), overheads=overheads,
                             tf32=get_precision(precision).tf32)
@@ -135,6 +140,8 @@ def trace_step(build: Callable[[], torch.nn.Module],
             tracker.register(model.parameters(), "parameter")
             tracker.register(model.buffers(), "parameter")
             tracker.register(step.masters, "optimizer_state")
+            if inference_forward:
+                step.inference(batch(model))
             for i in range(steps):
                 if i == steps - 1:
                     tracker.phase = "setup"
