@@ -65,7 +65,8 @@ class SimOptions:
     bound_snap: float = 0.0
     skip: tuple[str, ...] = field(default_factory=tuple)
     # worker processes, one (family, GPU count) each at a time; the results do not depend on it
-    jobs: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    jobs: int = field(default_factory=lambda: len(os.sched_getaffinity(0))
+                      if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
     def __post_init__(self) -> None:
         for name in self.families:
@@ -335,11 +336,14 @@ def _worlds(opts: SimOptions, switch_costs: tuple[float, float],
             yield world_cases(opts, family, gpus, switch_costs)
         return
     # spawn, not fork: the caller may hold threads (a progress bar) and torch's thread pools
-    with ProcessPoolExecutor(min(opts.jobs, len(jobs)), mp_context=get_context("spawn"),
-                             initializer=init) as pool:
+    pool = ProcessPoolExecutor(min(opts.jobs, len(jobs)), mp_context=get_context("spawn"),
+                               initializer=init)
+    try:
         futures = [pool.submit(world_cases, opts, f, g, switch_costs) for f, g in jobs]
         for future in as_completed(futures):
             yield future.result()
+    finally:  # a failed world (or a caller that stops reading) ends the run: no world starts
+        pool.shutdown(cancel_futures=True)
 
 
 def run_sim(opts: SimOptions, switch_costs: tuple[float, float], progress=None,
