@@ -217,7 +217,8 @@ def predict_module_memory(
     opt = dist.effective_optimizer(opt)
 
     def run(limit: int | None) -> Measurement:
-        batches = _as_batch(inputs, target, kwargs, [None] * inference_forward + sizes)
+        batches = _as_batch(inputs, target, kwargs,
+                             ([None] if inference_forward else []) + sizes)
         return trace_step(build, batches, precision, loss_fn=loss_fn, make_optimizer=opt.build,
                           overheads=prof.overheads, capacity=limit, steps=len(sizes),
                           inference_forward=inference_forward)
