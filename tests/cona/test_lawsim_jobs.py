@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from megatron_cona.lawsim.chains import CHAINS  # noqa: E402
 from megatron_cona.lawsim.evaluate import SimOptions, run_sim  # noqa: E402
+from megatron_cona.lawsim.law import LawError  # noqa: E402
 
 pytest.importorskip("adaptdl")
 from cona_pollux import register_pollux  # noqa: E402
@@ -38,5 +39,5 @@ def test_two_worker_processes_give_the_one_process_report(tmp_path):
                                                 "bert-large/8gpu/kaplan"]
     assert all("pollux" in c["chains"] for c in two["cases"])
     assert two["cases"] == one["cases"] and two["summary"] == one["summary"]
-    with pytest.raises(Exception, match="jobs=0"):
+    with pytest.raises(LawError, match="jobs=0"):
         SimOptions(jobs=0)
