@@ -322,10 +322,13 @@ class OracleDriver(Driver):
 
 def run_oracle(case: SimCase) -> list[SimResult]:
     driver = OracleDriver(case)
-    start = max((case.fastest(b) for b in case.batches),
-                key=lambda x: (case.dynamics.advance(case.law.s0, 0.0, x.global_batch_size
-                                                     * case.seq, case.boundaries[1])
-                               / case.clock.iteration_time(x) * x.global_batch_size, x.name))
+    s0, span = case.law.s0, case.boundaries[1]
+
+    def rate(x: ParallelStrategy) -> float:  # progress per second over the first interval
+        batch = x.global_batch_size * case.seq
+        gain = case.dynamics.advance(s0, 0.0, batch, span) - s0
+        return gain / (span / batch * case.clock.iteration_time(x))
+    start = max((case.fastest(b) for b in case.batches), key=lambda x: (rate(x), x.name))
     return [run_chain(case, "oracle", {"start": start.name}, start, driver)]
 
 

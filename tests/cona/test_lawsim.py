@@ -290,3 +290,24 @@ def test_receive_side_switch_bytes_match_the_planner_where_both_run():
         planned, received = clock.moved_bytes(old, new), clock._received_bytes(old, new)
         assert received <= planned
         assert received >= 0.9 * planned, (old, new)
+
+
+def test_oracle_starts_where_the_first_interval_progresses_fastest():
+    """The per-interval-best reference starts on the strategy with the most progress per second
+    over the first interval: no static strategy's first interval gains more S_min a second.
+    (It once ranked the S reached, not the S gained, i.e. by throughput, and started on a
+    large batch where B_crit was tiny.)"""
+    from megatron_cona.lawsim import chains
+
+    case = _small_case()
+    s0 = case.law.s0
+
+    def first_rate(result):
+        p = result.points[1]
+        return (case.law.s_min(p.loss / case.law.loss_scale) - s0) / p.time
+
+    oracle = chains.run_oracle(case)[0]
+    statics = chains.run_static(case)
+    best = max(statics, key=first_rate)
+    assert oracle.points[0].strategy == best.points[0].strategy
+    assert first_rate(oracle) >= max(first_rate(r) for r in statics) * (1 - 1e-9)
