@@ -154,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     "alone_s": {d: timed[d].seconds
                                                                 for d in p.devices}}) + "\n")  # fmt: skip
                 for v in variants:
+                    # the copy threads the worker's probe picked: two runs of one machine can
+                    # pick differently and take different host-copy paths
                     print(_line(name, v, runs[v]) + " frac_of_bound=" + ",".join(
-                        f"{f:.2f}" for f in fracs[v]), flush=True)  # fmt: skip
+                        f"{f:.2f}" for f in fracs[v])
+                        + f" copy_threads={pools[v].local.engine.loads.copy_threads}",
+                        flush=True)  # fmt: skip
                 frac = statistics.median(fracs["on"])
                 med = {v: statistics.median(r.seconds for r in runs[v]) for v in variants}
                 if "off" in variants:
