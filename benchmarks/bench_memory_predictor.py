@@ -63,7 +63,8 @@ never reused. Last line:
 rule80_false_fits=R8 rule80_tight_rate=T8 mape_mlp_dynamic=M mape_h200_convnets=H
 llava_outcomes=K/N`` (goals C <= 5, D <= 10, F = 0 networks over both sweeps, O <= 5%, T < T8,
 K = N; a ``tight`` LLaVA verdict is not right); LLaVA's published outcomes
-(``predictors/data/llava_outcomes.csv``, LoRA rows included: ``LoraSpec`` in the presets) go
+(``predictors/data/llava_outcomes.csv``, LoRA rows included: ``LoraSpec`` in the presets;
+pretraining rows with the LLM frozen too) go
 through ``predict_peak_memory`` as a user describes the job. The agreement with the simulator is
 printed above it, apart.
 """
@@ -727,13 +728,16 @@ def llava_job(r: dict):
     rank 128 on every Linear of the LLM, LLaVA's ``find_all_linear_names``, the projector
     trained, the vision tower frozen) at ``bf16-mixed``: LLaVA casts the model to bf16 before
     adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
-    masters and Adam states of what trains (the adapters and the projector)."""
+    masters and Adam states of what trains (the adapters and the projector). The ``frozen``
+    column names the frozen towers, ``+``-joined: ``vision`` when finetuning, ``vision+llm``
+    in pretraining (``pretrain.sh``'s ``tune_mm_mlp_adapter``: only the projector trains)."""
     from predictors.memory.presets import as_memory_model
     from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions, foreach_temporaries
 
     lora = r["lora"] == "1"
     model = as_memory_model(r["model"], seq=int(r["seq"]), image_res=int(r["image_res"]),
-                            frozen=("vision",), lora=LoraSpec(LLAVA_LORA) if lora else None)
+                            frozen=tuple(r["frozen"].split("+")),
+                            lora=LoraSpec(LLAVA_LORA) if lora else None)
     strategy = ParallelStrategy(int(r["gpus"]), 1, 1, micro_batch=int(r["batch"]))
     # LLaVA trains through DeepSpeed (its scripts' zero2/zero3.json, no "optimizer" section:
     # the HF Trainer's torch AdamW, foreach); the row's torch is what LLaVA's pyproject.toml
