@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("vllm_kvpool._kvio")
 
+from vllm_kvpool.config import load_pool_config  # noqa: E402
 from vllm_kvpool.local import LocalPool  # noqa: E402
 
 BLOCKS, BLOCK = 64, 16  # 16 chunks of 4 blocks
@@ -174,3 +175,56 @@ def test_host_share_in_batches_the_loader_helps_with(tmp_path, monkeypatch, copy
         assert len(takers) == 3 * host  # each chunk copied once per fetch
         assert ("kvpool-copy", 1) in takers and all(t == 1 for _, t in takers)
         assert pool.status().transfers.devices["host0"].chunks_read == 3 * host
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_hybrid_host_share_partial_chunks_batched(tmp_path, monkeypatch, verify):
+    """With HMA, chunks before the hit position are read without their sliding-window tails
+    (the last full chunk keeps one window block, skipping the other): unverified, they go to
+    the KV with the whole ones through the batched host copy, not chunk by chunk, and put back
+    exactly the full-attention blocks and the window at the hit's end. Verified chunks
+    (``verify_checksums``) still go one at a time, each hashed whole."""
+    from vllm_kvpool.engine import loads
+    from vllm_kvpool.layout import ModelGeometry
+    from vllm_kvpool.layout import build as layouts
+
+    geo = ModelGeometry("tiny-hybrid", num_layers=4, num_kv_heads=2, head_dim=8, dtype_bytes=2,
+                        sliding_window=32, sliding_layers=2, source="test")  # fmt: skip
+    blocks = 5 * 4 + 1  # five whole chunks and a one-block one: the hit ends inside the window
+    cfg = {"chunk_tokens": 64, "verify_checksums": verify,
+           "devices": [{"host": {"capacity": "1MiB", "bandwidth_gbps": 1.0}}]}  # fmt: skip
+    layout = layouts.from_model(load_pool_config(cfg), geo, BLOCK)
+    g = torch.Generator().manual_seed(7)
+    kv = {name: torch.randn(blocks, grp.page_bytes // 2, generator=g).half()
+          for grp in layout.groups for name in grp.layer_names}  # fmt: skip
+    want = {k: t.clone() for k, t in kv.items()}
+    batched, one_by_one = [], []
+    real_init, real_read = loads._Bulk.__init__, loads.LoadPath._read_resident
+
+    def bulk_spy(self, batches):
+        real_init(self, batches)
+        batched.extend(p.read.sections for p in self.chunks)
+
+    def read_spy(self, p, scatter, threads=1):
+        one_by_one.append(p.read.sections)
+        real_read(self, p, scatter, threads)
+
+    monkeypatch.setattr(loads._Bulk, "__init__", bulk_spy)
+    monkeypatch.setattr(loads.LoadPath, "_read_resident", read_spy)
+    hashes, ids = HASHES[:blocks], list(range(blocks))
+    with LocalPool(cfg, kv, blocks, BLOCK, layout=layout) as pool:
+        assert pool.save(hashes, ids) == 6
+        for t in kv.values():
+            t.zero_()
+        r = pool.fetch(hashes, ids)
+        assert r.ok and r.blocks == blocks
+        assert pool.status().transfers.devices["host0"].chunks_read == 6
+    shapes = [((0, 4), (0, 0))] * 4 + [((0, 4), (1, 1)), ((0, 1), (0, 1))]
+    assert sorted(one_by_one if verify else batched) == sorted(shapes)
+    assert not (batched if verify else one_by_one)
+    for name, t in kv.items():
+        if name.startswith("full."):
+            assert torch.equal(t.view(torch.int16), want[name].view(torch.int16)), name
+        else:  # the window (2 blocks) at the hit's end; earlier tails dropped on the fetch
+            assert torch.equal(t[-2:].view(torch.int16), want[name][-2:].view(torch.int16))
+            assert not t[:-2].view(torch.int16).any(), name

@@ -13,10 +13,10 @@ from vllm_kvpool.native import kvio  # noqa: E402
 BLOCKS, HEADS, BLOCK_TOKENS, HEAD2 = 16, 2, 4, 8
 
 
-def make_layout(seed: int, uniform: bool) -> GroupKV:
+def make_layout(seed: int, uniform: bool, name: str = "layer") -> GroupKV:
     """Three layers; non-uniform ones differ in KV heads (the per-layer copy plan)."""
     g = torch.Generator().manual_seed(seed)
-    kv = {f"layer.{i}": torch.randn(BLOCKS, HEADS + (0 if uniform else i), BLOCK_TOKENS, HEAD2,
+    kv = {f"{name}.{i}": torch.randn(BLOCKS, HEADS + (0 if uniform else i), BLOCK_TOKENS, HEAD2,
                                     generator=g) for i in range(3)}  # fmt: skip
     return GroupKV.from_kv_caches(kv, list(kv), BLOCKS)
 
@@ -88,3 +88,38 @@ def test_reads_ops_of_many_chunks_move_what_each_chunks_rows_move(uniform):
             assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))  # NaNs
         untouched = bound(1).groups[0].layers[0].tensor.view(torch.uint8)
         assert not torch.equal(at_once.groups[0].layers[0].tensor.view(torch.uint8), untouched)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_reads_ops_of_hybrid_reads_move_what_each_reads_rows_move(uniform):
+    """With a sliding-window group, reads of several shapes at once (tails dropped, a window
+    block skipped, a shorter chunk, whole chunks) put every section's blocks where each read's
+    own ``read_ops`` puts them, and nothing else (planned per shape and section)."""
+    from vllm_kvpool.layout import ChunkKV, ChunkLayout, GroupLayout
+    from vllm_kvpool.protocol import ChunkRead
+
+    def bound(seed: int) -> ChunkKV:
+        full, swa = make_layout(seed, uniform), make_layout(seed + 100, uniform, "swa")
+        groups = (GroupLayout(0, tuple(x.name for x in full.layers), full.block_bytes, 4),
+                  GroupLayout(1, tuple(x.name for x in swa.layers), swa.block_bytes, 4, 2, 8))
+        return ChunkKV(ChunkLayout(groups, 4), [full, swa])  # fmt: skip
+
+    src = bound(0)
+    rng = torch.Generator().manual_seed(3)
+    chunks = torch.randint(0, 256, (6, src.nbytes(4)), dtype=torch.uint8, generator=rng)
+    reads = [((0, 1, 2, 3), 4, ((0, 4), (0, 0))), ((4, 5, 6, 7), 4, ((0, 4), (0, 0))),
+             ((8, 9, 10, 11, 10, 11), 4, ((0, 4), (0, 2))),  # whole
+             ((12, 13), 4, ((2, 2), (0, 0))),  # blocks vLLM already holds skipped
+             ((14, 15, 12, 13, 15), 4, ((0, 4), (1, 1))),
+             ((14,), 1, ((0, 1), (0, 0)))]  # a shorter chunk  # fmt: skip
+    jobs = [(ChunkRead(b"k", 0, 0, stored, {}, ids, sections), chunks[i].data_ptr())
+            for i, (ids, stored, sections) in enumerate(reads)]  # fmt: skip
+    at_once, one_by_one = bound(1), bound(1)
+    ops = at_once.reads_ops(jobs)
+    assert ops is not None
+    kvio().copy_many(ops, threads=2)
+    for read, addr in jobs:
+        kvio().copy_many(one_by_one.read_ops(read, addr), threads=1)
+    for a, b, c in zip(at_once.layers, one_by_one.layers, bound(1).layers, strict=True):
+        assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)), a.name
+        assert not torch.equal(a.tensor.view(torch.uint8), c.tensor.view(torch.uint8)), a.name

@@ -78,7 +78,7 @@ class _Bulk:
             return False
         begin = time.perf_counter()
         ops = path.layout.reads_ops([(p.read, p.buf.address) for p in batch if p.buf])
-        assert ops is not None  # ``_copied_whole`` checked each chunk has rows
+        assert ops is not None  # ``_copied_unverified`` checked each chunk has rows
         path.io.copy_many(ops, threads=threads)
         done = time.perf_counter()
         with self._lock:
@@ -169,7 +169,7 @@ class LoadPath:
         host_queue: deque[_PendingRead] = deque()
         bulk: list[_PendingRead] = []
         for p in [] if layer_major else resident:
-            (bulk if self._copied_whole(p) else host_queue).append(p)
+            (bulk if self._copied_unverified(p) else host_queue).append(p)
         inflight: dict[int, deque[_Wave]] = defaultdict(deque)
         for d in list(queues):  # the SSDs start first: planning the host copy can wait for them
             self._fill(d, queues[d], inflight[d], fits)
@@ -238,12 +238,14 @@ class LoadPath:
             return r.checksums.get(self.rank)
         return None
 
-    def _copied_whole(self, p: _PendingRead) -> bool:
-        """Whether a resident chunk needs no verification and goes to the KV whole by the C++
-        copy (its buffer is then taken): such chunks are copied together."""
+    def _copied_unverified(self, p: _PendingRead) -> bool:
+        """Whether a resident chunk needs no verification and goes to the KV by the C++ copy
+        (its buffer is then taken): such chunks are copied together, whole or partial. With HMA
+        a hit's chunks before its end drop their sliding-window tails; when only whole chunks
+        were batched, the copier took the last chunk alone and the loader copied the rest one
+        by one (GPT-OSS-20B 32K from host memory, DEVELOPMENT: 0.132 -> 0.115 s a fetch)."""
         r = p.read
-        if (self._expected(r) is not None or not self.layout.whole_read(r)
-                or not self.copier.kv_addressable):  # fmt: skip
+        if self._expected(r) is not None or not self.copier.kv_addressable:
             return False
         p.buf = self.tiers[r.device].load_buffer(r.slot, p.nbytes)
         assert p.buf is not None  # resident media never run out of buffers

@@ -137,21 +137,23 @@ class GroupKV:
             parts.append(ops)
         return _merge_adjacent(np.concatenate(parts)) if parts else None
 
-    def whole_chunks_ops(self, block_ids: np.ndarray, chunk_addrs: np.ndarray) -> np.ndarray | None:
-        """Rows putting whole chunks back into the KV: chunk ``c`` (its stored blocks are
-        ``block_ids[c]``, one row per chunk, all of one length) read from ``chunk_addrs[c]``.
-        One numpy expression for all of them, equal to the chunks' ``chunk_ops`` one after the
-        other; None without the uniform plan."""
+    def chunks_ops(self, block_ids: np.ndarray, chunk_addrs: np.ndarray, stored: int,
+                   skip: int = 0) -> np.ndarray | None:  # fmt: skip
+        """Rows putting many chunks' sections of this group back into the KV: chunk ``c``'s
+        section (``stored`` blocks) starts at ``chunk_addrs[c]`` and its blocks
+        ``skip..skip+k`` go to ``block_ids[c]`` (one row of ``k`` ids per chunk). One numpy
+        expression for all of them, the rows of the chunks' ``chunk_ops`` (their order aside);
+        None without the uniform plan."""
         if self._plan is None:
             return None
         base, stride, prefix, ratio, kpage = self._plan
-        n, stored = block_ids.shape
+        n = len(block_ids)
         kernel = (block_ids.astype(np.uint64)[:, :, None] * np.uint64(ratio)
                   + np.arange(ratio, dtype=np.uint64)).reshape(n, -1)  # fmt: skip
+        layer_start = prefix * np.uint64(stored) + np.uint64(skip * ratio * kpage)
         ops = np.empty((n, len(base), kernel.shape[1], 3), dtype=np.uint64)
         ops[..., 0] = base[None, :, None] + kernel[:, None, :] * stride[None, :, None]
-        ops[..., 1] = (chunk_addrs.astype(np.uint64)[:, None, None]
-                       + (prefix * np.uint64(stored))[None, :, None]
+        ops[..., 1] = (chunk_addrs.astype(np.uint64)[:, None, None] + layer_start[None, :, None]
                        + np.arange(kernel.shape[1], dtype=np.uint64)[None, None, :]
                        * np.uint64(kpage))  # fmt: skip
         ops[..., 2] = kpage
@@ -320,27 +322,45 @@ class ChunkKV:
         return self.chunk_ops(ids, chunk_addr, True, read.stored_blocks, skips)
 
     def reads_ops(self, reads: Sequence[tuple[ChunkRead, int]]) -> np.ndarray | None:
-        """The copy rows of many ``(read, chunk address)`` at once (``read_ops`` of each, in
-        order); None when any has none. Whole chunks of one length in a one-group layout are
-        planned in one numpy pass (a fetch's host share: ~100 chunks, where a pass per chunk
-        cost ~0.1 ms each, before the copy could start)."""
+        """The copy rows of many ``(read, chunk address)`` at once: the rows of each one's
+        ``read_ops``, not in that order (callers only copy them); None when any has none. Reads
+        of one shape (stored blocks and ``(skip, count)`` per section: a fetch's host share or
+        wave is mostly full chunks, or with HMA chunks that drop their sliding-window tails) are
+        planned one numpy pass per section for all of them (~100 chunks, where a pass per chunk
+        cost ~0.1 ms each, holding the GIL, before the copy could start)."""
         if not reads:
             return None
-        stored = reads[0][0].stored_blocks
-        sections = self.layout.sections(stored)
-        if (len(sections) == 1 and sections[0].offset == sections[0].first == 0
-                and sections[0].num_blocks == stored
-                and all(r.stored_blocks == stored and r.sections == ((0, stored),)
-                        for r, _ in reads)):  # fmt: skip
-            ops = self.groups[0].whole_chunks_ops(
-                np.array([r.block_ids for r, _ in reads], dtype=np.uint64).reshape(len(reads), -1),
-                np.array([a for _, a in reads], dtype=np.uint64))  # fmt: skip
-            if ops is not None:
-                return ops
-        parts = [self.read_ops(r, a) for r, a in reads]
-        if any(p is None for p in parts):
-            return None
+        shapes: dict[tuple[int, tuple[tuple[int, int], ...]], list[tuple[ChunkRead, int]]] = {}
+        for r, a in reads:
+            shapes.setdefault((r.stored_blocks, tuple(map(tuple, r.sections))), []).append((r, a))
+        parts = []
+        for (stored, sections), same in shapes.items():
+            ops = self._same_shape_ops(same, stored, sections)
+            if ops is None:  # a group without the uniform plan: chunk by chunk
+                ops = [self.read_ops(r, a) for r, a in same]
+            if any(o is None for o in ops):
+                return None
+            parts.extend(ops)
         return np.concatenate(parts)
+
+    def _same_shape_ops(self, reads: Sequence[tuple[ChunkRead, int]], stored: int,
+                        sections: Sequence[tuple[int, int]]) -> list[np.ndarray] | None:  # fmt: skip
+        """``reads_ops`` of reads of one shape: one ``GroupKV.chunks_ops`` per section read."""
+        ids = np.array([r.block_ids for r, _ in reads], dtype=np.uint64).reshape(len(reads), -1)
+        addrs = np.array([a for _, a in reads], dtype=np.uint64)
+        out, at = [], 0
+        for gi, (section, (skip, count)) in enumerate(zip(self.layout.sections(stored), sections,
+                                                            strict=True)):  # fmt: skip
+            if not count:
+                continue
+            ops = self.groups[gi].chunks_ops(ids[:, at : at + count],
+                                             addrs + np.uint64(section.offset),
+                                             section.num_blocks, skip)  # fmt: skip
+            if ops is None:
+                return None
+            out.append(ops)
+            at += count
+        return out
 
     def whole_read(self, read: ChunkRead) -> bool:
         ids, skips = self.read_ids(read)
