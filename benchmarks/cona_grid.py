@@ -9,7 +9,7 @@ variant x family x GPU count (``cona scale``'s worlds over ``--jobs`` worker pro
 switch costs fixed (default 0.039 s / 0.0008 s: the simulated seconds then do not depend on the
 machine), no exact DP, only the chains a ratio needs (``static``, ``cona``; ``oracle`` and the
 relaxed bound come along). Each seed's ``sim.json`` is written under ``<out>/seed<N>/`` as it
-finishes, so a killed run keeps the seeds it finished. About 4 minutes a seed on 2 cores.
+finishes, so a killed run keeps the seeds it finished. About 5 minutes a seed on 2 cores.
 
 Output, per case-target the tuned static batch's time over CONA's (>= 1: CONA no slower):
 the geometric mean, the smallest, how many are >= 0.95 and >= 1.0, and the rows (law variant x
