@@ -57,6 +57,18 @@ def test_chunk_ops_needs_contiguous_cpu_pages():
     assert layout.chunk_ops([0, 1], 0, True) is None
 
 
+def _at_once_and_one_by_one(bound, jobs):
+    """Two fresh KVs (``bound(1)``): one filled by ``reads_ops`` of all ``jobs`` at once, the
+    other by each job's own ``read_ops`` in turn."""
+    at_once, one_by_one = bound(1), bound(1)
+    ops = at_once.reads_ops(jobs)
+    assert ops is not None
+    kvio().copy_many(ops, threads=2)
+    for read, addr in jobs:
+        kvio().copy_many(one_by_one.read_ops(read, addr), threads=1)
+    return at_once, one_by_one
+
+
 @pytest.mark.parametrize("uniform", [True, False])
 def test_reads_ops_of_many_chunks_move_what_each_chunks_rows_move(uniform):
     """A wave's or a host share's rows planned at once (``ChunkKV.reads_ops``) put every chunk in
@@ -78,12 +90,7 @@ def test_reads_ops_of_many_chunks_move_what_each_chunks_rows_move(uniform):
     for reads in (whole, [*whole[:2], ((11,), ((1, 1),)), whole[3]]):
         jobs = [(ChunkRead(b"k", 0, 0, stored, {}, ids, sections), chunks[i].data_ptr())
                 for i, (ids, sections) in enumerate(reads)]  # fmt: skip
-        at_once, one_by_one = bound(1), bound(1)
-        ops = at_once.reads_ops(jobs)
-        assert ops is not None
-        kvio().copy_many(ops, threads=2)
-        for read, addr in jobs:
-            kvio().copy_many(one_by_one.read_ops(read, addr), threads=1)
+        at_once, one_by_one = _at_once_and_one_by_one(bound, jobs)
         for a, b in zip(at_once.groups[0].layers, one_by_one.groups[0].layers, strict=True):
             assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8))  # NaNs
         untouched = bound(1).groups[0].layers[0].tensor.view(torch.uint8)
@@ -114,12 +121,7 @@ def test_reads_ops_of_hybrid_reads_move_what_each_reads_rows_move(uniform):
              ((14,), 1, ((0, 1), (0, 0)))]  # a shorter chunk  # fmt: skip
     jobs = [(ChunkRead(b"k", 0, 0, stored, {}, ids, sections), chunks[i].data_ptr())
             for i, (ids, stored, sections) in enumerate(reads)]  # fmt: skip
-    at_once, one_by_one = bound(1), bound(1)
-    ops = at_once.reads_ops(jobs)
-    assert ops is not None
-    kvio().copy_many(ops, threads=2)
-    for read, addr in jobs:
-        kvio().copy_many(one_by_one.read_ops(read, addr), threads=1)
+    at_once, one_by_one = _at_once_and_one_by_one(bound, jobs)
     for a, b, c in zip(at_once.layers, one_by_one.layers, bound(1).layers, strict=True):
         assert torch.equal(a.tensor.view(torch.uint8), b.tensor.view(torch.uint8)), a.name
         assert not torch.equal(a.tensor.view(torch.uint8), c.tensor.view(torch.uint8)), a.name
