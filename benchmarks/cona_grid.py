@@ -107,6 +107,8 @@ def main() -> None:
     args = vars(parser.parse_args())
     seeds, costs, out = args.pop("seeds"), args.pop("switch_costs"), args.pop("out")
     before = args.pop("compare")
+    if before is not None and not any(before.glob("seed*/sim.json")):
+        sys.exit(f"cona_grid: --compare {before}: no finished seed there (seed<N>/sim.json)")
     fields = {k: v for k, v in args.items() if k in SimOptions.__dataclass_fields__
               and k not in ("seed", "out", "exact_variants", "skip")}
     after: dict[Key, float] = {}
