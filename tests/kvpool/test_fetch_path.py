@@ -218,7 +218,13 @@ def test_hybrid_host_share_partial_chunks_batched(tmp_path, monkeypatch, verify)
             t.zero_()
         r = pool.fetch(hashes, ids)
         assert r.ok and r.blocks == blocks
-        assert pool.status().transfers.devices["host0"].chunks_read == 6
+        host = pool.status().transfers.devices["host0"]
+        assert host.chunks_read == 6
+        # the bytes charged to the host pool (its learned rate's numerator): the copy's, not
+        # the stored chunks'; a verified chunk is read whole to be hashed
+        stored = 5 * layout.nbytes(4) + layout.nbytes(1)
+        assert layout.fetch_bytes(blocks) < stored
+        assert host.bytes_read == (stored if verify else layout.fetch_bytes(blocks))
     shapes = [((0, 4), (0, 0))] * 4 + [((0, 4), (1, 1)), ((0, 1), (0, 1))]
     assert sorted(one_by_one if verify else batched) == sorted(shapes)
     assert not (batched if verify else one_by_one)

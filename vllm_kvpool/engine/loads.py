@@ -267,11 +267,14 @@ class LoadPath:
         host pool in the share is charged the whole window: one copier moved them all, so
         each pool's rate is its bytes over that window and the rates add up to the copier's.
         (Charging each pool its byte share of the window gave every pool the copier's whole
-        rate, so two pools counted it twice.)"""
+        rate, so two pools counted it twice.) A chunk is charged the bytes the copy moved:
+        with HMA the chunks before a hit's end leave their sliding-window tails in the pool,
+        and charging the stored chunk made a host pool's learned rate ~1.5x too high."""
         elapsed = bulk.end - bulk.start
         by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
         for p in bulk.chunks:
-            by_device[p.read.device].append(ReadOutcome(p.read, p.nbytes, "ok"))
+            by_device[p.read.device].append(
+                ReadOutcome(p.read, self.layout.read_bytes(p.read), "ok"))
         for device, outcomes in by_device.items():
             self.accounts.reads_done(device, outcomes, elapsed)
 
@@ -399,7 +402,9 @@ class LoadPath:
                 p.ok = outcome.ok
             if scatter and p.ok:
                 self._scatter(p, threads)
-        self.accounts.reads_done(p.read.device, [ReadOutcome(p.read, p.nbytes,
+        # a verified chunk is read whole (hashed); an unverified one moves only what the KV takes
+        moved = p.nbytes if expected is not None else self.layout.read_bytes(r)
+        self.accounts.reads_done(p.read.device, [ReadOutcome(p.read, moved,
                                                              "ok" if p.ok else "corrupt")],
                                  time.perf_counter() - start)  # fmt: skip
 

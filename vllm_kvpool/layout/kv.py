@@ -362,6 +362,12 @@ class ChunkKV:
             at += count
         return out
 
+    def read_bytes(self, read: ChunkRead) -> int:
+        """Bytes ``read`` puts into the KV: each section's blocks read, its skipped ones and
+        the sliding-window tails it drops not counted."""
+        return sum(count * s.group.block_bytes for s, (_, count)
+                   in zip(self.layout.sections(read.stored_blocks), read.sections, strict=True))
+
     def whole_read(self, read: ChunkRead) -> bool:
         ids, skips = self.read_ids(read)
         return self.whole(ids, read.stored_blocks, skips)
