@@ -293,6 +293,16 @@ def run_cona(case: SimCase) -> list[SimResult]:
     return [result]
 
 
+def progress_rate(case: SimCase, s: float, d: float, span: float, x: ParallelStrategy,
+                  switch_s: float = 0.0) -> float:
+    """S_min gained per second by ``x`` over the next ``span`` tokens from the law's state
+    (``s``, ``d``), ``switch_s`` seconds of switching included: the oracle's one criterion, for
+    its start and at every boundary."""
+    batch = x.global_batch_size * case.seq
+    gain = case.dynamics.advance(s, d, batch, span) - s
+    return gain / (span / batch * case.clock.iteration_time(x) + switch_s)
+
+
 class OracleDriver(Driver):
     """The per-interval-best reference: at every boundary, knowing the law's state, the
     strategy with the most progress per second over the next interval (its switch included).
@@ -309,26 +319,16 @@ class OracleDriver(Driver):
         self.d = tokens
         k = c.boundaries.index(tokens)
         span = c.boundaries[k + 1] - tokens if k + 1 < len(c.boundaries) else tokens
-
-        def rate(x: ParallelStrategy) -> float:
-            batch = x.global_batch_size * c.seq
-            gain = c.dynamics.advance(self.s, tokens, batch, span) - self.s
-            return gain / (span / batch * c.clock.iteration_time(x)
-                           + c.clock.switch_time(now, x))
-        best = max(c.candidates, key=lambda x: (rate(x), x.name))
+        best = max(c.candidates, key=lambda x: (progress_rate(
+            c, self.s, tokens, span, x, c.clock.switch_time(now, x)), x.name))
         if best != now:
             self.executor.switch(best)
 
 
 def run_oracle(case: SimCase) -> list[SimResult]:
     driver = OracleDriver(case)
-    s0, span = case.law.s0, case.boundaries[1]
-
-    def rate(x: ParallelStrategy) -> float:  # progress per second over the first interval
-        batch = x.global_batch_size * case.seq
-        gain = case.dynamics.advance(s0, 0.0, batch, span) - s0
-        return gain / (span / batch * case.clock.iteration_time(x))
-    start = max((case.fastest(b) for b in case.batches), key=lambda x: (rate(x), x.name))
+    start = max((case.fastest(b) for b in case.batches), key=lambda x: (progress_rate(
+        case, case.law.s0, 0.0, case.boundaries[1], x), x.name))
     return [run_chain(case, "oracle", {"start": start.name}, start, driver)]
 
 
