@@ -15,11 +15,14 @@ import cona_grid  # noqa: E402
 
 
 def _case(variant: str, gpus: int, family: str, times: dict[str, tuple[float, float]]) -> dict:
-    """A sim.json case whose targets have (static, cona) seconds ``times``."""
+    """A sim.json case whose targets have (static, cona) seconds ``times`` (the oracle and
+    the bound, which the benchmark's ratios also read, at 50 s)."""
     return {"variant": variant, "gpus": gpus, "family": family,
             "targets": {t: {} for t in times},
             "chains": {"static": {t: {"time_s": s} for t, (s, _) in times.items()},
-                       "cona": {t: {"time_s": c} for t, (_, c) in times.items()}}}
+                       "cona": {t: {"time_s": c} for t, (_, c) in times.items()},
+                       "oracle": {t: {"time_s": 50.0, "switches": 0} for t in times},
+                       "bound": {t: {"time_s": 50.0, "relaxed_s": 50.0} for t in times}}}
 
 
 def _write(root: Path, seed: int, cases: list[dict]) -> None:
