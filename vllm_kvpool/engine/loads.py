@@ -238,6 +238,13 @@ class LoadPath:
             return r.checksums.get(self.rank)
         return None
 
+    def _charged_bytes(self, p: _PendingRead) -> int:
+        """The bytes a resident chunk's read is charged (its device's learned rate): a verified
+        chunk is read whole to be hashed; an unverified one moves only what the KV takes (with
+        HMA the chunks before a hit's end leave their sliding-window tails in the pool, and
+        charging the stored chunk made a host pool's learned rate ~1.5x too high)."""
+        return p.nbytes if self._expected(p.read) is not None else self.layout.read_bytes(p.read)
+
     def _copied_unverified(self, p: _PendingRead) -> bool:
         """Whether a resident chunk needs no verification and goes to the KV by the C++ copy
         (its buffer is then taken): such chunks are copied together, whole or partial. With HMA
@@ -267,14 +274,11 @@ class LoadPath:
         host pool in the share is charged the whole window: one copier moved them all, so
         each pool's rate is its bytes over that window and the rates add up to the copier's.
         (Charging each pool its byte share of the window gave every pool the copier's whole
-        rate, so two pools counted it twice.) A chunk is charged the bytes the copy moved:
-        with HMA the chunks before a hit's end leave their sliding-window tails in the pool,
-        and charging the stored chunk made a host pool's learned rate ~1.5x too high."""
+        rate, so two pools counted it twice.) Each chunk is charged ``_charged_bytes``."""
         elapsed = bulk.end - bulk.start
         by_device: dict[int, list[ReadOutcome]] = defaultdict(list)
         for p in bulk.chunks:
-            by_device[p.read.device].append(
-                ReadOutcome(p.read, self.layout.read_bytes(p.read), "ok"))
+            by_device[p.read.device].append(ReadOutcome(p.read, self._charged_bytes(p), "ok"))
         for device, outcomes in by_device.items():
             self.accounts.reads_done(device, outcomes, elapsed)
 
@@ -402,9 +406,7 @@ class LoadPath:
                 p.ok = outcome.ok
             if scatter and p.ok:
                 self._scatter(p, threads)
-        # a verified chunk is read whole (hashed); an unverified one moves only what the KV takes
-        moved = p.nbytes if expected is not None else self.layout.read_bytes(r)
-        self.accounts.reads_done(p.read.device, [ReadOutcome(p.read, moved,
+        self.accounts.reads_done(p.read.device, [ReadOutcome(p.read, self._charged_bytes(p),
                                                              "ok" if p.ok else "corrupt")],
                                  time.perf_counter() - start)  # fmt: skip
 
