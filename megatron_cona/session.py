@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -150,8 +150,10 @@ class ConaSession:
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
-        # (strategy, noise scale then): a larger batch was measured to pay over this one
-        self._floor: tuple[ParallelStrategy, float] | None = None
+        # (strategy, noise scale, training seconds then): a larger batch was measured to pay
+        # over this one
+        self._floor: tuple[ParallelStrategy, float, float] | None = None
+        self._challenge: tuple[ParallelStrategy, float, float] | None = None  # floor on trial
         self._same_batch = 0  # rankings in a row on the running global batch
         self._explore_wait = config.explore_after  # doubles after every experiment
         self._experimenting = False  # the last decision is an experiment
@@ -230,8 +232,9 @@ class ConaSession:
         # faster per sample, while the noise scale has not fallen 2x: the per-sample
         # efficiency a doubling to B keeps, (phi + B/2) / (phi + B), is larger at smaller B,
         # and so is the samples per second a doubling adds, so a doubling that paid at one
-        # batch pays more at every smaller one (the noise scale only grows as the loss falls)
-        if self._floor is not None and phi > self._floor[1] / 2:
+        # batch pays more at every smaller one (the noise scale only grows as the loss falls);
+        # once the training time since the verdict doubled, a move below is an experiment
+        if self._floor is not None and phi > self._floor[1] / 2 and not self._floor_stale():
             worse = self._floor[0]
             pace = worse.global_batch_size / self.times.iteration_time(worse)
             candidates = [s for s in candidates if s == strategy
@@ -251,6 +254,8 @@ class ConaSession:
         experiment is held (True) until its verdict is confident or ``judge_intervals`` passed;
         an ordinary switch is judged on its first interval."""
         self.progress.close_interval(strategy)
+        if self._challenge is not None and self._judging is None:  # the move was not made
+            self._floor, self._challenge = self._challenge, None
         if not self.config.confirm or self._judging is None:
             return None, False
         old, new, experiment, seen = self._judging
@@ -261,9 +266,17 @@ class ConaSession:
             self._judging = (old, new, experiment, seen)
             return None, True
         self._judging = None
+        challenge, self._challenge = self._challenge, None
+        if verdict is not None:
+            self.progress.learn(verdict)
+            if challenge is not None and not (verdict.confident and verdict.observed >= 1.0):
+                # a stale floor is lifted only by a move below it that measurably paid; one
+                # that did not (lost, or could not tell) goes back
+                verdict = replace(verdict, rollback=True)
+        if challenge is not None and (verdict is None or verdict.rollback):
+            self._floor = (challenge[0], challenge[1], self._elapsed)  # binds again from now
         if verdict is None:
             return None, False
-        self.progress.learn(verdict)
         log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
                  "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
                  "x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
@@ -275,8 +288,15 @@ class ConaSession:
         elif verdict.confident and verdict.observed >= 1.0:
             self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
             if new.global_batch_size > old.global_batch_size:
-                self._floor = (old, self.noise_scale)
+                self._floor = (old, self.noise_scale, self._elapsed)
         return verdict, False
+
+    def _floor_stale(self) -> bool:
+        """A floor binds until the training time since it was set doubled; then a move below
+        it is made as an experiment (held until its comparison is confident, rolled back if it
+        lost), so that a floor set by a verdict read wrong through the loss's noise is measured
+        again instead of binding for the rest of the run."""
+        return self._floor is not None and self._elapsed >= 2.0 * self._floor[2]
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
         """The estimate to try when the probe's bias is still unmeasured and the batch has not
@@ -302,6 +322,8 @@ class ConaSession:
             if low < batch and high <= batch:
                 target = batch // 2
         trial = [e for e in ranking if e.strategy.global_batch_size == target]
+        if self._floor_stale() and target <= self._floor[0].global_batch_size:
+            return []  # a stale floor is challenged by what the ranking prefers, not a probe
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
@@ -366,6 +388,9 @@ class ConaSession:
         decision = self.policy.decide(
             iteration, current, ranking, interval_s, phi, low, must_leave=must_leave,
             hold="an experiment is still measuring whether its batch pays" if hold else None)
+        if self._floor_stale() and decision.target != strategy \
+                and decision.target.global_batch_size <= self._floor[0].global_batch_size:
+            self._experimenting, self._challenge, self._floor = True, self._floor, None
         self._interval_time = 0.0
         self._same_batch = 0 if decision.target.global_batch_size != \
             strategy.global_batch_size else self._same_batch + 1

@@ -306,6 +306,52 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
     assert path[7] != big  # the floor lifts once the noise scale fell 2x
 
 
+@pytest.mark.parametrize("below_pays", [False, True])
+def test_a_floor_binds_until_the_training_time_doubled_then_a_move_below_it_must_pay(
+        below_pays):
+    """The scenario above with the noise scale steady at 4: the floor an experiment's verdict
+    set (batch 32 beat 16) binds while the training time since it has not doubled, though the
+    estimate puts batch 8 above 32. Then the ranking's move below it is made as an experiment:
+    a comparison that says it lost sends CONA back to 32, the floor binding again from then;
+    one that says it paid lifts the floor and CONA stays. A floor set by a verdict read wrong
+    through the loss's noise is measured again instead of binding for the rest of the run."""
+    from megatron_cona.progress import Verdict
+
+    small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
+    secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}
+    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0)
+
+    def judge(old, new, phi, seen):
+        up = new.global_batch_size > old.global_batch_size
+        ratio = 1.3 if up or below_pays else 0.7
+        return Verdict(old, new, ratio, 0.1, ratio, math.nan, paid=ratio > 1,
+                       rollback=ratio < 1, confident=True)
+
+    s.progress.judge = judge
+    path, stale, floors = [], [], []
+    for i in range(16):
+        now = s.executor.strategy
+        for _ in range(20):
+            s.observe(secs[now], _replicas_reading(4.0, now.global_batch_size),
+                      loss=10.0 - 0.01 * i)
+        stale.append(s._floor is not None and s._elapsed >= 2 * s._floor[2])
+        s.act(0, s.decide(0))
+        path.append(s.executor.strategy)
+        floors.append(s._floor)
+    first, challenged = path.index(big), stale.index(True)
+    assert first < challenged - 1
+    # held on 32 from the verdict that set the floor until the training time doubled ...
+    assert path[first:challenged] == [big] * (challenged - first)
+    assert path[challenged] == tiny  # ... then the ranking's move below it, an experiment
+    if below_pays:
+        assert path[challenged:] == [tiny] * (len(path) - challenged)
+        assert floors[-1] is None and big in s.tried
+    else:
+        assert path[challenged + 1] == big and tiny in s.tried
+        renewed = floors[challenged + 1]
+        assert renewed[0] == small and renewed[2] > floors[challenged - 1][2]
+
+
 def test_an_experiment_waits_until_its_comparison_can_be_confident():
     """The same biased probe, but the loss readings are so noisy against 20 iterations'
     progress (sd 3 nats vs 0.32 nats of progress an interval) that even a comparison of
