@@ -292,10 +292,10 @@ class ConaSession:
         return verdict, False
 
     def _floor_stale(self) -> bool:
-        """A floor binds until the training time since it was set doubled; then a move below
-        it is made as an experiment (held until its comparison is confident, rolled back if it
-        lost), so that a floor set by a verdict read wrong through the loss's noise is measured
-        again instead of binding for the rest of the run."""
+        """A floor binds until the training time since it was set doubled; then the ranking's
+        move below it is made as an experiment (held until its comparison is confident), kept
+        only if it measurably paid, so that a floor set by a verdict read wrong through the
+        loss's noise is measured again instead of binding for the rest of the run."""
         return self._floor is not None and self._elapsed >= 2.0 * self._floor[2]
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
@@ -366,7 +366,9 @@ class ConaSession:
         if hold:
             must_leave = None
         elif verdict is not None and verdict.rollback:
-            must_leave = (f"switch {verdict.old.name} -> {strategy.name} lost progress "
+            # a move below a floor that did not measurably pay is rolled back too
+            outcome = "did not measurably pay" if verdict.paid else "lost progress"
+            must_leave = (f"switch {verdict.old.name} -> {strategy.name} {outcome} "
                           f"(x{verdict.observed:.3f} +- {verdict.stderr:.3f} of the old "
                           "strategy's rate): rolled back")
             ranking = [e for e in ranking if e.strategy == verdict.old] or [
