@@ -153,7 +153,7 @@ class ConaSession:
         # (strategy, noise scale, training seconds then): a larger batch was measured to pay
         # over this one
         self._floor: tuple[ParallelStrategy, float, float] | None = None
-        self._challenge: tuple[ParallelStrategy, float, float] | None = None  # floor on trial
+        self._challenging = False  # a move below a stale floor is being judged
         self._same_batch = 0  # rankings in a row on the running global batch
         self._explore_wait = config.explore_after  # doubles after every experiment
         self._experimenting = False  # the last decision is an experiment
@@ -254,8 +254,8 @@ class ConaSession:
         experiment is held (True) until its verdict is confident or ``judge_intervals`` passed;
         an ordinary switch is judged on its first interval."""
         self.progress.close_interval(strategy)
-        if self._challenge is not None and self._judging is None:  # the move was not made
-            self._floor, self._challenge = self._challenge, None
+        if self._judging is None:  # a move below the floor was not made: nothing to judge
+            self._challenging = False
         if not self.config.confirm or self._judging is None:
             return None, False
         old, new, experiment, seen = self._judging
@@ -266,15 +266,16 @@ class ConaSession:
             self._judging = (old, new, experiment, seen)
             return None, True
         self._judging = None
-        challenge, self._challenge = self._challenge, None
+        challenged, self._challenging = self._challenging, False
         if verdict is not None:
             self.progress.learn(verdict)
-            if challenge is not None and not (verdict.confident and verdict.observed >= 1.0):
+            if challenged and not (verdict.confident and verdict.observed >= 1.0):
                 # a stale floor is lifted only by a move below it that measurably paid; one
                 # that did not (lost, or could not tell) goes back
                 verdict = replace(verdict, rollback=True)
-        if challenge is not None and (verdict is None or verdict.rollback):
-            self._floor = (challenge[0], challenge[1], self._elapsed)  # binds again from now
+        if challenged:  # lifted, or binding again from now
+            self._floor = None if verdict is not None and not verdict.rollback else (
+                self._floor[0], self._floor[1], self._elapsed)
         if verdict is None:
             return None, False
         log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
@@ -321,9 +322,9 @@ class ConaSession:
             high = self._best_at(pool, mean * math.exp(sd)).global_batch_size
             if low < batch and high <= batch:
                 target = batch // 2
-        trial = [e for e in ranking if e.strategy.global_batch_size == target]
         if self._floor_stale() and target <= self._floor[0].global_batch_size:
             return []  # a stale floor is challenged by what the ranking prefers, not a probe
+        trial = [e for e in ranking if e.strategy.global_batch_size == target]
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
@@ -392,7 +393,7 @@ class ConaSession:
             hold="an experiment is still measuring whether its batch pays" if hold else None)
         if self._floor_stale() and decision.target != strategy \
                 and decision.target.global_batch_size <= self._floor[0].global_batch_size:
-            self._experimenting, self._challenge, self._floor = True, self._floor, None
+            self._experimenting = self._challenging = True
         self._interval_time = 0.0
         self._same_batch = 0 if decision.target.global_batch_size != \
             strategy.global_batch_size else self._same_batch + 1
