@@ -158,6 +158,20 @@ def source_clone(tmp_path_factory) -> Path:
     return clone
 
 
+# What a failed build's log says went wrong: the compiler's and the linker's own lines (pip's
+# traceback comes last in the log and would push them out of a CI log's tail).
+BUILD_ERROR_MARKS = ("error", "Error", "Killed", "No space left", "undefined reference")
+
+
+def build_failure(log: str, path: Path) -> str:
+    """The message of a failed wheel build: the whole log is written to ``path``; the message
+    ends with the log's first error lines (the first names the cause), so the tail of CI's
+    output shows them."""
+    path.write_text(log)
+    errors = [line for line in log.splitlines() if any(m in line for m in BUILD_ERROR_MARKS)]
+    return f"the build failed; its whole log: {path}\n" + "\n".join(errors[:40])
+
+
 @pytest.fixture(scope="session")
 def build_wheel(source_clone) -> Callable[[Path, dict[str, str]], tuple[Path, str]]:
     """``build(dist, env)``: the plugins' wheel built from the clone with ``env`` added into
@@ -169,8 +183,10 @@ def build_wheel(source_clone) -> Callable[[Path, dict[str, str]], tuple[Path, st
                                "--no-build-isolation", "-w", str(dist), str(source_clone)],
                               capture_output=True, text=True, timeout=600,
                               env={**os.environ, **env}, cwd=dist.parent)  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return next(dist.glob("llm_sys_plugins-*.whl")), proc.stdout + proc.stderr
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:  # the message alone: a traceback would bury the error lines
+            pytest.fail(build_failure(log, dist.parent / "build.log"), pytrace=False)
+        return next(dist.glob("llm_sys_plugins-*.whl")), log
 
     return build
 
