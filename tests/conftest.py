@@ -99,6 +99,11 @@ def pytest_make_collect_report(collector):
 SERVING_ROOM = ("tests/kvpool/", "tests/kvio/")
 
 
+# tryfirst: xdist's worker reads the marks into each test's nodeid (``name@group``) in its own
+# modifyitems hook, registered after this conftest and so called before it; marks added later
+# are never seen, and each module became its own unit (a serving test beside another, and a
+# core wheel built on both workers)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         room = "serving" if item.nodeid.startswith(SERVING_ROOM) else "rest"

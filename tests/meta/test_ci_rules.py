@@ -53,3 +53,32 @@ def test_skip_reasons_naming_a_required_engine():
     assert required_skip("No module named 'megatron.core'") == "megatron.core"
     assert required_skip("SPDK target unset") is None
     assert set(REQUIRED) >= {"vllm", "vllm_kvpool._kvio", "megatron.core", "lightgbm"}
+
+
+def test_the_serving_rooms_tests_run_on_one_worker_under_make_tests_flags(tmp_path):
+    """``make test``'s ``-n 2 --dist loadgroup`` keeps the serving room's tests (tests/kvpool,
+    tests/kvio) on one worker, the rest on one: the marks conftest.py adds must reach xdist's
+    scheduler (they did not, silently, while the hook ran after xdist's or under pytest 9.2,
+    pytest-xdist#1386), shown by the ``@group`` suffix each test reports with."""
+    root = tmp_path / "tests"
+    root.mkdir()
+    (root / "conftest.py").write_text(CONFTEST.read_text())
+    for room in ("kvpool", "kvio", "cona", "predictors"):
+        (root / room).mkdir()
+        (root / room / f"test_{room}.py").write_text("".join(
+            f"def test_{i}():\n    assert {i} == {i}\n\n\n" for i in range(4)))
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n",
+                        "2", "--dist", "loadgroup", "tests"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    workers: dict[str, set[str]] = {}
+    for line in r.stdout.splitlines():
+        if "PASSED" in line:
+            worker, nodeid = line.split()[0], line.split()[-1]
+            room = nodeid.split("/")[1]
+            group = nodeid.rpartition("@")[2]
+            assert group == ("serving" if room in ("kvpool", "kvio") else "rest"), line
+            workers.setdefault(group, set()).add(worker)
+    assert sum(1 for line in r.stdout.splitlines() if "PASSED" in line) == 16, r.stdout
+    assert all(len(w) == 1 for w in workers.values()), workers
