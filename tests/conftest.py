@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -63,9 +64,28 @@ def required_skip(reason: str) -> str | None:
     return None
 
 
+# A run's tmp dirs peak at ~2.1 GB (pool and SSD files, venvs, wheels: a fresh-clone run sampled
+# every 5 s). A CI run's core build died mid-run with the disk near full, far from the cause; with
+# less than twice that free the run stops at its start instead, saying why.
+TMP_NEED_BYTES = 4 << 30
+
+
+def disk_shortfall(path: Path, need: int = TMP_NEED_BYTES) -> str | None:
+    """Why the suite cannot run with its tmp dirs under ``path`` (None: enough space)."""
+    free = shutil.disk_usage(path).free
+    if free >= need:
+        return None
+    return (f"{path}: {free / 2**30:.1f} GiB free, the suite needs about {need / 2**30:.0f} GiB "
+            "there (its tmp dirs peak at ~2.1 GB): free space or set TMPDIR to a larger disk")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if in_ci() and (missing := missing_required()):
         pytest.exit("CI: required engines missing:\n  " + "\n  ".join(missing), returncode=3)
+    # once, in the process that starts the run (an xdist worker has ``workerinput``)
+    if not hasattr(session.config, "workerinput") and (
+            short := disk_shortfall(Path(tempfile.gettempdir()))):
+        pytest.exit(short, returncode=3)
 
 
 def _fail_required_skip(report) -> None:

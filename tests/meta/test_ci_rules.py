@@ -4,11 +4,12 @@ name instead of skipping, outside CI it still skips, and the run reports tests p
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REQUIRED, required_skip
+from tests.conftest import REQUIRED, disk_shortfall, required_skip
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
@@ -82,3 +83,11 @@ def test_the_serving_rooms_tests_run_on_one_worker_under_make_tests_flags(tmp_pa
             workers.setdefault(group, set()).add(worker)
     assert sum(1 for line in r.stdout.splitlines() if "PASSED" in line) == 16, r.stdout
     assert all(len(w) == 1 for w in workers.values()), workers
+
+
+def test_too_little_disk_for_the_tmp_dirs_is_named_before_the_run(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    assert disk_shortfall(tmp_path, need=1) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 30))
+    why = disk_shortfall(tmp_path, need=4 << 30)
+    assert why is not None and str(tmp_path) in why and "1.0 GiB free" in why, why
