@@ -1,5 +1,6 @@
 """The suite's CI rules (tests/conftest.py): a missing required engine fails a CI run with its
-name instead of skipping, outside CI it still skips, and the run reports tests per package."""
+name instead of skipping, outside CI it still skips, the run reports tests per package, the
+serving room's tests keep to one worker, and too little disk stops a run at its start."""
 
 from __future__ import annotations
 
