@@ -54,6 +54,12 @@ class Verdict:
     rollback: bool
     confident: bool  # consistent with the efficiency model and precise enough to act on
 
+    @property
+    def held_up(self) -> bool:
+        """Confidently no slower than the old strategy: what sets a floor, marks the old
+        strategy measured-worse, and lifts a stale floor."""
+        return self.confident and self.observed >= 1.0
+
 
 NODE_BLOCK = 20  # grid points of ln k per node of the bias posterior
 GRID_SD = 3.0  # the posterior grid's half-width in prior standard deviations (ln k)

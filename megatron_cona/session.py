@@ -269,7 +269,7 @@ class ConaSession:
         challenged, self._challenging = self._challenging, False
         if verdict is not None:
             self.progress.learn(verdict)
-            if challenged and not (verdict.confident and verdict.observed >= 1.0):
+            if challenged and not verdict.held_up:
                 # a stale floor is lifted only by a move below it that measurably paid; one
                 # that did not (lost, or could not tell) goes back
                 verdict = replace(verdict, rollback=True)
@@ -286,7 +286,7 @@ class ConaSession:
                  ": rolled back" if verdict.rollback else "")
         if verdict.rollback:
             self.tried[new] = self.noise_scale
-        elif verdict.confident and verdict.observed >= 1.0:
+        elif verdict.held_up:
             self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
             if new.global_batch_size > old.global_batch_size:
                 self._floor = (old, self.noise_scale, self._elapsed)
@@ -298,6 +298,10 @@ class ConaSession:
         only if it measurably paid, so that a floor set by a verdict read wrong through the
         loss's noise is measured again instead of binding for the rest of the run."""
         return self._floor is not None and self._elapsed >= 2.0 * self._floor[2]
+
+    def _below_stale_floor(self, batch: int) -> bool:
+        """Whether a move to ``batch`` would go below a floor that no longer binds."""
+        return self._floor_stale() and batch <= self._floor[0].global_batch_size
 
     def _experiment(self, strategy: ParallelStrategy, ranking: list) -> list:
         """The estimate to try when the probe's bias is still unmeasured and the batch has not
@@ -322,7 +326,7 @@ class ConaSession:
             high = self._best_at(pool, mean * math.exp(sd)).global_batch_size
             if low < batch and high <= batch:
                 target = batch // 2
-        if self._floor_stale() and target <= self._floor[0].global_batch_size:
+        if self._below_stale_floor(target):
             return []  # a stale floor is challenged by what the ranking prefers, not a probe
         trial = [e for e in ranking if e.strategy.global_batch_size == target]
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
@@ -391,8 +395,8 @@ class ConaSession:
         decision = self.policy.decide(
             iteration, current, ranking, interval_s, phi, low, must_leave=must_leave,
             hold="an experiment is still measuring whether its batch pays" if hold else None)
-        if self._floor_stale() and decision.target != strategy \
-                and decision.target.global_batch_size <= self._floor[0].global_batch_size:
+        if decision.target != strategy \
+                and self._below_stale_floor(decision.target.global_batch_size):
             self._experimenting = self._challenging = True
         self._interval_time = 0.0
         self._same_batch = 0 if decision.target.global_batch_size != \

@@ -334,7 +334,7 @@ def test_a_floor_binds_until_the_training_time_doubled_then_a_move_below_it_must
         for _ in range(20):
             s.observe(secs[now], _replicas_reading(4.0, now.global_batch_size),
                       loss=10.0 - 0.01 * i)
-        stale.append(s._floor is not None and s._elapsed >= 2 * s._floor[2])
+        stale.append(s._floor_stale())
         s.act(0, s.decide(0))
         path.append(s.executor.strategy)
         floors.append(s._floor)
