@@ -730,7 +730,10 @@ def llava_job(r: dict):
     adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
     masters and Adam states of what trains (the adapters and the projector). The ``frozen``
     column names the frozen towers, ``+``-joined: ``vision`` when finetuning, ``vision+llm``
-    in pretraining (``pretrain.sh``'s ``tune_mm_mlp_adapter``: only the projector trains)."""
+    in pretraining (``pretrain.sh``'s ``tune_mm_mlp_adapter``: only the projector trains).
+    ``seq`` is the padded LLM sequence, image tokens included (LLaVA pads each batch to its
+    longest sample): the script's ``model_max_length`` for finetuning rows, the bound of the
+    caption data for pretraining rows (derived in their ``note``)."""
     from predictors.memory.presets import as_memory_model
     from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions, foreach_temporaries
 
