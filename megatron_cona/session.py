@@ -336,9 +336,37 @@ class ConaSession:
         if trial and self.progress.expected_error(cfg.judge_intervals) > self._resolvable(
                 batch, trial[0].strategy.global_batch_size):
             return []
+        # an experiment pays only through what it teaches: even knowing the bias exactly
+        # must be worth, within the policy's horizon, what the trial is expected to lose in
+        # the interval it runs (else wait, the wait not doubled)
+        if trial and not self._learning_pays(strategy, trial[0], ranking):
+            return []
         if trial:  # each experiment costs an interval: they get rarer (bounded cost)
             self._explore_wait *= 2
         return trial[:1]
+
+    def _learning_pays(self, strategy: ParallelStrategy, trial: GoodputEstimate,
+                       ranking: list[GoodputEstimate]) -> bool:
+        """Whether knowing the probe's bias exactly (the posterior's mean of each bias's best
+        goodput over the running strategy's, relative), repaid over the policy's horizon, is
+        worth at least what ``trial`` is expected to lose in the interval it runs (one minus
+        its posterior-averaged goodput over the running strategy's). Knowing it exactly is
+        the most an experiment can teach, so a trial that fails this cannot pay."""
+        current = self.current_estimate(strategy)
+        shortfall = 1.0 - trial.goodput / current.goodput
+        if not shortfall > 0:
+            return True
+        pool = [strategy, *(e.strategy for e in ranking)]
+        times = {s: self.times.iteration_time(s) for s in pool}
+        scales = {s: self._efficiency_lr_scale(s, self.noise_scale) for s in pool}
+
+        def goodput(s: ParallelStrategy, k: float) -> float:
+            return estimate(s, times[s], self.gns.noise_scale, self.config.base_batch,
+                            lr_scale=scales[s], bias=((k, 1.0),)).goodput
+
+        value = sum(w * (max(goodput(s, k) for s in pool) - goodput(strategy, k))
+                    for k, w in self.progress.bias_nodes)
+        return value / current.goodput * self.policy.config.horizon_intervals >= shortfall
 
     def _best_at(self, pool: list[ParallelStrategy], bias: float) -> ParallelStrategy:
         """The best of ``pool`` were the probe's bias exactly ``bias``."""

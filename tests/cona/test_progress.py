@@ -458,3 +458,27 @@ def test_an_experiment_runs_only_where_the_plausible_biases_predict_different_ou
         assert big in path and waits[-1] == 6
     else:
         assert path == [small] * 10 and waits == [3] * 10
+
+
+@pytest.mark.parametrize("big_speedup, experiments", [(1.0, False), (1.4, True)])
+def test_an_experiment_runs_only_where_knowing_the_bias_could_repay_what_it_costs(
+        big_speedup, experiments):
+    """The probe reads phi = 4 (true phi = 400) and ranks batch 16 first. Where batch 32 runs
+    no more samples a second than batch 16 (``big_speedup`` 1.0), no bias at all makes it
+    better (Pollux's efficiency only falls with the batch): knowing the bias is worth nothing
+    and an experiment could only lose, so none runs and the wait is not doubled. Where it
+    runs 1.4x the samples a second, the plausible high biases make 32 the better batch by up
+    to ~40%: the experiment runs, pays and is kept."""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 2.0 / big_speedup}
+    s = _session([small, big], secs, explore_after=3)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 9)
+    if experiments:
+        assert big in path and s._explore_wait == 6 and path[-1] == big
+    else:
+        assert path == [small] * 9 and s._explore_wait == 3
