@@ -278,7 +278,9 @@ class ConaSession:
                 self._floor[0], self._floor[1], self._elapsed)
         if verdict is None:
             return None, False
-        log.info("switch %s -> %s: progress x%.3f (+-%.3f) of the old strategy's over %d "
+        # %g: a comparison whose old rate extrapolated to nearly 0 reads ~1e300 (weightless,
+        # never confident), which %f spelled out in 300 digits
+        log.info("switch %s -> %s: progress x%.4g (+-%.3g) of the old strategy's over %d "
                  "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
                  "x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
                  verdict.stderr, seen, verdict.efficiency_ratio, verdict.noise_scale,
