@@ -183,6 +183,9 @@ class ProgressMonitor:
     _losses: list[float] = field(default_factory=list)
     _seconds: float = 0.0
     _samples: float = 0.0
+    # an interval with too few readings for a rate of its own (a short --cona-interval, or a
+    # large batch early in training): its strategy, times, losses, seconds and samples
+    _carry: tuple[ParallelStrategy, list[float], list[float], float, float] | None = None
     rates: list[Rate] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     _evidence: list[Evidence] = field(default_factory=list)
@@ -278,14 +281,25 @@ class ProgressMonitor:
         return math.hypot(fit[1], pooled.stderr / pooled.value)
 
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
-        """The interval's rate on ``strategy`` (None without enough readings); starts the
-        next interval."""
+        """The interval's rate on ``strategy``; starts the next interval. An interval with
+        too few readings for a rate (None) is kept and joins the next one if that runs on the
+        same strategy: discarded, a batch whose intervals hold two readings each could never
+        be judged."""
+        if self._carry is not None:
+            carried, times, losses, seconds, samples = self._carry
+            self._carry = None
+            if carried == strategy:
+                self._times, self._losses = times + self._times, losses + self._losses
+                self._seconds += seconds
+                self._samples += samples
         value, stderr, mid_time, level = fit_rate(self._times, self._losses)
         rate = None
         if math.isfinite(value) and self._samples > 0:
             rate = Rate(strategy, value, stderr, mid_time, level, self._seconds / self._samples,
                         (tuple(self._times), tuple(self._losses)))
             self.rates.append(rate)
+        elif self._times:
+            self._carry = (strategy, self._times, self._losses, self._seconds, self._samples)
         self._times, self._losses, self._seconds, self._samples = [], [], 0.0, 0.0
         return rate
 
@@ -297,13 +311,17 @@ class ProgressMonitor:
         it would blame the switch). The evidence about the probe's bias is counted once per
         switch: call with growing ``intervals`` and only the final verdict's counts
         (``learn``)."""
-        if len(self.rates) < intervals + 2:
+        # the rates since the switch: fewer than its intervals where short ones were pooled
+        # into the next (``close_interval``)
+        news: list[Rate] = []
+        for r in reversed(self.rates[-intervals:]):
+            if r.strategy != new:
+                break
+            news.insert(0, r)
+        olds = self._run_before(len(self.rates) - len(news), old)
+        if not news or len(olds) < 2:
             return None
-        news = self.rates[-intervals:]
-        olds = self._run_before(len(self.rates) - intervals, old)
-        if len(olds) < 2 or any(r.strategy != new for r in news):
-            return None
-        b = news[0] if intervals == 1 else self._pooled(news)
+        b = news[0] if len(news) == 1 else self._pooled(news)
         a1 = olds[-1]
         if b is None or not b.value > 0 or not olds[0].mid_loss > b.mid_loss:
             return None

@@ -482,3 +482,25 @@ def test_an_experiment_runs_only_where_knowing_the_bias_could_repay_what_it_cost
         assert big in path and s._explore_wait == 6 and path[-1] == big
     else:
         assert path == [small] * 9 and s._explore_wait == 3
+
+
+def test_intervals_too_short_for_a_rate_are_pooled_so_the_switch_is_still_judged():
+    """Batch 64 -> 128 where each interval on 128 holds two loss readings (a short
+    --cona-interval, or the simulator's first intervals at a large batch): two readings give
+    no rate of their own. They used to be dropped, so the experiment ran its intervals and was
+    never judged; now each joins the next interval on its strategy, and after two intervals
+    the switch is judged on the four readings, finding the scripted ratio (0.8)."""
+    old, new = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb4gb128")
+    m = ProgressMonitor()
+    for k in range(3):
+        _feed(m, old, lambda t: 0.01, 100 * k, 100 * (k + 1), 1.0)
+    assert _feed(m, new, lambda t: 0.008, 300, 350, 0.5, n=2) is None
+    assert m.judge(old, new, probe_phi=50.0, intervals=1) is None
+    assert _feed(m, new, lambda t: 0.008, 350, 400, 0.5, n=2) is not None
+    v = m.judge(old, new, probe_phi=50.0, intervals=2)
+    assert v is not None and v.observed == pytest.approx(0.8, rel=0.05)
+    # readings carried from one strategy never join another's interval
+    m2 = ProgressMonitor()
+    _feed(m2, old, lambda t: 0.01, 0, 10, 1.0, n=2)
+    assert _feed(m2, new, lambda t: 0.01, 10, 20, 1.0, n=2) is None
+    assert len(_feed(m2, new, lambda t: 0.01, 20, 30, 1.0, n=2).readings[0]) == 4
