@@ -313,11 +313,7 @@ class ProgressMonitor:
         (``learn``)."""
         # the rates since the switch: fewer than its intervals where short ones were pooled
         # into the next (``close_interval``)
-        news: list[Rate] = []
-        for r in reversed(self.rates[-intervals:]):
-            if r.strategy != new:
-                break
-            news.insert(0, r)
+        news = self._run_before(len(self.rates), new, limit=intervals)
         olds = self._run_before(len(self.rates) - len(news), old)
         if not news or len(olds) < 2:
             return None
@@ -365,11 +361,12 @@ class ProgressMonitor:
             self._pending = None
             self._update_posterior()
 
-    def _run_before(self, end: int, strategy: ParallelStrategy) -> list[Rate]:
-        """The last ``OLD_HISTORY`` rates before index ``end``, all on ``strategy`` and
-        consecutive (the run a switch left)."""
+    def _run_before(self, end: int, strategy: ParallelStrategy, limit: int = OLD_HISTORY
+                    ) -> list[Rate]:
+        """The last ``limit`` rates before index ``end``, all on ``strategy`` and consecutive
+        (the run a switch left; or, ending at the last rate, the run since a switch)."""
         run: list[Rate] = []
-        for r in reversed(self.rates[max(0, end - OLD_HISTORY):end]):
+        for r in reversed(self.rates[max(0, end - limit):end]):
             if r.strategy != strategy:
                 break
             run.append(r)

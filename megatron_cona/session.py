@@ -362,12 +362,11 @@ class ConaSession:
         times = {s: self.times.iteration_time(s) for s in pool}
         scales = {s: self._efficiency_lr_scale(s, self.noise_scale) for s in pool}
 
-        def goodput(s: ParallelStrategy, k: float) -> float:
-            return estimate(s, times[s], self.gns.noise_scale, self.config.base_batch,
-                            lr_scale=scales[s], bias=((k, 1.0),)).goodput
-
-        value = sum(w * (max(goodput(s, k) for s in pool) - goodput(strategy, k))
-                    for k, w in self.progress.bias_nodes)
+        value = 0.0
+        for k, w in self.progress.bias_nodes:
+            goodputs = [estimate(s, times[s], self.gns.noise_scale, self.config.base_batch,
+                                 lr_scale=scales[s], bias=((k, 1.0),)).goodput for s in pool]
+            value += w * (max(goodputs) - goodputs[0])  # pool[0]: the running strategy
         return value / current.goodput * self.policy.config.horizon_intervals >= shortfall
 
     def _best_at(self, pool: list[ParallelStrategy], bias: float) -> ParallelStrategy:
