@@ -254,7 +254,7 @@ def test_no_chain_beats_the_bound_and_a_cheat_is_caught(monkeypatch):
     from dataclasses import replace
 
     from megatron_cona.lawsim import chains
-    from megatron_cona.lawsim.evaluate import ratios, run_case
+    from megatron_cona.lawsim.evaluate import ratios, run_case, summarize, worst_line
 
     case = replace(_small_case(), exact_bound=True, bound_snap=0.0)
     result = run_case(case)
@@ -270,6 +270,14 @@ def test_no_chain_beats_the_bound_and_a_cheat_is_caught(monkeypatch):
         r = ratios(result, target)
         assert r["gap_to_exact_bound"] <= r["gap_to_relaxed_bound"] + 1e-9
         assert r["gap_to_exact_bound"] >= 0 and r["ref_vs_best_static"] > 0
+        oracle = result["chains"]["oracle"][target]["time_s"]
+        assert r["ref_gap_to_exact_bound"] == pytest.approx(
+            100.0 * (oracle / bound["exact_s"] - 1)) and r["ref_gap_to_exact_bound"] >= -1e-7
+    ref = summarize([result], result["variant"])[result["gpus"]]["ref_gap_to_exact_bound"]
+    # a gap's worst case is its largest
+    assert ref["worst"] == max(ratios(result, t)["ref_gap_to_exact_bound"] for t in case.goals)
+    assert f"ref_gap_to_exact_bound={ref['median']:.2f}%" in worst_line(
+        summarize([result], result["variant"]), result["gpus"], result["variant"])
 
     def cheat(c):
         return [chains.SimResult("cheat", {}, hits={t: 1e-9 for t in c.goals})]
