@@ -25,9 +25,14 @@ def _shipped_measurements() -> Path:
     return Path(str(resources.files("predictors") / "data" / "cpu_measurements.csv"))
 
 
+# the families ``predict time`` builds from --layers/--hidden/...: (SwiGLU MLP, tied embeddings)
+TIME_FAMILIES = {"gpt": (False, True), "bert": (False, True), "llama": (True, False)}
+
+
 def _add_time(sub) -> None:
     p = sub.add_parser("time", help="predict the time of one training iteration")
-    p.add_argument("--model", default="gpt", help="gpt | llama | bert, or a zoo name (gpt-s, ...)")
+    p.add_argument("--model", default="gpt",
+                   help=f"{' | '.join(TIME_FAMILIES)}, or a zoo name (gpt-s, ...)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
@@ -46,6 +51,7 @@ def _add_time(sub) -> None:
 def cmd_time(args) -> int:
     from predictors.devices import UnsupportedPrecisionError, get_device
     from predictors.spec import ParallelStrategy, TransformerSpec
+    from predictors.spec.model import UnknownModelError
     from predictors.spec.precision import PRECISIONS
     from predictors.time.collect import model_zoo
     from predictors.time.predictor import predict
@@ -53,12 +59,16 @@ def cmd_time(args) -> int:
     zoo = model_zoo(args.seq)
     if args.model in zoo:
         spec = zoo[args.model]
-    else:
+    elif args.model in TIME_FAMILIES:
+        swiglu, tied = TIME_FAMILIES[args.model]
         spec = TransformerSpec(args.model, args.layers, args.hidden, args.heads, args.seq,
                                args.vocab, ffn_hidden_size=args.ffn,
-                               num_query_groups=args.kv_heads,
-                               swiglu=args.model == "llama",
-                               tied_embeddings=args.model != "llama")  # fmt: skip
+                               num_query_groups=args.kv_heads, swiglu=swiglu,
+                               tied_embeddings=tied)  # fmt: skip
+    else:
+        raise UnknownModelError(f"--model {args.model!r} is unknown; choose a family "
+                                f"({', '.join(TIME_FAMILIES)}) or a zoo name "
+                                f"({', '.join(zoo)})")
     strategy = ParallelStrategy.parse(args.strategy)
     device = get_device(args.device)
     names = list(PRECISIONS) if args.precision == "all" else [args.precision]
@@ -226,13 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         # directory, as `python -m` would (a console script does not put it on the path)
         sys.path.insert(0, os.getcwd())
     from predictors.devices import UnknownDeviceError, UnsupportedPrecisionError
-    from predictors.spec import StrategyError
+    from predictors.spec import ModelSpecError, StrategyError
     from predictors.spec.precision import UnknownPrecisionError
 
     try:
         return int(args.func(args) or 0)
     except (UnknownPrecisionError, UnknownDeviceError, UnsupportedPrecisionError,
-            StrategyError) as exc:  # fmt: skip
+            StrategyError, ModelSpecError) as exc:  # fmt: skip
         print(f"predict {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -49,6 +49,13 @@ class TransformerSpec:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
             raise ModelSpecError(f"attention={self.attention!r} must be one of {ATTENTION_IMPLS}")
+        # ``not >= 1`` also catches NaN; a zero or negative size would otherwise reach torch
+        # (a negative dimension) or price a model of nothing
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size", "ffn_hidden_size", "num_query_groups"):
+            value = getattr(self, name)
+            if value is not None and not value >= 1:
+                raise ModelSpecError(f"text {name}={value!r} must be a positive integer")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.kv_heads:
             raise ModelSpecError(
                 f"text hidden_size={self.hidden_size}, num_attention_heads="

@@ -219,3 +219,30 @@ def test_uneven_pipeline_split_errors_name_the_field():
         ParallelStrategy(1, 1, 1, first_stage_layers=4)
     with pytest.raises(StrategyError, match="last_stage_layers=0"):
         ParallelStrategy(1, 1, 4, last_stage_layers=0)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--model", "foo"], "--model 'foo' is unknown"),
+    (["--layers", "0"], "num_layers=0 must be a positive integer"),
+    (["--hidden", "-64", "--heads", "1"], "hidden_size=-64"),
+    (["--vocab", "0"], "vocab_size=0"),
+    (["--kv-heads", "0"], "num_query_groups=0"),
+    (["--ffn", "-5"], "ffn_hidden_size=-5"),
+    (["--heads", "15"], "num_attention_heads=15"),
+])
+def test_time_cli_names_the_bad_field_instead_of_a_traceback_or_a_guess(capsys, argv, field):
+    """An unknown --model used to be priced as a GPT of that name, a zero size as a model of
+    nothing, and a negative one reached torch as a traceback."""
+    from predictors.cli import main
+
+    assert main(["time", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("predict time: error:") and field in err
+
+
+def test_a_text_tower_of_no_size_is_refused_naming_the_field():
+    from predictors.spec import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="seq_length=nan"):
+        TransformerSpec("gpt", 2, 64, 4, float("nan"), 100)
+    assert TransformerSpec("gpt", 2, 64, 4, 16, 100, num_query_groups=None).kv_heads == 4
