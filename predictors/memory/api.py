@@ -13,6 +13,7 @@ context is per process and is never divided by ``tp``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -143,7 +144,14 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     if str(capacity_gib) in CARDS:
         capacity, overheads = CARDS[str(capacity_gib)]
     else:
-        capacity = int(float(capacity_gib) * GiB)
+        try:
+            gib = float(capacity_gib)
+        except ValueError:
+            gib = math.nan
+        if not 0 < gib < math.inf:  # NaN too
+            raise ModelSpecError(f"capacity_gib={capacity_gib!r} must be a positive number of "
+                                 f"GiB or a card ({', '.join(CARDS)})")
+        capacity = int(gib * GiB)
         overheads = HOPPER if capacity > 48 * GiB else PRE_HOPPER
     if architecture is not None:
         by_name = {o.name: o for o in (HOPPER, PRE_HOPPER)}

@@ -36,7 +36,8 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--optimizer", default="adam",
                    help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...")
     g.add_argument("--device", default=None,
-                   help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity)")
+                   help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity "
+                        "and, for presets too, the GPU generation's overheads)")
     g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
                    help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
                         "megatron (distributed optimizer)")
@@ -114,8 +115,22 @@ def _memory(args) -> int:
         return _memory_spec_traced(args, model, strategy, options)
     import json
 
-    pred = predict_peak_memory(model, strategy, options, args.precision,
-                               args.capacity_gib or "80", margin=args.margin)
+    from .allocator import GiB
+    from .device import get_device
+    from .optimizers import OptimizerSpec
+
+    # the analytical preset model prices Adam's two states per parameter: another optimizer
+    # is priced only by the traced path, never silently as Adam
+    if OptimizerSpec.parse(args.optimizer).name == "sgd":
+        raise ModelSpecError(f"--optimizer {args.optimizer!r}: a preset's analytical model "
+                             "prices Adam(W); add --trace to price this optimizer")
+    capacity, architecture = args.capacity_gib or "80", None
+    if args.device is not None:  # the card's own capacity (unless given) and generation
+        card = get_device(args.device)
+        capacity = args.capacity_gib or card.capacity / GiB
+        architecture = card.overheads.name
+    pred = predict_peak_memory(model, strategy, options, args.precision, capacity,
+                               architecture=architecture, margin=args.margin)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())
     return EXIT_CODES[pred.judgement.verdict.value]
 

@@ -246,3 +246,37 @@ def test_a_text_tower_of_no_size_is_refused_naming_the_field():
     with pytest.raises(ModelSpecError, match="seq_length=nan"):
         TransformerSpec("gpt", 2, 64, 4, float("nan"), 100)
     assert TransformerSpec("gpt", 2, 64, 4, 16, 100, num_query_groups=None).kv_heads == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--capacity-gib", "-1"], "capacity_gib='-1' must be a positive number of GiB"),
+    (["--capacity-gib", "nan"], "capacity_gib='nan' must be a positive number of GiB"),
+    (["--optimizer", "sgd"], "add --trace"),
+    (["--device", "tpu"], "device='tpu' is unknown"),
+])
+def test_memory_cli_refuses_what_a_preset_used_to_misread_or_drop(capsys, argv, message):
+    """A negative capacity was judged as such, NaN raised a message naming no field, and
+    --device / --optimizer were dropped without a word on the preset path."""
+    from predictors.cli import main
+
+    assert main(["memory", "--model", "llama-7b-like", *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_memory_cli_judges_a_preset_on_the_card_it_names(capsys):
+    """--device on a preset sets the capacity (it was judged on 80 GiB whatever the card) and
+    the generation's overheads: an A100-80GB is not Hopper."""
+    import json
+
+    from predictors.cli import main
+    from predictors.memory.allocator import GiB
+
+    def run(*argv):
+        main(["memory", "--model", "llama-7b-like", "--json", *argv])
+        return json.loads(capsys.readouterr().out)
+
+    assert run("--device", "a100-40gb")["capacity"] == 40 * GiB
+    a100, h100 = run("--device", "a100-80gb"), run("--device", "h100-80gb")
+    assert a100["capacity"] == h100["capacity"] == 80 * GiB
+    assert a100["cuda_context"] != h100["cuda_context"]
+    assert run("--device", "a100-40gb", "--capacity-gib", "24")["capacity"] == 24 * GiB
