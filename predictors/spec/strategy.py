@@ -94,7 +94,9 @@ class ParallelStrategy:
         if not self.uneven:
             if num_layers % self.pp:
                 raise StrategyError(f"strategy {self.name}: pp={self.pp} does not divide "
-                                    f"num_layers={num_layers}")
+                                    f"num_layers={num_layers} (an uneven split names its end "
+                                    "stages' layers: first<F>last<L>, Megatron's "
+                                    "--decoder-first/last-pipeline-num-layers)")
             return (num_layers // self.pp,) * self.pp
         middle_stages = self.pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
