@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as metadata
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -94,8 +95,8 @@ def _probe(args: argparse.Namespace) -> int:
 
     config = load_pool_config(args.config)
     if args.seconds is not None:
-        if args.seconds <= 0:
-            raise PoolConfigError("--seconds", f"must be positive, got {args.seconds}")
+        if not 0 < args.seconds < math.inf:  # also false for nan
+            raise PoolConfigError("--seconds", f"must be a positive finite number, got {args.seconds}")
         config = replace(config, probe=replace(config.probe, seconds=args.seconds))
     config = replace(config, probe=replace(config.probe, enabled=True),
                      devices=tuple(replace(d, bandwidth_gbps=None) for d in config.devices))

@@ -7,6 +7,7 @@ field (``devices[1].ssd.backend: ...``), raised before vLLM allocates anything o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -204,10 +205,11 @@ def float_field(obj: Mapping[str, Any], key: str, default: float | None,
     value = obj.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 \
-            or (value == 0 and not zero_ok):  # fmt: skip
+    # YAML's .nan / .inf and JSON's NaN / Infinity parse as floats: none is a usable setting
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):  # fmt: skip
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
-                              f"expected a {'number >= 0' if zero_ok else 'positive number'}, "
+                              f"expected a finite {'number >= 0' if zero_ok else 'positive number'}, "
                               f"got {value!r}")  # fmt: skip
     return float(value)
 

@@ -136,3 +136,12 @@ def test_serve_hides_a_torchvision_that_breaks_vllm_then_starts_it(tmp_path, mon
     assert seen == [(["--help"], None)]  # vLLM started with torchvision hidden
     err = capsys.readouterr().err
     assert "torchvision::nms" in err and "pip uninstall -y torchvision torchaudio torchcodec" in err
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "0"])
+def test_probe_rejects_a_nan_or_infinite_probe_time_before_probing(seconds, capsys):
+    """``--seconds nan`` probed (nan <= 0 is false) and ``inf`` would never end."""
+    cfg = json.dumps({"devices": [{"host": {"capacity": "1GiB"}}]})
+    assert main(["probe", "--config", cfg, "--seconds", seconds]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seconds" in err[0] and "finite" in err[0]

@@ -115,3 +115,24 @@ def test_save_wait_may_be_zero_where_other_durations_may_not():
     with pytest.raises(PoolConfigError) as err:
         load_pool_config({**host, "probe": {"seconds": 0}})
     assert err.value.field == "probe.seconds"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"seconds": NaN}}',
+         "probe.seconds"),
+        ('{"devices": [{"host": {"capacity": "1GiB", "bandwidth_gbps": Infinity}}]}',
+         "devices[0].host.bandwidth_gbps"),
+        ("devices: [{host: {capacity: 1GiB}}]\nsave_wait_seconds: .nan\n", "save_wait_seconds"),
+        ("devices: [{host: {capacity: 1GiB}}]\ndevice_retry_seconds: .inf\n",
+         "device_retry_seconds"),
+        ("devices: [{host: {capacity: 1GiB}}]\nmigration: {margin: .nan}\n", "migration.margin"),
+    ],
+)  # fmt: skip
+def test_nan_and_infinite_numbers_name_the_field(text, field):
+    """JSON's NaN / Infinity and YAML's .nan / .inf parse as floats: each was taken as a setting
+    (a NaN probe time, an infinite placement weight) until the number check asked for finite."""
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config(text)
+    assert err.value.field == field and "finite" in str(err.value)
