@@ -173,7 +173,8 @@ class PoolConfig:
 
 def _check_keys(obj: Any, allowed: Collection[str], field_path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
-        raise PoolConfigError(field_path, f"expected a mapping, got {type(obj).__name__}")
+        # the top level ("") is the whole pool config: an empty file, a list, a bare word
+        raise PoolConfigError(field_path or "pool", f"expected a mapping, got {type(obj).__name__}")
     for key in obj:
         if key not in allowed:
             raise PoolConfigError(
@@ -358,7 +359,8 @@ def _parse_text(text: str, origin: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PoolConfigError(origin, f"neither valid JSON nor YAML: {exc}") from None
+        # PyYAML's message spans lines (context, a caret under the source): one line of it
+        raise PoolConfigError(origin, f"neither valid JSON nor YAML: {' '.join(str(exc).split())}") from None
 
 
 def load_pool_config(source: str | os.PathLike | dict[str, Any] | PoolConfig) -> PoolConfig:
@@ -374,8 +376,14 @@ def load_pool_config(source: str | os.PathLike | dict[str, Any] | PoolConfig) ->
         return parse_pool_config(_parse_text(text, "pool"))
     path = Path(text)
     if not path.is_file():
-        raise PoolConfigError("pool", f"config file {text} does not exist")
-    return parse_pool_config(_parse_text(path.read_text(), f"pool ({text})"))
+        raise PoolConfigError("pool", f"config file {text} " + ("is not a file" if path.exists()
+                                                                 else "does not exist"))
+    try:
+        body = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PoolConfigError(f"pool ({text})", f"not UTF-8 text: {exc.reason} at byte "
+                                                f"{exc.start}") from None
+    return parse_pool_config(_parse_text(body, f"pool ({text})"))
 
 
 def pool_config_from_extra(extra: dict[str, Any] | None) -> PoolConfig:

@@ -136,3 +136,28 @@ def test_nan_and_infinite_numbers_name_the_field(text, field):
     with pytest.raises(PoolConfigError) as err:
         load_pool_config(text)
     assert err.value.field == field and "finite" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "field", "says"),
+    [
+        (b"\xff\xfe devices", "pool ({path})", "not UTF-8"),
+        (b"devices: [host: {capacity: 1GiB}\n", "pool ({path})", "neither valid JSON nor YAML"),
+        (b"", "pool", "expected a mapping, got NoneType"),
+        (b"just words\n", "pool", "expected a mapping, got str"),
+    ],
+)  # fmt: skip
+def test_unreadable_config_files_are_one_line_naming_the_file(tmp_path, content, field, says):
+    """A binary file raised UnicodeDecodeError, a YAML syntax error's message ran over six
+    lines, and an empty or scalar file was blamed on a field named ''."""
+    path = tmp_path / "kvpool.yaml"
+    path.write_bytes(content)
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config(str(path))
+    assert err.value.field == field.format(path=path)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_directory_given_as_the_config_is_not_said_to_be_missing(tmp_path):
+    with pytest.raises(PoolConfigError, match="is not a file"):
+        load_pool_config(str(tmp_path))
