@@ -133,7 +133,11 @@ def _status(args: argparse.Namespace) -> int:
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
                               "it writes its status there about once a second)")  # fmt: skip
-    status = PoolStatus.read(args.file)
+    try:
+        status = PoolStatus.read(args.file)
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a status's fields
+        raise PoolConfigError("--file", f"{args.file} is not a kvpool status file "
+                                        f"({type(exc).__name__}: {exc})") from None  # fmt: skip
     if args.json:
         print(json.dumps(status.to_dict(), indent=1))
     else:

@@ -145,3 +145,14 @@ def test_probe_rejects_a_nan_or_infinite_probe_time_before_probing(seconds, caps
     assert main(["probe", "--config", cfg, "--seconds", seconds]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--seconds" in err[0] and "finite" in err[0]
+
+
+@pytest.mark.parametrize("content", ["not json\n", '{"usage": []}\n', "[1, 2]\n", "\xff"])
+def test_status_of_a_file_that_is_no_status_is_one_line(tmp_path, capsys, content):
+    """A --file that is not a connector's status raised JSONDecodeError / KeyError /
+    TypeError / UnicodeDecodeError with a traceback."""
+    path = tmp_path / "status.json"
+    path.write_text(content, encoding="latin-1")
+    assert main(["status", "--file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--file" in err[0] and "not a kvpool status file" in err[0]
