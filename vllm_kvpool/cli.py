@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             return _daemon(args)
         return _status(args)
     except PoolConfigError as exc:
-        print(f"kvpool: error: {exc}", file=sys.stderr)
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a device that cannot be opened: name it, no traceback
-        print(f"kvpool: error: {exc}", file=sys.stderr)
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
         return 1
 
 

@@ -23,6 +23,7 @@ def test_bad_config_is_one_line_naming_the_field(capsys):
     assert main(["validate", "--config", '{"devices": [{"host": {"capacity": "1GiB", "numa": 1}}]}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "devices[0].host.numa" in err[0]
+    assert err[0].startswith("kvpool validate: error: ")  # the subcommand, as argparse's errors
 
 
 def test_unknown_subcommand_exits_nonzero():
