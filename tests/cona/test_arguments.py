@@ -125,3 +125,30 @@ def test_precision_follows_the_precision_tables_megatron_flags():
         assert precision_from_args(ns(bf16=False, fp16=False, toy_half=True)) == "toy-half"
     finally:
         unregister_precision("toy-half")
+
+
+PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32"]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--world", "0"), ("--num-layers", "0"), ("--hidden-size", "-64"),
+     ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
+     ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
+     ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
+     ("--noise-scale", "inf"), ("--global-batch-range", "0,5")],
+)
+def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
+    """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
+    RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
+    dropped the last row, --world 0 blamed no candidates)."""
+    from megatron_cona.cli import main
+
+    argv = [*PLAN, flag, value] if flag not in PLAN else \
+        [*PLAN[:PLAN.index(flag) + 1], value, *PLAN[PLAN.index(flag) + 2:]]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith(f"cona plan: error: argument {flag}: ")
+    assert "Traceback" not in "\n".join(err)
