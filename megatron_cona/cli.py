@@ -107,7 +107,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _switch_costs(text: str) -> tuple[float, float]:
     parts = [float(x) for x in text.split(",")]
     if len(parts) != 2 or not all(0 <= x < math.inf for x in parts):  # nan fails it too
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH seconds >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH finite seconds >= 0")
     return parts[0], parts[1]
 
 
