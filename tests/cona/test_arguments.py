@@ -59,6 +59,9 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-candidates", "tp2"], 4, "--cona-candidates"),
         (["--cona-probe-bias", "0"], 4, "--cona-probe-bias"),
         (["--cona-probe-bias", "nan"], 4, "--cona-probe-bias"),
+        (["--cona-min-gain", "nan"], 4, "--cona-min-gain"),
+        (["--cona-horizon", "nan"], 4, "--cona-horizon"),
+        (["--cona-horizon", "inf"], 4, "--cona-horizon"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):
