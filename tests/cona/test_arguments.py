@@ -155,3 +155,25 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and err[-1].startswith(f"cona plan: error: argument {flag}: ")
     assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [("garbage\n", "line 1: not JSON"),
+     ('{"iteration": 10}\n', "line 1: no switch"),
+     ('{"iteration": 10, "switch": false, "current": 3, "best": {}}\n',
+      "line 1: no current.strategy/goodput"),
+     ("\n[1, 2]\n", "line 2: no iteration")],
+)
+def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path, capsys,
+                                                                        content, says):
+    """A --log that is not a --cona-log said 'JSONDecodeError: Expecting value: line 1 column 1'
+    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback)."""
+    from megatron_cona.cli import main
+
+    log = tmp_path / "run.jsonl"
+    log.write_text(content)
+    assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--cona-log {log} {says}" in err
+    assert not (tmp_path / "t.png").exists()
