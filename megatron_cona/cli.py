@@ -274,7 +274,9 @@ def _main(argv: list[str] | None = None) -> int:
             print(plot_run_timeline(args.log, args.out))
         return 0
     except (CliError, ValueError, OSError, KeyError) as err:
-        print(f"cona: error: {type(err).__name__}: {err}", file=sys.stderr)
+        # the subcommand, as argparse's own errors say it ("cona plan: error: ...")
+        prog = f"cona {argv[0]}" if argv and not argv[0].startswith("-") else "cona"
+        print(f"{prog}: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
 
 

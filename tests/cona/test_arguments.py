@@ -91,7 +91,7 @@ def test_cli_errors_are_one_named_line(capsys):
                "--num-attention-heads", "4", "--seq-length", "32", "--candidates", "dp4tp1pp1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err
-    assert err.startswith("cona: error: StrategyError") and "world_size=6" in err
+    assert err.startswith("cona plan: error: StrategyError") and "world_size=6" in err
     rc = main(["plot", "--log", "no-such-run.jsonl", "--out", "x.png"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "no-such-run.jsonl" in err
