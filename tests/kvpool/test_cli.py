@@ -157,3 +157,15 @@ def test_status_of_a_file_that_is_no_status_is_one_line(tmp_path, capsys, conten
     assert main(["status", "--file", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--file" in err[0] and "not a kvpool status file" in err[0]
+
+
+def test_probe_of_a_host_device_on_a_numa_node_the_machine_lacks_names_it(capsys):
+    """The host probe's memcpy ignored numa_node: node 4095 was probed and shown as 'numa 4095'
+    (the pool itself refuses to open there)."""
+    pytest.importorskip("vllm_kvpool._kvio")
+    cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}},
+                                  {"host": {"capacity": "64MiB", "numa_node": 4095}}],
+                      "probe": {"size": "1MiB"}})  # fmt: skip
+    assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "devices[1].host.numa_node" in err[0] and "4095" in err[0]
