@@ -76,12 +76,13 @@ def _validate(args: argparse.Namespace) -> int:
 def _daemon(args: argparse.Namespace) -> int:
     import logging
 
-    from vllm_kvpool.config import default_service_socket
+    from vllm_kvpool.config import check_socket_path, default_service_socket
     from vllm_kvpool.service.daemon import run_daemon
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = load_pool_config(args.config)
-    sock = args.socket or (config.service.socket if config.service else default_service_socket())
+    sock = check_socket_path(args.socket, "--socket") if args.socket else (
+        config.service.socket if config.service else default_service_socket())
     return run_daemon(replace(config, service=None), sock)
 
 

@@ -333,6 +333,14 @@ def _parse_migration(raw: Any, service: ServiceConfig | None) -> MigrationConfig
     return MigrationConfig(enabled, margin, bandwidth, every)
 
 
+def check_socket_path(sock: Any, field_path: str) -> str:
+    """A Unix socket path that fits ``sockaddr_un`` (107 bytes and the NUL)."""
+    if not isinstance(sock, str) or not sock or len(sock.encode()) > 107:
+        raise PoolConfigError(field_path, f"expected a Unix socket path of at most 107 bytes, "
+                                          f"got {sock!r}")  # fmt: skip
+    return sock
+
+
 def _parse_service(raw: Any) -> ServiceConfig | None:
     """``service: true`` (defaults), a mapping, or absent / false (in-process pool)."""
     if raw is None or raw is False:
@@ -340,10 +348,7 @@ def _parse_service(raw: Any) -> ServiceConfig | None:
     if raw is True:
         return ServiceConfig()
     raw = _check_keys(raw, _SERVICE_KEYS, "service")
-    sock = raw.get("socket", default_service_socket())
-    if not isinstance(sock, str) or not sock or len(sock.encode()) > 107:
-        raise PoolConfigError("service.socket", f"expected a Unix socket path of at most 107 "
-                                                f"bytes, got {sock!r}")  # fmt: skip
+    sock = check_socket_path(raw.get("socket", default_service_socket()), "service.socket")
     timeout = float_field(raw, "start_timeout", 60.0, "service")
     assert timeout is not None
     return ServiceConfig(sock, bool_field(raw, "autostart", True, "service"), timeout)

@@ -169,3 +169,12 @@ def test_probe_of_a_host_device_on_a_numa_node_the_machine_lacks_names_it(capsys
     assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "devices[1].host.numa_node" in err[0] and "4095" in err[0]
+
+
+def test_daemon_socket_too_long_for_unix_is_named_before_binding(tmp_path, capsys):
+    """``--socket`` skipped the config's service.socket check: bind() said 'AF_UNIX path too
+    long' (exit 1, no flag named)."""
+    cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}}]})
+    assert main(["daemon", "--config", cfg, "--socket", str(tmp_path / ("s" * 120))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--socket" in err[0] and "107 bytes" in err[0]
