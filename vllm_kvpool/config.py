@@ -58,6 +58,8 @@ def parse_size(value: Any, field_path: str) -> int:
         raise PoolConfigError(field_path, f"expected a size like '8GiB', got {value!r}")
     if size <= 0:
         raise PoolConfigError(field_path, f"must be positive, got {value!r}")
+    if size >= 2**63:  # the native engine's sizes are 64-bit: a larger one failed only at open
+        raise PoolConfigError(field_path, f"{value!r} is more than 2^63 - 1 bytes")
     return size
 
 

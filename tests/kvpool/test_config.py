@@ -50,6 +50,9 @@ def test_sizes():
         ({"devices": [{"host": {}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": "12 parsecs"}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": -1}}]}, "devices[0].host.capacity"),
+        # validated, then `kvpool daemon` served it until an engine opened the pool
+        ({"devices": [{"host": {"capacity": "99999999TiB"}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": 2**64}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": "1GiB", "numa": 0}}]}, "devices[0].host.numa"),
         ({"devices": [{"ssd": {"capacity": "1GiB"}}]}, "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x", "backend": "aio"}}]},
