@@ -131,6 +131,13 @@ def _gbps(value: float | None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.plot is not None and args.plot.suffix:  # checked before the table is printed
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if args.plot.suffix[1:].lower() not in formats:
+            raise PoolConfigError("--plot", f"{args.plot}: matplotlib writes no "
+                                            f"{args.plot.suffix} files ({', '.join(formats)})")
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
                               "it writes its status there about once a second)")  # fmt: skip

@@ -178,3 +178,18 @@ def test_daemon_socket_too_long_for_unix_is_named_before_binding(tmp_path, capsy
     assert main(["daemon", "--config", cfg, "--socket", str(tmp_path / ("s" * 120))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--socket" in err[0] and "107 bytes" in err[0]
+
+
+def test_status_plot_to_a_format_matplotlib_lacks_is_named_first(tmp_path, capsys):
+    """``--plot usage.txt`` printed the table, then matplotlib's ValueError traceback."""
+    status = PoolStatus(usage=[DeviceUsage("host0", "host", 3, 8, 1 << 20, 6.0, False)],
+                        lookups=LookupCounters(query_tokens=10, hit_tokens=5),
+                        transfers=TransferCounters({}, []), placement="bandwidth",
+                        chunk_tokens=256)  # fmt: skip
+    status.write(tmp_path / "status.json")
+    assert main(["status", "--file", str(tmp_path / "status.json"), "--plot",
+                 str(tmp_path / "usage.txt")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "--plot" in err[0] and ".txt" in err[0] and "png" in err[0]
+    assert captured.out == "" and not (tmp_path / "usage.txt").exists()
