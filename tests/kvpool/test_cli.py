@@ -193,3 +193,13 @@ def test_status_plot_to_a_format_matplotlib_lacks_is_named_first(tmp_path, capsy
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "--plot" in err[0] and ".txt" in err[0] and "png" in err[0]
     assert captured.out == "" and not (tmp_path / "usage.txt").exists()
+
+
+def test_probe_of_an_ssd_path_that_is_no_file_names_the_device(tmp_path, capsys):
+    """A directory as an SSD's path raised the engine's ValueError with a traceback (exit 1)."""
+    pytest.importorskip("vllm_kvpool._kvio")
+    cfg = json.dumps({"devices": [{"ssd": {"capacity": "16MiB", "path": str(tmp_path)}}],
+                      "probe": {"size": "1MiB"}})  # fmt: skip
+    assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "devices[0].ssd" in err[0] and "neither a block device" in err[0]
