@@ -195,10 +195,11 @@ def test_status_plot_to_a_format_matplotlib_lacks_is_named_first(tmp_path, capsy
     assert captured.out == "" and not (tmp_path / "usage.txt").exists()
 
 
-def test_probe_of_an_ssd_path_that_is_no_file_names_the_device(tmp_path, capsys):
-    """A directory as an SSD's path raised the engine's ValueError with a traceback (exit 1)."""
+def test_probe_of_an_ssd_path_that_is_no_file_names_the_device(capsys):
+    """/dev/null (a character device) as an SSD's path raised the engine's ValueError with a
+    traceback (exit 1)."""
     pytest.importorskip("vllm_kvpool._kvio")
-    cfg = json.dumps({"devices": [{"ssd": {"capacity": "16MiB", "path": str(tmp_path)}}],
+    cfg = json.dumps({"devices": [{"ssd": {"capacity": "16MiB", "path": "/dev/null"}}],
                       "probe": {"size": "1MiB"}})  # fmt: skip
     assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -59,6 +59,8 @@ def test_sizes():
          "devices[0].ssd.backend"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/nonexistent/dir/x"}}]},
          "devices[0].ssd.path"),
+        # validated, then `kvpool probe` raised the engine's ValueError
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/"}}]}, "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "nvme", "backend": "spdk"}}]},
          "devices[0].ssd.spdk_trid"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x"}},
