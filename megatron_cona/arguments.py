@@ -130,15 +130,17 @@ def validate_cona_args(
         raise ConaArgumentError("--tensor-model-parallel-size", str(err)) from None
     if args.cona_interval < 1:
         raise ConaArgumentError("--cona-interval", f"{args.cona_interval} must be >= 1")
-    if args.cona_min_gain < 0:
-        raise ConaArgumentError("--cona-min-gain", f"{args.cona_min_gain} must be >= 0")
+    if not 0 <= args.cona_min_gain < math.inf:  # nan fails it too
+        raise ConaArgumentError("--cona-min-gain", f"{args.cona_min_gain} must be a finite "
+                                "number >= 0")
     for flag, value in (("--cona-patience", args.cona_patience),):
         if value < 1:
             raise ConaArgumentError(flag, f"{value} must be >= 1")
     if args.cona_cooldown < 0:
         raise ConaArgumentError("--cona-cooldown", f"{args.cona_cooldown} must be >= 0")
-    if args.cona_horizon <= 0:
-        raise ConaArgumentError("--cona-horizon", f"{args.cona_horizon} must be > 0")
+    if not 0 < args.cona_horizon < math.inf:
+        raise ConaArgumentError("--cona-horizon", f"{args.cona_horizon} must be a finite "
+                                "number > 0")
     if not 0 <= args.cona_gns_decay < 1:
         raise ConaArgumentError("--cona-gns-decay", f"{args.cona_gns_decay} must be in [0, 1)")
     if not (args.cona_probe_bias > 0 and math.isfinite(args.cona_probe_bias)):

@@ -39,7 +39,27 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1."""
+    values = tuple(int(x) for x in text.split(",") if x.strip())
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
+                                         ">= 1")
+    return values
+
+
+def _count(text: str) -> int:
+    """A size or count that must be >= 1 (0 divided by zero or drew from an empty range)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 1")
+    return value
+
+
+def _positive_finite(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
+    return value
 
 
 def _str_list(text: str) -> tuple[str, ...]:
@@ -86,8 +106,8 @@ def _plan(args: argparse.Namespace) -> None:
 
 def _switch_costs(text: str) -> tuple[float, float]:
     parts = [float(x) for x in text.split(",")]
-    if len(parts) != 2 or min(parts) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH seconds >= 0")
+    if len(parts) != 2 or not all(0 <= x < math.inf for x in parts):  # nan fails it too
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH finite seconds >= 0")
     return parts[0], parts[1]
 
 
@@ -170,22 +190,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cona", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="enumerate, filter and rank candidate strategies")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--num-layers", type=int, required=True)
-    p.add_argument("--hidden-size", type=int, required=True)
-    p.add_argument("--num-attention-heads", type=int, required=True)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, default=51200)
+    p.add_argument("--world", type=_count, required=True)
+    p.add_argument("--num-layers", type=_count, required=True)
+    p.add_argument("--hidden-size", type=_count, required=True)
+    p.add_argument("--num-attention-heads", type=_count, required=True)
+    p.add_argument("--seq-length", type=_count, required=True)
+    p.add_argument("--vocab-size", type=_count, default=51200)
     p.add_argument("--candidates", default="all")
     p.add_argument("--global-batch-range", type=_int_pair, default=(8, 128))
     p.add_argument("--micro-batches", type=_int_list, default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")
-    p.add_argument("--noise-scale", type=float, default=math.nan,
+    p.add_argument("--noise-scale", type=_positive_finite, default=math.nan,
                    help="gradient noise scale (samples) for the efficiency term; "
                    "default: none (rank by throughput)")
-    p.add_argument("--base-batch", type=int, default=8)
-    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--base-batch", type=_count, default=8)
+    p.add_argument("--top", type=_count, default=15)
     sub.add_parser("run", help="train: megatron_cona.pretrain_gpt flags (use under torchrun)",
                    add_help=False)
     p = sub.add_parser("scale", help="law-based simulation at the paper's scale",
@@ -254,7 +274,9 @@ def _main(argv: list[str] | None = None) -> int:
             print(plot_run_timeline(args.log, args.out))
         return 0
     except (CliError, ValueError, OSError, KeyError) as err:
-        print(f"cona: error: {type(err).__name__}: {err}", file=sys.stderr)
+        # the subcommand, as argparse's own errors say it ("cona plan: error: ...")
+        prog = f"cona {argv[0]}" if argv and not argv[0].startswith("-") else "cona"
+        print(f"{prog}: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
 
 

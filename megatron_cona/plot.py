@@ -77,9 +77,32 @@ def plot_sim(case: dict, note: str, path: Path) -> Path:
     return _timelines_and_save(fig, bottom, rows, note, path, 110)
 
 
+# what plot_run_timeline reads of each decision: (field, its sub-fields)
+_DECISION_FIELDS = (("iteration", ()), ("switch", ()), ("current", ("strategy", "goodput")),
+                    ("best", ("strategy", "goodput")))
+
+
 def read_decisions(log_path: Path) -> list[dict]:
+    """The decisions of a ``--cona-log`` file; a line that is not one raises ValueError naming
+    the file, the line and what it lacks."""
+    decisions = []
     with open(log_path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"--cona-log {log_path} line {number}"
+            try:
+                decision = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not JSON ({err})") from None
+            for key, inner in _DECISION_FIELDS:
+                value = decision.get(key) if isinstance(decision, dict) else None
+                if value is None or inner and not (isinstance(value, dict)
+                                                   and all(k in value for k in inner)):
+                    raise ValueError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
+                                     "(not a CONA decision log)")
+            decisions.append(decision)
+    return decisions
 
 
 def plot_run_timeline(log_path: Path, path: Path, losses: list[float] | None = None) -> Path:

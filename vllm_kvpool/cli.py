@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as metadata
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -75,12 +76,13 @@ def _validate(args: argparse.Namespace) -> int:
 def _daemon(args: argparse.Namespace) -> int:
     import logging
 
-    from vllm_kvpool.config import default_service_socket
+    from vllm_kvpool.config import check_socket_path, default_service_socket
     from vllm_kvpool.service.daemon import run_daemon
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = load_pool_config(args.config)
-    sock = args.socket or (config.service.socket if config.service else default_service_socket())
+    sock = check_socket_path(args.socket, "--socket") if args.socket else (
+        config.service.socket if config.service else default_service_socket())
     return run_daemon(replace(config, service=None), sock)
 
 
@@ -94,8 +96,8 @@ def _probe(args: argparse.Namespace) -> int:
 
     config = load_pool_config(args.config)
     if args.seconds is not None:
-        if args.seconds <= 0:
-            raise PoolConfigError("--seconds", f"must be positive, got {args.seconds}")
+        if not 0 < args.seconds < math.inf:  # also false for nan
+            raise PoolConfigError("--seconds", f"must be a positive finite number, got {args.seconds}")
         config = replace(config, probe=replace(config.probe, seconds=args.seconds))
     config = replace(config, probe=replace(config.probe, enabled=True),
                      devices=tuple(replace(d, bandwidth_gbps=None) for d in config.devices))
@@ -129,10 +131,21 @@ def _gbps(value: float | None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.plot is not None and args.plot.suffix:  # checked before the table is printed
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if args.plot.suffix[1:].lower() not in formats:
+            raise PoolConfigError("--plot", f"{args.plot}: matplotlib writes no "
+                                            f"{args.plot.suffix} files ({', '.join(formats)})")
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
                               "it writes its status there about once a second)")  # fmt: skip
-    status = PoolStatus.read(args.file)
+    try:
+        status = PoolStatus.read(args.file)
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a status's fields
+        raise PoolConfigError("--file", f"{args.file} is not a kvpool status file "
+                                        f"({type(exc).__name__}: {exc})") from None  # fmt: skip
     if args.json:
         print(json.dumps(status.to_dict(), indent=1))
     else:
@@ -214,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             return _daemon(args)
         return _status(args)
     except PoolConfigError as exc:
-        print(f"kvpool: error: {exc}", file=sys.stderr)
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a device that cannot be opened: name it, no traceback
-        print(f"kvpool: error: {exc}", file=sys.stderr)
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
         return 1
 
 

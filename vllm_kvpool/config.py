@@ -7,6 +7,7 @@ field (``devices[1].ssd.backend: ...``), raised before vLLM allocates anything o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -57,6 +58,8 @@ def parse_size(value: Any, field_path: str) -> int:
         raise PoolConfigError(field_path, f"expected a size like '8GiB', got {value!r}")
     if size <= 0:
         raise PoolConfigError(field_path, f"must be positive, got {value!r}")
+    if size >= 2**63:  # the native engine's sizes are 64-bit: a larger one failed only at open
+        raise PoolConfigError(field_path, f"{value!r} is more than 2^63 - 1 bytes")
     return size
 
 
@@ -172,7 +175,8 @@ class PoolConfig:
 
 def _check_keys(obj: Any, allowed: Collection[str], field_path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
-        raise PoolConfigError(field_path, f"expected a mapping, got {type(obj).__name__}")
+        # the top level ("") is the whole pool config: an empty file, a list, a bare word
+        raise PoolConfigError(field_path or "pool", f"expected a mapping, got {type(obj).__name__}")
     for key in obj:
         if key not in allowed:
             raise PoolConfigError(
@@ -204,10 +208,11 @@ def float_field(obj: Mapping[str, Any], key: str, default: float | None,
     value = obj.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 \
-            or (value == 0 and not zero_ok):  # fmt: skip
+    # YAML's .nan / .inf and JSON's NaN / Infinity parse as floats: none is a usable setting
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):  # fmt: skip
         raise PoolConfigError(f"{field_path}.{key}".lstrip("."),
-                              f"expected a {'number >= 0' if zero_ok else 'positive number'}, "
+                              f"expected a finite {'number >= 0' if zero_ok else 'positive number'}, "
                               f"got {value!r}")  # fmt: skip
     return float(value)
 
@@ -330,6 +335,14 @@ def _parse_migration(raw: Any, service: ServiceConfig | None) -> MigrationConfig
     return MigrationConfig(enabled, margin, bandwidth, every)
 
 
+def check_socket_path(sock: Any, field_path: str) -> str:
+    """A Unix socket path that fits ``sockaddr_un`` (107 bytes and the NUL)."""
+    if not isinstance(sock, str) or not sock or len(sock.encode()) > 107:
+        raise PoolConfigError(field_path, f"expected a Unix socket path of at most 107 bytes, "
+                                          f"got {sock!r}")  # fmt: skip
+    return sock
+
+
 def _parse_service(raw: Any) -> ServiceConfig | None:
     """``service: true`` (defaults), a mapping, or absent / false (in-process pool)."""
     if raw is None or raw is False:
@@ -337,10 +350,7 @@ def _parse_service(raw: Any) -> ServiceConfig | None:
     if raw is True:
         return ServiceConfig()
     raw = _check_keys(raw, _SERVICE_KEYS, "service")
-    sock = raw.get("socket", default_service_socket())
-    if not isinstance(sock, str) or not sock or len(sock.encode()) > 107:
-        raise PoolConfigError("service.socket", f"expected a Unix socket path of at most 107 "
-                                                f"bytes, got {sock!r}")  # fmt: skip
+    sock = check_socket_path(raw.get("socket", default_service_socket()), "service.socket")
     timeout = float_field(raw, "start_timeout", 60.0, "service")
     assert timeout is not None
     return ServiceConfig(sock, bool_field(raw, "autostart", True, "service"), timeout)
@@ -356,7 +366,8 @@ def _parse_text(text: str, origin: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PoolConfigError(origin, f"neither valid JSON nor YAML: {exc}") from None
+        # PyYAML's message spans lines (context, a caret under the source): one line of it
+        raise PoolConfigError(origin, f"neither valid JSON nor YAML: {' '.join(str(exc).split())}") from None
 
 
 def load_pool_config(source: str | os.PathLike | dict[str, Any] | PoolConfig) -> PoolConfig:
@@ -372,8 +383,14 @@ def load_pool_config(source: str | os.PathLike | dict[str, Any] | PoolConfig) ->
         return parse_pool_config(_parse_text(text, "pool"))
     path = Path(text)
     if not path.is_file():
-        raise PoolConfigError("pool", f"config file {text} does not exist")
-    return parse_pool_config(_parse_text(path.read_text(), f"pool ({text})"))
+        raise PoolConfigError("pool", f"config file {text} " + ("is not a file" if path.exists()
+                                                                 else "does not exist"))
+    try:
+        body = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PoolConfigError(f"pool ({text})", f"not UTF-8 text: {exc.reason} at byte "
+                                                f"{exc.start}") from None
+    return parse_pool_config(_parse_text(body, f"pool ({text})"))
 
 
 def pool_config_from_extra(extra: dict[str, Any] | None) -> PoolConfig:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_kvpool.config import PoolConfig
+from vllm_kvpool.config import PoolConfig, PoolConfigError
 from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.media import medium_of
 from vllm_kvpool.native import kvio
@@ -79,11 +79,17 @@ def probe_copy_threads(config: PoolConfig) -> int:
 def probe_bandwidths(config: PoolConfig, layout: ChunkLayout) -> list[float]:
     """Read bandwidth (GB/s) per device: fixed ``bandwidth_gbps`` or its medium's short probe."""
     gbps: list[float] = []
-    for cfg in config.devices:
+    for i, cfg in enumerate(config.devices):
         if cfg.bandwidth_gbps is not None:
             gbps.append(cfg.bandwidth_gbps)
         elif not config.probe.enabled:
             gbps.append(1.0)  # no probe and no figure: equal weights
         else:
-            gbps.append(medium_of(cfg).probe(cfg, config, layout))
+            try:
+                gbps.append(medium_of(cfg).probe(cfg, config, layout))
+            except PoolConfigError:
+                raise
+            except ValueError as exc:  # the engine refused the entry (a path that is no file
+                # or block device, a backend not compiled in): a config error naming the entry
+                raise PoolConfigError(f"devices[{i}].{cfg.kind}", str(exc)) from None
     return gbps

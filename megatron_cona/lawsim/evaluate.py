@@ -80,8 +80,22 @@ class SimOptions:
                                    f"{', '.join(VARIANTS)}")
         if self.jobs < 1:
             raise LawError(f"jobs={self.jobs} must be >= 1 worker process")
-        if not self.gpus or any(g < 1 for g in self.gpus):
-            raise LawError(f"gpus={self.gpus} must be positive GPU counts")
+        for name in ("gpus", "micro_batches", "pipeline"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise LawError(f"{name}={getattr(self, name)} must list integers >= 1")
+        for name in ("families", "variants"):
+            if not getattr(self, name):
+                raise LawError(f"{name}: empty; choose from "
+                               f"{', '.join(FAMILIES if name == 'families' else VARIANTS)}")
+        # the real numbers each need a finite value at or above a floor (nan fails every test)
+        for name, floor in (("min_gain", 0.0), ("noise_z", 0.0), ("bound_snap", 0.0)):
+            if not floor <= getattr(self, name) < math.inf:
+                raise LawError(f"{name}={getattr(self, name)} must be a finite number >= {floor:g}")
+        if self.first_interval_iterations < 1:
+            raise LawError(f"first_interval_iterations={self.first_interval_iterations} must "
+                           "be >= 1")
+        if self.seed < 0:
+            raise LawError(f"seed={self.seed} must be >= 0 (numpy's generators take no negative)")
 
 
 def architecture(device) -> str:

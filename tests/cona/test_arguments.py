@@ -59,6 +59,9 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-candidates", "tp2"], 4, "--cona-candidates"),
         (["--cona-probe-bias", "0"], 4, "--cona-probe-bias"),
         (["--cona-probe-bias", "nan"], 4, "--cona-probe-bias"),
+        (["--cona-min-gain", "nan"], 4, "--cona-min-gain"),
+        (["--cona-horizon", "nan"], 4, "--cona-horizon"),
+        (["--cona-horizon", "inf"], 4, "--cona-horizon"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):
@@ -88,7 +91,7 @@ def test_cli_errors_are_one_named_line(capsys):
                "--num-attention-heads", "4", "--seq-length", "32", "--candidates", "dp4tp1pp1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err
-    assert err.startswith("cona: error: StrategyError") and "world_size=6" in err
+    assert err.startswith("cona plan: error: StrategyError") and "world_size=6" in err
     rc = main(["plot", "--log", "no-such-run.jsonl", "--out", "x.png"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "no-such-run.jsonl" in err
@@ -125,3 +128,52 @@ def test_precision_follows_the_precision_tables_megatron_flags():
         assert precision_from_args(ns(bf16=False, fp16=False, toy_half=True)) == "toy-half"
     finally:
         unregister_precision("toy-half")
+
+
+PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32"]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--world", "0"), ("--num-layers", "0"), ("--hidden-size", "-64"),
+     ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
+     ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
+     ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
+     ("--noise-scale", "inf"), ("--global-batch-range", "0,5")],
+)
+def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
+    """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
+    RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
+    dropped the last row, --world 0 blamed no candidates)."""
+    from megatron_cona.cli import main
+
+    argv = [*PLAN, flag, value] if flag not in PLAN else \
+        [*PLAN[:PLAN.index(flag) + 1], value, *PLAN[PLAN.index(flag) + 2:]]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith(f"cona plan: error: argument {flag}: ")
+    assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [("garbage\n", "line 1: not JSON"),
+     ('{"iteration": 10}\n', "line 1: no switch"),
+     ('{"iteration": 10, "switch": false, "current": 3, "best": {}}\n',
+      "line 1: no current.strategy/goodput"),
+     ("\n[1, 2]\n", "line 2: no iteration")],
+)
+def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path, capsys,
+                                                                        content, says):
+    """A --log that is not a --cona-log said 'JSONDecodeError: Expecting value: line 1 column 1'
+    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback)."""
+    from megatron_cona.cli import main
+
+    log = tmp_path / "run.jsonl"
+    log.write_text(content)
+    assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--cona-log {log} {says}" in err
+    assert not (tmp_path / "t.png").exists()

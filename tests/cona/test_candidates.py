@@ -122,3 +122,13 @@ def test_memory_filter_uses_the_jobs_device_and_options():
     zero = memory_model_for(80 * 2**30, 9, args(use_distributed_optimizer=True), 8)
     assert zero.options.distributed_optimizer
     assert zero.peak_bytes(model, strategy, precision) < h
+
+
+@pytest.mark.timeout(20)
+def test_divisors_of_a_huge_world_come_back_at_once():
+    """``cona plan --world 1000000000`` hung: the divisors were searched up to n."""
+    from megatron_cona.candidates import divisors
+
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and divisors(1) == [1]
+    assert divisors(10**12)[-3:] == [250_000_000_000, 500_000_000_000, 10**12]
+    assert len(divisors(10**12)) == 169  # 2^12 5^12: 13 * 13

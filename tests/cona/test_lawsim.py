@@ -319,3 +319,19 @@ def test_oracle_starts_where_the_first_interval_progresses_fastest():
     best = max(statics, key=first_rate)
     assert oracle.points[0].strategy == best.points[0].strategy
     assert first_rate(oracle) >= max(first_rate(r) for r in statics) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("micro_batches", (0,)), ("pipeline", (0, 1)), ("families", ()), ("variants", ()),
+     ("min_gain", float("nan")), ("min_gain", -1.0), ("noise_z", float("nan")),
+     ("noise_z", float("inf")), ("bound_snap", -0.1), ("bound_snap", float("nan")),
+     ("first_interval_iterations", 0), ("seed", -1)],
+)
+def test_sim_options_name_the_field_that_cannot_run(field, value):
+    """``cona scale`` took each: a 0 micro-batch or stage count, no family or variant (an empty
+    report), a NaN gain or z, a negative snap, no first interval, a seed numpy refuses later."""
+    from megatron_cona.lawsim.evaluate import SimOptions
+
+    with pytest.raises(LawError, match=f"^{field}"):
+        SimOptions(**{field: value})

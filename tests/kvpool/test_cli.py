@@ -23,6 +23,7 @@ def test_bad_config_is_one_line_naming_the_field(capsys):
     assert main(["validate", "--config", '{"devices": [{"host": {"capacity": "1GiB", "numa": 1}}]}']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "devices[0].host.numa" in err[0]
+    assert err[0].startswith("kvpool validate: error: ")  # the subcommand, as argparse's errors
 
 
 def test_unknown_subcommand_exits_nonzero():
@@ -136,3 +137,70 @@ def test_serve_hides_a_torchvision_that_breaks_vllm_then_starts_it(tmp_path, mon
     assert seen == [(["--help"], None)]  # vLLM started with torchvision hidden
     err = capsys.readouterr().err
     assert "torchvision::nms" in err and "pip uninstall -y torchvision torchaudio torchcodec" in err
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "0"])
+def test_probe_rejects_a_nan_or_infinite_probe_time_before_probing(seconds, capsys):
+    """``--seconds nan`` probed (nan <= 0 is false) and ``inf`` would never end."""
+    cfg = json.dumps({"devices": [{"host": {"capacity": "1GiB"}}]})
+    assert main(["probe", "--config", cfg, "--seconds", seconds]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seconds" in err[0] and "finite" in err[0]
+
+
+@pytest.mark.parametrize("content", ["not json\n", '{"usage": []}\n', "[1, 2]\n", "\xff"])
+def test_status_of_a_file_that_is_no_status_is_one_line(tmp_path, capsys, content):
+    """A --file that is not a connector's status raised JSONDecodeError / KeyError /
+    TypeError / UnicodeDecodeError with a traceback."""
+    path = tmp_path / "status.json"
+    path.write_text(content, encoding="latin-1")
+    assert main(["status", "--file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--file" in err[0] and "not a kvpool status file" in err[0]
+
+
+def test_probe_of_a_host_device_on_a_numa_node_the_machine_lacks_names_it(capsys):
+    """The host probe's memcpy ignored numa_node: node 4095 was probed and shown as 'numa 4095'
+    (the pool itself refuses to open there)."""
+    pytest.importorskip("vllm_kvpool._kvio")
+    cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}},
+                                  {"host": {"capacity": "64MiB", "numa_node": 4095}}],
+                      "probe": {"size": "1MiB"}})  # fmt: skip
+    assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "devices[1].host.numa_node" in err[0] and "4095" in err[0]
+
+
+def test_daemon_socket_too_long_for_unix_is_named_before_binding(tmp_path, capsys):
+    """``--socket`` skipped the config's service.socket check: bind() said 'AF_UNIX path too
+    long' (exit 1, no flag named)."""
+    cfg = json.dumps({"devices": [{"host": {"capacity": "64MiB"}}]})
+    assert main(["daemon", "--config", cfg, "--socket", str(tmp_path / ("s" * 120))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--socket" in err[0] and "107 bytes" in err[0]
+
+
+def test_status_plot_to_a_format_matplotlib_lacks_is_named_first(tmp_path, capsys):
+    """``--plot usage.txt`` printed the table, then matplotlib's ValueError traceback."""
+    status = PoolStatus(usage=[DeviceUsage("host0", "host", 3, 8, 1 << 20, 6.0, False)],
+                        lookups=LookupCounters(query_tokens=10, hit_tokens=5),
+                        transfers=TransferCounters({}, []), placement="bandwidth",
+                        chunk_tokens=256)  # fmt: skip
+    status.write(tmp_path / "status.json")
+    assert main(["status", "--file", str(tmp_path / "status.json"), "--plot",
+                 str(tmp_path / "usage.txt")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "--plot" in err[0] and ".txt" in err[0] and "png" in err[0]
+    assert captured.out == "" and not (tmp_path / "usage.txt").exists()
+
+
+def test_probe_of_an_ssd_path_that_is_no_file_names_the_device(capsys):
+    """/dev/null (a character device) as an SSD's path raised the engine's ValueError with a
+    traceback (exit 1)."""
+    pytest.importorskip("vllm_kvpool._kvio")
+    cfg = json.dumps({"devices": [{"ssd": {"capacity": "16MiB", "path": "/dev/null"}}],
+                      "probe": {"size": "1MiB"}})  # fmt: skip
+    assert main(["probe", "--config", cfg, "--seconds", "0.05"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "devices[0].ssd" in err[0] and "neither a block device" in err[0]

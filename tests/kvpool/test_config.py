@@ -50,12 +50,17 @@ def test_sizes():
         ({"devices": [{"host": {}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": "12 parsecs"}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": -1}}]}, "devices[0].host.capacity"),
+        # validated, then `kvpool daemon` served it until an engine opened the pool
+        ({"devices": [{"host": {"capacity": "99999999TiB"}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": 2**64}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": "1GiB", "numa": 0}}]}, "devices[0].host.numa"),
         ({"devices": [{"ssd": {"capacity": "1GiB"}}]}, "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x", "backend": "aio"}}]},
          "devices[0].ssd.backend"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/nonexistent/dir/x"}}]},
          "devices[0].ssd.path"),
+        # validated, then `kvpool probe` raised the engine's ValueError
+        ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/"}}]}, "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "nvme", "backend": "spdk"}}]},
          "devices[0].ssd.spdk_trid"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x"}},
@@ -115,3 +120,49 @@ def test_save_wait_may_be_zero_where_other_durations_may_not():
     with pytest.raises(PoolConfigError) as err:
         load_pool_config({**host, "probe": {"seconds": 0}})
     assert err.value.field == "probe.seconds"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"devices": [{"host": {"capacity": "1GiB"}}], "probe": {"seconds": NaN}}',
+         "probe.seconds"),
+        ('{"devices": [{"host": {"capacity": "1GiB", "bandwidth_gbps": Infinity}}]}',
+         "devices[0].host.bandwidth_gbps"),
+        ("devices: [{host: {capacity: 1GiB}}]\nsave_wait_seconds: .nan\n", "save_wait_seconds"),
+        ("devices: [{host: {capacity: 1GiB}}]\ndevice_retry_seconds: .inf\n",
+         "device_retry_seconds"),
+        ("devices: [{host: {capacity: 1GiB}}]\nmigration: {margin: .nan}\n", "migration.margin"),
+    ],
+)  # fmt: skip
+def test_nan_and_infinite_numbers_name_the_field(text, field):
+    """JSON's NaN / Infinity and YAML's .nan / .inf parse as floats: each was taken as a setting
+    (a NaN probe time, an infinite placement weight) until the number check asked for finite."""
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config(text)
+    assert err.value.field == field and "finite" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "field", "says"),
+    [
+        (b"\xff\xfe devices", "pool ({path})", "not UTF-8"),
+        (b"devices: [host: {capacity: 1GiB}\n", "pool ({path})", "neither valid JSON nor YAML"),
+        (b"", "pool", "expected a mapping, got NoneType"),
+        (b"just words\n", "pool", "expected a mapping, got str"),
+    ],
+)  # fmt: skip
+def test_unreadable_config_files_are_one_line_naming_the_file(tmp_path, content, field, says):
+    """A binary file raised UnicodeDecodeError, a YAML syntax error's message ran over six
+    lines, and an empty or scalar file was blamed on a field named ''."""
+    path = tmp_path / "kvpool.yaml"
+    path.write_bytes(content)
+    with pytest.raises(PoolConfigError) as err:
+        load_pool_config(str(path))
+    assert err.value.field == field.format(path=path)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_directory_given_as_the_config_is_not_said_to_be_missing(tmp_path):
+    with pytest.raises(PoolConfigError, match="is not a file"):
+        load_pool_config(str(tmp_path))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvpool.config import DeviceConfig, PoolConfig
+from vllm_kvpool.config import DeviceConfig, PoolConfig, PoolConfigError
 from vllm_kvpool.handlers.base import Buffer, LoadOp, MediumHandler, Outcome, SaveOp
 from vllm_kvpool.layout import ChunkLayout
 from vllm_kvpool.media import Medium, register_medium
@@ -109,6 +109,12 @@ class HostMedium(Medium):
 
     def probe(self, cfg: DeviceConfig, config: PoolConfig, layout: ChunkLayout) -> float:
         """A memcpy of ``probe.size``."""
+        # the memcpy is not bound to the node: without this a node the machine lacks was
+        # probed (and shown as "numa N") where opening the pool refuses it
+        if cfg.numa_node not in (nodes := kvio().numa_nodes()):
+            raise PoolConfigError(f"devices[{config.devices.index(cfg)}].{cfg.kind}.numa_node",
+                                  f"node {cfg.numa_node} does not exist on this machine (nodes "
+                                  f"with memory: {', '.join(map(str, nodes))})")  # fmt: skip
         result = kvio().probe_memcpy(seconds=config.probe.seconds, nbytes=config.probe.size)
         return float(result["gbps"])
 

@@ -58,6 +58,9 @@ class SsdSettings(MediumSettings):
                        int_field(body, "queue_depth", 32, where, minimum=1))  # fmt: skip
         if settings.opens_path and not Path(path).exists() and not Path(path).parent.is_dir():
             raise PoolConfigError(f"{where}.path", f"neither {path} nor its directory exists")
+        if settings.opens_path and Path(path).is_dir():  # the engine opens only a file or device
+            raise PoolConfigError(f"{where}.path", f"{path} is a directory: name a file in it "
+                                                   "(created and preallocated) or a block device")
         return settings
 
     @property
