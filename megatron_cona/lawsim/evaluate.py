@@ -87,6 +87,11 @@ class SimOptions:
             if not getattr(self, name):
                 raise LawError(f"{name}: empty; choose from "
                                f"{', '.join(FAMILIES if name == 'families' else VARIANTS)}")
+        # a repeat would run its cases twice and count them twice in every median
+        for name in ("families", "gpus", "variants", "micro_batches", "pipeline"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise LawError(f"{name}={values} lists a value twice")
         # the real numbers each need a finite value at or above a floor (nan fails every test)
         for name, floor in (("min_gain", 0.0), ("noise_z", 0.0), ("bound_snap", 0.0)):
             if not floor <= getattr(self, name) < math.inf:

@@ -326,11 +326,13 @@ def test_oracle_starts_where_the_first_interval_progresses_fastest():
     [("micro_batches", (0,)), ("pipeline", (0, 1)), ("families", ()), ("variants", ()),
      ("min_gain", float("nan")), ("min_gain", -1.0), ("noise_z", float("nan")),
      ("noise_z", float("inf")), ("bound_snap", -0.1), ("bound_snap", float("nan")),
-     ("first_interval_iterations", 0), ("seed", -1)],
+     ("first_interval_iterations", 0), ("seed", -1), ("gpus", (8, 8)),
+     ("families", ("bert-large", "bert-large")), ("variants", ("kaplan", "kaplan"))],
 )
 def test_sim_options_name_the_field_that_cannot_run(field, value):
     """``cona scale`` took each: a 0 micro-batch or stage count, no family or variant (an empty
-    report), a NaN gain or z, a negative snap, no first interval, a seed numpy refuses later."""
+    report), a NaN gain or z, a negative snap, no first interval, a seed numpy refuses later,
+    a repeated GPU count, family or variant (its cases run and counted twice)."""
     from megatron_cona.lawsim.evaluate import SimOptions
 
     with pytest.raises(LawError, match=f"^{field}"):
