@@ -137,7 +137,9 @@ def scale_parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-snap", type=float, default=d.bound_snap,
                    help="round the exact DP's S up to a log grid of this relative step (fewer "
                         "states, still a bound; default 0: exact)")
-    p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
+    p.add_argument("--skip", type=_str_list, default=(),
+                   help="rivals to leave out: planner, rampup, seesaw, pollux (an unknown name "
+                   "is refused)")
     p.add_argument("--jobs", type=int, default=d.jobs,
                    help="worker processes, one (family, GPU count) each at a time (default: "
                         "the CPUs this process may use); the results do not depend on it")
