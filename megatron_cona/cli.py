@@ -27,6 +27,33 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+# The errors bad input raises where that input is validated, by (module, class), printed as one
+# line like CliError and OSError (a file). A class is looked up only once its module has been
+# imported (before that nothing can have raised it), so the check imports nothing. Any other
+# error -- a KeyError or ValueError of our own code -- is a bug and keeps its traceback.
+INPUT_ERRORS = (
+    ("predictors.spec.model", "ModelSpecError"),  # and UnknownModelError, ResolutionError
+    ("predictors.spec.strategy", "StrategyError"),  # and the run flags' ConaArgumentError
+    ("predictors.spec.precision", "UnknownPrecisionError"),
+    ("predictors.devices", "UnknownDeviceError"),
+    ("predictors.devices", "UnsupportedPrecisionError"),
+    ("megatron_cona.lawsim.law", "LawError"),  # cona scale's options and cases
+    ("megatron_cona.lawsim.clock", "ClockError"),  # a case vTrain measured no time for
+    ("megatron_cona.plot", "DecisionLogError"),
+    ("megatron_cona.data", "DataError"),
+    ("megatron_cona.lr_scaling", "LRScalingError"),
+    ("megatron_cona.policy", "PolicyError"),
+    ("megatron_cona.gns", "GradientStatsError"),  # a non-finite gradient norm
+    ("megatron_cona.pretrain_gpt", "TrainingError"),  # a non-finite loss
+)
+
+
+def _is_input_error(err: Exception) -> bool:
+    return isinstance(err, CliError | OSError) or any(
+        isinstance(err, getattr(sys.modules[module], name))
+        for module, name in INPUT_ERRORS if module in sys.modules)
+
+
 def _int_pair(text: str) -> tuple[int, int]:
     parts = [int(x) for x in text.replace(":", ",").split(",")]
     if len(parts) != 2 or parts[0] > parts[1] or parts[0] < 1:
@@ -137,7 +164,9 @@ def scale_parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-snap", type=float, default=d.bound_snap,
                    help="round the exact DP's S up to a log grid of this relative step (fewer "
                         "states, still a bound; default 0: exact)")
-    p.add_argument("--skip", type=_str_list, default=(), help="chains to leave out")
+    p.add_argument("--skip", type=_str_list, default=(),
+                   help="rivals to leave out: planner, rampup, seesaw, pollux (an unknown name "
+                   "is refused)")
     p.add_argument("--jobs", type=int, default=d.jobs,
                    help="worker processes, one (family, GPU count) each at a time (default: "
                         "the CPUs this process may use); the results do not depend on it")
@@ -181,6 +210,19 @@ def _scale(args: argparse.Namespace, switch_costs: tuple[float, float]) -> None:
     opts = SimOptions(**{k: v for k, v in vars(args).items()
                          if k in SimOptions.__dataclass_fields__})
     print_scale(run_sim(opts, switch_costs))
+
+
+# ------------------------------------------------------------------------------------- plot
+
+
+def _check_plot_format(out: Path) -> None:
+    """Before the log is read: matplotlib's own error names neither the flag nor the path."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix and out.suffix[1:].lower() not in formats:
+        raise CliError(f"--out: {out}: matplotlib writes no {out.suffix} files "
+                       f"({', '.join(formats)})")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -270,10 +312,13 @@ def _main(argv: list[str] | None = None) -> int:
         else:
             from megatron_cona.plot import plot_run_timeline
 
+            _check_plot_format(args.out)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             print(plot_run_timeline(args.log, args.out))
         return 0
-    except (CliError, ValueError, OSError, KeyError) as err:
+    except Exception as err:
+        if not _is_input_error(err):
+            raise
         # the subcommand, as argparse's own errors say it ("cona plan: error: ...")
         prog = f"cona {argv[0]}" if argv and not argv[0].startswith("-") else "cona"
         print(f"{prog}: error: {type(err).__name__}: {err}", file=sys.stderr)

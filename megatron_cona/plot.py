@@ -14,6 +14,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+class DecisionLogError(ValueError):
+    """A ``--cona-log`` that is not a decision log: the message names the file and the line."""
+
+
 def _segments(xs: list[float], labels: list[str]) -> list[tuple[float, float, str]]:
     """Consecutive runs of equal label as (start, end, label)."""
     out: list[tuple[float, float, str]] = []
@@ -83,8 +87,8 @@ _DECISION_FIELDS = (("iteration", ()), ("switch", ()), ("current", ("strategy", 
 
 
 def read_decisions(log_path: Path) -> list[dict]:
-    """The decisions of a ``--cona-log`` file; a line that is not one raises ValueError naming
-    the file, the line and what it lacks."""
+    """The decisions of a ``--cona-log`` file; a line that is not one raises DecisionLogError
+    naming the file, the line and what it lacks."""
     decisions = []
     with open(log_path) as fh:
         for number, line in enumerate(fh, 1):
@@ -94,12 +98,12 @@ def read_decisions(log_path: Path) -> list[dict]:
             try:
                 decision = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not JSON ({err})") from None
+                raise DecisionLogError(f"{where}: not JSON ({err})") from None
             for key, inner in _DECISION_FIELDS:
                 value = decision.get(key) if isinstance(decision, dict) else None
                 if value is None or inner and not (isinstance(value, dict)
                                                    and all(k in value for k in inner)):
-                    raise ValueError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
+                    raise DecisionLogError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
                                      "(not a CONA decision log)")
             decisions.append(decision)
     return decisions
@@ -109,7 +113,7 @@ def plot_run_timeline(log_path: Path, path: Path, losses: list[float] | None = N
     """Strategy timeline (and training loss, when given) of a run from its decision log."""
     decisions = read_decisions(log_path)
     if not decisions:
-        raise ValueError(f"--cona-log {log_path} holds no decisions")
+        raise DecisionLogError(f"--cona-log {log_path} holds no decisions")
     iters = [d["iteration"] for d in decisions]
     labels = [d["current"]["strategy"] for d in decisions]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True,

@@ -32,6 +32,15 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Every chunk's slot is aligned up to this many bytes (O_DIRECT; layout/chunk.py takes it from
+# here: this module cannot import the layout package, which imports torch and this module), so
+# a device smaller than it holds no chunk whatever the model.
+SLOT_ALIGNMENT = 4096  # covers the logical block size of NVMe/loop devices and O_DIRECT files
+# copy_threads' largest value: a fetch's host copy starts up to copy_threads threads (as many as
+# it has 4 MiB slices), and the largest servers have fewer cores (2 x 192 cores x 2 SMT = 768
+# hardware threads); the probe stops at 8, where memory bandwidth is saturated. A fixed bound,
+# not this machine's core count, so that `kvpool validate` answers the same wherever it runs.
+COPY_THREADS_LIMIT = 1024
 
 
 class PoolConfigError(ValueError):
@@ -188,10 +197,12 @@ def _check_keys(obj: Any, allowed: Collection[str], field_path: str) -> dict[str
 
 # Readers of one field of a config mapping; an error names the field (media's settings use them).
 def int_field(obj: Mapping[str, Any], key: str, default: int, field_path: str,
-              minimum: int = 0) -> int:  # fmt: skip
+              minimum: int = 0, maximum: int | None = None) -> int:  # fmt: skip
     value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected an integer >= {minimum}, "
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or maximum is not None and value > maximum:  # fmt: skip
+        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise PoolConfigError(f"{field_path}.{key}".lstrip("."), f"expected an integer {bounds}, "
                                                      f"got {value!r}")  # fmt: skip
     return value
 
@@ -246,8 +257,12 @@ def _parse_device(entry: Any, index: int) -> DeviceConfig:
     name = body.get("name", "")
     if not isinstance(name, str):
         raise PoolConfigError(f"{where}.name", f"expected a string, got {name!r}")
+    capacity = parse_size(body["capacity"], f"{where}.capacity")
+    if capacity < SLOT_ALIGNMENT:  # the model's chunk size is checked when the pool opens
+        raise PoolConfigError(f"{where}.capacity", f"{capacity} bytes holds no chunk: a chunk's "
+                                                   f"slot is at least {SLOT_ALIGNMENT} bytes")  # fmt: skip
     return DeviceConfig(
-        kind, name, parse_size(body["capacity"], f"{where}.capacity"),
+        kind, name, capacity,
         numa_node=int_field(body, "numa_node", 0, where),
         bandwidth_gbps=float_field(body, "bandwidth_gbps", None, where),
         settings=medium.settings.parse({k: v for k, v in body.items() if k not in COMMON_FIELDS},
@@ -307,7 +322,7 @@ def parse_pool_config(raw: Any) -> PoolConfig:
         load_mode=choice_field(raw, "load_mode", "async", LOAD_MODES, ""),
         load_failure=choice_field(raw, "load_failure", "recompute", LOAD_FAILURE_POLICIES, ""),
         verify_checksums=bool_field(raw, "verify_checksums", False, ""),
-        copy_threads=int_field(raw, "copy_threads", 0, "", minimum=0),
+        copy_threads=int_field(raw, "copy_threads", 0, "", minimum=0, maximum=COPY_THREADS_LIMIT),
         save_decode=bool_field(raw, "save_decode", True, ""),
         staging=parse_size(raw.get("staging", 256 * 2**20), "staging"),
         device_retry_seconds=float_field(raw, "device_retry_seconds", 10.0, ""),

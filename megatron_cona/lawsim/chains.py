@@ -166,6 +166,9 @@ class Chain:
 
 
 CHAINS: dict[str, Chain] = {}
+# chains registered from outside the package, by name (so that ``--skip`` knows them where they
+# are not registered): what registers each
+ELSEWHERE = {"pollux": "benchmarks/cona_pollux.py, where adaptdl is installed"}
 
 
 def register(chain: Chain) -> Chain:

@@ -24,7 +24,7 @@ from megatron_cona.lawsim.cases import (
     dynamics_for,
     targets,
 )
-from megatron_cona.lawsim.chains import CHAINS, SimResult
+from megatron_cona.lawsim.chains import CHAINS, ELSEWHERE, SimResult
 from megatron_cona.lawsim.checks import run_checks
 from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.law import VARIANTS, LawError
@@ -34,6 +34,10 @@ from predictors.spec import ParallelStrategy
 NOTE = ("LAW-BASED SIMULATION: training progress from published laws (Kaplan et al. 2020, "
         "McCandlish et al. 2018; every constant cited in docs/cona.md), clock {clock}; "
         "agreement with this simulator is agreement, not accuracy")
+
+
+# every case's result is measured against these (ratios() and case_line() read them): no --skip
+MEASURED_AGAINST = ("cona", "static", "oracle", "bound")
 
 
 @dataclass
@@ -78,6 +82,19 @@ class SimOptions:
                 if name not in VARIANTS:
                     raise LawError(f"{field_name}: {name!r} is unknown; choose from "
                                    f"{', '.join(VARIANTS)}")
+        # checked here, before any case runs: an unknown name was ignored, a measured-against
+        # one failed after every case had run
+        skippable = [n for n in (*CHAINS, *ELSEWHERE) if n not in MEASURED_AGAINST]
+        for name in self.skip:
+            if name in MEASURED_AGAINST:
+                reason = "cannot be left out: the results are measured against it"
+            elif name not in skippable:
+                reason = "is no chain"
+            else:
+                continue
+            raise LawError(f"skip: {name!r} {reason}; chains it may leave out: " + ", ".join(
+                n if n in CHAINS else f"{n} (registered by {ELSEWHERE[n]})"
+                for n in dict.fromkeys(skippable)))
         if self.jobs < 1:
             raise LawError(f"jobs={self.jobs} must be >= 1 worker process")
         for name in ("gpus", "micro_batches", "pipeline"):

@@ -163,7 +163,8 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
      ('{"iteration": 10}\n', "line 1: no switch"),
      ('{"iteration": 10, "switch": false, "current": 3, "best": {}}\n',
       "line 1: no current.strategy/goodput"),
-     ("\n[1, 2]\n", "line 2: no iteration")],
+     ("\n[1, 2]\n", "line 2: no iteration"),
+     ("\n", "holds no decisions")],
 )
 def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path, capsys,
                                                                         content, says):
@@ -177,3 +178,47 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"--cona-log {log} {says}" in err
     assert not (tmp_path / "t.png").exists()
+
+
+DECISION = ('{"iteration": 10, "switch": false, "current": {"strategy": "dp1", "goodput": 1.0}, '
+            '"best": {"strategy": "dp1", "goodput": 1.0}}\n')
+
+
+def test_cli_plot_to_a_format_matplotlib_lacks_names_out(tmp_path, capsys):
+    """--out t.zzz said matplotlib's 'ValueError: Format 'zzz' is not supported' without the
+    flag, after reading the log."""
+    from megatron_cona.cli import main
+
+    log = tmp_path / "run.jsonl"
+    log.write_text(DECISION)
+    assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.zzz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"cona plot: error: CliError: --out: {tmp_path}/t.zzz: "
+                                              "matplotlib writes no .zzz files (")
+    assert not list(tmp_path.glob("t.*"))
+
+
+@pytest.mark.parametrize("error", [KeyError("strategy"), ValueError("math domain error")])
+def test_cli_keeps_the_traceback_of_an_error_that_is_no_bad_input(tmp_path, monkeypatch, error):
+    """A KeyError or ValueError of our own code is a bug: it was printed as one 'error:' line
+    (exit 2) like bad input, its traceback lost."""
+    import megatron_cona.plot
+    from megatron_cona.cli import main
+
+    def broken(*args):
+        raise error
+
+    monkeypatch.setattr(megatron_cona.plot, "plot_run_timeline", broken)
+    with pytest.raises(type(error)):
+        main(["plot", "--log", str(tmp_path / "run.jsonl"), "--out", str(tmp_path / "t.png")])
+
+
+def test_cli_input_errors_name_classes_that_exist():
+    """The cli's table of input errors names each class by module: a renamed one would stop
+    being caught (its bad input would print a traceback)."""
+    import importlib
+
+    from megatron_cona.cli import INPUT_ERRORS
+
+    for module, name in INPUT_ERRORS:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception), name

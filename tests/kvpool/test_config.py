@@ -53,6 +53,13 @@ def test_sizes():
         # validated, then `kvpool daemon` served it until an engine opened the pool
         ({"devices": [{"host": {"capacity": "99999999TiB"}}]}, "devices[0].host.capacity"),
         ({"devices": [{"host": {"capacity": 2**64}}]}, "devices[0].host.capacity"),
+        # validated; a pool could open only to hold no chunk (every chunk's slot is >= 4 KiB)
+        ({"devices": [{"host": {"capacity": 1}}]}, "devices[0].host.capacity"),
+        ({"devices": [{"host": {"capacity": "1GiB"}}, {"ssd": {"capacity": "4095B",
+                                                                "path": "/tmp/x"}}]},
+         "devices[1].ssd.capacity"),
+        # validated: a thread count no machine has cores for (the engine would start them)
+        ({"devices": [{"host": {"capacity": "1GiB"}}], "copy_threads": 100000}, "copy_threads"),
         ({"devices": [{"host": {"capacity": "1GiB", "numa": 0}}]}, "devices[0].host.numa"),
         ({"devices": [{"ssd": {"capacity": "1GiB"}}]}, "devices[0].ssd.path"),
         ({"devices": [{"ssd": {"capacity": "1GiB", "path": "/tmp/x", "backend": "aio"}}]},
@@ -93,6 +100,26 @@ def test_malformed_configs_name_the_field(raw, field):
         load_pool_config(raw)
     assert err.value.field == field
     assert str(err.value).startswith(f"kvpool config: {field}: ")
+
+
+def test_the_smallest_capacity_and_the_most_copy_threads_are_taken():
+    cfg = load_pool_config({"devices": [{"host": {"capacity": "4KiB"}}], "copy_threads": 1024})
+    assert cfg.devices[0].capacity == 4096 and cfg.copy_threads == 1024
+
+
+def test_a_capacity_too_small_for_the_models_chunk_names_both_sizes():
+    """Past the config's floor (one 4 KiB slot) a chunk is as large as the model makes it: the
+    layout, built once the model is known, names the device and both sizes."""
+    from vllm_kvpool import layout as layouts
+
+    cfg = load_pool_config({"devices": [{"host": {"capacity": "1GiB"}},
+                                        {"host": {"capacity": "64KiB"}}], "chunk_tokens": 64})
+    # 4 layers x K and V x 2 heads x 64 x 2 bytes = 2 KiB a token: 128 KiB a chunk
+    geo = layouts.ModelGeometry("toy", 4, 2, 64, 2, None, 0, "")
+    with pytest.raises(PoolConfigError) as err:
+        layouts.from_model(cfg, geo, 16)
+    assert err.value.field == "devices[1].host.capacity"
+    assert "65536 bytes holds no chunk of 131072 bytes (64 tokens)" in str(err.value)
 
 
 def test_missing_file_and_bad_text():

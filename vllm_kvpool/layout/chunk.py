@@ -28,11 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from vllm_kvpool.config import SLOT_ALIGNMENT  # a device smaller than one slot is refused there
+
 if TYPE_CHECKING:
     from vllm_kvpool.config import DeviceConfig, PoolConfig
 
 GroupKind = Literal["full", "sliding_window"]
-SLOT_ALIGNMENT = 4096  # covers the logical block size of NVMe/loop devices and O_DIRECT files
 
 
 def cdiv(a: int, b: int) -> int:
