@@ -163,7 +163,7 @@ def scale_parser() -> argparse.ArgumentParser:
                         "none)")
     p.add_argument("--bound-snap", type=float, default=d.bound_snap,
                    help="round the exact DP's S up to a log grid of this relative step (fewer "
-                        "states, still a bound; default 0: exact)")
+                        "states, still a bound; default 0: exact; else 1e-9 to 1e-5)")
     p.add_argument("--skip", type=_str_list, default=(),
                    help="rivals to leave out: planner, rampup, seesaw, pollux (an unknown name "
                    "is refused)")

@@ -326,17 +326,43 @@ def test_oracle_starts_where_the_first_interval_progresses_fastest():
     [("micro_batches", (0,)), ("pipeline", (0, 1)), ("families", ()), ("variants", ()),
      ("min_gain", float("nan")), ("min_gain", -1.0), ("noise_z", float("nan")),
      ("noise_z", float("inf")), ("bound_snap", -0.1), ("bound_snap", float("nan")),
+     ("bound_snap", 10.0), ("bound_snap", 1e-4), ("bound_snap", 1e-320),
+     ("bound_snap", float("inf")),
      ("first_interval_iterations", 0), ("seed", -1), ("gpus", (8, 8)),
      ("families", ("bert-large", "bert-large")), ("variants", ("kaplan", "kaplan"))],
 )
 def test_sim_options_name_the_field_that_cannot_run(field, value):
     """``cona scale`` took each: a 0 micro-batch or stage count, no family or variant (an empty
     report), a NaN gain or z, a negative snap, no first interval, a seed numpy refuses later,
-    a repeated GPU count, family or variant (its cases run and counted twice)."""
+    a repeated GPU count, family or variant (its cases run and counted twice); a snap of 10 or
+    1e-320 (a rounded S past every goal: an infinite bound) or 1e-4 (the DP 0.3% below the
+    relaxation), each then reported after the first case as "a chain beat the exact bound (a
+    bug)"."""
     from megatron_cona.lawsim.evaluate import SimOptions
 
     with pytest.raises(LawError, match=f"^{field}"):
         SimOptions(**{field: value})
+
+
+def test_the_largest_bound_snap_keeps_the_exact_dp_a_bound():
+    """At the largest step SimOptions takes the rounded DP stays within what run_case tolerates
+    below the relaxation; ten times it does not (so the limit is where the check bites)."""
+    from dataclasses import replace
+
+    from megatron_cona.lawsim.evaluate import BOUND_SNAP, SimOptions, run_case
+
+    assert SimOptions(bound_snap=BOUND_SNAP[1]).bound_snap == BOUND_SNAP[1]
+    for snap, violated in ((BOUND_SNAP[1], False), (10 * BOUND_SNAP[1], True)):
+        result = run_case(replace(_small_case(), exact_bound=True, bound_snap=snap))
+        assert bool(result["violations"]) == violated, (snap, result["violations"])
+
+
+def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
+    from megatron_cona.cli import main
+
+    assert main(["scale", "--switch-costs", "0,0", "--bound-snap", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("cona scale: error: LawError: bound_snap=10.0 ")
 
 
 @pytest.mark.parametrize("skip, says", [(("plannr",), "'plannr' is no chain"),
