@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from predictors.spec import TransformerSpec
+from predictors.spec import StrategyError, TransformerSpec
 
 CPU_HINT = ("no GPU here: megatron-core's CUDA calls must be redirected on CPU, run "
             "`python scripts/cona_cpu.py {cmd}` from the repository instead")
@@ -105,7 +105,10 @@ def _plan(args: argparse.Namespace) -> None:
 
     model = TransformerSpec("gpt", args.num_layers, args.hidden_size, args.num_attention_heads,
                             args.seq_length, args.vocab_size)
-    user = parse_candidate_list(args.candidates)
+    try:
+        user = parse_candidate_list(args.candidates)
+    except StrategyError as err:
+        raise StrategyError(f"--candidates: {err}") from None
     spec = CandidateSpec(layouts=user.layouts, fixed=user.fixed,
                          micro_batches=args.micro_batches,
                          global_batch_range=args.global_batch_range)

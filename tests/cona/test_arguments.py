@@ -62,6 +62,7 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-min-gain", "nan"], 4, "--cona-min-gain"),
         (["--cona-horizon", "nan"], 4, "--cona-horizon"),
         (["--cona-horizon", "inf"], 4, "--cona-horizon"),
+        (["--cona-candidates", "dp4tp1pp1,dp2tp2pp1,dp4tp1pp1"], 4, "--cona-candidates"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):
@@ -95,6 +96,26 @@ def test_cli_errors_are_one_named_line(capsys):
     rc = main(["plot", "--log", "no-such-run.jsonl", "--out", "x.png"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "no-such-run.jsonl" in err
+
+
+@pytest.mark.parametrize("candidates, says", [
+    ("dp4tp1pp1,dp4tp1pp1", "entry 'dp4tp1pp1' is listed twice"),
+    ("dp4tp1pp1mb1gb8, DP4TP1PP1GB8", "entry 'dp4tp1pp1gb8' is listed twice (the same as "
+     "'dp4tp1pp1mb1gb8')"),
+    ("dp4tp1pp1,dp4tp1pp1mb0gb8", "entry 'dp4tp1pp1mb0gb8': micro_batch=0"),
+    ("dp4tp1", "entry 'dp4tp1' is not"),
+    (",", "empty"),
+])
+def test_cli_plan_candidates_name_the_flag_and_the_entry(capsys, candidates, says):
+    """``cona plan --candidates dp4tp1pp1,dp4tp1pp1`` ran as if listed once; its other errors
+    named `cona run`'s --cona-candidates, or (a zero micro-batch) no flag and no entry."""
+    from megatron_cona.cli import main
+
+    rc = main(["plan", "--world", "4", "--num-layers", "4", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "32", "--candidates", candidates])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert err.startswith(f"cona plan: error: StrategyError: --candidates: {says}")
 
 
 def test_cli_run_without_gpu_points_to_cpu_launcher(capsys):
