@@ -219,11 +219,19 @@ def _scale(args: argparse.Namespace, switch_costs: tuple[float, float]) -> None:
 
 
 def _check_plot_format(out: Path) -> None:
-    """Before the log is read: matplotlib's own error names neither the flag nor the path."""
+    """Before the log is read: matplotlib's own error names neither the flag nor the path, and
+    without a suffix it wrote ``out`` + ".png" (a directory ``d``: ``d.png``; an empty --out:
+    ``./.png``) while the command printed ``out``."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    if out.suffix and out.suffix[1:].lower() not in formats:
+    if out.is_dir():
+        raise CliError(f"--out: {out} is a directory; name the image file (e.g. "
+                       f"{out / 'timeline.png'})")
+    if not out.suffix:
+        raise CliError(f"--out: {str(out)!r} has no suffix to choose the format "
+                       f"({', '.join(formats)})")
+    if out.suffix[1:].lower() not in formats:
         raise CliError(f"--out: {out}: matplotlib writes no {out.suffix} files "
                        f"({', '.join(formats)})")
 

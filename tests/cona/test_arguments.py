@@ -178,6 +178,10 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
     assert "Traceback" not in "\n".join(err)
 
 
+DECISION_LINE = ('{"iteration": 10, "switch": false, "current": {"strategy": "dp1", '
+                 '"goodput": 1.0}, "best": {"strategy": "dp1", "goodput": 1.0}}\n')
+
+
 @pytest.mark.parametrize(
     "content, says",
     [("garbage\n", "line 1: not JSON"),
@@ -185,12 +189,26 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
      ('{"iteration": 10, "switch": false, "current": 3, "best": {}}\n',
       "line 1: no current.strategy/goodput"),
      ("\n[1, 2]\n", "line 2: no iteration"),
-     ("\n", "holds no decisions")],
+     ("\n", "holds no decisions"),
+     (DECISION_LINE.replace('"iteration": 10', '"iteration": "10"'),
+      "line 1: iteration='10' is not an integer >= 0"),
+     (DECISION_LINE.replace('"iteration": 10', '"iteration": NaN'),
+      "line 1: iteration=nan is not an integer >= 0"),
+     (DECISION_LINE.replace('"switch": false', '"switch": "no"'),
+      "line 1: switch='no' is not true or false"),
+     (DECISION_LINE.replace('"goodput": 1.0}}', '"goodput": "x"}}'),
+      "line 1: best.goodput='x' is not a number"),
+     (DECISION_LINE.replace('"strategy": "dp1", "goodput": 1.0}, "best"',
+                            '"strategy": 5, "goodput": 1.0}, "best"'),
+      "line 1: current.strategy=5 is not a strategy name"),
+     (DECISION_LINE.replace("}}", '}, "noise_scale": null}'),
+      "line 1: noise_scale=None is not a number")],
 )
 def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path, capsys,
                                                                         content, says):
     """A --log that is not a --cona-log said 'JSONDecodeError: Expecting value: line 1 column 1'
-    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback)."""
+    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback: also for a
+    field of the wrong type, e.g. a string iteration or a null noise scale)."""
     from megatron_cona.cli import main
 
     log = tmp_path / "run.jsonl"
@@ -201,8 +219,32 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     assert not (tmp_path / "t.png").exists()
 
 
-DECISION = ('{"iteration": 10, "switch": false, "current": {"strategy": "dp1", "goodput": 1.0}, '
-            '"best": {"strategy": "dp1", "goodput": 1.0}}\n')
+def test_cli_plot_of_a_binary_file_names_it(tmp_path, capsys):
+    """A binary --log raised UnicodeDecodeError (traceback)."""
+    from megatron_cona.cli import main
+
+    log = tmp_path / "run.jsonl"
+    log.write_bytes(bytes(range(128, 256)) * 8)
+    assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"DecisionLogError: --cona-log {log}: not UTF-8 text" in err
+
+
+@pytest.mark.parametrize("out, says", [("", "is a directory"), ("d", "is a directory"),
+                                       ("t", "has no suffix"), ("t.", "has no suffix")])
+def test_cli_plot_out_that_names_no_image_file_is_refused(tmp_path, monkeypatch, capsys, out,
+                                                          says):
+    """--out d (a directory) wrote d.png, --out '' wrote ./.png, --out t wrote t.png: each
+    printed the path it was given, not the file it wrote."""
+    from megatron_cona.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "run.jsonl").write_text(DECISION_LINE)
+    assert main(["plot", "--log", "run.jsonl", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("cona plot: error: CliError: --out: ") and says in err
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def test_cli_plot_to_a_format_matplotlib_lacks_names_out(tmp_path, capsys):
@@ -211,7 +253,7 @@ def test_cli_plot_to_a_format_matplotlib_lacks_names_out(tmp_path, capsys):
     from megatron_cona.cli import main
 
     log = tmp_path / "run.jsonl"
-    log.write_text(DECISION)
+    log.write_text(DECISION_LINE)
     assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.zzz")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"cona plot: error: CliError: --out: {tmp_path}/t.zzz: "
