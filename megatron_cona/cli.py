@@ -66,11 +66,14 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1."""
+    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1, each once (a
+    repeat is a typo; `cona scale` ran its cases twice)."""
     values = tuple(int(x) for x in text.split(",") if x.strip())
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
                                          ">= 1")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} lists a value twice")
     return values
 
 

@@ -106,8 +106,10 @@ class SimOptions:
             if not getattr(self, name):
                 raise LawError(f"{name}: empty; choose from "
                                f"{', '.join(FAMILIES if name == 'families' else VARIANTS)}")
-        # a repeat would run its cases twice and count them twice in every median
-        for name in ("families", "gpus", "variants", "micro_batches", "pipeline"):
+        # a repeat would run its cases twice and count them twice in every median (in the
+        # chains to skip or the variants of the exact DP: a typo, like an unknown name)
+        for name in ("families", "gpus", "variants", "micro_batches", "pipeline", "skip",
+                     "exact_variants"):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise LawError(f"{name}={values} lists a value twice")

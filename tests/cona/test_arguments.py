@@ -161,12 +161,13 @@ PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
      ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
      ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
      ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
-     ("--noise-scale", "inf"), ("--global-batch-range", "0,5")],
+     ("--noise-scale", "inf"), ("--global-batch-range", "0,5"), ("--micro-batches", "1,2,1")],
 )
 def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
     """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
     RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
-    dropped the last row, --world 0 blamed no candidates)."""
+    dropped the last row, --world 0 blamed no candidates); --micro-batches 1,2,1 ran as if
+    each was listed once."""
     from megatron_cona.cli import main
 
     argv = [*PLAN, flag, value] if flag not in PLAN else \
