@@ -61,6 +61,11 @@ class CandidateSpec:
     batch_grid: str = "pow2"  # "pow2": global batches dp*mb*2^k; "all": every multiple
 
 
+# The most GPUs a plan or simulation takes: about a million, beyond any cluster built;
+# divisors() loops sqrt(world) times (a world of 10^30 never returned).
+MAX_WORLD = 2**20
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of ``n`` in increasing order, found up to its square root (``range(1, n +
     1)`` took minutes for a world of 10^9)."""

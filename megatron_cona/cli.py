@@ -15,6 +15,7 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from predictors.spec import StrategyError, TransformerSpec
@@ -54,10 +55,13 @@ def _is_input_error(err: Exception) -> bool:
         for module, name in INPUT_ERRORS if module in sys.modules)
 
 
-def _int_pair(text: str) -> tuple[int, int]:
+def _batch_range(text: str) -> tuple[int, int]:
     parts = [int(x) for x in text.replace(":", ",").split(",")]
     if len(parts) != 2 or parts[0] > parts[1] or parts[0] < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX with 1 <= MIN <= MAX")
+    if parts[1] > PLAN_LIMITS["global_batch"]:
+        raise argparse.ArgumentTypeError(f"{text!r}: MAX is over {PLAN_LIMITS['global_batch']:,} "
+                                         "sequences (see docs/cona.md)")
     return parts[0], parts[1]
 
 
@@ -83,6 +87,28 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not an integer >= 1")
     return value
+
+
+def _count_upto(limit: int) -> Callable[[str], int]:
+    """``_count`` no larger than ``limit`` (see PLAN_LIMITS)."""
+    def count(text: str) -> int:
+        value = _count(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value} is over {limit:,} (see docs/cona.md)")
+        return value
+    count.__name__ = "count"  # argparse's "invalid count value: ..." for a non-integer
+    return count
+
+
+# cona plan's ceilings, far above any published model (<= ~130 layers, hidden 25,600,
+# vocabularies of 256k, contexts of 10M tokens, batches of ~10^4 sequences), below what the
+# time predictor cannot price: it traces every layer (1,000 layers took ~10 s, 10^4 over a
+# minute, 10^8 never returned: development runs, 2 loaded cores), and builds meta tensors whose
+# sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback); a global batch of
+# 10^30 ranked thousands of candidates of 10^26 ms per iteration
+# (the world's is megatron_cona.candidates.MAX_WORLD, not imported here: that pulls in torch)
+PLAN_LIMITS = {"world": 2**20, "num_layers": 1024, "hidden_size": 2**17,
+               "seq_length": 2**24, "vocab_size": 2**22, "global_batch": 2**20}
 
 
 def _positive_finite(text: str) -> float:
@@ -246,14 +272,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cona", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="enumerate, filter and rank candidate strategies")
-    p.add_argument("--world", type=_count, required=True)
-    p.add_argument("--num-layers", type=_count, required=True)
-    p.add_argument("--hidden-size", type=_count, required=True)
+    p.add_argument("--world", type=_count_upto(PLAN_LIMITS["world"]), required=True)
+    p.add_argument("--num-layers", type=_count_upto(PLAN_LIMITS["num_layers"]), required=True)
+    p.add_argument("--hidden-size", type=_count_upto(PLAN_LIMITS["hidden_size"]), required=True)
     p.add_argument("--num-attention-heads", type=_count, required=True)
-    p.add_argument("--seq-length", type=_count, required=True)
-    p.add_argument("--vocab-size", type=_count, default=51200)
+    p.add_argument("--seq-length", type=_count_upto(PLAN_LIMITS["seq_length"]), required=True)
+    p.add_argument("--vocab-size", type=_count_upto(PLAN_LIMITS["vocab_size"]), default=51200)
     p.add_argument("--candidates", default="all")
-    p.add_argument("--global-batch-range", type=_int_pair, default=(8, 128))
+    p.add_argument("--global-batch-range", type=_batch_range, default=(8, 128))
     p.add_argument("--micro-batches", type=_int_list, default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
+from megatron_cona.candidates import MAX_WORLD
 from megatron_cona.lawsim.cases import (
     FAMILIES,
     MEASURED,
@@ -102,6 +103,8 @@ class SimOptions:
         for name in ("gpus", "micro_batches", "pipeline"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise LawError(f"{name}={getattr(self, name)} must list integers >= 1")
+        if max(self.gpus) > MAX_WORLD:  # 10^30 GPUs never returned from the layouts' divisors
+            raise LawError(f"gpus={self.gpus}: {max(self.gpus)} is over {MAX_WORLD:,} GPUs")
         for name in ("families", "variants"):
             if not getattr(self, name):
                 raise LawError(f"{name}: empty; choose from "

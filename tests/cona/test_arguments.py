@@ -161,13 +161,18 @@ PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
      ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
      ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
      ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
-     ("--noise-scale", "inf"), ("--global-batch-range", "0,5"), ("--micro-batches", "1,2,1")],
+     ("--noise-scale", "inf"), ("--global-batch-range", "0,5"), ("--micro-batches", "1,2,1"),
+     ("--world", str(10**30)), ("--num-layers", str(10**30)), ("--hidden-size", str(10**30)),
+     ("--seq-length", str(10**30)), ("--vocab-size", str(10**30)),
+     ("--global-batch-range", f"8,{10**30}")],
 )
 def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
     """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
     RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
     dropped the last row, --world 0 blamed no candidates); --micro-batches 1,2,1 ran as if
-    each was listed once."""
+    each was listed once; 10^30 GPUs never returned, 10^30 layers, hidden units, tokens or
+    vocabulary entries overflowed the time predictor (OverflowError/TypeError traceback), a
+    batch range to 10^30 ranked thousands of candidates of 10^26 ms per iteration."""
     from megatron_cona.cli import main
 
     argv = [*PLAN, flag, value] if flag not in PLAN else \
@@ -218,6 +223,13 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"--cona-log {log} {says}" in err
     assert not (tmp_path / "t.png").exists()
+
+
+def test_cli_plan_world_limit_is_the_candidates_one():
+    from megatron_cona.candidates import MAX_WORLD
+    from megatron_cona.cli import PLAN_LIMITS
+
+    assert PLAN_LIMITS["world"] == MAX_WORLD
 
 
 def test_cli_plot_of_a_binary_file_names_it(tmp_path, capsys):

@@ -330,7 +330,8 @@ def test_oracle_starts_where_the_first_interval_progresses_fastest():
      ("bound_snap", float("inf")),
      ("first_interval_iterations", 0), ("seed", -1), ("gpus", (8, 8)),
      ("families", ("bert-large", "bert-large")), ("variants", ("kaplan", "kaplan")),
-     ("skip", ("seesaw", "seesaw")), ("exact_variants", ("kaplan", "kaplan"))],
+     ("skip", ("seesaw", "seesaw")), ("exact_variants", ("kaplan", "kaplan")),
+     ("gpus", (8, 10**30))],
 )
 def test_sim_options_name_the_field_that_cannot_run(field, value):
     """``cona scale`` took each: a 0 micro-batch or stage count, no family or variant (an empty
