@@ -229,6 +229,11 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
     dyn = dynamics_for(variant, law, batch_tokens, params)
     far = value("tokens_per_param") * params
     first = opts.first_interval_iterations * batch_tokens
+    if first >= far / 10:  # 10^30 ran: every chain static to the end, CONA "0.91x" the static
+        raise LawError(f"first_interval_iterations={opts.first_interval_iterations}: the first "
+                       f"decision ({first:.3g} tokens) comes after {family}'s first target "
+                       f"(chinchilla/10: {far / 10:.3g} tokens at the paper's batch of "
+                       f"{world.paper_batch}); no controller would decide before it")
     bounds = boundaries(first, opts.growth, opts.end_factor * far)
     return SimCase(
         f"{family}/{gpus}gpu/{variant}", fam, gpus, variant, law, dyn, world.clock, world.label,

@@ -359,6 +359,24 @@ def test_the_largest_bound_snap_keeps_the_exact_dp_a_bound():
         assert bool(result["violations"]) == violated, (snap, result["violations"])
 
 
+@pytest.mark.parametrize("iterations, refused", [(2, False), (10**30, True)])
+def test_a_first_decision_after_the_first_target_is_refused(iterations, refused):
+    """--first-interval-iterations 1e30 ran every case with no decision before the end: CONA
+    reported 0.91x the tuned static, as if it had lost."""
+    from megatron_cona.lawsim.evaluate import SimOptions, World, build_case
+
+    case = _small_case()
+    world = World(case.clock, "test clock", case.candidates, case.predicted, case.paper_batch,
+                  0, 0.0)
+    opts = SimOptions(first_interval_iterations=iterations)
+    if not refused:
+        assert len(build_case(opts, "gpt3-1.3b", 4, "kaplan", world).boundaries) > 2
+        return
+    with pytest.raises(LawError, match=r"^first_interval_iterations=10+: the first decision .* "
+                       "comes after gpt3-1.3b's first target"):
+        build_case(opts, "gpt3-1.3b", 4, "kaplan", world)
+
+
 def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
     from megatron_cona.cli import main
 
