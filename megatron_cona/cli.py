@@ -118,6 +118,14 @@ def _positive_finite(text: str) -> float:
     return value
 
 
+def _out_dir(text: str) -> Path:
+    """A folder to write into: '' (Path('.')) wrote sim.json and a plot per case into the
+    current folder without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name the folder to write into (e.g. . for here)")
+    return Path(text)
+
+
 def _str_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
@@ -177,7 +185,7 @@ def scale_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cona scale", description="CONA at the paper's scale: a "
                                 "SIMULATED training law (Kaplan 2020, McCandlish 2018) driving "
                                 "the real controller, every rival and a lower bound.")
-    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--out", type=_out_dir, default=d.out)
     p.add_argument("--families", type=_str_list, default=d.families)
     p.add_argument("--gpus", type=_int_list, default=d.gpus)
     p.add_argument("--variants", type=_str_list, default=d.variants,

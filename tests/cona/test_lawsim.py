@@ -377,6 +377,19 @@ def test_a_first_decision_after_the_first_target_is_refused(iterations, refused)
         build_case(opts, "gpt3-1.3b", 4, "kaplan", world)
 
 
+def test_cli_scale_with_an_empty_out_names_the_flag(tmp_path, monkeypatch, capsys):
+    """--out '' wrote sim.json and a plot per case into the current folder without a word."""
+    from megatron_cona.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["scale", "--switch-costs", "0,0", "--families", "bert-large", "--gpus", "8",
+              "--variants", "kaplan", "--exact-variants", "", "--jobs", "1", "--out", ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith("cona scale: error: argument --out: empty")
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
     from megatron_cona.cli import main
 
