@@ -64,6 +64,9 @@ class CandidateSpec:
 # The most GPUs a plan or simulation takes: about a million, beyond any cluster built;
 # divisors() loops sqrt(world) times (a world of 10^30 never returned).
 MAX_WORLD = 2**20
+# The largest global batch (sequences) a candidate range may reach: published runs use ~10^4;
+# a range to 10^30 ranked thousands of candidates of 10^26 ms per iteration.
+MAX_GLOBAL_BATCH = 2**20
 
 
 def divisors(n: int) -> list[int]:

@@ -106,7 +106,8 @@ def _count_upto(limit: int) -> Callable[[str], int]:
 # minute, 10^8 never returned: development runs, 2 loaded cores), and builds meta tensors whose
 # sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback); a global batch of
 # 10^30 ranked thousands of candidates of 10^26 ms per iteration
-# (the world's is megatron_cona.candidates.MAX_WORLD, not imported here: that pulls in torch)
+# (the world's and the batch's are megatron_cona.candidates' MAX_WORLD and MAX_GLOBAL_BATCH,
+# not imported here: that pulls in torch)
 PLAN_LIMITS = {"world": 2**20, "num_layers": 1024, "hidden_size": 2**17,
                "seq_length": 2**24, "vocab_size": 2**22, "global_batch": 2**20}
 

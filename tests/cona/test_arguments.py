@@ -63,6 +63,11 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-horizon", "nan"], 4, "--cona-horizon"),
         (["--cona-horizon", "inf"], 4, "--cona-horizon"),
         (["--cona-candidates", "dp4tp1pp1,dp2tp2pp1,dp4tp1pp1"], 4, "--cona-candidates"),
+        (["--cona-micro-batches", "1,2,1"], 4, "--cona-micro-batches"),
+        (["--cona-global-batch-range", f"8,{10**30}"], 4, "--cona-global-batch-range"),
+        (["--cona-log", ""], 4, "--cona-log"),
+        (["--cona-log", "."], 4, "--cona-log"),
+        (["--cona-device", "a100-80"], 4, "--cona-device"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):
@@ -75,6 +80,14 @@ def test_bad_flags_named(argv, world, flag):
         validate_cona_args(args, world, GPT)
     assert err.value.flag == flag and str(err.value).startswith(flag)
     assert isinstance(err.value, StrategyError)
+
+
+def test_cona_log_and_device_that_can_run_are_taken(tmp_path):
+    """The control for the refusals above: a new file in a new folder, a known device."""
+    args = megatron_parse(["--cona", "--micro-batch-size", "1", "--global-batch-size", "8",
+                           "--cona-log", str(tmp_path / "new" / "cona.jsonl"),
+                           "--cona-device", "h100-80gb", "--cona-micro-batches", "1,2"])
+    assert validate_cona_args(args, 4, GPT).candidates.micro_batches == (1, 2)
 
 
 def test_static_strategy_from_megatron_flags():
@@ -225,11 +238,11 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     assert not (tmp_path / "t.png").exists()
 
 
-def test_cli_plan_world_limit_is_the_candidates_one():
-    from megatron_cona.candidates import MAX_WORLD
+def test_cli_plan_limits_are_the_candidates_ones():
+    from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
     from megatron_cona.cli import PLAN_LIMITS
 
-    assert PLAN_LIMITS["world"] == MAX_WORLD
+    assert (PLAN_LIMITS["world"], PLAN_LIMITS["global_batch"]) == (MAX_WORLD, MAX_GLOBAL_BATCH)
 
 
 def test_cli_plot_of_a_binary_file_names_it(tmp_path, capsys):
