@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-from megatron_cona.candidates import CandidateSpec, parse_candidate_list
+from megatron_cona.candidates import MAX_GLOBAL_BATCH, CandidateSpec, parse_candidate_list
 from megatron_cona.lr_scaling import RULES
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 
@@ -154,7 +155,26 @@ def validate_cona_args(
             raise ConaArgumentError("--cona-global-batch-range",
                                     f"{args.cona_global_batch_range!r} must be MIN,MAX with MIN <= MAX")
         lo, hi = bounds
+    if hi > MAX_GLOBAL_BATCH:
+        raise ConaArgumentError("--cona-global-batch-range",
+                                f"MAX={hi} is over {MAX_GLOBAL_BATCH:,} sequences")
     micro = _ints("--cona-micro-batches", args.cona_micro_batches)
+    if len(set(micro)) != len(micro):  # a typo: the list is taken as a set
+        raise ConaArgumentError("--cona-micro-batches",
+                                f"{args.cona_micro_batches!r} lists a value twice")
+    # checked here, before Megatron builds the model: an empty path wrote no log without a
+    # word, a directory failed (IsADirectoryError) and an unknown device (UnknownDeviceError)
+    # only once the CONA session was built
+    if args.cona_log is not None and (not args.cona_log.strip() or Path(args.cona_log).is_dir()):
+        raise ConaArgumentError("--cona-log", f"{args.cona_log!r} is not a file name to write "
+                                "the decisions to")
+    if args.cona_device != "auto":
+        from predictors.devices import UnknownDeviceError, get_device
+
+        try:
+            get_device(args.cona_device)
+        except UnknownDeviceError as err:
+            raise ConaArgumentError("--cona-device", str(err)) from None
     try:
         spec = parse_candidate_list(args.cona_candidates)
     except StrategyError as err:

@@ -61,6 +61,14 @@ class CandidateSpec:
     batch_grid: str = "pow2"  # "pow2": global batches dp*mb*2^k; "all": every multiple
 
 
+# The most GPUs a plan or simulation takes: about a million, beyond any cluster built;
+# divisors() loops sqrt(world) times (a world of 10^30 never returned).
+MAX_WORLD = 2**20
+# The largest global batch (sequences) a candidate range may reach: published runs use ~10^4;
+# a range to 10^30 ranked thousands of candidates of 10^26 ms per iteration.
+MAX_GLOBAL_BATCH = 2**20
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of ``n`` in increasing order, found up to its square root (``range(1, n +
     1)`` took minutes for a world of 10^9)."""
@@ -86,24 +94,35 @@ _ENTRY = re.compile(r"^dp\d+tp\d+pp\d+(mb\d+)?(gb\d+)?$")
 
 
 def parse_candidate_list(text: str) -> CandidateSpec:
-    """``all`` or comma-separated ``dp4tp1pp1,dp2tp2pp1mb2gb16``; raises StrategyError."""
+    """``all`` or comma-separated ``dp4tp1pp1,dp2tp2pp1mb2gb16``; raises StrategyError, whose
+    message the caller prefixes with its flag (``--candidates``, ``--cona-candidates``)."""
     text = text.strip().lower()
     if text == "all":
         return CandidateSpec()
     layouts: list[Layout] = []
     fixed: list[ParallelStrategy] = []
+    seen: dict[object, str] = {}  # a layout or a fixed strategy -> the entry that gave it
     for entry in filter(None, (e.strip() for e in text.split(","))):
         if not _ENTRY.match(entry):
-            raise StrategyError(
-                f"--cona-candidates entry {entry!r} is not 'all' or dp<D>tp<T>pp<P>[mb<M>][gb<G>]"
-            )
-        strategy = ParallelStrategy.parse(entry)
-        if "mb" in entry or "gb" in entry:
+            raise StrategyError(f"entry {entry!r} is not 'all' or dp<D>tp<T>pp<P>[mb<M>][gb<G>]")
+        try:
+            strategy = ParallelStrategy.parse(entry)
+        except StrategyError as err:
+            raise StrategyError(f"entry {entry!r}: {err}") from None
+        is_fixed = "mb" in entry or "gb" in entry
+        key = strategy if is_fixed else strategy.layout
+        # a repeat is a typo: the list is taken as a set, and an inadmissible one was reported
+        # once per repeat
+        if key in seen:
+            same = "" if seen[key] == entry else f" (the same as {seen[key]!r})"
+            raise StrategyError(f"entry {entry!r} is listed twice{same}")
+        seen[key] = entry
+        if is_fixed:
             fixed.append(strategy)
         else:
             layouts.append(strategy.layout)
     if not layouts and not fixed:
-        raise StrategyError("--cona-candidates is empty")
+        raise StrategyError("empty: give 'all' or dp<D>tp<T>pp<P>[mb<M>][gb<G>] entries")
     return CandidateSpec(layouts=tuple(layouts), fixed=tuple(fixed))
 
 

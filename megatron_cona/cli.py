@@ -15,9 +15,10 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
-from predictors.spec import TransformerSpec
+from predictors.spec import StrategyError, TransformerSpec
 
 CPU_HINT = ("no GPU here: megatron-core's CUDA calls must be redirected on CPU, run "
             "`python scripts/cona_cpu.py {cmd}` from the repository instead")
@@ -54,10 +55,13 @@ def _is_input_error(err: Exception) -> bool:
         for module, name in INPUT_ERRORS if module in sys.modules)
 
 
-def _int_pair(text: str) -> tuple[int, int]:
+def _batch_range(text: str) -> tuple[int, int]:
     parts = [int(x) for x in text.replace(":", ",").split(",")]
     if len(parts) != 2 or parts[0] > parts[1] or parts[0] < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX with 1 <= MIN <= MAX")
+    if parts[1] > PLAN_LIMITS["global_batch"]:
+        raise argparse.ArgumentTypeError(f"{text!r}: MAX is over {PLAN_LIMITS['global_batch']:,} "
+                                         "sequences (see docs/cona.md)")
     return parts[0], parts[1]
 
 
@@ -66,11 +70,14 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1."""
+    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1, each once (a
+    repeat is a typo; `cona scale` ran its cases twice)."""
     values = tuple(int(x) for x in text.split(",") if x.strip())
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
                                          ">= 1")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} lists a value twice")
     return values
 
 
@@ -82,11 +89,42 @@ def _count(text: str) -> int:
     return value
 
 
+def _count_upto(limit: int) -> Callable[[str], int]:
+    """``_count`` no larger than ``limit`` (see PLAN_LIMITS)."""
+    def count(text: str) -> int:
+        value = _count(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value} is over {limit:,} (see docs/cona.md)")
+        return value
+    count.__name__ = "count"  # argparse's "invalid count value: ..." for a non-integer
+    return count
+
+
+# cona plan's ceilings, far above any published model (<= ~130 layers, hidden 25,600,
+# vocabularies of 256k, contexts of 10M tokens, batches of ~10^4 sequences), below what the
+# time predictor cannot price: it traces every layer (1,000 layers took ~10 s, 10^4 over a
+# minute, 10^8 never returned: development runs, 2 loaded cores), and builds meta tensors whose
+# sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback); a global batch of
+# 10^30 ranked thousands of candidates of 10^26 ms per iteration
+# (the world's and the batch's are megatron_cona.candidates' MAX_WORLD and MAX_GLOBAL_BATCH,
+# not imported here: that pulls in torch)
+PLAN_LIMITS = {"world": 2**20, "num_layers": 1024, "hidden_size": 2**17,
+               "seq_length": 2**24, "vocab_size": 2**22, "global_batch": 2**20}
+
+
 def _positive_finite(text: str) -> float:
     value = float(text)
     if not 0 < value < math.inf:  # also false for nan
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
     return value
+
+
+def _out_dir(text: str) -> Path:
+    """A folder to write into: '' (Path('.')) wrote sim.json and a plot per case into the
+    current folder without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name the folder to write into (e.g. . for here)")
+    return Path(text)
 
 
 def _str_list(text: str) -> tuple[str, ...]:
@@ -105,7 +143,10 @@ def _plan(args: argparse.Namespace) -> None:
 
     model = TransformerSpec("gpt", args.num_layers, args.hidden_size, args.num_attention_heads,
                             args.seq_length, args.vocab_size)
-    user = parse_candidate_list(args.candidates)
+    try:
+        user = parse_candidate_list(args.candidates)
+    except StrategyError as err:
+        raise StrategyError(f"--candidates: {err}") from None
     spec = CandidateSpec(layouts=user.layouts, fixed=user.fixed,
                          micro_batches=args.micro_batches,
                          global_batch_range=args.global_batch_range)
@@ -145,7 +186,7 @@ def scale_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cona scale", description="CONA at the paper's scale: a "
                                 "SIMULATED training law (Kaplan 2020, McCandlish 2018) driving "
                                 "the real controller, every rival and a lower bound.")
-    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--out", type=_out_dir, default=d.out)
     p.add_argument("--families", type=_str_list, default=d.families)
     p.add_argument("--gpus", type=_int_list, default=d.gpus)
     p.add_argument("--variants", type=_str_list, default=d.variants,
@@ -163,7 +204,7 @@ def scale_parser() -> argparse.ArgumentParser:
                         "none)")
     p.add_argument("--bound-snap", type=float, default=d.bound_snap,
                    help="round the exact DP's S up to a log grid of this relative step (fewer "
-                        "states, still a bound; default 0: exact)")
+                        "states, still a bound; default 0: exact; else 1e-9 to 1e-5)")
     p.add_argument("--skip", type=_str_list, default=(),
                    help="rivals to leave out: planner, rampup, seesaw, pollux (an unknown name "
                    "is refused)")
@@ -216,11 +257,19 @@ def _scale(args: argparse.Namespace, switch_costs: tuple[float, float]) -> None:
 
 
 def _check_plot_format(out: Path) -> None:
-    """Before the log is read: matplotlib's own error names neither the flag nor the path."""
+    """Before the log is read: matplotlib's own error names neither the flag nor the path, and
+    without a suffix it wrote ``out`` + ".png" (a directory ``d``: ``d.png``; an empty --out:
+    ``./.png``) while the command printed ``out``."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    if out.suffix and out.suffix[1:].lower() not in formats:
+    if out.is_dir():
+        raise CliError(f"--out: {out} is a directory; name the image file (e.g. "
+                       f"{out / 'timeline.png'})")
+    if not out.suffix:
+        raise CliError(f"--out: {str(out)!r} has no suffix to choose the format "
+                       f"({', '.join(formats)})")
+    if out.suffix[1:].lower() not in formats:
         raise CliError(f"--out: {out}: matplotlib writes no {out.suffix} files "
                        f"({', '.join(formats)})")
 
@@ -232,14 +281,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cona", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="enumerate, filter and rank candidate strategies")
-    p.add_argument("--world", type=_count, required=True)
-    p.add_argument("--num-layers", type=_count, required=True)
-    p.add_argument("--hidden-size", type=_count, required=True)
+    p.add_argument("--world", type=_count_upto(PLAN_LIMITS["world"]), required=True)
+    p.add_argument("--num-layers", type=_count_upto(PLAN_LIMITS["num_layers"]), required=True)
+    p.add_argument("--hidden-size", type=_count_upto(PLAN_LIMITS["hidden_size"]), required=True)
     p.add_argument("--num-attention-heads", type=_count, required=True)
-    p.add_argument("--seq-length", type=_count, required=True)
-    p.add_argument("--vocab-size", type=_count, default=51200)
+    p.add_argument("--seq-length", type=_count_upto(PLAN_LIMITS["seq_length"]), required=True)
+    p.add_argument("--vocab-size", type=_count_upto(PLAN_LIMITS["vocab_size"]), default=51200)
     p.add_argument("--candidates", default="all")
-    p.add_argument("--global-batch-range", type=_int_pair, default=(8, 128))
+    p.add_argument("--global-batch-range", type=_batch_range, default=(8, 128))
     p.add_argument("--micro-batches", type=_int_list, default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")

@@ -86,26 +86,53 @@ _DECISION_FIELDS = (("iteration", ()), ("switch", ()), ("current", ("strategy", 
                     ("best", ("strategy", "goodput")))
 
 
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+# what the plot computes with, by field: a wrong type was a TypeError deep in matplotlib
+# (goodput may be NaN or inf: the policy logs what it estimated)
+_DECISION_TYPES = (
+    (("iteration",), "an integer >= 0",
+     lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0),
+    (("switch",), "true or false", lambda x: isinstance(x, bool)),
+    (("current", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
+    (("best", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
+    (("current", "goodput"), "a number", _is_real),
+    (("best", "goodput"), "a number", _is_real),
+    (("noise_scale",), "a number", _is_real),  # optional: absent reads as NaN
+)
+
+
 def read_decisions(log_path: Path) -> list[dict]:
     """The decisions of a ``--cona-log`` file; a line that is not one raises DecisionLogError
     naming the file, the line and what it lacks."""
     decisions = []
-    with open(log_path) as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"--cona-log {log_path} line {number}"
-            try:
-                decision = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DecisionLogError(f"{where}: not JSON ({err})") from None
-            for key, inner in _DECISION_FIELDS:
-                value = decision.get(key) if isinstance(decision, dict) else None
-                if value is None or inner and not (isinstance(value, dict)
-                                                   and all(k in value for k in inner)):
-                    raise DecisionLogError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
-                                     "(not a CONA decision log)")
-            decisions.append(decision)
+    with open(log_path, encoding="utf-8") as fh:
+        try:
+            lines = list(fh)
+        except UnicodeDecodeError as err:  # a binary file: a traceback before
+            raise DecisionLogError(f"--cona-log {log_path}: not UTF-8 text ({err})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--cona-log {log_path} line {number}"
+        try:
+            decision = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DecisionLogError(f"{where}: not JSON ({err})") from None
+        for key, inner in _DECISION_FIELDS:
+            value = decision.get(key) if isinstance(decision, dict) else None
+            if value is None or inner and not (isinstance(value, dict)
+                                               and all(k in value for k in inner)):
+                raise DecisionLogError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
+                                 "(not a CONA decision log)")
+        for keys, kind, ok in _DECISION_TYPES:
+            value = decision.get(keys[0], math.nan) if len(keys) == 1 else \
+                decision[keys[0]][keys[1]]
+            if not ok(value):
+                raise DecisionLogError(f"{where}: {'.'.join(keys)}={value!r} is not {kind}")
+        decisions.append(decision)
     return decisions
 
 

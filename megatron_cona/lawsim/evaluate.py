@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
+from megatron_cona.candidates import MAX_WORLD
 from megatron_cona.lawsim.cases import (
     FAMILIES,
     MEASURED,
@@ -38,6 +39,8 @@ NOTE = ("LAW-BASED SIMULATION: training progress from published laws (Kaplan et 
 
 # every case's result is measured against these (ratios() and case_line() read them): no --skip
 MEASURED_AGAINST = ("cona", "static", "oracle", "bound")
+# the relative steps of the exact DP's log grid that still give a bound (SimOptions says why)
+BOUND_SNAP = (1e-9, 1e-5)
 
 
 @dataclass
@@ -100,19 +103,34 @@ class SimOptions:
         for name in ("gpus", "micro_batches", "pipeline"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise LawError(f"{name}={getattr(self, name)} must list integers >= 1")
+        if max(self.gpus) > MAX_WORLD:  # 10^30 GPUs never returned from the layouts' divisors
+            raise LawError(f"gpus={self.gpus}: {max(self.gpus)} is over {MAX_WORLD:,} GPUs")
         for name in ("families", "variants"):
             if not getattr(self, name):
                 raise LawError(f"{name}: empty; choose from "
                                f"{', '.join(FAMILIES if name == 'families' else VARIANTS)}")
-        # a repeat would run its cases twice and count them twice in every median
-        for name in ("families", "gpus", "variants", "micro_batches", "pipeline"):
+        # a repeat would run its cases twice and count them twice in every median (in the
+        # chains to skip or the variants of the exact DP: a typo, like an unknown name)
+        for name in ("families", "gpus", "variants", "micro_batches", "pipeline", "skip",
+                     "exact_variants"):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise LawError(f"{name}={values} lists a value twice")
         # the real numbers each need a finite value at or above a floor (nan fails every test)
-        for name, floor in (("min_gain", 0.0), ("noise_z", 0.0), ("bound_snap", 0.0)):
+        for name, floor in (("min_gain", 0.0), ("noise_z", 0.0)):
             if not floor <= getattr(self, name) < math.inf:
                 raise LawError(f"{name}={getattr(self, name)} must be a finite number >= {floor:g}")
+        # The exact DP rounds S up by a factor of up to e^snap at each of its ~170-240
+        # boundaries, and run_case refuses (as a bug) an exact DP more than 0.1% below the
+        # relaxation. At 1e-5 it stayed 0.015-0.028% below (development runs: GPT-3 1.3B and
+        # Llama-3.2-1B on 8 GPUs, every variant; BERT-Large 8 GPUs; GPT-3 64 GPUs), at 3e-5
+        # 0.08%, at 1e-4 0.3%; from 0.1 on a rounded S jumps past a goal and the bound is inf.
+        # Below 1e-9 the step is lost in log S's float64 rounding (and under ~1e-300 log S / snap
+        # overflows, which put every state past every goal): 0 is the exact DP.
+        if self.bound_snap != 0.0 and not BOUND_SNAP[0] <= self.bound_snap <= BOUND_SNAP[1]:
+            raise LawError(f"bound_snap={self.bound_snap} must be 0 (the exact DP) or between "
+                           f"{BOUND_SNAP[0]:g} and {BOUND_SNAP[1]:g} (a larger step leaves the "
+                           "DP's rounding above what the bound check tolerates)")
         if self.first_interval_iterations < 1:
             raise LawError(f"first_interval_iterations={self.first_interval_iterations} must "
                            "be >= 1")
@@ -211,6 +229,11 @@ def build_case(opts: SimOptions, family: str, gpus: int, variant: str, world: Wo
     dyn = dynamics_for(variant, law, batch_tokens, params)
     far = value("tokens_per_param") * params
     first = opts.first_interval_iterations * batch_tokens
+    if first >= far / 10:  # 10^30 ran: every chain static to the end, CONA "0.91x" the static
+        raise LawError(f"first_interval_iterations={opts.first_interval_iterations}: the first "
+                       f"decision ({first:.3g} tokens) comes after {family}'s first target "
+                       f"(chinchilla/10: {far / 10:.3g} tokens at the paper's batch of "
+                       f"{world.paper_batch}); no controller would decide before it")
     bounds = boundaries(first, opts.growth, opts.end_factor * far)
     return SimCase(
         f"{family}/{gpus}gpu/{variant}", fam, gpus, variant, law, dyn, world.clock, world.label,

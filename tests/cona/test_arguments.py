@@ -62,6 +62,12 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-min-gain", "nan"], 4, "--cona-min-gain"),
         (["--cona-horizon", "nan"], 4, "--cona-horizon"),
         (["--cona-horizon", "inf"], 4, "--cona-horizon"),
+        (["--cona-candidates", "dp4tp1pp1,dp2tp2pp1,dp4tp1pp1"], 4, "--cona-candidates"),
+        (["--cona-micro-batches", "1,2,1"], 4, "--cona-micro-batches"),
+        (["--cona-global-batch-range", f"8,{10**30}"], 4, "--cona-global-batch-range"),
+        (["--cona-log", ""], 4, "--cona-log"),
+        (["--cona-log", "."], 4, "--cona-log"),
+        (["--cona-device", "a100-80"], 4, "--cona-device"),
     ],
 )
 def test_bad_flags_named(argv, world, flag):
@@ -74,6 +80,14 @@ def test_bad_flags_named(argv, world, flag):
         validate_cona_args(args, world, GPT)
     assert err.value.flag == flag and str(err.value).startswith(flag)
     assert isinstance(err.value, StrategyError)
+
+
+def test_cona_log_and_device_that_can_run_are_taken(tmp_path):
+    """The control for the refusals above: a new file in a new folder, a known device."""
+    args = megatron_parse(["--cona", "--micro-batch-size", "1", "--global-batch-size", "8",
+                           "--cona-log", str(tmp_path / "new" / "cona.jsonl"),
+                           "--cona-device", "h100-80gb", "--cona-micro-batches", "1,2"])
+    assert validate_cona_args(args, 4, GPT).candidates.micro_batches == (1, 2)
 
 
 def test_static_strategy_from_megatron_flags():
@@ -95,6 +109,26 @@ def test_cli_errors_are_one_named_line(capsys):
     rc = main(["plot", "--log", "no-such-run.jsonl", "--out", "x.png"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "no-such-run.jsonl" in err
+
+
+@pytest.mark.parametrize("candidates, says", [
+    ("dp4tp1pp1,dp4tp1pp1", "entry 'dp4tp1pp1' is listed twice"),
+    ("dp4tp1pp1mb1gb8, DP4TP1PP1GB8", "entry 'dp4tp1pp1gb8' is listed twice (the same as "
+     "'dp4tp1pp1mb1gb8')"),
+    ("dp4tp1pp1,dp4tp1pp1mb0gb8", "entry 'dp4tp1pp1mb0gb8': micro_batch=0"),
+    ("dp4tp1", "entry 'dp4tp1' is not"),
+    (",", "empty"),
+])
+def test_cli_plan_candidates_name_the_flag_and_the_entry(capsys, candidates, says):
+    """``cona plan --candidates dp4tp1pp1,dp4tp1pp1`` ran as if listed once; its other errors
+    named `cona run`'s --cona-candidates, or (a zero micro-batch) no flag and no entry."""
+    from megatron_cona.cli import main
+
+    rc = main(["plan", "--world", "4", "--num-layers", "4", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "32", "--candidates", candidates])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert err.startswith(f"cona plan: error: StrategyError: --candidates: {says}")
 
 
 def test_cli_run_without_gpu_points_to_cpu_launcher(capsys):
@@ -140,12 +174,18 @@ PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
      ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
      ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
      ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
-     ("--noise-scale", "inf"), ("--global-batch-range", "0,5")],
+     ("--noise-scale", "inf"), ("--global-batch-range", "0,5"), ("--micro-batches", "1,2,1"),
+     ("--world", str(10**30)), ("--num-layers", str(10**30)), ("--hidden-size", str(10**30)),
+     ("--seq-length", str(10**30)), ("--vocab-size", str(10**30)),
+     ("--global-batch-range", f"8,{10**30}")],
 )
 def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
     """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
     RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
-    dropped the last row, --world 0 blamed no candidates)."""
+    dropped the last row, --world 0 blamed no candidates); --micro-batches 1,2,1 ran as if
+    each was listed once; 10^30 GPUs never returned, 10^30 layers, hidden units, tokens or
+    vocabulary entries overflowed the time predictor (OverflowError/TypeError traceback), a
+    batch range to 10^30 ranked thousands of candidates of 10^26 ms per iteration."""
     from megatron_cona.cli import main
 
     argv = [*PLAN, flag, value] if flag not in PLAN else \
@@ -157,6 +197,10 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
     assert "Traceback" not in "\n".join(err)
 
 
+DECISION_LINE = ('{"iteration": 10, "switch": false, "current": {"strategy": "dp1", '
+                 '"goodput": 1.0}, "best": {"strategy": "dp1", "goodput": 1.0}}\n')
+
+
 @pytest.mark.parametrize(
     "content, says",
     [("garbage\n", "line 1: not JSON"),
@@ -164,12 +208,26 @@ def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, va
      ('{"iteration": 10, "switch": false, "current": 3, "best": {}}\n',
       "line 1: no current.strategy/goodput"),
      ("\n[1, 2]\n", "line 2: no iteration"),
-     ("\n", "holds no decisions")],
+     ("\n", "holds no decisions"),
+     (DECISION_LINE.replace('"iteration": 10', '"iteration": "10"'),
+      "line 1: iteration='10' is not an integer >= 0"),
+     (DECISION_LINE.replace('"iteration": 10', '"iteration": NaN'),
+      "line 1: iteration=nan is not an integer >= 0"),
+     (DECISION_LINE.replace('"switch": false', '"switch": "no"'),
+      "line 1: switch='no' is not true or false"),
+     (DECISION_LINE.replace('"goodput": 1.0}}', '"goodput": "x"}}'),
+      "line 1: best.goodput='x' is not a number"),
+     (DECISION_LINE.replace('"strategy": "dp1", "goodput": 1.0}, "best"',
+                            '"strategy": 5, "goodput": 1.0}, "best"'),
+      "line 1: current.strategy=5 is not a strategy name"),
+     (DECISION_LINE.replace("}}", '}, "noise_scale": null}'),
+      "line 1: noise_scale=None is not a number")],
 )
 def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path, capsys,
                                                                         content, says):
     """A --log that is not a --cona-log said 'JSONDecodeError: Expecting value: line 1 column 1'
-    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback)."""
+    or 'KeyError: 'iteration'' without the file, or raised TypeError (traceback: also for a
+    field of the wrong type, e.g. a string iteration or a null noise scale)."""
     from megatron_cona.cli import main
 
     log = tmp_path / "run.jsonl"
@@ -180,8 +238,39 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     assert not (tmp_path / "t.png").exists()
 
 
-DECISION = ('{"iteration": 10, "switch": false, "current": {"strategy": "dp1", "goodput": 1.0}, '
-            '"best": {"strategy": "dp1", "goodput": 1.0}}\n')
+def test_cli_plan_limits_are_the_candidates_ones():
+    from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
+    from megatron_cona.cli import PLAN_LIMITS
+
+    assert (PLAN_LIMITS["world"], PLAN_LIMITS["global_batch"]) == (MAX_WORLD, MAX_GLOBAL_BATCH)
+
+
+def test_cli_plot_of_a_binary_file_names_it(tmp_path, capsys):
+    """A binary --log raised UnicodeDecodeError (traceback)."""
+    from megatron_cona.cli import main
+
+    log = tmp_path / "run.jsonl"
+    log.write_bytes(bytes(range(128, 256)) * 8)
+    assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"DecisionLogError: --cona-log {log}: not UTF-8 text" in err
+
+
+@pytest.mark.parametrize("out, says", [("", "is a directory"), ("d", "is a directory"),
+                                       ("t", "has no suffix"), ("t.", "has no suffix")])
+def test_cli_plot_out_that_names_no_image_file_is_refused(tmp_path, monkeypatch, capsys, out,
+                                                          says):
+    """--out d (a directory) wrote d.png, --out '' wrote ./.png, --out t wrote t.png: each
+    printed the path it was given, not the file it wrote."""
+    from megatron_cona.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "run.jsonl").write_text(DECISION_LINE)
+    assert main(["plot", "--log", "run.jsonl", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("cona plot: error: CliError: --out: ") and says in err
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def test_cli_plot_to_a_format_matplotlib_lacks_names_out(tmp_path, capsys):
@@ -190,7 +279,7 @@ def test_cli_plot_to_a_format_matplotlib_lacks_names_out(tmp_path, capsys):
     from megatron_cona.cli import main
 
     log = tmp_path / "run.jsonl"
-    log.write_text(DECISION)
+    log.write_text(DECISION_LINE)
     assert main(["plot", "--log", str(log), "--out", str(tmp_path / "t.zzz")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"cona plot: error: CliError: --out: {tmp_path}/t.zzz: "

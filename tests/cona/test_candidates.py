@@ -40,7 +40,7 @@ def test_user_list_mixes_layouts_and_fixed_entries():
     spec = parse_candidate_list("dp4tp1pp1, dp2tp2pp1mb2gb16")
     assert spec.layouts == ((4, 1, 1),)
     assert spec.fixed == (ParallelStrategy(2, 2, 1, 2, 16),)
-    with pytest.raises(StrategyError, match="cona-candidates"):
+    with pytest.raises(StrategyError, match="entry 'dp4tp1' is not"):
         parse_candidate_list("dp4tp1")
     with pytest.raises(StrategyError, match="global_batch=15"):
         parse_candidate_list("dp2tp1pp1mb2gb15")

@@ -326,17 +326,76 @@ def test_oracle_starts_where_the_first_interval_progresses_fastest():
     [("micro_batches", (0,)), ("pipeline", (0, 1)), ("families", ()), ("variants", ()),
      ("min_gain", float("nan")), ("min_gain", -1.0), ("noise_z", float("nan")),
      ("noise_z", float("inf")), ("bound_snap", -0.1), ("bound_snap", float("nan")),
+     ("bound_snap", 10.0), ("bound_snap", 1e-4), ("bound_snap", 1e-320),
+     ("bound_snap", float("inf")),
      ("first_interval_iterations", 0), ("seed", -1), ("gpus", (8, 8)),
-     ("families", ("bert-large", "bert-large")), ("variants", ("kaplan", "kaplan"))],
+     ("families", ("bert-large", "bert-large")), ("variants", ("kaplan", "kaplan")),
+     ("skip", ("seesaw", "seesaw")), ("exact_variants", ("kaplan", "kaplan")),
+     ("gpus", (8, 10**30))],
 )
 def test_sim_options_name_the_field_that_cannot_run(field, value):
     """``cona scale`` took each: a 0 micro-batch or stage count, no family or variant (an empty
     report), a NaN gain or z, a negative snap, no first interval, a seed numpy refuses later,
-    a repeated GPU count, family or variant (its cases run and counted twice)."""
+    a repeated GPU count, family or variant (its cases run and counted twice); a snap of 10 or
+    1e-320 (a rounded S past every goal: an infinite bound) or 1e-4 (the DP 0.3% below the
+    relaxation), each then reported after the first case as "a chain beat the exact bound (a
+    bug)"."""
     from megatron_cona.lawsim.evaluate import SimOptions
 
     with pytest.raises(LawError, match=f"^{field}"):
         SimOptions(**{field: value})
+
+
+def test_the_largest_bound_snap_keeps_the_exact_dp_a_bound():
+    """At the largest step SimOptions takes the rounded DP stays within what run_case tolerates
+    below the relaxation; ten times it does not (so the limit is where the check bites)."""
+    from dataclasses import replace
+
+    from megatron_cona.lawsim.evaluate import BOUND_SNAP, SimOptions, run_case
+
+    assert SimOptions(bound_snap=BOUND_SNAP[1]).bound_snap == BOUND_SNAP[1]
+    for snap, violated in ((BOUND_SNAP[1], False), (10 * BOUND_SNAP[1], True)):
+        result = run_case(replace(_small_case(), exact_bound=True, bound_snap=snap))
+        assert bool(result["violations"]) == violated, (snap, result["violations"])
+
+
+@pytest.mark.parametrize("iterations, refused", [(2, False), (10**30, True)])
+def test_a_first_decision_after_the_first_target_is_refused(iterations, refused):
+    """--first-interval-iterations 1e30 ran every case with no decision before the end: CONA
+    reported 0.91x the tuned static, as if it had lost."""
+    from megatron_cona.lawsim.evaluate import SimOptions, World, build_case
+
+    case = _small_case()
+    world = World(case.clock, "test clock", case.candidates, case.predicted, case.paper_batch,
+                  0, 0.0)
+    opts = SimOptions(first_interval_iterations=iterations)
+    if not refused:
+        assert len(build_case(opts, "gpt3-1.3b", 4, "kaplan", world).boundaries) > 2
+        return
+    with pytest.raises(LawError, match=r"^first_interval_iterations=10+: the first decision .* "
+                       "comes after gpt3-1.3b's first target"):
+        build_case(opts, "gpt3-1.3b", 4, "kaplan", world)
+
+
+def test_cli_scale_with_an_empty_out_names_the_flag(tmp_path, monkeypatch, capsys):
+    """--out '' wrote sim.json and a plot per case into the current folder without a word."""
+    from megatron_cona.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["scale", "--switch-costs", "0,0", "--families", "bert-large", "--gpus", "8",
+              "--variants", "kaplan", "--exact-variants", "", "--jobs", "1", "--out", ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith("cona scale: error: argument --out: empty")
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
+    from megatron_cona.cli import main
+
+    assert main(["scale", "--switch-costs", "0,0", "--bound-snap", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("cona scale: error: LawError: bound_snap=10.0 ")
 
 
 @pytest.mark.parametrize("skip, says", [(("plannr",), "'plannr' is no chain"),
