@@ -8,7 +8,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from predictors.spec import (
     DEFAULT_OPTIONS,
@@ -17,7 +17,9 @@ from predictors.spec import (
     TrainingOptions,
     TransformerSpec,
 )
-from predictors.spec.precision import Precision
+
+if TYPE_CHECKING:  # only an annotation here: the module imports torch, `cona plan`'s flags need none
+    from predictors.spec.precision import Precision
 
 log = logging.getLogger("megatron_cona.candidates")
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
 from predictors.spec import StrategyError, TransformerSpec
 
 CPU_HINT = ("no GPU here: megatron-core's CUDA calls must be redirected on CPU, run "
@@ -105,11 +106,10 @@ def _count_upto(limit: int) -> Callable[[str], int]:
 # time predictor cannot price: it traces every layer (1,000 layers took ~10 s, 10^4 over a
 # minute, 10^8 never returned: development runs, 2 loaded cores), and builds meta tensors whose
 # sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback); a global batch of
-# 10^30 ranked thousands of candidates of 10^26 ms per iteration
-# (the world's and the batch's are megatron_cona.candidates' MAX_WORLD and MAX_GLOBAL_BATCH,
-# not imported here: that pulls in torch)
-PLAN_LIMITS = {"world": 2**20, "num_layers": 1024, "hidden_size": 2**17,
-               "seq_length": 2**24, "vocab_size": 2**22, "global_batch": 2**20}
+# 10^30 ranked thousands of candidates of 10^26 ms per iteration (the world's and the batch's
+# are the candidates' own, which `cona run` and `cona scale` check too)
+PLAN_LIMITS = {"world": MAX_WORLD, "num_layers": 1024, "hidden_size": 2**17,
+               "seq_length": 2**24, "vocab_size": 2**22, "global_batch": MAX_GLOBAL_BATCH}
 
 
 def _positive_finite(text: str) -> float:

@@ -1,4 +1,5 @@
 import argparse
+import sys
 
 import pytest
 
@@ -238,11 +239,16 @@ def test_cli_plot_of_a_file_that_is_no_decision_log_names_file_and_line(tmp_path
     assert not (tmp_path / "t.png").exists()
 
 
-def test_cli_plan_limits_are_the_candidates_ones():
-    from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
-    from megatron_cona.cli import PLAN_LIMITS
+def test_cona_cli_imports_no_torch_before_a_command_needs_it():
+    """`cona plan`'s flags take their ceilings from megatron_cona.candidates (one copy of
+    MAX_WORLD and MAX_GLOBAL_BATCH); importing the CLI, and so the candidates, must not pull in
+    torch (~1.4 s before `--help` answers)."""
+    import subprocess
 
-    assert (PLAN_LIMITS["world"], PLAN_LIMITS["global_batch"]) == (MAX_WORLD, MAX_GLOBAL_BATCH)
+    code = "import sys, megatron_cona.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
 
 
 def test_cli_plot_of_a_binary_file_names_it(tmp_path, capsys):
