@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
+from predictors.image_path import image_path_problem
 from predictors.spec import StrategyError, TransformerSpec
 
 CPU_HINT = ("no GPU here: megatron-core's CUDA calls must be redirected on CPU, run "
@@ -253,27 +254,6 @@ def _scale(args: argparse.Namespace, switch_costs: tuple[float, float]) -> None:
     print_scale(run_sim(opts, switch_costs))
 
 
-# ------------------------------------------------------------------------------------- plot
-
-
-def _check_plot_format(out: Path) -> None:
-    """Before the log is read: matplotlib's own error names neither the flag nor the path, and
-    without a suffix it wrote ``out`` + ".png" (a directory ``d``: ``d.png``; an empty --out:
-    ``./.png``) while the command printed ``out``."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if out.is_dir():
-        raise CliError(f"--out: {out} is a directory; name the image file (e.g. "
-                       f"{out / 'timeline.png'})")
-    if not out.suffix:
-        raise CliError(f"--out: {str(out)!r} has no suffix to choose the format "
-                       f"({', '.join(formats)})")
-    if out.suffix[1:].lower() not in formats:
-        raise CliError(f"--out: {out}: matplotlib writes no {out.suffix} files "
-                       f"({', '.join(formats)})")
-
-
 # ------------------------------------------------------------------------------------- main
 
 
@@ -361,7 +341,8 @@ def _main(argv: list[str] | None = None) -> int:
         else:
             from megatron_cona.plot import plot_run_timeline
 
-            _check_plot_format(args.out)
+            if problem := image_path_problem(args.out, "timeline.png"):  # before the log is read
+                raise CliError(f"--out: {problem}")
             args.out.parent.mkdir(parents=True, exist_ok=True)
             print(plot_run_timeline(args.log, args.out))
         return 0

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections.abc import Callable
+from itertools import groupby
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -81,26 +84,30 @@ def plot_sim(case: dict, note: str, path: Path) -> Path:
     return _timelines_and_save(fig, bottom, rows, note, path, 110)
 
 
-# what plot_run_timeline reads of each decision: (field, its sub-fields)
-_DECISION_FIELDS = (("iteration", ()), ("switch", ()), ("current", ("strategy", "goodput")),
-                    ("best", ("strategy", "goodput")))
-
-
 def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-# what the plot computes with, by field: a wrong type was a TypeError deep in matplotlib
-# (goodput may be NaN or inf: the policy logs what it estimated)
-_DECISION_TYPES = (
-    (("iteration",), "an integer >= 0",
-     lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0),
-    (("switch",), "true or false", lambda x: isinstance(x, bool)),
-    (("current", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
-    (("best", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
-    (("current", "goodput"), "a number", _is_real),
-    (("best", "goodput"), "a number", _is_real),
-    (("noise_scale",), "a number", _is_real),  # optional: absent reads as NaN
+class _Field(NamedTuple):
+    keys: tuple[str, ...]  # its path: ("best", "goodput") is decision["best"]["goodput"]
+    kind: str  # what the value must be, as the error says it
+    ok: Callable[[object], bool]
+    required: bool = True  # an absent optional field reads as NaN
+
+
+# What plot_run_timeline reads of each decision and computes with: a missing field was a
+# KeyError, a wrong type a TypeError deep in matplotlib (goodput may be NaN or inf: the policy
+# logs what it estimated). The fields of one object stay adjacent: the presence check groups
+# them ("no current.strategy/goodput").
+_DECISION_FIELDS = (
+    _Field(("iteration",), "an integer >= 0",
+           lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0),
+    _Field(("switch",), "true or false", lambda x: isinstance(x, bool)),
+    _Field(("current", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
+    _Field(("current", "goodput"), "a number", _is_real),
+    _Field(("best", "strategy"), "a strategy name", lambda x: isinstance(x, str)),
+    _Field(("best", "goodput"), "a number", _is_real),
+    _Field(("noise_scale",), "a number", _is_real, required=False),
 )
 
 
@@ -121,17 +128,24 @@ def read_decisions(log_path: Path) -> list[dict]:
             decision = json.loads(line)
         except json.JSONDecodeError as err:
             raise DecisionLogError(f"{where}: not JSON ({err})") from None
-        for key, inner in _DECISION_FIELDS:
+        # every required field present before any type is checked: another log's line is named
+        # for what it lacks, not for a type
+        required = (f for f in _DECISION_FIELDS if f.required)
+        for key, fields in groupby(required, key=lambda f: f.keys[0]):
+            inner = [f.keys[1] for f in fields if len(f.keys) > 1]
             value = decision.get(key) if isinstance(decision, dict) else None
             if value is None or inner and not (isinstance(value, dict)
                                                and all(k in value for k in inner)):
                 raise DecisionLogError(f"{where}: no {key}{'.' + '/'.join(inner) if inner else ''} "
-                                 "(not a CONA decision log)")
-        for keys, kind, ok in _DECISION_TYPES:
-            value = decision.get(keys[0], math.nan) if len(keys) == 1 else \
-                decision[keys[0]][keys[1]]
-            if not ok(value):
-                raise DecisionLogError(f"{where}: {'.'.join(keys)}={value!r} is not {kind}")
+                                       "(not a CONA decision log)")
+        for field in _DECISION_FIELDS:
+            first, *rest = field.keys
+            value = decision.get(first, math.nan)
+            for inner_key in rest:
+                value = value[inner_key]
+            if not field.ok(value):
+                raise DecisionLogError(f"{where}: {'.'.join(field.keys)}={value!r} is not "
+                                       f"{field.kind}")
         decisions.append(decision)
     return decisions
 

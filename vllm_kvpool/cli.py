@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from predictors.image_path import image_path_problem
 from vllm_kvpool import broken_packages, environment
 from vllm_kvpool.config import PoolConfigError, load_pool_config
 from vllm_kvpool.metrics import PoolStatus, default_status_path, plot_usage
@@ -131,13 +132,8 @@ def _gbps(value: float | None) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    if args.plot is not None and args.plot.suffix:  # checked before the table is printed
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        formats = FigureCanvasBase.get_supported_filetypes()
-        if args.plot.suffix[1:].lower() not in formats:
-            raise PoolConfigError("--plot", f"{args.plot}: matplotlib writes no "
-                                            f"{args.plot.suffix} files ({', '.join(formats)})")
+    if args.plot is not None and (problem := image_path_problem(args.plot, "usage.png")):
+        raise PoolConfigError("--plot", problem)  # before the table is printed
     if not args.file.is_file():
         raise PoolConfigError("--file", f"{args.file} does not exist (is a connector running? "
                               "it writes its status there about once a second)")  # fmt: skip

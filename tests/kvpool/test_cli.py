@@ -195,6 +195,40 @@ def test_status_plot_to_a_format_matplotlib_lacks_is_named_first(tmp_path, capsy
     assert captured.out == "" and not (tmp_path / "usage.txt").exists()
 
 
+@pytest.mark.parametrize("plot, says", [("", "is a directory"), ("d", "is a directory"),
+                                        ("t", "has no suffix"), ("t.", "has no suffix")])
+def test_status_plot_that_names_no_image_file_is_refused(tmp_path, monkeypatch, capsys, plot,
+                                                          says):
+    """--plot d (a directory) wrote d.png, --plot '' wrote ./.png, --plot t wrote t.png: each
+    printed the path it was given, not the file it wrote (and where d.png was a directory: an
+    'Is a directory' OSError, exit 1, after the table)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d.png").mkdir()
+    PoolStatus(usage=[DeviceUsage("host0", "host", 3, 8, 1 << 20, 6.0, False)],
+               lookups=LookupCounters(query_tokens=10, hit_tokens=5),
+               transfers=TransferCounters({}, []), placement="bandwidth",
+               chunk_tokens=256).write(tmp_path / "status.json")  # fmt: skip
+    assert main(["status", "--file", "status.json", "--plot", plot]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvpool status: error: kvpool config: --plot: ")
+    assert says in err[0] and captured.out == ""
+    assert not [p for p in tmp_path.rglob("*.png") if p.is_file()]
+
+
+def test_cli_imports_no_matplotlib_before_a_plot_is_asked_for():
+    """The --plot check is shared with `cona plot --out` (predictors.image_path): importing
+    either CLI must not load matplotlib (~0.4 s here) for commands that draw nothing."""
+    import subprocess
+
+    code = ("import sys, vllm_kvpool.cli, megatron_cona.cli, predictors.image_path; "
+            "print('matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
+
+
 def test_probe_of_an_ssd_path_that_is_no_file_names_the_device(capsys):
     """/dev/null (a character device) as an SSD's path raised the engine's ValueError with a
     traceback (exit 1)."""
