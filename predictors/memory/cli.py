@@ -225,9 +225,13 @@ def _collect(args) -> int:
 
 
 def _eval(args) -> int:
+    from predictors.image_path import image_path_problem
+
     from .collect import GROUND_TRUTH_CSV
     from .evaluate import evaluate, format_report, plot
 
+    if problem := image_path_problem(args.plot, "memory_pred_vs_measured.png"):
+        raise ValueError(f"--plot: {problem}")  # before the folds are fitted, not after
     rep = evaluate(args.data or GROUND_TRUTH_CSV, margin=args.margin)
     print(format_report(rep))
     print(f"plot: {plot(rep, args.plot)}")

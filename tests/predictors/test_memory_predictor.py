@@ -150,3 +150,16 @@ def test_ground_truth_rows_round_trip_to_the_one_vocabulary():
     got, got_step = job_from_row({"spec": json.dumps(legacy_spec), "config": json.dumps(config)})
     assert got.frozen == ("vision", "llm") and got.attention == "unfused"
     assert got.seq_length == 512 and got_step == step and got_step.zero == 2
+
+
+@pytest.mark.parametrize("plot", ["", "d", "t.zzz"])
+def test_eval_memory_refuses_a_plot_path_matplotlib_cannot_write_before_any_fit(
+        plot, tmp_path, monkeypatch, capsys):
+    """A directory, an empty path or a format matplotlib lacks: refused naming --plot before
+    the held-out folds are fitted (minutes), not after them with matplotlib's error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    assert main(["eval-memory", "--plot", plot]) == 1
+    err = capsys.readouterr().err
+    assert "--plot:" in err and ("is a directory" in err or "suffix" in err
+                                 or "writes no .zzz" in err)
