@@ -454,6 +454,22 @@ def test_cli_scale_with_a_batch_switch_far_dearer_than_a_layout_switch_returns(c
         assert all(a != b for a, b in zip(layouts, layouts[1:], strict=False))
 
 
+@pytest.mark.parametrize("costs", ["nan,0", "0,inf", "-1,0", "0,1e308", "a,b", "0", "0,1,2"])
+def test_cli_scale_refuses_switch_costs_no_run_can_take(costs, capsys):
+    """Negative, nan, inf: no switch costs that; from 1e308 a chain's summed switches overflow
+    to inf (a matplotlib OverflowError); a word that is no number said "invalid _switch_costs
+    value". All one line naming the flag and the form (--families nosuch: were the costs
+    taken, that refusal would come instead of a whole run)."""
+    from megatron_cona.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["scale", f"--switch-costs={costs}", "--families", "nosuch"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2
+    assert err == (f"cona scale: error: argument --switch-costs: {costs!r} is not FIXED,BATCH: "
+                   "two seconds from 0 to 1e+30")
+
+
 def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
     from megatron_cona.cli import main
 
