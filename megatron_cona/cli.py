@@ -173,10 +173,20 @@ def _plan(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ scale
 
 
+# the longest switch cost taken, 1e30 s (3e22 years: no chain that can avoid such a switch
+# pays it): a chain's time sums its switches, and from 1e308 the sum overflowed to inf (cona
+# scale's plots raised OverflowError)
+MAX_SWITCH_S = 1e30
+
+
 def _switch_costs(text: str) -> tuple[float, float]:
-    parts = [float(x) for x in text.split(",")]
-    if len(parts) != 2 or not all(0 <= x < math.inf for x in parts):  # nan fails it too
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH finite seconds >= 0")
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:  # argparse said "invalid _switch_costs value"
+        parts = []
+    if len(parts) != 2 or not all(0 <= x <= MAX_SWITCH_S for x in parts):  # nan fails it too
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH: two seconds from 0 to "
+                                         f"{MAX_SWITCH_S:g}")
     return parts[0], parts[1]
 
 
@@ -283,7 +293,8 @@ def _parser() -> argparse.ArgumentParser:
                        parents=[scale_parser()], add_help=False, conflict_handler="resolve")
     p.add_argument("--switch-costs", type=_switch_costs, required=True,
                    help="FIXED,BATCH: measured seconds of a layout switch's fixed part and of "
-                   "a batch switch (benchmarks/bench_cona_scale.py measures them)")
+                   "a batch switch, each 0 to 1e30 (benchmarks/bench_cona_scale.py measures "
+                   "them)")
     p = sub.add_parser("plot", help="plot a run's strategy timeline")
     p.add_argument("--log", type=Path, required=True, help="--cona-log file of a run")
     p.add_argument("--out", type=Path, required=True)

@@ -9,19 +9,24 @@ it a lower bound).
 
 :func:`exact_bound`: the exact dynamic program with the chains' decision cadence and switch
 costs (tested equal to brute force), vectorised over Pareto fronts and pruned by the
-relaxation's cost-to-go (:data:`TO_GO`): a state that cannot beat a time some path already
-achieves, even at the relaxation's pace from there on, is dropped (branch and bound with an
-admissible heuristic: still exact).
+relaxation's cost-to-go (:data:`TO_GO`): a state that cannot beat a cap, even at the
+relaxation's pace from there on, is dropped (branch and bound with an admissible heuristic:
+still exact below the cap). The caps start just above the relaxation and widen in rounds
+(:data:`FIRST_MARGIN`) until every goal's time is under its cap or the cap is a time some path
+achieves (the greedy one's): how many states survive grows with the cap's distance above the
+relaxation, and the greedy path is far off where a batch switch costs far more than a layout
+switch.
 
 The exact DP runs over the decision boundaries every chain uses (token positions
 ``boundaries``): at each boundary any strategy may follow (switch cost charged; the first choice
 is free); one interval advances the law's state exactly (:class:`~megatron_cona.lawsim.law.
-CriticalBatch`). A state is dropped when another of the same strategy at the same boundary is at
-least as far along and no later (:func:`_pareto`: the law's flow is monotone in ``S`` and the
-future depends only on (S, D, strategy), D being fixed by the boundary), so the search is exact;
-every front is advanced for every next strategy at once (numpy), fast enough for the paper's
-scales inside the benchmark. ``snap > 0`` rounds ``S`` UP to a log grid of that relative step
-(optimistic: still a bound; the benchmark's default is 0, no rounding). The target is hit inside an interval at the exact token count
+CriticalBatch`). Entering a strategy at a boundary, an entry is dropped before it is advanced
+when another entry into the same strategy is at least as far along and no later (:func:`_front`:
+the law's flow is monotone in ``S`` and the future depends only on (S, D, strategy), D being
+fixed by the boundary), so the search is exact; every front is advanced for every next strategy
+at once (numpy), fast enough for the paper's scales inside the benchmark. ``snap > 0`` rounds
+``S`` UP to a log grid of that relative step (optimistic: still a bound; the benchmark's default
+is 0, no rounding). The target is hit inside an interval at the exact token count
 (``tokens_to``).
 """
 
@@ -62,60 +67,43 @@ def fastest_micro_batches(strategies: Sequence[ParallelStrategy],
     return sorted(best.values(), key=lambda s: s.name)
 
 
-def _pareto(t: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Indices of the states no other state beats (at least as far along in ``S`` and no
-    later): the law's flow is monotone in ``S`` and the future depends only on (S, D, strategy),
-    so a dominated state's every continuation is matched by its dominator's."""
-    order = np.lexsort((t, -s))  # furthest along first, earliest first among equals
+def _front(t: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Mask over ``order`` (the states furthest along in ``S`` first) of those no state
+    before them in it is as early as: the law's flow is monotone in ``S`` and the future
+    depends only on (S, D, strategy), so a dominated state's every continuation is matched by
+    its dominator's."""
     running = np.minimum.accumulate(t[order])
     keep = np.ones(order.size, dtype=bool)
     keep[1:] = t[order][1:] < running[:-1]
-    return order[keep]
-
-
-def _cross_prune(j: np.ndarray, t: np.ndarray, s: np.ndarray, lead: np.ndarray) -> np.ndarray:
-    """Mask of the states no state of ANOTHER strategy dominates: (i, t', S') beats (j, t, S)
-    when S' >= S and t' + lead[i, j] <= t, ``lead[i, j]`` the most that leaving i can cost more
-    than leaving j for any next strategy (so i's state can follow j's every continuation, no
-    later and no less far along). All states sorted by S once, descending. First a cheap
-    sufficient test: a state some earlier state (any strategy) beats even with the largest
-    lead any strategy has over its own goes at once; leads obey the triangle inequality
-    (``lead[a, c] <= lead[a, b] + lead[b, c]``), so whatever a dropped state beats, its
-    dominator beats too. Then per strategy one running minimum of its times over the
-    survivors as far along or further, read at every survivor."""
-    keep = np.ones(t.size, dtype=bool)
-    order = np.lexsort((t, -s))  # furthest along first; ties: earliest first
-    before = np.r_[math.inf, np.minimum.accumulate(t[order])[:-1]]
-    sure = before + lead.max(axis=0)[j[order]] <= t[order]
-    keep[order[sure]] = False
-    order = order[~sure]
-    s_o, t_o, j_o = s[order], t[order], j[order]
-    # states of equal S form one group: a state may be beaten by another strategy's state of
-    # the same S, so each group reads the running minimum up to its last member
-    last = np.r_[np.flatnonzero(s_o[1:] != s_o[:-1]), s_o.size - 1]
-    group_end = np.repeat(last, np.diff(np.r_[-1, last]))
-    for i in np.unique(j):
-        best = np.minimum.accumulate(np.where(j_o == i, t_o, math.inf))[group_end]
-        beaten = (j_o != i) & (best + lead[i, j_o] <= t_o)
-        keep[order[beaten]] = False
     return keep
+
+
+def _pareto(t: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Indices of the states no other state beats (at least as far along in ``S`` and no
+    later; see :func:`_front`)."""
+    order = np.lexsort((t, -s))  # furthest along first, earliest first among equals
+    return order[_front(t, order)]
 
 
 ToGo = Callable[[np.ndarray, float, float], np.ndarray]
 # (S, tokens seen, goal S) -> seconds no strategy sequence can beat from there to the goal
 
 
-def _hopeful(to_go: ToGo, t: np.ndarray, s: np.ndarray, d: float, goals: Sequence[float],
-             achieved: np.ndarray) -> np.ndarray:
-    """Mask of the states that may still reach some goal ahead of them sooner than a time
-    already achieved, going at the relaxation's pace from here (a lower bound; the slack
-    covers the tables' rounding)."""
-    hope = np.zeros(t.size, dtype=bool)
+def _room(to_go: ToGo | None, s: np.ndarray, d: float, goals: Sequence[float],
+          achieved: np.ndarray) -> np.ndarray:
+    """Per state (``S`` after ``d`` tokens), the time before which it must be there to still
+    reach some goal ahead of it sooner than a time already achieved, going at the
+    relaxation's pace from there (a lower bound; the slacks cover the tables' rounding):
+    -inf with no goal ahead, inf without a relaxation (``to_go`` None)."""
+    if to_go is None:
+        return np.full(s.size, math.inf)
+    room = np.full(s.size, -math.inf)
     for goal, cap in zip(goals, achieved, strict=True):
-        ahead = ~hope & (s < goal)
+        ahead = s < goal
         if ahead.any():
-            hope[ahead] = t[ahead] + to_go(s[ahead], d, goal) * (1 - 1e-6) < cap * (1 + 1e-9)
-    return hope
+            room[ahead] = np.maximum(room[ahead], cap * (1 + 1e-9)
+                                     - to_go(s[ahead], d, goal) * (1 - 1e-6))
+    return room
 
 
 def _greedy(dynamics: CriticalBatch, boundaries: Sequence[float], batch: np.ndarray,
@@ -145,13 +133,30 @@ def _greedy(dynamics: CriticalBatch, boundaries: Sequence[float], batch: np.ndar
 @dataclass
 class _Layer:
     """The decisions kept at one boundary: strategy, start time and parent (an index into the
-    previous layer), with the state each reaches at the next boundary."""
+    previous layer), with the state each reaches at the next boundary and the time it must
+    reach it before to stay useful (:func:`_room`)."""
 
     strategy: np.ndarray
     start: np.ndarray
     parent: np.ndarray
     end_time: np.ndarray
     end_s: np.ndarray
+    end_room: np.ndarray
+
+
+# The first round's caps lie this relative margin above the relaxation's time from the start
+# (the exact DP was 0.005-0.08% above it at the benchmark's switch costs); each later round
+# doubles the margin, and once the margin passes LAST_MARGIN or the cap would pass the greedy
+# path's time the round runs against that time, which settles every goal left. Why rounds: a
+# state is kept while it may beat the cap at the relaxation's pace, so the fronts grow with
+# the cap's distance above the relaxation, and the greedy path can be far off: 11% above the
+# optimum for BERT-large on 8 GPUs with a batch switch of an hour (`cona scale --switch-costs
+# 0,3600`; a layout switch, which may change the batch too, took milliseconds there), where
+# the fronts grew past 600,000 states and the DP past 100 s (at 1e30 s it never returned),
+# against under a second from a cap 0.01% above the relaxation. A round under the optimum
+# finds no path and costs little.
+FIRST_MARGIN = 1e-4
+LAST_MARGIN = 1.0
 
 
 def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
@@ -164,34 +169,89 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
     dynamic program over the boundaries whose states are kept as one Pareto front of
     (time, S) per strategy, advanced for every next strategy at once (numpy). ``snap > 0``
     rounds ``S`` up to a log grid of that relative step (fewer states, still a bound).
-    ``prune``: drop every state that cannot beat a time some path achieves even at the
-    relaxation's pace from there on (:data:`TO_GO`; exact, only faster)."""
+    ``prune``: drop every state that cannot beat a cap even at the relaxation's pace from
+    there on (:data:`TO_GO`; exact, only faster). The caps widen in rounds from just above the
+    relaxation (:data:`FIRST_MARGIN`): a goal whose best time is under its round's cap is
+    settled (no path that beats the cap was dropped, so none beats that time); the others run
+    again with twice the margin, the last round against a time some path achieves (the
+    greedy one's)."""
     strats = fastest_micro_batches(strategies, step_time)
     if not strats:
         raise ValueError("strategies: empty")
-    n = len(strats)
     batch = np.array([x.global_batch_size * seq_length for x in strats], dtype=float)
     iter_s = np.array([step_time(x) for x in strats])
     switch = np.array([[0.0 if a == b else switch_time(a, b) for b in strats] for a in strats])
-    lead = (switch[:, None, :] - switch[None, :, :]).max(axis=2)  # lead[i, j]
+    dp = _Problem(dynamics, boundaries, strats, batch, iter_s, switch, s0, snap)
+    if not prune:
+        return _search(dp, goals, [math.inf] * len(goals), None)
     rates = sorted(set(zip(batch.tolist(), iter_s.tolist(), strict=True)))
-    to_go = _to_go(dynamics, rates, s0, goals, boundaries) if prune else None
-    cap = (np.array([_greedy(dynamics, boundaries, batch, iter_s, switch, to_go, g, s0)
-                     for g in goals]) if to_go is not None else np.full(len(goals), math.inf))
+    to_go = _to_go(dynamics, rates, s0, goals, boundaries)
+    greedy = [_greedy(dynamics, boundaries, batch, iter_s, switch, to_go, g, s0) for g in goals]
+    relaxed = [float(to_go(np.array([s0]), boundaries[0], g)[0]) for g in goals]
+    out: list[BoundPath | None] = [None] * len(goals)
+    margin = FIRST_MARGIN
+    while pending := [g for g, p in enumerate(out) if p is None]:
+        caps = [relaxed[g] * (1 + margin) if margin <= LAST_MARGIN
+                and relaxed[g] * (1 + margin) < greedy[g] else greedy[g] for g in pending]
+        found = _search(dp, [goals[g] for g in pending], caps, to_go)
+        for g, cap, path in zip(pending, caps, found, strict=True):
+            if path.time < cap or cap == greedy[g]:
+                out[g] = path
+        margin *= 2
+    return [p for p in out if p is not None]  # every goal settled: the last cap is greedy's
+
+
+@dataclass
+class _Problem:
+    """What every round of :func:`exact_bound` searches (its strategies: the fastest
+    micro-batch of each)."""
+
+    dynamics: CriticalBatch
+    boundaries: Sequence[float]
+    strats: list[ParallelStrategy]
+    batch: np.ndarray  # tokens per iteration
+    iter_s: np.ndarray
+    switch: np.ndarray  # switch[a, b]: seconds from strategy a to b
+    s0: float
+    snap: float
+
+
+def _search(dp: _Problem, goals: Sequence[float], caps: Sequence[float], to_go: ToGo | None
+            ) -> list[BoundPath]:
+    """One round of :func:`exact_bound`: the fastest path to each goal, exact wherever it
+    beats the goal's cap (a state is dropped once ``to_go``, the relaxation, says it cannot
+    beat any cap; ``None``: only the DP's own best times prune)."""
+    dynamics, boundaries, batch, iter_s, switch = (dp.dynamics, dp.boundaries, dp.batch,
+                                                   dp.iter_s, dp.switch)
+    n = len(dp.strats)
+    cap = np.array(caps, dtype=float)
     best = np.full(len(goals), math.inf)
     best_node: list[tuple[int, int, float, int] | None] = [None] * len(goals)
     layers: list[_Layer] = []
-    # the states entering boundary k: strategy run before, time, S, index in the last layer
+    # the states entering boundary k: strategy run before, time, S, index in the last layer,
+    # room (see _Layer)
     cur_j, cur_t = np.arange(n), np.zeros(n)
-    cur_s, cur_id = np.full(n, s0), np.full(n, -1)
+    cur_s, cur_id, cur_room = np.full(n, dp.s0), np.full(n, -1), np.full(n, math.inf)
     for k in range(len(boundaries) - 1):
         d, tokens = boundaries[k], boundaries[k + 1] - boundaries[k]
         limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
         parts: list = []
+        order = np.lexsort((cur_t, -cur_s))  # furthest along first, earliest first among equals
         for j2 in range(n):
             # the first choice is free: at k = 0 every strategy starts on its own
             t0 = cur_t + (0.0 if k == 0 else switch[cur_j, j2])
-            use = t0 < limit if k else cur_j == j2
+            if k:
+                # before advancing: an entry into j2 that another entry into j2 beats (as far
+                # along and no later: advancing with j2 keeps that order) or that comes too
+                # late to beat a cap leads nowhere. Per next strategy, not per pair of states:
+                # where a batch switch costs far more than a layout switch, no state can
+                # follow another's every continuation (each lacks the cheap switches of the
+                # other's layout), yet each entry has a dominator among all the entries
+                use = np.zeros(t0.size, dtype=bool)
+                use[order[_front(t0, order)]] = True
+                use &= (t0 < limit) & (t0 < cur_room)
+            else:
+                use = cur_j == j2
             if not use.any():
                 continue
             t0, s, parent = t0[use], cur_s[use], cur_id[use]
@@ -206,24 +266,25 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
                         best[g] = when[i]
                         best_node[g] = (k, j2, float(t0[hit][i]), int(parent[hit][i]))
             t1 = t0 + tokens / batch[j2] * iter_s[j2]
-            if snap > 0:
-                s2 = np.exp(np.ceil(np.log(s2) / snap) * snap)
-            if to_go is not None:
-                hope = _hopeful(to_go, t1, s2, boundaries[k + 1], goals, np.minimum(best, cap))
-                t0, s2, parent, t1 = t0[hope], s2[hope], parent[hope], t1[hope]
+            if dp.snap > 0:
+                s2 = np.exp(np.ceil(np.log(s2) / dp.snap) * dp.snap)
+            room = _room(to_go, s2, boundaries[k + 1], goals, np.minimum(best, cap))
+            hope = t1 < room
+            t0, s2, parent, t1, room = t0[hope], s2[hope], parent[hope], t1[hope], room[hope]
             keep = _pareto(t1, s2)
-            parts.append((np.full(keep.size, j2), t0[keep], parent[keep], t1[keep], s2[keep]))
+            parts.append((np.full(keep.size, j2), t0[keep], parent[keep], t1[keep], s2[keep],
+                          room[keep]))
         limit = np.max(np.minimum(best, cap)) * (1 + 1e-12)
         if not parts:
             break
         layer = _Layer(*(np.concatenate(x) for x in zip(*parts, strict=True)))
-        alive = np.flatnonzero((layer.end_time < limit) & _cross_prune(
-            layer.strategy, layer.end_time, layer.end_s, lead))
+        alive = np.flatnonzero(layer.end_time < limit)
         layer = _Layer(*(getattr(layer, f)[alive] for f in _Layer.__dataclass_fields__))
         layers.append(layer)  # only what continues: every later parent points into it
         if not alive.size:
             break
-        cur_j, cur_t, cur_s = layer.strategy, layer.end_time, layer.end_s
+        cur_j, cur_t, cur_s, cur_room = (layer.strategy, layer.end_time, layer.end_s,
+                                         layer.end_room)
         cur_id = np.arange(alive.size)
     out = []
     for g in range(len(goals)):
@@ -231,12 +292,12 @@ def exact_bound(dynamics: CriticalBatch, boundaries: Sequence[float],
         node = best_node[g]
         if node is not None:
             k, j, t0, parent = node
-            path.append((t0, boundaries[k], strats[j]))
+            path.append((t0, boundaries[k], dp.strats[j]))
             while parent >= 0:
                 k -= 1
                 layer = layers[k]
                 path.append((float(layer.start[parent]), boundaries[k],
-                             strats[int(layer.strategy[parent])]))
+                             dp.strats[int(layer.strategy[parent])]))
                 parent = int(layer.parent[parent])
         out.append(BoundPath(float(best[g]), path[::-1]))
     return out

@@ -125,6 +125,46 @@ def test_exact_dp_equals_brute_force_and_relaxation_is_below(seed, kind):
     assert relaxed <= dp.time * (1 + 1e-6)
 
 
+# seeds whose fastest paths switch layouts (changing the batch with them) and whose goals are
+# settled in different rounds, some below a cap from the relaxation, some at the greedy path's
+@pytest.mark.parametrize("seed", [11, 26, 34])
+@pytest.mark.parametrize("batch_switch", [3600.0, 1e30])
+def test_exact_dp_equals_brute_force_when_a_batch_switch_costs_far_more(seed, batch_switch):
+    """`cona scale --switch-costs 0,3600` (an hour per batch switch, milliseconds per layout
+    switch, which may change the batch too) took minutes and 0,1e30 never returned: the DP's
+    caps start near the relaxation now and widen in rounds, and entries are pruned per next
+    strategy. Still exact: two goals against brute force and the unpruned DP, B_crit crossing
+    the batches (B* 2e9 tokens: 24k to 67k over the run) so that switching pays."""
+    rng = np.random.default_rng(seed)
+    law = ModelLaw("t", 1e8, 2e8)
+    dyn = LossCriticalBatch(law, 2e9)
+    seq = 1024
+    strategies = [ParallelStrategy(dp, 8 // dp, 1, 1, b) for dp in (2, 4, 8)
+                  for b in (8, 16, 32, 64, 128) if b % dp == 0]
+    times = {s: float(rng.uniform(0.8, 1.2)) * (0.05 + 0.01 * s.global_batch_size / s.dp)
+             for s in strategies}
+    cost = {(a.layout, b.layout): float(rng.uniform(0, 0.05)) for a in strategies
+            for b in strategies}
+
+    def switch(a, b):
+        if a == b:
+            return 0.0
+        return batch_switch if a.layout == b.layout else cost[(a.layout, b.layout)]
+
+    bounds = list(np.cumsum([0.0, *rng.uniform(2e5, 2e6, 4)]))
+    s0 = law.s0
+    reach = dyn.advance(s0, 0.0, 32 * seq, bounds[-1])
+    goals = [s0 + 0.3 * (reach - s0), s0 + 0.8 * (reach - s0)]
+    dp = exact_bound(dyn, bounds, strategies, seq, times.__getitem__, switch, goals, s0)
+    full = exact_bound(dyn, bounds, strategies, seq, times.__getitem__, switch, goals, s0,
+                       prune=False)
+    assert dp[1].switches >= 1
+    for goal, got, unpruned in zip(goals, dp, full, strict=True):
+        brute = _brute_force(dyn, bounds, strategies, seq, times.__getitem__, switch, goal, s0)
+        assert math.isfinite(brute) and got.time == pytest.approx(brute, rel=1e-9)
+        assert unpruned.time == got.time and unpruned.path == got.path
+
+
 @pytest.mark.parametrize("strategy", [ParallelStrategy(4, 1, 1, 2, 64),
                                       ParallelStrategy(1, 4, 1, 2, 16),
                                       ParallelStrategy(1, 2, 2, 2, 16)])
@@ -388,6 +428,46 @@ def test_cli_scale_with_an_empty_out_names_the_flag(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and err[-1].startswith("cona scale: error: argument --out: empty")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("costs", ["0,3600", "0,1e30"])
+def test_cli_scale_with_a_batch_switch_far_dearer_than_a_layout_switch_returns(costs, tmp_path):
+    """The smallest case that hung: BERT-large on 8 GPUs. Its exact DP took over 100 s at
+    0,3600 (fronts past 600,000 states: the greedy cap was 11% above the optimum) and never
+    returned at 0,1e30; now seconds. Its path changes the batch only with the layout (a layout
+    switch costs milliseconds here: 16 -> 32 sequences on dp8 by way of dp4 pp2), within 1%
+    above the relaxation."""
+    import json
+
+    from megatron_cona.cli import main
+
+    assert main(["scale", "--switch-costs", costs, "--families", "bert-large", "--gpus", "8",
+                 "--variants", "kaplan", "--skip", "planner,rampup,seesaw,pollux", "--jobs", "1",
+                 "--out", str(tmp_path)]) == 0
+    (case,) = json.loads((tmp_path / "sim.json").read_text())["cases"]
+    for result in case["chains"]["bound"].values():
+        settings = result["settings"]
+        assert settings["relaxed_s"] <= settings["exact_s"] < 1.01 * settings["relaxed_s"]
+        layouts = [name.split("mb")[0] for name in result["path"]]  # dp8tp1pp1mb2gb16: dp8tp1pp1
+        assert result["switches"] >= 1
+        assert all(a != b for a, b in zip(layouts, layouts[1:], strict=False))
+
+
+@pytest.mark.parametrize("costs", ["nan,0", "0,inf", "-1,0", "0,1e308", "a,b", "0", "0,1,2"])
+def test_cli_scale_refuses_switch_costs_no_run_can_take(costs, capsys):
+    """Negative, nan, inf: no switch costs that; from 1e308 a chain's summed switches overflow
+    to inf (a matplotlib OverflowError); a word that is no number said "invalid _switch_costs
+    value". All one line naming the flag and the form (--families nosuch: were the costs
+    taken, that refusal would come instead of a whole run)."""
+    from megatron_cona.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["scale", f"--switch-costs={costs}", "--families", "nosuch"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2
+    assert err == (f"cona scale: error: argument --switch-costs: {costs!r} is not FIXED,BATCH: "
+                   "two seconds from 0 to 1e+30")
 
 
 def test_cli_scale_with_a_bound_snap_out_of_range_is_one_named_line(capsys):
