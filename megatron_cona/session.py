@@ -266,7 +266,7 @@ class ConaSession:
         since it (it updates the noise-scale bias); a verdict to roll back is remembered. An
         experiment is held (True) until its verdict is confident or ``judge_intervals`` passed,
         then bracketed: ``bracket`` intervals back on the strategy it left (the third value:
-        where to go now), judged on both sides, and a trial that paid is gone back to; an
+        where to go now), judged on both sides, and a trial measured faster is gone back to; an
         ordinary switch is judged on its first interval."""
         self.progress.close_interval(strategy)
         if self._judging is None and self._bracketing is None:
@@ -283,7 +283,6 @@ class ConaSession:
                 self._bracketing = (old, new, seen, back)
                 return None, True, None
             self._bracketing = None
-            experiment = True
         elif self._judging is not None:
             old, new, experiment, seen = self._judging
             seen += 1
