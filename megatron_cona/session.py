@@ -390,10 +390,17 @@ class ConaSession:
         """Whether knowing the probe's bias exactly (the posterior's mean of each bias's best
         goodput over the running strategy's, relative), repaid over the policy's horizon, is
         worth at least what ``trial`` is expected to lose in the interval it runs (one minus
-        its posterior-averaged goodput over the running strategy's). Knowing it exactly is
-        the most an experiment can teach, so a trial that fails this cannot pay."""
+        its posterior-averaged goodput over the running strategy's) plus the switches it takes
+        (there, back, and with a bracket there again; each the seconds the switch cost model
+        expects, as a share of an interval's training time). Knowing it exactly is the most an
+        experiment can teach, so a trial that fails this cannot pay."""
         current = self.current_estimate(strategy)
-        shortfall = 1.0 - trial.goodput / current.goodput
+        interval_s = self._interval_time or (self.times.iteration_time(strategy)
+                                             * self.config.interval)
+        costs = self.policy.costs
+        trips = (2 + (self.config.bracket > 0)) * max(costs.estimate(strategy, trial.strategy),
+                                                       costs.estimate(trial.strategy, strategy))
+        shortfall = 1.0 - trial.goodput / current.goodput + trips / interval_s
         if not shortfall > 0:
             return True
         pool = [strategy, *(e.strategy for e in ranking)]

@@ -233,6 +233,29 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
     assert s.progress.bias > 10 and small in s.tried
 
 
+@pytest.mark.parametrize("switch_s, experiments", [(0.01, True), (200.0, False)])
+def test_an_experiment_is_not_worth_switches_that_cost_more_than_it_can_teach(switch_s,
+                                                                               experiments):
+    """The scenario above, where an experiment to batch 32 finds the probe 100x low. But
+    where a batch switch costs 200 s (measured: the switch cost model's record) against
+    20 s intervals, going there, back (the bracket) and there again costs more than knowing
+    the bias could repay over the policy's horizon: no experiment runs. With switches of
+    10 ms it runs as before. (Before, an experiment ignored switch costs: `cona scale
+    --switch-costs 0,3600` made CONA pay hour-long batch switches to experiment.)"""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=3)
+    s.policy.costs.record(small, big, switch_s)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 9)
+    assert (big in path) == experiments
+    assert path[:3] == [small] * 3
+
+
 def test_an_experiment_tries_a_smaller_batch_when_the_prior_sits_above_the_truth():
     """The probe reads phi = 8 and is right (k = 1), but the default prior (centred on 10)
     ranks batch 64 first. The plausible low end of the bias would pick batch 16 and the high
