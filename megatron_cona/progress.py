@@ -49,13 +49,16 @@ class Verdict:
 
     old: ParallelStrategy
     new: ParallelStrategy
-    observed: float  # progress-rate ratio new / old (the old one extrapolated)
+    observed: float  # progress-rate ratio new / old (the old one extrapolated or bracketed)
     stderr: float
     efficiency_ratio: float  # observed / throughput ratio
     noise_scale: float  # the phi the comparison implies (nan: not identifiable)
     paid: bool
     rollback: bool
     confident: bool  # consistent with the efficiency model and precise enough to act on
+    consistent: bool = True  # the efficiency ratio within what a change of batch can give
+    # its testimony about the probe's bias (None: it has none), counted when it is learned
+    evidence: Evidence | None = field(default=None, repr=False, compare=False)
 
     @property
     def held_up(self) -> bool:
@@ -206,7 +209,6 @@ class ProgressMonitor:
     _evidence: list[Evidence] = field(default_factory=list)
     _posterior: tuple[float, float] = (0.0, 0.0)  # mean, sd of ln k (set from the prior)
     _nodes: tuple[tuple[float, float], ...] = ()  # the posterior of k as (k, weight) nodes
-    _pending: Evidence | None = None
 
     def __post_init__(self) -> None:
         self._update_posterior()
@@ -382,16 +384,14 @@ class ProgressMonitor:
         phi = implied_noise_scale(efficiency, old.global_batch_size, new.global_batch_size)
         confident = consistent and rel <= self.max_relative_error
         paid = observed >= 1.0 - self.z * stderr
-        verdict = Verdict(old, new, observed, stderr, efficiency, phi, paid,
-                          rollback=confident and not paid, confident=confident)
-        self._pending = None
-        if consistent and probe_phi > 0:
-            self._pending = Evidence(
-                throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
-                # a noiseless comparison (a test's) still gets a finite likelihood
-                new_error=max(b.stderr / expected, 1e-3 * observed),
-                old_relative_error=old_rel)
-        return verdict
+        evidence = Evidence(
+            throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
+            # a noiseless comparison (a test's) still gets a finite likelihood
+            new_error=max(b.stderr / expected, 1e-3 * observed),
+            old_relative_error=old_rel) if consistent and probe_phi > 0 else None
+        return Verdict(old, new, observed, stderr, efficiency, phi, paid,
+                       rollback=confident and not paid, confident=confident,
+                       consistent=consistent, evidence=evidence)
 
     def _interpolated(self, olds: list[Rate], backs: list[Rate], loss: float
                       ) -> tuple[float, float] | None:
@@ -408,12 +408,11 @@ class ProgressMonitor:
         return _between(before, after, min(1.0, max(0.0, w)))
 
     def learn(self, verdict: Verdict) -> None:
-        """Keep ``verdict`` (the last :meth:`judge` result) and count its evidence about the
-        probe's bias."""
+        """Keep ``verdict`` (a :meth:`judge` result) and count its evidence about the probe's
+        bias."""
         self.verdicts.append(verdict)
-        if self._pending is not None:
-            self._evidence.append(self._pending)
-            self._pending = None
+        if verdict.evidence is not None:
+            self._evidence.append(verdict.evidence)
             self._update_posterior()
 
     def _run_before(self, end: int, strategy: ParallelStrategy, limit: int = OLD_HISTORY

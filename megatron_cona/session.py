@@ -77,10 +77,12 @@ class SessionConfig:
     # 10-100x below the critical batch: Merrill et al. 2025), the wait doubling after every
     # experiment; 0: never
     explore_after: int = 4
-    judge_intervals: int = 4  # an experiment runs at most this many intervals
-    # intervals an experiment then runs back on the strategy it left, so that the old rate at
-    # the trial's loss is interpolated between both sides instead of extrapolated (an
-    # extrapolation is biased where the curve bends); a trial that paid is switched back to.
+    judge_intervals: int = 4  # an experiment's trial runs at most this many intervals
+    # intervals with a rate of their own (at most judge_intervals in all) an experiment then
+    # runs back on the strategy it left, so that the old rate at the trial's loss is
+    # interpolated between both sides instead of extrapolated (an extrapolation is biased where
+    # the rate is not a function of the loss alone: an LR schedule); a trial measured faster
+    # is switched back to.
     # 0: judged on the trial's own intervals, the old side extrapolated
     bracket: int = 1
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
@@ -95,7 +97,9 @@ class SessionConfig:
     probe_bias_prior: float = 10.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.bracket, int) and 0 <= self.bracket <= self.judge_intervals):
+        if isinstance(self.bracket, bool) or not (
+                isinstance(self.bracket, int)
+                and 0 <= self.bracket <= max(self.judge_intervals, 1)):
             raise ValueError(f"bracket={self.bracket!r} must be a whole number of intervals "
                              f"from 0 to judge_intervals ({self.judge_intervals})")
         if not (self.probe_bias_prior > 0 and math.isfinite(self.probe_bias_prior)):
@@ -158,8 +162,10 @@ class ConaSession:
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         # an experiment back on the strategy it left: (old, trial, intervals the trial ran,
-        # intervals back so far)
-        self._bracketing: tuple[ParallelStrategy, ParallelStrategy, int, int] | None = None
+        # intervals back with a rate of their own so far, intervals back in all, the trial's
+        # own verdict)
+        self._bracketing: tuple[ParallelStrategy, ParallelStrategy, int, int, int,
+                                Verdict | None] | None = None
         self._judged_move = False  # the next switch is a bracket's: already judged
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
         # (strategy, noise scale, training seconds then): a larger batch was measured to pay
@@ -268,36 +274,43 @@ class ConaSession:
         then bracketed: ``bracket`` intervals back on the strategy it left (the third value:
         where to go now), judged on both sides, and a trial measured faster is gone back to; an
         ordinary switch is judged on its first interval."""
-        self.progress.close_interval(strategy)
+        rate = self.progress.close_interval(strategy)
         if self._judging is None and self._bracketing is None:
             self._challenging = False  # a move below the floor was not made: nothing to judge
         if not self.config.confirm:
             return None, False, None
-        back = 0
+        phi, back, bracketed = self.gns.noise_scale, 0, False
         if self._bracketing is not None:
-            old, new, seen, back = self._bracketing
-            back += 1
-            if strategy != old:  # the way back could not be taken: the trial ran on
-                seen, back = seen + back, 0
-            elif back < self.config.bracket:
-                self._bracketing = (old, new, seen, back)
-                return None, True, None
+            old, new, seen, back, steps, trial = self._bracketing
+            steps += 1
             self._bracketing = None
+            if strategy != old:  # the way back could not be taken: the trial ran on
+                seen, back = seen + steps, 0
+                verdict = self.progress.judge(old, new, phi, seen)
+            else:
+                back += rate is not None  # an interval too short for a rate joins the next
+                if back < self.config.bracket and steps < max(self.config.judge_intervals, 1):
+                    self._bracketing = (old, new, seen, back, steps, trial)
+                    return None, True, None
+                bracketed = True
+                # no rate back (its intervals too short) or no interpolation (the readings
+                # refuse one): the trial's own verdict stands, not nothing
+                verdict = (self.progress.judge(old, new, phi, seen, back) if back else None) \
+                    or trial
         elif self._judging is not None:
             old, new, experiment, seen = self._judging
             seen += 1
-        else:
-            return None, False, None
-        verdict = self.progress.judge(old, new, self.gns.noise_scale, seen, back)
-        if self._judging is not None:
             self._judging = None
+            verdict = self.progress.judge(old, new, phi, seen)
             if experiment and seen < self.config.judge_intervals and (
                     verdict is None or not verdict.confident):
                 self._judging = (old, new, experiment, seen)
                 return None, True, None
             if experiment and self.config.bracket and not self._challenging:
-                self._bracketing = (old, new, seen, 0)
+                self._bracketing = (old, new, seen, 0, 0, verdict)
                 return None, True, old
+        else:
+            return None, False, None
         challenged, self._challenging = self._challenging, False
         if verdict is not None:
             self.progress.learn(verdict)
@@ -315,12 +328,14 @@ class ConaSession:
         log.info("switch %s -> %s: progress x%.4g (+-%.3g) of the old strategy's over %d "
                  "interval(s)%s, efficiency ratio %.3f, implied noise scale %.4g, probe bias "
                  "now x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
-                 verdict.stderr, seen, f" and {back} back" if back else "",
+                 verdict.stderr, seen, f" and {back} back" if bracketed and back else "",
                  verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
-                 self.progress.bias_sd, ": rolled back" if verdict.rollback else "")
+                 self.progress.bias_sd,
+                 (": left" if bracketed else ": rolled back") if verdict.rollback else "")
         # back on the old strategy after a bracket, the one of the two measured faster is run:
-        # the trial is gone back to only where it read faster than the old strategy
-        go = new if back and verdict.observed >= 1.0 else None
+        # the trial is gone back to only where it read faster than the old strategy, on a
+        # comparison the efficiency model allows (else the ranking decides)
+        go = new if bracketed and verdict.consistent and verdict.observed >= 1.0 else None
         if verdict.rollback:
             self.tried[new] = self.noise_scale
         else:

@@ -153,15 +153,15 @@ def _replicas_reading(phi, batch):
     return GradStats([1 + phi / local] * 4, local, 1 + phi / batch, batch)
 
 
-def _run_intervals(s, secs, rate, probe_phi, intervals):
-    """``intervals`` rankings of 20 iterations each, the loss falling at ``rate(strategy)``
-    per second with 1e-5 of reading noise, the probe reading ``probe_phi``: the strategy
-    after each ranking."""
+def _run_intervals(s, secs, rate, probe_phi, intervals, iterations=20):
+    """``intervals`` rankings of ``iterations`` iterations each, the loss falling at
+    ``rate(strategy)`` per second with 1e-5 of reading noise, the probe reading ``probe_phi``:
+    the strategy after each ranking."""
     rng = np.random.default_rng(0)
     loss, path = 10.0, []
     for _ in range(intervals):
         now = s.executor.strategy
-        for _ in range(20):
+        for _ in range(iterations):
             loss -= rate(now) * secs[now]
             s.observe(secs[now], _replicas_reading(probe_phi, now.global_batch_size),
                       loss=loss + float(rng.normal(0, 1e-5)))
@@ -256,6 +256,26 @@ def test_an_experiment_is_not_worth_switches_that_cost_more_than_it_can_teach(sw
     assert path[:3] == [small] * 3
 
 
+def test_a_bracket_whose_intervals_are_too_short_for_a_rate_still_judges_the_experiment():
+    """The scenario above with two iterations an interval (``--cona-interval 2``): no interval
+    has a rate of its own, each joins the next on its strategy. The interval back on 16 is
+    counted once it has a rate, so the bracket still ends in a verdict: the experiment finds
+    the probe 100x low and CONA goes back to 32. (Counted by rankings, the bracket ended on an
+    interval without a rate, judged nothing and stayed on 16 with the bias unlearned.)"""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=3)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 30, iterations=2)
+    assert big in path and path[-1] == big
+    assert s.progress.verdicts and s.progress.verdicts[0].new == big
+    assert s.progress.bias > 10
+
+
 def test_an_experiment_tries_a_smaller_batch_when_the_prior_sits_above_the_truth():
     """The probe reads phi = 8 and is right (k = 1), but the default prior (centred on 10)
     ranks batch 64 first. The plausible low end of the bias would pick batch 16 and the high
@@ -309,7 +329,7 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
     # the prior centred on the probe's reading, so that its ranking is the scenario's; the
     # experiment unbracketed (a floor is set by the verdict, however it was read)
     s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0, bracket=0)
-    s.progress.judge = lambda old, new, phi, seen, back: Verdict(
+    s.progress.judge = lambda old, new, phi, seen, back=0: Verdict(
         old, new, 1.3, 0.1, 0.9, math.nan, paid=True, rollback=False, confident=True)
     phi = {"now": 4.0}
 
@@ -346,7 +366,7 @@ def test_a_floor_binds_until_the_training_time_doubled_then_a_move_below_it_must
     secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}
     s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0, bracket=0)
 
-    def judge(old, new, phi, seen, back):
+    def judge(old, new, phi, seen, back=0):
         up = new.global_batch_size > old.global_batch_size
         ratio = 1.3 if up or below_pays else 0.7
         return Verdict(old, new, ratio, 0.1, ratio, math.nan, paid=ratio > 1,
