@@ -12,8 +12,11 @@ comparison (the session averages each candidate's efficiency over it), and says 
 progress beyond the readings' noise so that the session rolls it back and remembers it.
 
 Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so the rate the old
-strategy would have had after the switch is extrapolated from its last intervals' readings
-(one fit, ln rate linear in the loss); loss readings are unbiased with independent noise.
+strategy would have had after the switch is read from its intervals around the switch: for an
+experiment bracketed by intervals on the old strategy before and after it (the session's
+``bracket``), interpolated between the two sides (linear in the loss), nothing
+extrapolated; for an ordinary switch extrapolated from its last intervals' readings (one fit,
+ln rate linear in the loss); loss readings are unbiased with independent noise.
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ class Verdict:
 
     old: ParallelStrategy
     new: ParallelStrategy
-    observed: float  # progress-rate ratio new / old (the old one extrapolated)
+    observed: float  # progress-rate ratio new / old (the old one extrapolated or bracketed)
     stderr: float
     efficiency_ratio: float  # observed / throughput ratio
     noise_scale: float  # the phi the comparison implies (nan: not identifiable)
     paid: bool
     rollback: bool
     confident: bool  # consistent with the efficiency model and precise enough to act on
+    consistent: bool = True  # the efficiency ratio within what a change of batch can give
+    # its testimony about the probe's bias (None: it has none), counted when it is learned
+    evidence: Evidence | None = field(default=None, repr=False, compare=False)
 
     @property
     def held_up(self) -> bool:
@@ -156,6 +162,18 @@ def rate_at_loss(times: list[float], losses: list[float], loss: float
     return math.exp(value), math.sqrt(max(float(grad @ cov @ grad), 0.0))
 
 
+def _between(before: Rate, after: Rate, w: float) -> tuple[float, float] | None:
+    """The rate ``w`` of the way from ``before`` to ``after`` (linear: over the few
+    intervals a bracket spans the rate's bend is second order) and its error relative to
+    that rate, not to each side's own: a side read high by chance would otherwise state
+    its own error small and make a comparison on noisy readings look precise. None unless
+    the interpolated rate is positive."""
+    rate = (1 - w) * before.value + w * after.value
+    if not rate > 0:
+        return None
+    return rate, math.hypot((1 - w) * before.stderr, w * after.stderr) / rate
+
+
 def implied_noise_scale(efficiency_ratio: float, batch_old: float, batch_new: float) -> float:
     """``phi`` with ``(phi + B_old) / (phi + B_new) = e``; nan where ``e`` is outside the open
     range the model allows (between 1 and ``B_old / B_new``)."""
@@ -191,7 +209,6 @@ class ProgressMonitor:
     _evidence: list[Evidence] = field(default_factory=list)
     _posterior: tuple[float, float] = (0.0, 0.0)  # mean, sd of ln k (set from the prior)
     _nodes: tuple[tuple[float, float], ...] = ()  # the posterior of k as (k, weight) nodes
-    _pending: Evidence | None = None
 
     def __post_init__(self) -> None:
         self._update_posterior()
@@ -265,20 +282,39 @@ class ProgressMonitor:
         self._nodes = tuple((float(math.exp(c)), float(m)) for c, m in zip(centre, mass,
                                                                             strict=True))
 
-    def expected_error(self, intervals: int) -> float:
+    def expected_error(self, intervals: int, back: int = 0) -> float:
         """The relative error a comparison judged after ``intervals`` intervals on a new
-        strategy would have (:meth:`judge`), forecast from the current run: its extrapolation
-        to the loss the new run's middle would reach at the current pace, and the current
-        run's own last ``intervals`` pooled as the new side (inf before two rates)."""
+        strategy would have (:meth:`judge`), forecast from the current run (inf before two
+        rates): the current run's own last ``intervals`` pooled stand for the new side; the
+        old side is, with ``back`` intervals back on the old strategy after the trial (a
+        bracketed experiment), the interpolation (:func:`_between`) between the run's last two
+        intervals and its last ``back`` ones at the weight the trial's middle would get, its
+        error relative to the run's pace;
+        without, the run's extrapolation to the loss the new run's middle would reach at the
+        current pace."""
         run = self._run_before(len(self.rates), self.rates[-1].strategy) if self.rates else []
         if len(run) < 2:
             return math.inf
+        pooled = self._pooled(run[-intervals:])
+        if pooled is None or not pooled.value > 0:
+            return math.inf
+        new_rel = pooled.stderr / pooled.value
+        if back:
+            before, after, pace = self._pooled(run[-2:]), self._pooled(run[-back:]), \
+                self._pooled(run)
+            if before is None or after is None or pace is None or not pace.value > 0:
+                return math.inf
+            w = (1.0 + intervals / 2) / (1.0 + intervals + back / 2)  # the trial's middle
+            # relative to the run's pace, not to the sides' own rates: the comparison's old
+            # side is read from future intervals, whose rate the whole run forecasts best, and
+            # one interval read high by chance must not promise a precise comparison
+            old_rel = math.hypot((1 - w) * before.stderr, w * after.stderr) / pace.value
+            return math.hypot(old_rel, new_rel)
         drop = (run[0].mid_loss - run[-1].mid_loss) / (len(run) - 1)
         fit = rate_at_loss(*readings(run), run[-1].mid_loss - drop * (intervals + 1) / 2)
-        pooled = self._pooled(run[-intervals:])
-        if fit is None or pooled is None or not pooled.value > 0:
+        if fit is None:
             return math.inf
-        return math.hypot(fit[1], pooled.stderr / pooled.value)
+        return math.hypot(fit[1], new_rel)
 
     def close_interval(self, strategy: ParallelStrategy) -> Rate | None:
         """The interval's rate on ``strategy``; starts the next interval. An interval with
@@ -304,18 +340,24 @@ class ProgressMonitor:
         return rate
 
     def judge(self, old: ParallelStrategy, new: ParallelStrategy, probe_phi: float,
-              intervals: int = 1) -> Verdict | None:
+              intervals: int = 1, back: int = 0) -> Verdict | None:
         """After ``intervals`` intervals on ``new`` (a batch switch from ``old``): did it pay?
-        Their readings are pooled into one rate; the two intervals before them on ``old`` give
-        the old rate's trend (early in training the rate falls fast, and a comparison without
-        it would blame the switch). The evidence about the probe's bias is counted once per
-        switch: call with growing ``intervals`` and only the final verdict's counts
-        (``learn``)."""
+        Their readings are pooled into one rate. With ``back`` intervals on ``old`` again
+        after them (a bracketed experiment), the old strategy's rate at the new one's loss is
+        interpolated between its last intervals before the switch and those after; without,
+        it is extrapolated from the old run before the switch (early in training the rate
+        falls fast, and a comparison without its trend would blame the switch). The evidence
+        about the probe's bias is counted once per switch: call with growing ``intervals``
+        and only the final verdict's counts (``learn``)."""
         # the rates since the switch: fewer than its intervals where short ones were pooled
         # into the next (``close_interval``)
-        news = self._run_before(len(self.rates), new, limit=intervals)
-        olds = self._run_before(len(self.rates) - len(news), old)
-        if not news or len(olds) < 2:
+        backs = self._run_before(len(self.rates), old, limit=back) if back else []
+        if back and not backs:
+            return None
+        end = len(self.rates) - len(backs)
+        news = self._run_before(end, new, limit=intervals)
+        olds = self._run_before(end - len(news), old)
+        if not news or len(olds) < (1 if backs else 2):
             return None
         b = news[0] if len(news) == 1 else self._pooled(news)
         a1 = olds[-1]
@@ -324,7 +366,8 @@ class ProgressMonitor:
         # the old strategy's rate at the loss level the new one reached (the rate falls as the
         # loss does). Comparing at equal loss, not equal time: a faster strategy reaches lower
         # losses sooner, and a time extrapolation would charge it the old one's slowdown there.
-        fit = rate_at_loss(*readings(olds), b.mid_loss)
+        fit = (self._interpolated(olds, backs, b.mid_loss) if backs
+               else rate_at_loss(*readings(olds), b.mid_loss))
         if fit is None:
             return None
         expected, old_rel = fit
@@ -341,24 +384,35 @@ class ProgressMonitor:
         phi = implied_noise_scale(efficiency, old.global_batch_size, new.global_batch_size)
         confident = consistent and rel <= self.max_relative_error
         paid = observed >= 1.0 - self.z * stderr
-        verdict = Verdict(old, new, observed, stderr, efficiency, phi, paid,
-                          rollback=confident and not paid, confident=confident)
-        self._pending = None
-        if consistent and probe_phi > 0:
-            self._pending = Evidence(
-                throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
-                # a noiseless comparison (a test's) still gets a finite likelihood
-                new_error=max(b.stderr / expected, 1e-3 * observed),
-                old_relative_error=old_rel)
-        return verdict
+        evidence = Evidence(
+            throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
+            # a noiseless comparison (a test's) still gets a finite likelihood
+            new_error=max(b.stderr / expected, 1e-3 * observed),
+            old_relative_error=old_rel) if consistent and probe_phi > 0 else None
+        return Verdict(old, new, observed, stderr, efficiency, phi, paid,
+                       rollback=confident and not paid, confident=confident,
+                       consistent=consistent, evidence=evidence)
+
+    def _interpolated(self, olds: list[Rate], backs: list[Rate], loss: float
+                      ) -> tuple[float, float] | None:
+        """The old strategy's rate at ``loss`` between its side before a trial (its last two
+        intervals pooled) and after it (``backs`` pooled), linear in the loss (:func:`_between`),
+        and its relative error; None unless it is positive and the loss fell from one side
+        to the other. Interpolated, not extrapolated: an extrapolated old side is biased where
+        the curve bends (experiments read 16-19% too pessimistic that way, docs/cona.md)."""
+        before = olds[-1] if len(olds) == 1 else self._pooled(olds[-2:])
+        after = backs[0] if len(backs) == 1 else self._pooled(backs)
+        if before is None or after is None or not before.mid_loss > after.mid_loss:
+            return None
+        w = (before.mid_loss - loss) / (before.mid_loss - after.mid_loss)
+        return _between(before, after, min(1.0, max(0.0, w)))
 
     def learn(self, verdict: Verdict) -> None:
-        """Keep ``verdict`` (the last :meth:`judge` result) and count its evidence about the
-        probe's bias."""
+        """Keep ``verdict`` (a :meth:`judge` result) and count its evidence about the probe's
+        bias."""
         self.verdicts.append(verdict)
-        if self._pending is not None:
-            self._evidence.append(self._pending)
-            self._pending = None
+        if verdict.evidence is not None:
+            self._evidence.append(verdict.evidence)
             self._update_posterior()
 
     def _run_before(self, end: int, strategy: ParallelStrategy, limit: int = OLD_HISTORY

@@ -77,7 +77,14 @@ class SessionConfig:
     # 10-100x below the critical batch: Merrill et al. 2025), the wait doubling after every
     # experiment; 0: never
     explore_after: int = 4
-    judge_intervals: int = 4  # an experiment runs at most this many intervals
+    judge_intervals: int = 4  # an experiment's trial runs at most this many intervals
+    # intervals with a rate of their own (at most judge_intervals in all) an experiment then
+    # runs back on the strategy it left, so that the old rate at the trial's loss is
+    # interpolated between both sides instead of extrapolated (an extrapolation is biased where
+    # the rate is not a function of the loss alone: an LR schedule); a trial measured faster
+    # is switched back to.
+    # 0: judged on the trial's own intervals, the old side extrapolated
+    bracket: int = 1
     # where the run starts (:meth:`ConaSession.begin`): 'smallest' -- the smallest candidate
     # global batch on the configured layout and micro-batch, since the critical batch is at its
     # smallest when training starts (McCandlish et al. 2018 Sec 3.3; Kaplan et al. 2020 Eq 5.3)
@@ -90,6 +97,11 @@ class SessionConfig:
     probe_bias_prior: float = 10.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.bracket, bool) or not (
+                isinstance(self.bracket, int)
+                and 0 <= self.bracket <= max(self.judge_intervals, 1)):
+            raise ValueError(f"bracket={self.bracket!r} must be a whole number of intervals "
+                             f"from 0 to judge_intervals ({self.judge_intervals})")
         if not (self.probe_bias_prior > 0 and math.isfinite(self.probe_bias_prior)):
             raise ValueError(f"probe_bias_prior={self.probe_bias_prior!r} must be a positive "
                              "finite ratio")
@@ -149,6 +161,12 @@ class ConaSession:
         self._elapsed = 0.0  # training seconds observed
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
+        # an experiment back on the strategy it left: (old, trial, intervals the trial ran,
+        # intervals back with a rate of their own so far, intervals back in all, the trial's
+        # own verdict)
+        self._bracketing: tuple[ParallelStrategy, ParallelStrategy, int, int, int,
+                                Verdict | None] | None = None
+        self._judged_move = False  # the next switch is a bracket's: already judged
         self.tried: dict[ParallelStrategy, float] = {}  # left as worse -> noise scale then
         # (strategy, noise scale, training seconds then): a larger batch was measured to pay
         # over this one
@@ -248,24 +266,51 @@ class ConaSession:
                           "on a blind layout (DP = 1, one micro-batch): leaving to re-measure")
         return pool + ([strategy] if blind else []), None
 
-    def _check_last_switch(self, strategy: ParallelStrategy) -> tuple[Verdict | None, bool]:
+    def _check_last_switch(self, strategy: ParallelStrategy
+                           ) -> tuple[Verdict | None, bool, ParallelStrategy | None]:
         """Close the interval's progress rate; judge the last batch switch on the intervals
         since it (it updates the noise-scale bias); a verdict to roll back is remembered. An
-        experiment is held (True) until its verdict is confident or ``judge_intervals`` passed;
-        an ordinary switch is judged on its first interval."""
-        self.progress.close_interval(strategy)
-        if self._judging is None:  # a move below the floor was not made: nothing to judge
-            self._challenging = False
-        if not self.config.confirm or self._judging is None:
-            return None, False
-        old, new, experiment, seen = self._judging
-        seen += 1
-        verdict = self.progress.judge(old, new, self.gns.noise_scale, seen)
-        if experiment and seen < self.config.judge_intervals and (
-                verdict is None or not verdict.confident):
-            self._judging = (old, new, experiment, seen)
-            return None, True
-        self._judging = None
+        experiment is held (True) until its verdict is confident or ``judge_intervals`` passed,
+        then bracketed: ``bracket`` intervals back on the strategy it left (the third value:
+        where to go now), judged on both sides, and a trial measured faster is gone back to; an
+        ordinary switch is judged on its first interval."""
+        rate = self.progress.close_interval(strategy)
+        if self._judging is None and self._bracketing is None:
+            self._challenging = False  # a move below the floor was not made: nothing to judge
+        if not self.config.confirm:
+            return None, False, None
+        phi, back, bracketed = self.gns.noise_scale, 0, False
+        if self._bracketing is not None:
+            old, new, seen, back, steps, trial = self._bracketing
+            steps += 1
+            self._bracketing = None
+            if strategy != old:  # the way back could not be taken: the trial ran on
+                seen, back = seen + steps, 0
+                verdict = self.progress.judge(old, new, phi, seen)
+            else:
+                back += rate is not None  # an interval too short for a rate joins the next
+                if back < self.config.bracket and steps < max(self.config.judge_intervals, 1):
+                    self._bracketing = (old, new, seen, back, steps, trial)
+                    return None, True, None
+                bracketed = True
+                # no rate back (its intervals too short) or no interpolation (the readings
+                # refuse one): the trial's own verdict stands, not nothing
+                verdict = (self.progress.judge(old, new, phi, seen, back) if back else None) \
+                    or trial
+        elif self._judging is not None:
+            old, new, experiment, seen = self._judging
+            seen += 1
+            self._judging = None
+            verdict = self.progress.judge(old, new, phi, seen)
+            if experiment and seen < self.config.judge_intervals and (
+                    verdict is None or not verdict.confident):
+                self._judging = (old, new, experiment, seen)
+                return None, True, None
+            if experiment and self.config.bracket and not self._challenging:
+                self._bracketing = (old, new, seen, 0, 0, verdict)
+                return None, True, old
+        else:
+            return None, False, None
         challenged, self._challenging = self._challenging, False
         if verdict is not None:
             self.progress.learn(verdict)
@@ -277,22 +322,30 @@ class ConaSession:
             self._floor = None if verdict is not None and not verdict.rollback else (
                 self._floor[0], self._floor[1], self._elapsed)
         if verdict is None:
-            return None, False
+            return None, False, None
         # %g: a comparison whose old rate extrapolated to nearly 0 reads ~1e300 (weightless,
         # never confident), which %f spelled out in 300 digits
         log.info("switch %s -> %s: progress x%.4g (+-%.3g) of the old strategy's over %d "
-                 "interval(s), efficiency ratio %.3f, implied noise scale %.4g, probe bias now "
-                 "x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
-                 verdict.stderr, seen, verdict.efficiency_ratio, verdict.noise_scale,
-                 self.progress.bias, self.progress.bias_sd,
-                 ": rolled back" if verdict.rollback else "")
+                 "interval(s)%s, efficiency ratio %.3f, implied noise scale %.4g, probe bias "
+                 "now x%.3g (sd of ln k %.2f)%s", old.name, new.name, verdict.observed,
+                 verdict.stderr, seen, f" and {back} back" if bracketed and back else "",
+                 verdict.efficiency_ratio, verdict.noise_scale, self.progress.bias,
+                 self.progress.bias_sd,
+                 (": left" if bracketed else ": rolled back") if verdict.rollback else "")
+        # back on the old strategy after a bracket, the one of the two measured faster is run:
+        # the trial is gone back to only where it read faster than the old strategy, on a
+        # comparison the efficiency model allows (else the ranking decides)
+        go = new if bracketed and verdict.consistent and verdict.observed >= 1.0 else None
         if verdict.rollback:
             self.tried[new] = self.noise_scale
-        elif verdict.held_up:
-            self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
-            if new.global_batch_size > old.global_batch_size:
-                self._floor = (old, self.noise_scale, self._elapsed)
-        return verdict, False
+        else:
+            if go is not None:
+                self.tried.pop(new, None)
+            if verdict.held_up:
+                self.tried[old] = self.noise_scale  # measured worse: no return on the estimate alone
+                if new.global_batch_size > old.global_batch_size:
+                    self._floor = (old, self.noise_scale, self._elapsed)
+        return verdict, False, go
 
     def _floor_stale(self) -> bool:
         """A floor binds until the training time since it was set doubled; then the ranking's
@@ -335,7 +388,7 @@ class ConaSession:
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
         # scale near enough to the batch for the bias to show in the efficiency
-        if trial and self.progress.expected_error(cfg.judge_intervals) > self._resolvable(
+        if trial and self.progress.expected_error(cfg.judge_intervals, cfg.bracket) > self._resolvable(
                 batch, trial[0].strategy.global_batch_size):
             return []
         # an experiment pays only through what it teaches: even knowing the bias exactly
@@ -352,10 +405,17 @@ class ConaSession:
         """Whether knowing the probe's bias exactly (the posterior's mean of each bias's best
         goodput over the running strategy's, relative), repaid over the policy's horizon, is
         worth at least what ``trial`` is expected to lose in the interval it runs (one minus
-        its posterior-averaged goodput over the running strategy's). Knowing it exactly is
-        the most an experiment can teach, so a trial that fails this cannot pay."""
+        its posterior-averaged goodput over the running strategy's) plus the switches it takes
+        (there, back, and with a bracket there again; each the seconds the switch cost model
+        expects, as a share of an interval's training time). Knowing it exactly is the most an
+        experiment can teach, so a trial that fails this cannot pay."""
         current = self.current_estimate(strategy)
-        shortfall = 1.0 - trial.goodput / current.goodput
+        interval_s = self._interval_time or (self.times.iteration_time(strategy)
+                                             * self.config.interval)
+        costs = self.policy.costs
+        trips = (2 + (self.config.bracket > 0)) * max(costs.estimate(strategy, trial.strategy),
+                                                       costs.estimate(trial.strategy, strategy))
+        shortfall = 1.0 - trial.goodput / current.goodput + trips / interval_s
         if not shortfall > 0:
             return True
         pool = [strategy, *(e.strategy for e in ranking)]
@@ -391,15 +451,29 @@ class ConaSession:
     def decide(self, iteration: int, **log_extra) -> Decision:
         """Rank the candidates and decide whether to leave the running strategy (logged)."""
         strategy = self.executor.strategy
-        verdict, hold = self._check_last_switch(strategy)
+        verdict, hold, go = self._check_last_switch(strategy)
         self._experimenting = False
         phi = self.noise_scale
         pool, must_leave = self._pool(strategy)
         ranking = rank(pool, self.times, self.gns.noise_scale, self.config.base_batch,
                        lambda s: self._efficiency_lr_scale(s, phi), self.progress.bias_nodes)
-        if hold:
+        if go is not None:
+            # a bracket's move (back to the strategy an experiment left, or again to a trial
+            # that paid): judged already, and never traded for the ranking's next strategy,
+            # which nothing has measured
+            self._judged_move = True
+            must_leave = (f"bracketing the experiment on {self._bracketing[1].name}: "
+                          f"{self.config.bracket} interval(s) back on {go.name}"
+                          if verdict is None else
+                          f"switch {verdict.old.name} -> {go.name} measured faster "
+                          f"(x{verdict.observed:.3f} +- {verdict.stderr:.3f} of the old "
+                          "strategy's rate, bracketed): back to it")
+            ranking = [e for e in ranking if e.strategy == go] or [
+                self.current_estimate(go, uncertainty=self.times.uncertainty(go))]
+        elif hold:
             must_leave = None
-        elif verdict is not None and verdict.rollback:
+        elif verdict is not None and verdict.rollback and strategy != verdict.old:
+            # (a bracketed trial that lost is left already: the ranking decides from here)
             # a move below a floor that did not measurably pay is rolled back too
             outcome = "did not measurably pay" if verdict.paid else "lost progress"
             must_leave = (f"switch {verdict.old.name} -> {strategy.name} {outcome} "
@@ -423,8 +497,9 @@ class ConaSession:
         low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
         decision = self.policy.decide(
             iteration, current, ranking, interval_s, phi, low, must_leave=must_leave,
-            hold="an experiment is still measuring whether its batch pays" if hold else None)
-        if decision.target != strategy \
+            hold="an experiment is still measuring whether its batch pays"
+            if hold and go is None else None)
+        if decision.target != strategy and go is None \
                 and self._below_stale_floor(decision.target.global_batch_size):
             self._experimenting = self._challenging = True
         self._interval_time = 0.0
@@ -465,6 +540,7 @@ class ConaSession:
                 ) -> SwitchOutcome | None:
         old = self.executor.strategy
         target = self.executor.agree(target)
+        judged, self._judged_move = self._judged_move, False
         if target == old:
             return None
         try:
@@ -480,7 +556,7 @@ class ConaSession:
                         outcome.error)
             return outcome
         self.policy.costs.record(old, target, outcome.seconds)
-        if judge and old.global_batch_size != target.global_batch_size:
+        if judge and not judged and old.global_batch_size != target.global_batch_size:
             self._judging = (old, target, self._experimenting, 0)
         self.executor.set_lr_scale(self.lr_scale(target))
         return outcome

@@ -153,15 +153,15 @@ def _replicas_reading(phi, batch):
     return GradStats([1 + phi / local] * 4, local, 1 + phi / batch, batch)
 
 
-def _run_intervals(s, secs, rate, probe_phi, intervals):
-    """``intervals`` rankings of 20 iterations each, the loss falling at ``rate(strategy)``
-    per second with 1e-5 of reading noise, the probe reading ``probe_phi``: the strategy
-    after each ranking."""
+def _run_intervals(s, secs, rate, probe_phi, intervals, iterations=20):
+    """``intervals`` rankings of ``iterations`` iterations each, the loss falling at
+    ``rate(strategy)`` per second with 1e-5 of reading noise, the probe reading ``probe_phi``:
+    the strategy after each ranking."""
     rng = np.random.default_rng(0)
     loss, path = 10.0, []
     for _ in range(intervals):
         now = s.executor.strategy
-        for _ in range(20):
+        for _ in range(iterations):
             loss -= rate(now) * secs[now]
             s.observe(secs[now], _replicas_reading(probe_phi, now.global_batch_size),
                       loss=loss + float(rng.normal(0, 1e-5)))
@@ -225,11 +225,55 @@ def test_an_experiment_finds_a_biased_probe_out_and_keeps_the_larger_batch():
 
     path = _run_intervals(s, secs, rate, 4, 9)
     assert path[:3] == [small] * 3  # the probe's ranking: batch 16
-    assert path[3] == big  # the experiment
-    assert all(p == big for p in path[4:])  # kept: it paid
+    assert path[3] == big  # the experiment, confident after one interval
+    assert path[4] == small  # bracketed: one interval back on 16
+    assert all(p == big for p in path[5:])  # gone back to and kept: it paid
     v = s.progress.verdicts[0]
     assert v.confident and v.paid and v.observed == pytest.approx(1.35, rel=0.05)
     assert s.progress.bias > 10 and small in s.tried
+
+
+@pytest.mark.parametrize("switch_s, experiments", [(0.01, True), (200.0, False)])
+def test_an_experiment_is_not_worth_switches_that_cost_more_than_it_can_teach(switch_s,
+                                                                               experiments):
+    """The scenario above, where an experiment to batch 32 finds the probe 100x low. But
+    where a batch switch costs 200 s (measured: the switch cost model's record) against
+    20 s intervals, going there, back (the bracket) and there again costs more than knowing
+    the bias could repay over the policy's horizon: no experiment runs. With switches of
+    10 ms it runs as before. (Before, an experiment ignored switch costs: `cona scale
+    --switch-costs 0,3600` made CONA pay hour-long batch switches to experiment.)"""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=3)
+    s.policy.costs.record(small, big, switch_s)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 9)
+    assert (big in path) == experiments
+    assert path[:3] == [small] * 3
+
+
+def test_a_bracket_whose_intervals_are_too_short_for_a_rate_still_judges_the_experiment():
+    """The scenario above with two iterations an interval (``--cona-interval 2``): no interval
+    has a rate of its own, each joins the next on its strategy. The interval back on 16 is
+    counted once it has a rate, so the bracket still ends in a verdict: the experiment finds
+    the probe 100x low and CONA goes back to 32. (Counted by rankings, the bracket ended on an
+    interval without a rate, judged nothing and stayed on 16 with the bias unlearned.)"""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=3)
+
+    def rate(strategy):  # loss per second: throughput x Pollux's efficiency at phi = 400
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 30, iterations=2)
+    assert big in path and path[-1] == big
+    assert s.progress.verdicts and s.progress.verdicts[0].new == big
+    assert s.progress.bias > 10
 
 
 def test_an_experiment_tries_a_smaller_batch_when_the_prior_sits_above_the_truth():
@@ -282,9 +326,10 @@ def test_no_return_below_a_batch_a_larger_one_was_measured_to_beat():
 
     small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
     secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}  # samples/s: 16, 22.4, 8.9
-    # the prior centred on the probe's reading, so that its ranking is the scenario's
-    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0)
-    s.progress.judge = lambda old, new, phi, seen: Verdict(
+    # the prior centred on the probe's reading, so that its ranking is the scenario's; the
+    # experiment unbracketed (a floor is set by the verdict, however it was read)
+    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0, bracket=0)
+    s.progress.judge = lambda old, new, phi, seen, back=0: Verdict(
         old, new, 1.3, 0.1, 0.9, math.nan, paid=True, rollback=False, confident=True)
     phi = {"now": 4.0}
 
@@ -319,9 +364,9 @@ def test_a_floor_binds_until_the_training_time_doubled_then_a_move_below_it_must
 
     small, big, tiny = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32"), P("dp4tp1pp1mb2gb8")
     secs = {small: 1.0, big: 1.0 / 0.7, tiny: 0.9}
-    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0)
+    s = _session([small, big, tiny], secs, explore_after=2, probe_bias_prior=1.0, bracket=0)
 
-    def judge(old, new, phi, seen):
+    def judge(old, new, phi, seen, back=0):
         up = new.global_batch_size > old.global_batch_size
         ratio = 1.3 if up or below_pays else 0.7
         return Verdict(old, new, ratio, 0.1, ratio, math.nan, paid=ratio > 1,
@@ -376,8 +421,10 @@ def test_an_experiment_waits_until_its_comparison_can_be_confident():
         waits.append(s._explore_wait)
     first = path.index(big)
     assert path[:8] == [small] * 8 and waits[:first] == [3] * first  # postponed, not given up
-    # once the run it extrapolates from is clean: the experiment, judged, the bias found
-    assert 8 <= first < 8 + OLD_HISTORY and path[first:] == [big] * (len(path) - first)
+    # once the run it reads from is clean: the experiment, bracketed (one interval back on
+    # 16), judged, gone back to; the bias found
+    assert 8 <= first < 8 + OLD_HISTORY and path[first:].count(small) == 1
+    assert path[-1] == big
     assert s.progress.verdicts and s.progress.verdicts[0].new == big
     assert s.progress.calibrated and s.progress.bias == pytest.approx(100, rel=0.1)
 
@@ -427,6 +474,64 @@ def test_a_comparison_pools_the_old_run_so_its_verdict_is_unbiased_and_its_error
     assert abs(np.median(ratio) - 1) < 0.03
     assert np.median(np.abs(np.log(ratio))) < 0.1
     assert 0.85 <= np.mean(np.abs(ratio - 1) < 2 * error) <= 0.99
+
+
+def test_a_bracketed_comparison_stays_honest_when_the_learning_rate_decays():
+    """A real job's learning rate decays, so the old strategy's progress at a given loss is
+    not what it was before the switch. The power law of the test above with the LR (and so
+    the progress per second) falling linearly to 0.4x between t = 100 and 300 s: the trial
+    (0.8x the old strategy's progress at every moment) runs four intervals from t = 180.
+    Extrapolated from the old run before the switch, the old rate ignores the decay and the
+    trial reads ~13% worse than it is (its stated error covers the truth ~57% of the time);
+    bracketed by one interval back on the old strategy, the old rate is interpolated between
+    both sides and the verdict is within a few percent, its error covering the truth as a
+    standard error should."""
+    old, new = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    rho = 0.8
+    grid = np.linspace(0.0, 320.0, 64001)
+    lr = np.clip(1 - 0.003 * (grid - 100), 0.4, 1.0)
+    pace = 0.01 * lr * np.where((grid >= 180) & (grid < 260), rho, 1.0)  # d(y^-2)/dt
+    inverse = 1 + np.concatenate(([0.0], np.cumsum((pace[1:] + pace[:-1]) / 2 * np.diff(grid))))
+    found: dict[int, list] = {0: [], 1: []}
+    for back in found:
+        for seed in range(100):
+            rng = np.random.default_rng(seed)
+            m, t = ProgressMonitor(), 100.0
+            for strategy in [old] * 4 + [new] * 4 + [old] * back:
+                for now in np.linspace(t, t + 20, 8, endpoint=False) + 1.25:
+                    y = float(np.interp(now, grid, inverse)) ** -0.5
+                    m.observe(float(now), 2 + 5 * y + 0.01 * rng.normal(), 2.5, 2.5)
+                m.close_interval(strategy)
+                t += 20
+            v = m.judge(old, new, 10.0, 4, back)
+            found[back].append((v.observed / rho, v.stderr / rho))
+    (extrapolated, e_error), (bracketed, b_error) = (np.array(found[b]).T for b in (0, 1))
+    assert np.median(extrapolated) < 0.92 and np.mean(abs(extrapolated - 1) < 2 * e_error) < 0.7
+    assert abs(np.median(bracketed) - 1) < 0.06
+    assert 0.8 <= np.mean(abs(bracketed - 1) < 2 * b_error) <= 0.99
+
+
+def test_a_bracketed_trial_that_read_slower_is_left_and_one_that_lost_is_remembered():
+    """Batch 32 is truly worse than 16 here (phi = 4: the efficiency falls with the batch
+    faster than the throughput per sample rises). The ranking keeps 16, but the probe's bias
+    is unmeasured: CONA tries 32 as an experiment, goes back to 16 for one interval, reads
+    the trial slower and stays on 16; the trial, confidently worse, is remembered (not tried
+    again on the estimate alone) and the bias learned (below the prior's 10)."""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    secs = {small: 1.0, big: 1.0 / 0.7}
+    s = _session([small, big], secs, explore_after=1)
+
+    def rate(strategy):  # loss per second at the true phi = 4
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (4 + 16) / (4 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 9)
+    first = path.index(big)
+    assert path[first + 1:] == [small] * (len(path) - first - 1)  # back, and stayed
+    assert "bracketing the experiment" in s.decisions[first + 1].reason
+    v = s.progress.verdicts[0]
+    assert v.rollback and v.observed == pytest.approx(1.4 * 20 / 36, rel=0.05)
+    assert big in s.tried and s.progress.bias < 10
 
 
 @pytest.mark.parametrize("probe_phi, experiments", [(0.04, False), (4.0, True)])

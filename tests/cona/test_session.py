@@ -13,6 +13,7 @@ import pytest
 from megatron_cona.executor import SwitchUnsupported
 from megatron_cona.gns import GradStats
 from megatron_cona.hook import LAYOUT_UNSUPPORTED, MegatronLMExecutor
+from megatron_cona.session import SessionConfig
 from megatron_cpu.launch import run_distributed
 from predictors.spec import ParallelStrategy
 
@@ -233,3 +234,9 @@ def test_begin_never_starts_on_a_layout_blind_to_the_noise_scale():
     assert ex.strategy == P("dp1tp2pp1mb2gb4")
     with pytest.raises(ValueError, match="start='tiny'"):
         _start_session("tiny", "dp1tp2pp1mb2gb8", names)
+
+
+@pytest.mark.parametrize("bracket", [-1, 5, 1.5])
+def test_session_config_refuses_a_bracket_outside_zero_to_judge_intervals(bracket):
+    with pytest.raises(ValueError, match=r"bracket=.*judge_intervals \(4\)"):
+        SessionConfig(bracket=bracket)
