@@ -147,11 +147,15 @@ def test_retrain_accepts_other_cpu_kernels_within_tolerance_and_nothing_else():
     assert f"cpu unrecorded -> {now['cpu']}" in got.text()
     assert _retrain(other_cpu, code, 1.0, 1 - norm_tol / 2).kernels == \
         f"a different ISA -> {now['cpu']}"
+    # numpy does no arithmetic in training: its version beside the kernels keeps the tolerance
+    assert not _retrain(other_cpu | {"numpy": "0.0"}, code, 1 + loss_tol / 2).exact
     refused = [(now, code, 1 + 1e-9, 1.0, "nothing recorded"),  # same kernels: bit for bit
                (other_cpu, code, 1 + 2 * loss_tol, 1.0, "loss 2.00e-04"),
                (other_cpu, code, 1.0, 1 + 3 * norm_tol, "grad_norm 2.9"),
                (other_cpu, "another code", 1 + 1e-9, 1.0, "code"),
-               (other_cpu | {"torch": "0.0"}, code, 1 + 1e-9, 1.0, "torch 0.0")]
+               (other_cpu | {"torch": "0.0"}, code, 1 + 1e-9, 1.0, "torch 0.0"),
+               # ... but alone it changes no kernel: bit for bit
+               (now | {"numpy": "0.0"}, code, 1 + 1e-9, 1.0, "numpy 0.0")]
     for engines, c, loss_scale, norm_scale, named in refused:
         with pytest.raises(CurveError, match=named):
             _retrain(engines, c, loss_scale, norm_scale)
