@@ -55,13 +55,13 @@ def main() -> None:
     from cona_pollux import register_pollux
     from rich.progress import Progress
 
-    from megatron_cona.cli import print_scale, scale_parser
+    from megatron_cona.cli import print_scale, scale_parser, switch_costs_arg
     from megatron_cona.lawsim.evaluate import SimOptions, run_sim
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      parents=[scale_parser()], add_help=False,
                                      conflict_handler="resolve")
-    parser.add_argument("--switch-costs", type=lambda t: tuple(float(x) for x in t.split(",")),
+    parser.add_argument("--switch-costs", type=switch_costs_arg,
                         default=None, help="FIXED,BATCH seconds instead of measuring them")
     parser.add_argument("--smoke", action="store_true",
                         help="one family, 64 GPUs, Kaplan's law only (a quick end-to-end check)")

@@ -89,7 +89,7 @@ def compare(before: dict[Key, float], after: dict[Key, float]) -> list[str]:
 def main() -> None:
     from rich.progress import Progress
 
-    from megatron_cona.cli import scale_parser
+    from megatron_cona.cli import scale_parser, switch_costs_arg
     from megatron_cona.lawsim.evaluate import SimOptions, run_sim
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/cona_grid"))
     parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")],
                         default=[0, 1, 2])
-    parser.add_argument("--switch-costs", type=lambda t: tuple(float(x) for x in t.split(",")),
+    parser.add_argument("--switch-costs", type=switch_costs_arg,
                         default=(0.039, 0.0008), help="FIXED,BATCH seconds (fixed: the grid's "
                         "simulated seconds do not depend on the machine)")
     parser.add_argument("--compare", type=Path, default=None,

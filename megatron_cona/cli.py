@@ -179,10 +179,12 @@ def _plan(args: argparse.Namespace) -> None:
 MAX_SWITCH_S = 1e30
 
 
-def _switch_costs(text: str) -> tuple[float, float]:
+def switch_costs_arg(text: str) -> tuple[float, float]:
+    """``--switch-costs FIXED,BATCH`` (seconds), for ``cona scale`` and the benchmarks that
+    share its options."""
     try:
         parts = [float(x) for x in text.split(",")]
-    except ValueError:  # argparse said "invalid _switch_costs value"
+    except ValueError:  # argparse would say only "invalid switch_costs_arg value"
         parts = []
     if len(parts) != 2 or not all(0 <= x <= MAX_SWITCH_S for x in parts):  # nan fails it too
         raise argparse.ArgumentTypeError(f"{text!r} is not FIXED,BATCH: two seconds from 0 to "
@@ -291,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     p = sub.add_parser("scale", help="law-based simulation at the paper's scale",
                        parents=[scale_parser()], add_help=False, conflict_handler="resolve")
-    p.add_argument("--switch-costs", type=_switch_costs, required=True,
+    p.add_argument("--switch-costs", type=switch_costs_arg, required=True,
                    help="FIXED,BATCH: measured seconds of a layout switch's fixed part and of "
                    "a batch switch, each 0 to 1e30 (benchmarks/bench_cona_scale.py measures "
                    "them)")
