@@ -388,8 +388,8 @@ class ConaSession:
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
         # scale near enough to the batch for the bias to show in the efficiency
-        if trial and self.progress.expected_error(cfg.judge_intervals, cfg.bracket) > self._resolvable(
-                batch, trial[0].strategy.global_batch_size):
+        if trial and self.progress.expected_error(cfg.judge_intervals, cfg.bracket) \
+                > self._resolvable(batch, trial[0].strategy.global_batch_size):
             return []
         # an experiment pays only through what it teaches: even knowing the bias exactly
         # must be worth, within the policy's horizon, what the trial is expected to lose in
