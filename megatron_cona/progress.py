@@ -162,16 +162,14 @@ def rate_at_loss(times: list[float], losses: list[float], loss: float
     return math.exp(value), math.sqrt(max(float(grad @ cov @ grad), 0.0))
 
 
-def _between(before: Rate, after: Rate, w: float) -> tuple[float, float] | None:
+def _between(before: Rate, after: Rate, w: float) -> tuple[float, float]:
     """The rate ``w`` of the way from ``before`` to ``after`` (linear: over the few
-    intervals a bracket spans the rate's bend is second order) and its error relative to
-    that rate, not to each side's own: a side read high by chance would otherwise state
-    its own error small and make a comparison on noisy readings look precise. None unless
-    the interpolated rate is positive."""
-    rate = (1 - w) * before.value + w * after.value
-    if not rate > 0:
-        return None
-    return rate, math.hypot((1 - w) * before.stderr, w * after.stderr) / rate
+    intervals a bracket spans the rate's bend is second order) and its standard error
+    (absolute). Callers take it relative to one rate for both sides, never to each side's
+    own: a side read high by chance would otherwise state its own error small and make a
+    comparison on noisy readings look precise."""
+    return ((1 - w) * before.value + w * after.value,
+            math.hypot((1 - w) * before.stderr, w * after.stderr))
 
 
 def implied_noise_scale(efficiency_ratio: float, batch_old: float, batch_new: float) -> float:
@@ -289,9 +287,8 @@ class ProgressMonitor:
         old side is, with ``back`` intervals back on the old strategy after the trial (a
         bracketed experiment), the interpolation (:func:`_between`) between the run's last two
         intervals and its last ``back`` ones at the weight the trial's middle would get, its
-        error relative to the run's pace;
-        without, the run's extrapolation to the loss the new run's middle would reach at the
-        current pace."""
+        error relative to the run's pace; without, the run's extrapolation to the loss the new
+        run's middle would reach at the current pace."""
         run = self._run_before(len(self.rates), self.rates[-1].strategy) if self.rates else []
         if len(run) < 2:
             return math.inf
@@ -308,8 +305,7 @@ class ProgressMonitor:
             # relative to the run's pace, not to the sides' own rates: the comparison's old
             # side is read from future intervals, whose rate the whole run forecasts best, and
             # one interval read high by chance must not promise a precise comparison
-            old_rel = math.hypot((1 - w) * before.stderr, w * after.stderr) / pace.value
-            return math.hypot(old_rel, new_rel)
+            return math.hypot(_between(before, after, w)[1] / pace.value, new_rel)
         drop = (run[0].mid_loss - run[-1].mid_loss) / (len(run) - 1)
         fit = rate_at_loss(*readings(run), run[-1].mid_loss - drop * (intervals + 1) / 2)
         if fit is None:
@@ -405,7 +401,8 @@ class ProgressMonitor:
         if before is None or after is None or not before.mid_loss > after.mid_loss:
             return None
         w = (before.mid_loss - loss) / (before.mid_loss - after.mid_loss)
-        return _between(before, after, min(1.0, max(0.0, w)))
+        rate, error = _between(before, after, min(1.0, max(0.0, w)))
+        return (rate, error / rate) if rate > 0 else None
 
     def learn(self, verdict: Verdict) -> None:
         """Keep ``verdict`` (a :meth:`judge` result) and count its evidence about the probe's

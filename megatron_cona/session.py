@@ -410,8 +410,7 @@ class ConaSession:
         expects, as a share of an interval's training time). Knowing it exactly is the most an
         experiment can teach, so a trial that fails this cannot pay."""
         current = self.current_estimate(strategy)
-        interval_s = self._interval_time or (self.times.iteration_time(strategy)
-                                             * self.config.interval)
+        interval_s = self._interval_seconds(strategy)
         costs = self.policy.costs
         trips = (2 + (self.config.bracket > 0)) * max(costs.estimate(strategy, trial.strategy),
                                                        costs.estimate(trial.strategy, strategy))
@@ -428,6 +427,12 @@ class ConaSession:
                                  lr_scale=scales[s], bias=((k, 1.0),)).goodput for s in pool]
             value += w * (max(goodputs) - goodputs[0])  # pool[0]: the running strategy
         return value / current.goodput * self.policy.config.horizon_intervals >= shortfall
+
+    def _interval_seconds(self, strategy: ParallelStrategy) -> float:
+        """Training time since the last ranking (the policy's horizon is counted in these),
+        or an interval's predicted time on ``strategy`` before one was observed."""
+        return self._interval_time or (self.times.iteration_time(strategy)
+                                       * self.config.interval)
 
     def _best_at(self, pool: list[ParallelStrategy], bias: float) -> ParallelStrategy:
         """The best of ``pool`` were the probe's bias exactly ``bias``."""
@@ -491,9 +496,7 @@ class ConaSession:
                           "progress says whether it pays")
             ranking = experiment
         current = self.current_estimate(strategy, uncertainty=0.0)
-        # training time since the last ranking: the policy's horizon is counted in these
-        interval_s = self._interval_time or (self.times.iteration_time(strategy)
-                                             * self.config.interval)
+        interval_s = self._interval_seconds(strategy)
         low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
         decision = self.policy.decide(
             iteration, current, ranking, interval_s, phi, low, must_leave=must_leave,

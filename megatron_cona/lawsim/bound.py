@@ -109,8 +109,8 @@ def _room(to_go: ToGo | None, s: np.ndarray, d: float, goals: Sequence[float],
 def _greedy(dynamics: CriticalBatch, boundaries: Sequence[float], batch: np.ndarray,
             iter_s: np.ndarray, switch: np.ndarray, to_go: ToGo, goal: float, s0: float
             ) -> float:
-    """A time some path of the DP achieves to ``goal`` (what :func:`_hopeful` prunes
-    against): at each boundary the strategy whose finish is soonest at the relaxation's pace
+    """A time some path of the DP achieves to ``goal`` (the last round's cap in
+    :func:`exact_bound`): at each boundary the strategy whose finish is soonest at the relaxation's pace
     from the interval's end, and every finish inside an interval on the way."""
     s, t, prev, done = s0, 0.0, -1, math.inf
     for k in range(len(boundaries) - 1):
