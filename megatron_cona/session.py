@@ -383,7 +383,14 @@ class ConaSession:
                 target = batch // 2
         if self._below_stale_floor(target):
             return []  # a stale floor is challenged by what the ranking prefers, not a probe
+        # the trial: on the running layout where it runs the target batch (an experiment
+        # tests the batch; only a ranking, whose switches must repay their cost, changes the
+        # layout, so that a layout switch dearer than its prior is never made three times for
+        # a probe), else the one at the target batch expected to lose least for its goodput
+        # and its switches
         trial = [e for e in ranking if e.strategy.global_batch_size == target]
+        trial = sorted([e for e in trial if e.strategy.layout == strategy.layout] or trial,
+                       key=lambda e: (self._shortfall(strategy, e), e.strategy.name))
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the
         # wait not doubled, for longer intervals (they grow with the tokens seen) or a noise
@@ -409,14 +416,10 @@ class ConaSession:
         (there, back, and with a bracket there again; each the seconds the switch cost model
         expects, as a share of an interval's training time). Knowing it exactly is the most an
         experiment can teach, so a trial that fails this cannot pay."""
-        current = self.current_estimate(strategy)
-        interval_s = self._interval_seconds(strategy)
-        costs = self.policy.costs
-        trips = (2 + (self.config.bracket > 0)) * max(costs.estimate(strategy, trial.strategy),
-                                                       costs.estimate(trial.strategy, strategy))
-        shortfall = 1.0 - trial.goodput / current.goodput + trips / interval_s
+        shortfall = self._shortfall(strategy, trial)  # there, back and (bracket) there again
         if not shortfall > 0:
             return True
+        current = self.current_estimate(strategy)
         pool = [strategy, *(e.strategy for e in ranking)]
         times = {s: self.times.iteration_time(s) for s in pool}
         scales = {s: self._efficiency_lr_scale(s, self.noise_scale) for s in pool}
@@ -427,6 +430,15 @@ class ConaSession:
                                  lr_scale=scales[s], bias=((k, 1.0),)).goodput for s in pool]
             value += w * (max(goodputs) - goodputs[0])  # pool[0]: the running strategy
         return value / current.goodput * self.policy.config.horizon_intervals >= shortfall
+
+    def _shortfall(self, strategy: ParallelStrategy, trial: GoodputEstimate) -> float:
+        """What an experiment on ``trial`` is expected to lose, in intervals of the running
+        ``strategy``: one minus the trial's posterior-averaged goodput over the running one's,
+        plus its switches' expected seconds as a share of an interval's training time."""
+        trips = (2 + (self.config.bracket > 0)) * self.policy.costs.estimate(strategy,
+                                                                             trial.strategy)
+        return (1.0 - trial.goodput / self.current_estimate(strategy).goodput
+                + trips / self._interval_seconds(strategy))
 
     def _interval_seconds(self, strategy: ParallelStrategy) -> float:
         """Training time since the last ranking (the policy's horizon is counted in these),
