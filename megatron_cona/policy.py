@@ -57,6 +57,10 @@ class SwitchCostModel:
         prior = self.layout_prior_s if kind == "layout" else self.batch_prior_s
         return self._measured.get(kind, prior)
 
+    def measured(self, current: ParallelStrategy, target: ParallelStrategy) -> bool:
+        """Whether a switch of this kind was made (its estimate is no longer the prior)."""
+        return self.kind(current, target) in self._measured
+
     def record(self, current: ParallelStrategy, target: ParallelStrategy, seconds: float) -> None:
         kind = self.kind(current, target)
         old = self._measured.get(kind)

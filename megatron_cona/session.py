@@ -383,13 +383,15 @@ class ConaSession:
                 target = batch // 2
         if self._below_stale_floor(target):
             return []  # a stale floor is challenged by what the ranking prefers, not a probe
-        # the trial: on the running layout where it runs the target batch (an experiment
-        # tests the batch; only a ranking, whose switches must repay their cost, changes the
-        # layout, so that a layout switch dearer than its prior is never made three times for
-        # a probe), else the one at the target batch expected to lose least for its goodput
-        # and its switches
+        # the trial: the one at the target batch expected to lose least for its goodput and
+        # its switches, among those whose kind of switch was measured (an experiment makes
+        # three: never on a prior that a dear layout switch would miss by orders of
+        # magnitude; a layout switch is first made by a ranking, whose switch must repay its
+        # cost) or, where none is, any
         trial = [e for e in ranking if e.strategy.global_batch_size == target]
-        trial = sorted([e for e in trial if e.strategy.layout == strategy.layout] or trial,
+        costs = self.policy.costs
+        trial = sorted([e for e in trial if e.strategy.layout == strategy.layout
+                        or costs.measured(strategy, e.strategy)] or trial,
                        key=lambda e: (self._shortfall(strategy, e), e.strategy.name))
         # an experiment whose comparison cannot tell the bias's plausible values apart costs its
         # intervals and teaches nothing (or, read through noise, the wrong thing): wait, the

@@ -589,6 +589,44 @@ def test_an_experiment_runs_only_where_knowing_the_bias_could_repay_what_it_cost
         assert path == [small] * 9 and s._explore_wait == 3
 
 
+class _CostExec(_Exec):
+    """Reports ``layout_s`` seconds for a layout switch (weights and optimizer state move) and
+    none for a batch switch."""
+
+    layout_s = 30.0
+
+    def switch(self, target):
+        old = self._strategy
+        super().switch(target)
+        return SwitchOutcome(True, self.layout_s if old.layout != target.layout else 0.0,
+                             moved_tensors=old.layout != target.layout)
+
+
+def test_an_experiment_tests_the_batch_on_the_running_layout_not_a_dear_layout_switch():
+    """The setting of the test above (the probe reads phi = 4, the truth is 400, batch 32 pays)
+    with a second layout that runs batch 32 a little faster (1.5x batch 16's samples a second
+    against the running layout's 1.4x) and a layout switch measured at 30 s, an interval and
+    a half. The experiment tests the batch: its trial is batch 32 on the running layout (it
+    used to be the faster layout, whose three switches of the experiment cost 90 s, 4.5
+    intervals, for a 7% faster layout), and it pays and is kept."""
+    small, big = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    other = P("dp2tp2pp1mb8gb32")
+    secs = {small: 1.0, big: 2.0 / 1.4, other: 2.0 / 1.5}
+    s = _session([small, big, other], secs, explore_after=3)
+    s.executor = _CostExec(small)
+    s.policy.costs.record(small, other, 30.0)  # a layout switch measured before
+
+    def rate(strategy):
+        b = strategy.global_batch_size
+        return 1e-3 * (b / secs[strategy]) * (400 + 16) / (400 + b)
+
+    path = _run_intervals(s, secs, rate, 4, 9)
+    experiment = next(d for d in s.decisions if "trying" in d.reason)
+    assert experiment.target == big
+    assert all(a.layout == small.layout for a in path[:path.index(big) + 3])
+    assert path[-1].global_batch_size == 32
+
+
 def test_intervals_too_short_for_a_rate_are_pooled_so_the_switch_is_still_judged():
     """Batch 64 -> 128 where each interval on 128 holds two loss readings (a short
     --cona-interval, or the simulator's first intervals at a large batch): two readings give
