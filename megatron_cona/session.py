@@ -384,10 +384,10 @@ class ConaSession:
         if self._below_stale_floor(target):
             return []  # a stale floor is challenged by what the ranking prefers, not a probe
         # the trial: the one at the target batch expected to lose least for its goodput and
-        # its switches, among those whose kind of switch was measured (an experiment makes
-        # three: never on a prior that a dear layout switch would miss by orders of
-        # magnitude; a layout switch is first made by a ranking, whose switch must repay its
-        # cost) or, where none is, any
+        # its three switches, among those on the running layout (a batch switch teaches the
+        # same about the bias) or of a kind of switch already measured, never three layout
+        # switches on a prior that a dear one would miss by orders of magnitude (a layout is
+        # first changed by a ranking, whose switch must repay its cost); where none is, any
         trial = [e for e in ranking if e.strategy.global_batch_size == target]
         costs = self.policy.costs
         trial = sorted([e for e in trial if e.strategy.layout == strategy.layout
