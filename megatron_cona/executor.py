@@ -38,9 +38,15 @@ class Executor(Protocol):
     def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
         """The same choice on every rank (rank 0's)."""
 
+    def why_not(self, target: ParallelStrategy) -> str | None:
+        """Why this executor cannot switch from the running strategy to ``target`` (None: it
+        can): the session decides among what it can reach and names the rest as a
+        recommendation."""
+
     def switch(self, target: ParallelStrategy) -> SwitchOutcome:
         """Run ``target`` from now on (layout and/or micro/global batch); raises
-        :class:`SwitchUnsupported` when this executor cannot."""
+        :class:`SwitchUnsupported` (with :meth:`why_not`'s reason) when this executor
+        cannot."""
 
     def set_lr_scale(self, scale: float) -> None:
         """Scale the base peak/floor learning rate by ``scale``."""
@@ -58,6 +64,9 @@ class SingleProcessExecutor:
     def strategy(self) -> ParallelStrategy:
         return self._strategy
 
+    def why_not(self, target: ParallelStrategy) -> str | None:
+        return None  # a simulated cluster runs any candidate
+
     def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
         return strategy  # one process decides
 
@@ -71,6 +80,9 @@ class ExecutorBase:
     def capture_lr(self) -> None:
         """The configured peak/floor LRs every later scale multiplies (read once, at start)."""
         self.base_lr = BaseLR(self.scheduler)
+
+    def why_not(self, target: ParallelStrategy) -> str | None:
+        return None  # what a subclass cannot do, it says
 
     def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
         """Rank 0's choice, on every rank."""

@@ -12,9 +12,10 @@ happen from outside it. The hook does what fits into that loop:
 * acts through the same :class:`~megatron_cona.session.ConaSession` as ``pretrain_gpt``, with
   :class:`MegatronLMExecutor`: a new global batch with the same layout and micro-batch is applied
   in place (the micro-batch calculator is reconfigured; the learning rate follows
-  ``--cona-lr-scaling``); a layout or micro-batch change raises
-  :class:`~megatron_cona.session.SwitchUnsupported` with the reason below, and the session keeps
-  it as a recommendation (``hook.recommendation``): relaunch with the new flags, or train with
+  ``--cona-lr-scaling``). A layout or micro-batch change it cannot make (``why_not`` says why,
+  below): the session decides among the global batches of the running layout and micro-batch,
+  and a better strategy beyond them is kept as a recommendation (``hook.recommendation``,
+  logged when it changes): relaunch with the new flags, or train with
   ``megatron_cona.pretrain_gpt``, which reshards in memory.
 
 Use in Megatron-LM (``megatron/training/training.py``)::
@@ -86,10 +87,16 @@ class MegatronLMExecutor(ExecutorBase):
     def strategy(self) -> ParallelStrategy:
         return self._strategy
 
-    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
+    def why_not(self, target: ParallelStrategy) -> str | None:
         old = self._strategy
         if target.layout != old.layout or target.micro_batch != old.micro_batch:
-            raise SwitchUnsupported(f"{old.name} -> {target.name}: {LAYOUT_UNSUPPORTED}")
+            return f"{old.name} -> {target.name}: {LAYOUT_UNSUPPORTED}"
+        return None
+
+    def switch(self, target: ParallelStrategy) -> SwitchOutcome:
+        old = self._strategy
+        if why := self.why_not(target):
+            raise SwitchUnsupported(why)
         mbc.reconfigure_num_microbatches_calculator(
             dist.get_rank(), None, target.global_batch_size, target.micro_batch, target.dp,
             decrease_batch_size_if_needed=False)

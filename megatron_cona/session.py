@@ -243,9 +243,10 @@ class ConaSession:
         self._blind_rankings = self._blind_rankings + 1 if blind else 0
         stale = self._blind_rankings > self.config.blind_decisions
         phi = self.noise_scale
-        # a strategy rolled back is not tried again until the noise scale moved 2x since
-        candidates = [s for s in self.candidates if s == strategy or s not in self.tried
-                      or not 0.5 < phi / self.tried[s] < 2.0]
+        # only what the executor can switch to (the rest: _recommend); a strategy rolled back
+        # is not tried again until the noise scale moved 2x since
+        candidates = [s for s in self._reachable(strategy) if s == strategy
+                      or s not in self.tried or not 0.5 < phi / self.tried[s] < 2.0]
         # nor down to the batch of one a larger batch was measured to beat, on a strategy no
         # faster per sample, while the noise scale has not fallen 2x: the per-sample
         # efficiency a doubling to B keeps, (phi + B/2) / (phi + B), is larger at smaller B,
@@ -265,6 +266,42 @@ class ConaSession:
             return pool, (f"noise scale not measured for {self._blind_rankings - 1} rankings "
                           "on a blind layout (DP = 1, one micro-batch): leaving to re-measure")
         return pool + ([strategy] if blind else []), None
+
+    def _reachable(self, strategy: ParallelStrategy) -> list[ParallelStrategy]:
+        """The candidates the executor can switch to from ``strategy`` (and it)."""
+        return [s for s in self.candidates
+                if s == strategy or self.executor.why_not(s) is None]
+
+    def _rank(self, pool: Sequence[ParallelStrategy]) -> list[GoodputEstimate]:
+        """``pool`` by goodput, best first, at the probe's noise scale and the bias as measured
+        progress knows it, the LR rule's gain at the corrected noise scale."""
+        phi = self.noise_scale
+        return rank(pool, self.times, self.gns.noise_scale, self.config.base_batch,
+                    lambda s: self._efficiency_lr_scale(s, phi), self.progress.bias_nodes)
+
+    def _recommend(self, iteration: int, strategy: ParallelStrategy,
+                   reachable: GoodputEstimate) -> None:
+        """Where a candidate the executor cannot switch to (the Megatron-LM hook: another
+        layout or micro-batch) beats ``reachable``, the best it can reach, by the policy's
+        ``min_gain`` and its own prediction error, it is recorded as a recommendation
+        (:attr:`unsupported`, with the executor's reason) when it changes, and the run goes
+        on deciding among what the executor can do."""
+        others = [s for s in self.candidates if s != strategy and s not in self.tried
+                  and self.executor.why_not(s) is not None]
+        if not others:
+            return
+        best = self._rank(others)[0]
+        if best.goodput <= reachable.goodput * (1 + self.policy.config.min_gain
+                                                 + best.uncertainty):
+            return
+        if self.unsupported and self.unsupported[-1].target == best.strategy:
+            return
+        why = self.executor.why_not(best.strategy) or ""
+        self.unsupported.append(Unsupported(iteration, best.strategy, why))
+        log.warning("iteration %d: CONA recommends %s (goodput x%.3f of the best this loop can "
+                    "switch to, %s) but cannot switch here: %s", iteration,
+                    best.strategy.name, best.goodput / reachable.goodput,
+                    reachable.strategy.name, why)
 
     def _check_last_switch(self, strategy: ParallelStrategy
                            ) -> tuple[Verdict | None, bool, ParallelStrategy | None]:
@@ -474,8 +511,10 @@ class ConaSession:
         self._experimenting = False
         phi = self.noise_scale
         pool, must_leave = self._pool(strategy)
-        ranking = rank(pool, self.times, self.gns.noise_scale, self.config.base_batch,
-                       lambda s: self._efficiency_lr_scale(s, phi), self.progress.bias_nodes)
+        ranking = self._rank(pool)
+        current = self.current_estimate(strategy, uncertainty=0.0)
+        self._recommend(iteration, strategy, max(ranking[:1] + [current],
+                                                 key=lambda e: e.goodput))
         if go is not None:
             # a bracket's move (back to the strategy an experiment left, or again to a trial
             # that paid): judged already, and never traded for the ranking's next strategy,
@@ -509,7 +548,6 @@ class ConaSession:
                           f"progress: trying {experiment[0].strategy.name} until measured "
                           "progress says whether it pays")
             ranking = experiment
-        current = self.current_estimate(strategy, uncertainty=0.0)
         interval_s = self._interval_seconds(strategy)
         low = self.robust_gain(strategy, ranking[0].strategy) if ranking else math.nan
         decision = self.policy.decide(

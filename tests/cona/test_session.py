@@ -1,7 +1,7 @@
 """One CONA loop: the same ConaSession driven through the runtime's executor, the Megatron-LM
 hook's executor and the law simulation's executor (simulated clock) makes the same
-decisions on a scripted case; the runtime really switches (batch and layout), the hook says why it cannot switch a
-layout."""
+decisions on a scripted case; the runtime really switches (batch and layout), the hook grows
+the batch it can and says why it cannot switch a layout."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ def _world(rank, world):
     sess = _session(hook, WITH_LAYOUT)
     _drive(sess, WITH_LAYOUT)
     out["hook_unsupported"] = [(u.target.name, u.reason) for u in sess.unsupported]
+    out["hook_layout_strategy"] = hook.strategy.name
     runtime.state.destroy()
     return out
 
@@ -162,6 +163,11 @@ def test_three_executors_drive_the_same_session():
     assert res["layout_loss_finite"]
     assert res["hook_unsupported"] and res["hook_unsupported"][0][0] == "dp1tp2pp1mb2gb16"
     assert LAYOUT_UNSUPPORTED in res["hook_unsupported"][0][1]
+    # ... named once, not at every ranking, while the hook grows the batch it can: the large
+    # batch on the running layout (it stayed on the small one, every ranking choosing the
+    # layout it cannot switch to)
+    assert len(res["hook_unsupported"]) == 1
+    assert res["hook_layout_strategy"] == "dp2tp1pp1mb2gb16"
 
 
 def test_hook_executor_names_why_a_layout_cannot_switch():
@@ -182,6 +188,9 @@ class _BatchExecutor:
 
     def agree(self, strategy):
         return strategy
+
+    def why_not(self, target):
+        return None
 
     def switch(self, target):
         from megatron_cona.executor import SwitchOutcome
