@@ -78,14 +78,44 @@ class ConaSettings:
     min_gain: float
 
 
-def _ints(flag: str, text: str) -> tuple[int, ...]:
+class FlagValueError(ValueError):
+    """A list or range flag's text that cannot be taken; the message names the text, and each
+    caller adds its own flag (``cona plan``'s argparse error, ``ConaArgumentError`` here)."""
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers (blanks between commas skipped), not checked further: for
+    lists whose values their consumer checks (``cona scale``'s, by ``SimOptions``)."""
     try:
-        values = tuple(int(v) for v in text.replace(":", ",").split(",") if v.strip())
-    except ValueError:
-        raise ConaArgumentError(flag, f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v < 1 for v in values):
-        raise ConaArgumentError(flag, f"{text!r} must list integers >= 1")
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:  # argparse would say only "invalid ... value"
+        raise FlagValueError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated counts (micro-batch sizes): at least one, each >= 1 and each once (a
+    repeat is a typo: the list is taken as a set)."""
+    values = parse_ints(text)
+    if not values or min(values) < 1:
+        raise FlagValueError(f"{text!r} is not a comma-separated list of integers >= 1")
+    if len(set(values)) != len(values):
+        raise FlagValueError(f"{text!r} lists a value twice")
     return values
+
+
+def parse_batch_range(text: str) -> tuple[int, int]:
+    """``MIN,MAX`` (or ``MIN:MAX``) global batch sizes, 1 <= MIN <= MAX <= MAX_GLOBAL_BATCH:
+    ``cona plan --global-batch-range`` and ``--cona-global-batch-range``."""
+    try:
+        lo, hi = map(int, text.replace(":", ",").split(","))  # not two parts: a ValueError too
+    except ValueError:
+        raise FlagValueError(f"{text!r} is not MIN,MAX: two integers") from None
+    if not 1 <= lo <= hi:
+        raise FlagValueError(f"{text!r} is not MIN,MAX with 1 <= MIN <= MAX")
+    if hi > MAX_GLOBAL_BATCH:
+        raise FlagValueError(f"{text!r}: MAX is over {MAX_GLOBAL_BATCH:,} sequences (see "
+                             "docs/cona.md)")
+    return lo, hi
 
 
 def precision_from_args(args: argparse.Namespace) -> str:
@@ -149,19 +179,18 @@ def validate_cona_args(
                                 "positive finite ratio")
     if args.cona_global_batch_range is None:
         lo = hi = start.global_batch_size
-    else:
-        bounds = _ints("--cona-global-batch-range", args.cona_global_batch_range)
-        if len(bounds) != 2 or bounds[0] > bounds[1]:
+        if hi > MAX_GLOBAL_BATCH:
             raise ConaArgumentError("--cona-global-batch-range",
-                                    f"{args.cona_global_batch_range!r} must be MIN,MAX with MIN <= MAX")
-        lo, hi = bounds
-    if hi > MAX_GLOBAL_BATCH:
-        raise ConaArgumentError("--cona-global-batch-range",
-                                f"MAX={hi} is over {MAX_GLOBAL_BATCH:,} sequences")
-    micro = _ints("--cona-micro-batches", args.cona_micro_batches)
-    if len(set(micro)) != len(micro):  # a typo: the list is taken as a set
-        raise ConaArgumentError("--cona-micro-batches",
-                                f"{args.cona_micro_batches!r} lists a value twice")
+                                    f"MAX={hi} is over {MAX_GLOBAL_BATCH:,} sequences")
+    else:
+        try:
+            lo, hi = parse_batch_range(args.cona_global_batch_range)
+        except FlagValueError as err:
+            raise ConaArgumentError("--cona-global-batch-range", str(err)) from None
+    try:
+        micro = parse_counts(args.cona_micro_batches)
+    except FlagValueError as err:
+        raise ConaArgumentError("--cona-micro-batches", str(err)) from None
     # checked here, before Megatron builds the model: an empty path wrote no log without a
     # word, a directory failed (IsADirectoryError) and an unknown device (UnknownDeviceError)
     # only once the CONA session was built

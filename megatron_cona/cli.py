@@ -17,8 +17,10 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from megatron_cona.candidates import MAX_GLOBAL_BATCH, MAX_WORLD
+from megatron_cona.arguments import FlagValueError, parse_batch_range, parse_counts, parse_ints
+from megatron_cona.candidates import MAX_WORLD
 from predictors.image_path import image_path_problem
 from predictors.spec import StrategyError, TransformerSpec
 
@@ -57,30 +59,24 @@ def _is_input_error(err: Exception) -> bool:
         for module, name in INPUT_ERRORS if module in sys.modules)
 
 
-def _batch_range(text: str) -> tuple[int, int]:
-    parts = [int(x) for x in text.replace(":", ",").split(",")]
-    if len(parts) != 2 or parts[0] > parts[1] or parts[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX with 1 <= MIN <= MAX")
-    if parts[1] > PLAN_LIMITS["global_batch"]:
-        raise argparse.ArgumentTypeError(f"{text!r}: MAX is over {PLAN_LIMITS['global_batch']:,} "
-                                         "sequences (see docs/cona.md)")
-    return parts[0], parts[1]
+T = TypeVar("T")
+
+
+def _flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` of one of ``megatron_cona.arguments``' shared parsers, which
+    ``--cona-*`` flags share too: argparse prints an ArgumentTypeError's message after the
+    flag (of a plain ValueError only "invalid <name> value")."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except FlagValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def _float_list(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated counts (GPUs, micro-batches, pipeline stages): each >= 1, each once (a
-    repeat is a typo; `cona scale` ran its cases twice)."""
-    values = tuple(int(x) for x in text.split(",") if x.strip())
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
-                                         ">= 1")
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r} lists a value twice")
-    return values
 
 
 def _count(text: str) -> int:
@@ -106,11 +102,12 @@ def _count_upto(limit: int) -> Callable[[str], int]:
 # vocabularies of 256k, contexts of 10M tokens, batches of ~10^4 sequences), below what the
 # time predictor cannot price: it traces every layer (1,000 layers took ~10 s, 10^4 over a
 # minute, 10^8 never returned: development runs, 2 loaded cores), and builds meta tensors whose
-# sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback); a global batch of
-# 10^30 ranked thousands of candidates of 10^26 ms per iteration (the world's and the batch's
-# are the candidates' own, which `cona run` and `cona scale` check too)
+# sizes overflowed int64 at 10^30 (an OverflowError or TypeError traceback). The world's is the
+# candidates' own, which `cona scale` checks too; the global batch's (MAX_GLOBAL_BATCH: a range
+# to 10^30 ranked thousands of candidates of 10^26 ms per iteration) is checked by
+# parse_batch_range, shared with `cona run`'s --cona-global-batch-range
 PLAN_LIMITS = {"world": MAX_WORLD, "num_layers": 1024, "hidden_size": 2**17,
-               "seq_length": 2**24, "vocab_size": 2**22, "global_batch": MAX_GLOBAL_BATCH}
+               "seq_length": 2**24, "vocab_size": 2**22}
 
 
 def _positive_finite(text: str) -> float:
@@ -199,13 +196,15 @@ def scale_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cona scale", description="CONA at the paper's scale: a "
                                 "SIMULATED training law (Kaplan 2020, McCandlish 2018) driving "
                                 "the real controller, every rival and a lower bound.")
+    # the integer lists' values (>= 1, each once) are checked by SimOptions, which the
+    # benchmarks also build directly
     p.add_argument("--out", type=_out_dir, default=d.out)
     p.add_argument("--families", type=_str_list, default=d.families)
-    p.add_argument("--gpus", type=_int_list, default=d.gpus)
+    p.add_argument("--gpus", type=_flag_type(parse_ints), default=d.gpus)
     p.add_argument("--variants", type=_str_list, default=d.variants,
                    help=f"law variants: {', '.join(d.variants)}")
-    p.add_argument("--micro-batches", type=_int_list, default=d.micro_batches)
-    p.add_argument("--pipeline", type=_int_list, default=d.pipeline)
+    p.add_argument("--micro-batches", type=_flag_type(parse_ints), default=d.micro_batches)
+    p.add_argument("--pipeline", type=_flag_type(parse_ints), default=d.pipeline)
     p.add_argument("--min-gain", type=float, default=d.min_gain)
     p.add_argument("--noise-z", type=float, default=d.noise_z)
     p.add_argument("--first-interval-iterations", type=int, default=d.first_interval_iterations,
@@ -280,8 +279,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=_count_upto(PLAN_LIMITS["seq_length"]), required=True)
     p.add_argument("--vocab-size", type=_count_upto(PLAN_LIMITS["vocab_size"]), default=51200)
     p.add_argument("--candidates", default="all")
-    p.add_argument("--global-batch-range", type=_batch_range, default=(8, 128))
-    p.add_argument("--micro-batches", type=_int_list, default=(1, 2, 4, 8))
+    p.add_argument("--global-batch-range", type=_flag_type(parse_batch_range), default=(8, 128))
+    p.add_argument("--micro-batches", type=_flag_type(parse_counts), default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")
     p.add_argument("--noise-scale", type=_positive_finite, default=math.nan,

@@ -3,7 +3,15 @@ import sys
 
 import pytest
 
-from megatron_cona.arguments import ConaArgumentError, add_cona_args, validate_cona_args
+from megatron_cona.arguments import (
+    ConaArgumentError,
+    FlagValueError,
+    add_cona_args,
+    parse_batch_range,
+    parse_counts,
+    validate_cona_args,
+)
+from megatron_cona.candidates import MAX_GLOBAL_BATCH
 from megatron_cona.pretrain_gpt import parse_args
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 
@@ -53,8 +61,6 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-candidates", "dp1tp4pp1"], 4, "--cona-candidates"),  # heads=4 ok, hidden 64 ok
         (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size"),
         (["--micro-batch-size", "2", "--global-batch-size", "6"], 4, "--global-batch-size"),
-        (["--cona-global-batch-range", "64,8"], 4, "--cona-global-batch-range"),
-        (["--cona-global-batch-range", "eight"], 4, "--cona-global-batch-range"),
         (["--cona-interval", "0"], 4, "--cona-interval"),
         (["--cona-min-gain", "-0.1"], 4, "--cona-min-gain"),
         (["--cona-candidates", "tp2"], 4, "--cona-candidates"),
@@ -64,8 +70,6 @@ def test_pretrain_gpt_parser_has_megatron_names_and_defaults():
         (["--cona-horizon", "nan"], 4, "--cona-horizon"),
         (["--cona-horizon", "inf"], 4, "--cona-horizon"),
         (["--cona-candidates", "dp4tp1pp1,dp2tp2pp1,dp4tp1pp1"], 4, "--cona-candidates"),
-        (["--cona-micro-batches", "1,2,1"], 4, "--cona-micro-batches"),
-        (["--cona-global-batch-range", f"8,{10**30}"], 4, "--cona-global-batch-range"),
         (["--cona-log", ""], 4, "--cona-log"),
         (["--cona-log", "."], 4, "--cona-log"),
         (["--cona-device", "a100-80"], 4, "--cona-device"),
@@ -81,6 +85,83 @@ def test_bad_flags_named(argv, world, flag):
         validate_cona_args(args, world, GPT)
     assert err.value.flag == flag and str(err.value).startswith(flag)
     assert isinstance(err.value, StrategyError)
+
+
+@pytest.mark.parametrize("text, taken", [
+    ("8,64", (8, 64)), ("8:64", (8, 64)), (" 8 , 64 ", (8, 64)), ("8,8", (8, 8)),
+    (f"1,{MAX_GLOBAL_BATCH}", (1, MAX_GLOBAL_BATCH)),
+])
+def test_batch_range_taken(text, taken):
+    assert parse_batch_range(text) == taken
+
+
+@pytest.mark.parametrize("text, says", [
+    ("eight", "is not MIN,MAX: two integers"), ("8", "is not MIN,MAX: two integers"),
+    ("8,16,32", "is not MIN,MAX: two integers"), ("8,,64", "is not MIN,MAX: two integers"),
+    ("8,64,", "is not MIN,MAX: two integers"), ("0,5", "is not MIN,MAX with 1 <= MIN <= MAX"),
+    ("-8,5", "is not MIN,MAX with 1 <= MIN <= MAX"),
+    ("64,8", "is not MIN,MAX with 1 <= MIN <= MAX"),
+    (f"8,{MAX_GLOBAL_BATCH + 1}", f"MAX is over {MAX_GLOBAL_BATCH:,} sequences"),
+    (f"8,{10**30}", f"MAX is over {MAX_GLOBAL_BATCH:,} sequences"),
+])
+def test_batch_range_refused_naming_the_value(text, says):
+    """The one parser of a MIN,MAX global-batch range (``cona plan --global-batch-range``,
+    ``--cona-global-batch-range``): 'eight' was an argparse "invalid _batch_range value" on
+    cona plan; '8,,64' and '8,64,' ran on cona run as 8,64; a range to 10^30 ranked thousands
+    of candidates of 10^26 ms per iteration (each command refused it in its own words)."""
+    with pytest.raises(FlagValueError) as err:
+        parse_batch_range(text)
+    assert str(err.value).startswith(repr(text)) and says in str(err.value)
+
+
+@pytest.mark.parametrize("text, taken", [("1,2,4", (1, 2, 4)), (" 8, 1 ,", (8, 1))])
+def test_counts_taken(text, taken):
+    assert parse_counts(text) == taken
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1,2,1", "lists a value twice"), ("0,-1", "is not a comma-separated list of integers >= 1"),
+    (",", "is not a comma-separated list of integers >= 1"),
+    ("1:2", "is not a comma-separated list of integers"),
+    ("two", "is not a comma-separated list of integers"),
+])
+def test_counts_refused_naming_the_value(text, says):
+    """The one parser of a list of counts (``cona plan --micro-batches``,
+    ``--cona-micro-batches``): each >= 1, each once. A 0 was a ZeroDivisionError on cona plan,
+    a repeat ran as if listed once; '1:2' was two micro-batches on cona run (':' separates a
+    range's ends: 1:8 is no list of 1 and 8)."""
+    with pytest.raises(FlagValueError) as err:
+        parse_counts(text)
+    assert str(err.value).startswith(repr(text)) and says in str(err.value)
+
+
+@pytest.mark.parametrize("flag, text, parse", [
+    ("--cona-global-batch-range", "64,8", parse_batch_range),
+    ("--cona-micro-batches", "1,2,1", parse_counts),
+])
+def test_cona_run_names_the_flag_of_a_shared_parsers_refusal(flag, text, parse):
+    args = megatron_parse(["--cona", "--micro-batch-size", "1", "--global-batch-size", "8",
+                           flag, text])
+    with pytest.raises(FlagValueError) as parsed:
+        parse(text)
+    with pytest.raises(ConaArgumentError) as err:
+        validate_cona_args(args, 4, GPT)
+    assert err.value.flag == flag and str(err.value) == f"{flag}: {parsed.value}"
+
+
+@pytest.mark.parametrize("flag, text, parse", [
+    ("--global-batch-range", "64,8", parse_batch_range),
+    ("--micro-batches", "1,2,1", parse_counts),
+])
+def test_cona_plan_names_the_flag_of_a_shared_parsers_refusal(flag, text, parse, capsys):
+    from megatron_cona.cli import main
+
+    with pytest.raises(FlagValueError) as parsed:
+        parse(text)
+    with pytest.raises(SystemExit) as exc:
+        main([*PLAN, flag, text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == f"cona plan: error: argument {flag}: {parsed.value}"
 
 
 def test_cona_log_and_device_that_can_run_are_taken(tmp_path):
@@ -173,20 +254,17 @@ PLAN = ["plan", "--world", "4", "--num-layers", "2", "--hidden-size", "64",
     "flag, value",
     [("--world", "0"), ("--num-layers", "0"), ("--hidden-size", "-64"),
      ("--num-attention-heads", "0"), ("--seq-length", "0"), ("--vocab-size", "0"),
-     ("--base-batch", "0"), ("--top", "-1"), ("--micro-batches", "0,-1"),
-     ("--micro-batches", ","), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
-     ("--noise-scale", "inf"), ("--global-batch-range", "0,5"), ("--micro-batches", "1,2,1"),
+     ("--base-batch", "0"), ("--top", "-1"), ("--noise-scale", "-5"), ("--noise-scale", "nan"),
+     ("--noise-scale", "inf"),
      ("--world", str(10**30)), ("--num-layers", str(10**30)), ("--hidden-size", str(10**30)),
-     ("--seq-length", str(10**30)), ("--vocab-size", str(10**30)),
-     ("--global-batch-range", f"8,{10**30}")],
+     ("--seq-length", str(10**30)), ("--vocab-size", str(10**30))],
 )
 def test_cli_plan_rejects_zero_negative_and_nan_numbers_naming_the_flag(flag, value, capsys):
-    """Each ran before: a ZeroDivisionError (--num-attention-heads 0, --micro-batches 0) or
-    RuntimeError traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1
-    dropped the last row, --world 0 blamed no candidates); --micro-batches 1,2,1 ran as if
-    each was listed once; 10^30 GPUs never returned, 10^30 layers, hidden units, tokens or
-    vocabulary entries overflowed the time predictor (OverflowError/TypeError traceback), a
-    batch range to 10^30 ranked thousands of candidates of 10^26 ms per iteration."""
+    """Each ran before: a ZeroDivisionError (--num-attention-heads 0) or RuntimeError
+    traceback (--vocab-size 0), a table of nonsense (--noise-scale -5, --top -1 dropped the
+    last row, --world 0 blamed no candidates); 10^30 GPUs never returned, 10^30 layers, hidden
+    units, tokens or vocabulary entries overflowed the time predictor (OverflowError/TypeError
+    traceback). --global-batch-range and --micro-batches: the shared parsers' tests above."""
     from megatron_cona.cli import main
 
     argv = [*PLAN, flag, value] if flag not in PLAN else \

@@ -430,6 +430,27 @@ def test_cli_scale_with_an_empty_out_names_the_flag(tmp_path, monkeypatch, capsy
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("value, says", [
+    ("8,8", "LawError: gpus=(8, 8) lists a value twice"),
+    ("0", "LawError: gpus=(0,) must list integers >= 1"),
+    ("eight", "argument --gpus: 'eight' is not a comma-separated list of integers"),
+])
+def test_cli_scale_refuses_a_bad_gpu_list_before_any_case_runs(value, says, tmp_path, capsys):
+    """cona scale's integer lists are checked once, by SimOptions (which the benchmarks build
+    directly too): a repeat ran its cases twice."""
+    from megatron_cona.cli import main
+
+    argv = ["scale", "--switch-costs", "0,0", "--families", "bert-large", "--gpus", value,
+            "--variants", "kaplan", "--jobs", "1", "--out", str(tmp_path)]
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse's own refusal
+        rc = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == f"cona scale: error: {says}"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("costs", ["0,3600", "0,1e30"])
 def test_cli_scale_with_a_batch_switch_far_dearer_than_a_layout_switch_returns(costs, tmp_path):
