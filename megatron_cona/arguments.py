@@ -179,9 +179,10 @@ def validate_cona_args(
                                 "positive finite ratio")
     if args.cona_global_batch_range is None:
         lo = hi = start.global_batch_size
-        if hi > MAX_GLOBAL_BATCH:
-            raise ConaArgumentError("--cona-global-batch-range",
-                                    f"MAX={hi} is over {MAX_GLOBAL_BATCH:,} sequences")
+        if hi > MAX_GLOBAL_BATCH:  # the range's ceiling holds for the one batch CONA keeps
+            raise ConaArgumentError("--global-batch-size", f"{hi} is over "
+                                    f"{MAX_GLOBAL_BATCH:,} sequences, the most CONA takes "
+                                    "(see docs/cona.md)")
     else:
         try:
             lo, hi = parse_batch_range(args.cona_global_batch_range)

@@ -164,6 +164,17 @@ def test_cona_plan_names_the_flag_of_a_shared_parsers_refusal(flag, text, parse,
     assert exc.value.code == 2 and err[-1] == f"cona plan: error: argument {flag}: {parsed.value}"
 
 
+def test_a_global_batch_size_over_the_ceiling_without_a_range_names_its_flag():
+    """With no --cona-global-batch-range CONA keeps --global-batch-size, under the same
+    ceiling; its refusal named --cona-global-batch-range, a flag not given."""
+    args = megatron_parse(["--cona", "--micro-batch-size", "1",
+                           "--global-batch-size", str(4 * MAX_GLOBAL_BATCH)])
+    with pytest.raises(ConaArgumentError) as err:
+        validate_cona_args(args, 4, GPT)
+    assert err.value.flag == "--global-batch-size"
+    assert str(err.value).startswith(f"--global-batch-size: {4 * MAX_GLOBAL_BATCH} is over")
+
+
 def test_cona_log_and_device_that_can_run_are_taken(tmp_path):
     """The control for the refusals above: a new file in a new folder, a known device."""
     args = megatron_parse(["--cona", "--micro-batch-size", "1", "--global-batch-size", "8",
