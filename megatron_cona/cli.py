@@ -75,10 +75,6 @@ def _flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
     return convert
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
 def _count(text: str) -> int:
     """A size or count that must be >= 1 (0 divided by zero or drew from an empty range)."""
     value = int(text)
