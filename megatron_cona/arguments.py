@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_cona.candidates import MAX_GLOBAL_BATCH, CandidateSpec, parse_candidate_list
 from megatron_cona.lr_scaling import RULES
+from predictors.flag_values import FlagValueError, parse_counts
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 
 STARTS = ("smallest", "configured")  # where a CONA run starts (SessionConfig.start)
@@ -76,31 +77,6 @@ class ConaSettings:
     candidates: CandidateSpec
     interval: int
     min_gain: float
-
-
-class FlagValueError(ValueError):
-    """A list or range flag's text that cannot be taken; the message names the text, and each
-    caller adds its own flag (``cona plan``'s argparse error, ``ConaArgumentError`` here)."""
-
-
-def parse_ints(text: str) -> tuple[int, ...]:
-    """Comma-separated integers (blanks between commas skipped), not checked further: for
-    lists whose values their consumer checks (``cona scale``'s, by ``SimOptions``)."""
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:  # argparse would say only "invalid ... value"
-        raise FlagValueError(f"{text!r} is not a comma-separated list of integers") from None
-
-
-def parse_counts(text: str) -> tuple[int, ...]:
-    """Comma-separated counts (micro-batch sizes): at least one, each >= 1 and each once (a
-    repeat is a typo: the list is taken as a set)."""
-    values = parse_ints(text)
-    if not values or min(values) < 1:
-        raise FlagValueError(f"{text!r} is not a comma-separated list of integers >= 1")
-    if len(set(values)) != len(values):
-        raise FlagValueError(f"{text!r} lists a value twice")
-    return values
 
 
 def parse_batch_range(text: str) -> tuple[int, int]:

@@ -17,10 +17,10 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
-from megatron_cona.arguments import FlagValueError, parse_batch_range, parse_counts, parse_ints
+from megatron_cona.arguments import parse_batch_range
 from megatron_cona.candidates import MAX_WORLD
+from predictors.flag_values import flag_type, parse_counts, parse_ints
 from predictors.image_path import image_path_problem
 from predictors.spec import StrategyError, TransformerSpec
 
@@ -57,22 +57,6 @@ def _is_input_error(err: Exception) -> bool:
     return isinstance(err, CliError | OSError) or any(
         isinstance(err, getattr(sys.modules[module], name))
         for module, name in INPUT_ERRORS if module in sys.modules)
-
-
-T = TypeVar("T")
-
-
-def _flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """An argparse ``type`` of one of ``megatron_cona.arguments``' shared parsers, which
-    ``--cona-*`` flags share too: argparse prints an ArgumentTypeError's message after the
-    flag (of a plain ValueError only "invalid <name> value")."""
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except FlagValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-    convert.__name__ = parse.__name__
-    return convert
 
 
 def _count(text: str) -> int:
@@ -196,11 +180,11 @@ def scale_parser() -> argparse.ArgumentParser:
     # benchmarks also build directly
     p.add_argument("--out", type=_out_dir, default=d.out)
     p.add_argument("--families", type=_str_list, default=d.families)
-    p.add_argument("--gpus", type=_flag_type(parse_ints), default=d.gpus)
+    p.add_argument("--gpus", type=flag_type(parse_ints), default=d.gpus)
     p.add_argument("--variants", type=_str_list, default=d.variants,
                    help=f"law variants: {', '.join(d.variants)}")
-    p.add_argument("--micro-batches", type=_flag_type(parse_ints), default=d.micro_batches)
-    p.add_argument("--pipeline", type=_flag_type(parse_ints), default=d.pipeline)
+    p.add_argument("--micro-batches", type=flag_type(parse_ints), default=d.micro_batches)
+    p.add_argument("--pipeline", type=flag_type(parse_ints), default=d.pipeline)
     p.add_argument("--min-gain", type=float, default=d.min_gain)
     p.add_argument("--noise-z", type=float, default=d.noise_z)
     p.add_argument("--first-interval-iterations", type=int, default=d.first_interval_iterations,
@@ -275,8 +259,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=_count_upto(PLAN_LIMITS["seq_length"]), required=True)
     p.add_argument("--vocab-size", type=_count_upto(PLAN_LIMITS["vocab_size"]), default=51200)
     p.add_argument("--candidates", default="all")
-    p.add_argument("--global-batch-range", type=_flag_type(parse_batch_range), default=(8, 128))
-    p.add_argument("--micro-batches", type=_flag_type(parse_counts), default=(1, 2, 4, 8))
+    p.add_argument("--global-batch-range", type=flag_type(parse_batch_range), default=(8, 128))
+    p.add_argument("--micro-batches", type=flag_type(parse_counts), default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")
     p.add_argument("--noise-scale", type=_positive_finite, default=math.nan,

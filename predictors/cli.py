@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from predictors.flag_values import flag_type, parse_counts
+
 DEFAULT_DATA = "predictors/data/cpu_measurements.csv"
 
 
@@ -119,9 +121,14 @@ def _add_collect(sub) -> None:
     p.add_argument("--minutes", type=float, default=20.0, help="time budget; rerun to resume")
     p.add_argument("--precisions", default=None, help="comma list (default: all the device runs)")
     p.add_argument("--models", default=None, help="comma list of zoo names (default: all)")
-    p.add_argument("--seqs", default="32,128")
-    p.add_argument("--batches", default="1,4")
-    p.add_argument("--dp", default="1,2", help="data-parallel sizes (gloo processes)")
+    # each value >= 1 and each once: a 0 batch or DP size reached the measurement, and a repeat
+    # put its points in the grid twice (measured twice per pass, two rows each)
+    p.add_argument("--seqs", type=flag_type(parse_counts), default="32,128",
+                   help="sequence lengths, comma list")
+    p.add_argument("--batches", type=flag_type(parse_counts), default="1,4",
+                   help="micro-batch sizes, comma list")
+    p.add_argument("--dp", type=flag_type(parse_counts), default="1,2",
+                   help="data-parallel sizes (gloo processes), comma list")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
@@ -133,10 +140,6 @@ def _add_collect(sub) -> None:
     p.set_defaults(func=cmd_collect)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
 def cmd_collect(args) -> int:
     from predictors.spec.precision import cpu_precisions, get_precision
     from predictors.time.collect import collect, default_grid
@@ -145,8 +148,7 @@ def cmd_collect(args) -> int:
     for name in precisions:
         get_precision(name)  # named error before any measurement
     models = args.models.split(",") if args.models else None
-    points = default_grid(precisions, _ints(args.seqs), _ints(args.batches), models,
-                          _ints(args.dp))  # fmt: skip
+    points = default_grid(precisions, args.seqs, args.batches, models, args.dp)
     out = collect(args.out, points, repeats=args.repeats, max_minutes=args.minutes,
                   threads=args.threads, passes=args.passes)  # fmt: skip
     print(f"measurements in {out}")

@@ -5,14 +5,13 @@ import pytest
 
 from megatron_cona.arguments import (
     ConaArgumentError,
-    FlagValueError,
     add_cona_args,
     parse_batch_range,
-    parse_counts,
     validate_cona_args,
 )
 from megatron_cona.candidates import MAX_GLOBAL_BATCH
 from megatron_cona.pretrain_gpt import parse_args
+from predictors.flag_values import FlagValueError, parse_counts
 from predictors.spec import ParallelStrategy, StrategyError, TransformerSpec
 
 GPT = TransformerSpec("gpt", 4, 64, 4, 32, 257)

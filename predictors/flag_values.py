@@ -1,0 +1,61 @@
+"""Comma-separated integer flags, parsed one way for every command line that takes them:
+``predict collect``'s, ``cona plan``'s, ``cona scale``'s, ``--cona-micro-batches`` and
+``benchmarks/cona_grid.py --seeds``.
+
+It lives in ``predictors`` for the reason :mod:`predictors.image_path` does: CONA imports from
+``predictors`` and never the reverse, so ``predict`` cannot import these from ``megatron_cona``.
+It imports only argparse (no torch: ``cona``'s flags are parsed before any model loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class FlagValueError(ValueError):
+    """A list or range flag's text that cannot be taken; the message names the text, and each
+    caller adds its own flag (argparse's error through :func:`flag_type`, ``cona run``'s
+    ``ConaArgumentError``)."""
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers (blanks between commas skipped), not checked further: for
+    lists whose values their consumer checks (``cona scale``'s, by ``SimOptions``)."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:  # argparse would say only "invalid ... value"
+        raise FlagValueError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def parse_distinct(text: str, least: int) -> tuple[int, ...]:
+    """Comma-separated integers, at least one, each >= ``least`` and each once (the list is
+    taken as a set, so a repeat is a typo, and where each value is run, it would run twice)."""
+    values = parse_ints(text)
+    if not values or min(values) < least:
+        raise FlagValueError(f"{text!r} is not a comma-separated list of integers >= {least}")
+    if len(set(values)) != len(values):
+        raise FlagValueError(f"{text!r} lists a value twice")
+    return values
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated counts or sizes (micro-batch sizes, sequence lengths, data-parallel
+    sizes): at least one, each >= 1 and each once."""
+    return parse_distinct(text, 1)
+
+
+def flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` of a parser that raises :class:`FlagValueError`: argparse prints an
+    ArgumentTypeError's message after the flag (of a plain ValueError only "invalid <name>
+    value")."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except FlagValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = parse.__name__
+    return convert
