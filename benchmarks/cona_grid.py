@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from predictors.flag_values import flag_type, parse_distinct  # noqa: E402
+
 # (variant, GPU count, family, target, seed)
 Key = tuple[str, int, str, str, int]
 SKIP = ("planner", "rampup", "seesaw", "pollux")  # the grid compares CONA with static only
@@ -86,24 +88,37 @@ def compare(before: dict[Key, float], after: dict[Key, float]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    from rich.progress import Progress
+def _seeds(text: str) -> tuple[int, ...]:
+    """Each >= 0 (numpy's generators take no negative; SimOptions refused one only once the
+    seeds before it had run, ~5 minutes each) and each once (a repeat ran its seed twice and
+    counted it twice in every summary)."""
+    return parse_distinct(text, 0)
 
+
+def grid_parser() -> argparse.ArgumentParser:
+    """``cona scale``'s flags plus the grid's own."""
     from megatron_cona.cli import scale_parser, switch_costs_arg
-    from megatron_cona.lawsim.evaluate import SimOptions, run_sim
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      parents=[scale_parser()], add_help=False,
                                      conflict_handler="resolve")
     parser.add_argument("--out", type=Path, default=Path("out/cona_grid"))
-    parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")],
-                        default=[0, 1, 2])
+    parser.add_argument("--seeds", type=flag_type(_seeds), default=(0, 1, 2),
+                        help="comma list of seeds, each >= 0 and each once")
     parser.add_argument("--switch-costs", type=switch_costs_arg,
                         default=(0.039, 0.0008), help="FIXED,BATCH seconds (fixed: the grid's "
                         "simulated seconds do not depend on the machine)")
     parser.add_argument("--compare", type=Path, default=None,
                         help="an earlier grid's --out: both on the case-targets they share")
-    args = vars(parser.parse_args())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.progress import Progress
+
+    from megatron_cona.lawsim.evaluate import SimOptions, run_sim
+
+    args = vars(grid_parser().parse_args(argv))
     seeds, costs, out = args.pop("seeds"), args.pop("switch_costs"), args.pop("out")
     before = args.pop("compare")
     if before is not None and not any(before.glob("seed*/sim.json")):

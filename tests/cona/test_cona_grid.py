@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import cona_grid  # noqa: E402
@@ -56,3 +58,23 @@ def test_compare_uses_the_shared_case_targets_and_stars_a_row_crossing_the_goal(
     assert "min=0.900" in lines[0] and "min=0.960" in lines[1]
     assert lines[2].split() == ["kaplan", "8", "GPUs", "0.900", "->", "0.960", "*"]
     assert lines[3].split() == ["plateau", "8", "GPUs", "0.970", "->", "0.970"]
+
+
+def test_seeds_are_taken_in_order():
+    assert cona_grid.grid_parser().parse_args(["--seeds", "3, 0,1"]).seeds == (3, 0, 1)
+    assert cona_grid.grid_parser().parse_args([]).seeds == (0, 1, 2)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("0,1,0", "'0,1,0' lists a value twice"),
+    ("1,-1", "'1,-1' is not a comma-separated list of integers >= 0"),
+    ("0;1", "'0;1' is not a comma-separated list of integers"),
+])
+def test_a_repeated_or_negative_seed_is_refused_naming_the_flag(text, says, capsys):
+    """Only the parser runs (no grid): a repeat ran its seed twice and counted it twice in every
+    summary; a negative one was refused by SimOptions with a traceback after the seeds before
+    it had run (~5 minutes each); '0;1' was argparse's bare "invalid <lambda> value"."""
+    with pytest.raises(SystemExit) as exc:
+        cona_grid.grid_parser().parse_args(["--seeds", text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].endswith(f"error: argument --seeds: {says}")
