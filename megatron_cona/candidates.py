@@ -62,6 +62,23 @@ class CandidateSpec:
     global_batch_range: tuple[int, int] = (1, 1 << 30)
     batch_grid: str = "pow2"  # "pow2": global batches dp*mb*2^k; "all": every multiple
 
+    def __post_init__(self) -> None:
+        # The command lines refuse these in their own words first (parse_counts,
+        # parse_batch_range, parse_candidate_list, SimOptions); Python callers build the spec
+        # directly. A 0 micro-batch was a ZeroDivisionError and a negative one never returned
+        # (global_batches' loop); a repeat was taken silently (an inadmissible layout reported
+        # once per repeat); a range with MIN < 1 was taken as MIN 1, MAX < MIN left no candidate.
+        if not self.micro_batches or min(self.micro_batches) < 1:
+            raise StrategyError(f"micro_batches={self.micro_batches} must list integers >= 1")
+        for name in ("micro_batches", "layouts", "fixed"):
+            values = getattr(self, name) or ()
+            if len(set(values)) != len(values):
+                raise StrategyError(f"{name}={values} lists a value twice")
+        span = self.global_batch_range
+        if len(span) != 2 or not 1 <= span[0] <= span[1]:
+            raise StrategyError(f"global_batch_range={span} must be (MIN, MAX) with "
+                                "1 <= MIN <= MAX")
+
 
 # The most GPUs a plan or simulation takes: about a million, beyond any cluster built;
 # divisors() loops sqrt(world) times (a world of 10^30 never returned).

@@ -79,6 +79,28 @@ def test_nothing_left_is_an_error():
         enumerate_candidates(4, GPT, spec)
 
 
+@pytest.mark.parametrize("fields, says", [
+    ({"micro_batches": (1, 2, 1)}, "micro_batches=(1, 2, 1) lists a value twice"),
+    ({"micro_batches": (0, 2)}, "micro_batches=(0, 2) must list integers >= 1"),
+    ({"micro_batches": (-2,)}, "micro_batches=(-2,) must list integers >= 1"),
+    ({"micro_batches": ()}, "micro_batches=() must list integers >= 1"),
+    ({"layouts": ((4, 1, 1), (4, 1, 1))}, "layouts=((4, 1, 1), (4, 1, 1)) lists a value twice"),
+    ({"fixed": (ParallelStrategy(4, 1, 1, 1, 8),) * 2}, "fixed=(ParallelStrategy("),
+    ({"global_batch_range": (0, 8)}, "global_batch_range=(0, 8) must be (MIN, MAX) with 1 <="),
+    ({"global_batch_range": (64, 8)}, "global_batch_range=(64, 8) must be (MIN, MAX) with 1"),
+    ({"global_batch_range": (8,)}, "global_batch_range=(8,) must be (MIN, MAX)"),
+])
+def test_a_spec_built_in_python_is_refused_naming_the_field(fields, says):
+    """The command lines check their flags first; a spec built directly took a repeat silently,
+    a 0 micro-batch was a ZeroDivisionError, a negative one never returned, MIN 0 was taken as
+    1 and MAX < MIN ended in "no candidate strategy remains"."""
+    with pytest.raises(StrategyError) as err:
+        CandidateSpec(**fields)
+    assert str(err.value).startswith(says)
+    if "fixed" in fields:
+        assert str(err.value).endswith("lists a value twice")
+
+
 def test_memory_predictor_drops_what_a_small_card_cannot_hold():
     from megatron_cona.candidates import PredictorMemory
 
