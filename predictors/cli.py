@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from predictors.flag_values import flag_type, parse_counts
+from predictors.flag_values import flag_type, parse_count, parse_counts
 
 DEFAULT_DATA = "predictors/data/cpu_measurements.csv"
 
@@ -129,11 +129,13 @@ def _add_collect(sub) -> None:
                    help="micro-batch sizes, comma list")
     p.add_argument("--dp", type=flag_type(parse_counts), default="1,2",
                    help="data-parallel sizes (gloo processes), comma list")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    # each >= 1: 0 or fewer repeats crashed (IndexError) after the first point's warm-up steps,
+    # 0 or fewer threads crashed in torch, and 0 or fewer passes measured nothing and exited 0
+    p.add_argument("--repeats", type=flag_type(parse_count), default=5)
+    p.add_argument("--threads", type=flag_type(parse_count), default=1)
     p.add_argument(
         "--passes",
-        type=int,
+        type=flag_type(parse_count),
         default=1,
         help="measure each point this many times in separate passes (keep fastest)",
     )
@@ -141,13 +143,24 @@ def _add_collect(sub) -> None:
 
 
 def cmd_collect(args) -> int:
+    from predictors.spec.model import UnknownModelError
     from predictors.spec.precision import cpu_precisions, get_precision
-    from predictors.time.collect import collect, default_grid
+    from predictors.time.collect import collect, default_grid, model_zoo
 
     precisions = args.precisions.split(",") if args.precisions else cpu_precisions()
     for name in precisions:
         get_precision(name)  # named error before any measurement
-    models = args.models.split(",") if args.models else None
+    models = None
+    if args.models:
+        # the grid keeps only the zoo names it is given: an unknown one (a typo) was dropped,
+        # and alone it left an empty grid that measured nothing and exited 0
+        models = [name.strip() for name in args.models.split(",") if name.strip()]
+        zoo = model_zoo(args.seqs[0])
+        unknown = [name for name in models if name not in zoo]
+        if unknown or not models:
+            what = f"{', '.join(map(repr, unknown))} unknown" if unknown else "names no model"
+            raise UnknownModelError(f"--models {args.models!r}: {what}; choose zoo names from "
+                                    f"{', '.join(zoo)}")
     points = default_grid(precisions, args.seqs, args.batches, models, args.dp)
     out = collect(args.out, points, repeats=args.repeats, max_minutes=args.minutes,
                   threads=args.threads, passes=args.passes)  # fmt: skip

@@ -1,6 +1,7 @@
-"""Comma-separated integer flags, parsed one way for every command line that takes them:
-``predict collect``'s, ``cona plan``'s, ``cona scale``'s, ``--cona-micro-batches`` and
-``benchmarks/cona_grid.py --seeds``.
+"""Integer flags, parsed one way for every command line that takes them: the comma-separated
+lists of ``predict collect``, ``cona plan``, ``cona scale``, ``--cona-micro-batches``,
+``benchmarks/cona_grid.py --seeds`` and ``benchmarks/bench_ttft.py --suffix-lengths``, and the
+single counts (``predict collect --repeats``, ``predict memory --batch``, ...).
 
 It lives in ``predictors`` for the reason :mod:`predictors.image_path` does: CONA imports from
 ``predictors`` and never the reverse, so ``predict`` cannot import these from ``megatron_cona``.
@@ -46,6 +47,18 @@ def parse_counts(text: str) -> tuple[int, ...]:
     """Comma-separated counts or sizes (micro-batch sizes, sequence lengths, data-parallel
     sizes): at least one, each >= 1 and each once."""
     return parse_distinct(text, 1)
+
+
+def parse_count(text: str) -> int:
+    """One count or size (repeats, threads, a batch, a token count): an integer >= 1 (argparse's
+    ``type=int`` took 0 and negatives, which reached the work as an empty loop, a crash or a
+    model of nothing)."""
+    try:
+        if (value := int(text)) >= 1:
+            return value
+    except ValueError:  # not an integer: argparse would say only "invalid ... value"
+        pass
+    raise FlagValueError(f"{text!r} is not an integer >= 1")
 
 
 def flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:

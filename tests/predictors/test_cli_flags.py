@@ -1,6 +1,7 @@
-"""``predict collect``'s integer lists (--seqs, --batches, --dp): parsed by the shared
-:mod:`predictors.flag_values`, each value >= 1 and each once, refused naming the flag before any
-measurement. Only the parser runs here: no point is measured."""
+"""``predict collect``'s integer lists (--seqs, --batches, --dp) and counts (--repeats,
+--threads, --passes): parsed by the shared :mod:`predictors.flag_values`, each value >= 1 (and,
+in a list, each once), refused naming the flag before any measurement; an unknown --models name
+is refused the same way. No point is measured here."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import sys
 
 import pytest
 
-from predictors.cli import build_parser
-from predictors.flag_values import FlagValueError, parse_counts
+from predictors.cli import build_parser, main
+from predictors.flag_values import FlagValueError, parse_count, parse_counts
+from predictors.time.collect import model_zoo
 
 COUNT_FLAGS = ("--seqs", "--batches", "--dp")
+COUNT_FLAG = ("--repeats", "--threads", "--passes")
 
 
 def test_collect_takes_count_lists_and_its_defaults():
@@ -42,6 +45,57 @@ def test_collect_refuses_a_bad_count_list_naming_the_flag(flag, text, says, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2
     assert err[-1] == f"predict collect: error: argument {flag}: {parsed.value}"
+
+
+def test_collect_takes_counts_and_its_defaults():
+    args = build_parser().parse_args(["collect", "--repeats", "3", "--threads", " 2 ",
+                                      "--passes", "4"])
+    assert (args.repeats, args.threads, args.passes) == (3, 2, 4)
+    defaults = build_parser().parse_args(["collect"])
+    assert (defaults.repeats, defaults.threads, defaults.passes) == (5, 1, 1)
+
+
+@pytest.mark.parametrize("flag", COUNT_FLAG)
+@pytest.mark.parametrize("text", ["0", "-1", "2.5", "two", ""])
+def test_collect_refuses_a_count_below_one_naming_the_flag(flag, text, capsys):
+    """With ``type=int``, 0 or fewer repeats crashed (IndexError) after the first point's
+    warm-up steps, 0 or fewer threads crashed in torch's set_num_threads, and 0 or fewer passes
+    measured nothing and exited 0; '2.5' was argparse's bare "invalid int value"."""
+    with pytest.raises(FlagValueError) as parsed:
+        parse_count(text)
+    assert str(parsed.value) == f"{text!r} is not an integer >= 1"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["collect", flag, text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert err[-1] == f"predict collect: error: argument {flag}: {parsed.value}"
+
+
+@pytest.mark.parametrize("models, says", [
+    ("nope", "'nope' unknown"),
+    ("gpt-s,gtp-m,vit-xs,bert", "'gtp-m', 'bert' unknown"),
+    (",", "names no model"),
+])
+def test_collect_refuses_an_unknown_model_before_measuring(models, says, tmp_path, capsys):
+    """An unknown zoo name was dropped from the grid: alone ('nope') it left an empty grid that
+    measured nothing and exited 0; beside known names the typo went unnoticed."""
+    out = tmp_path / "m.csv"
+    assert main(["collect", "--out", str(out), "--precisions", "fp32", "--models", models]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"predict collect: error: --models {models!r}: {says}; choose zoo names "
+                   f"from {', '.join(model_zoo(32))}")
+    assert list(tmp_path.iterdir()) == []  # refused before any file is written
+
+
+def test_collect_measures_the_known_models_named_with_blanks(tmp_path, monkeypatch, capsys):
+    import predictors.time.collect as collect_module
+
+    measured = []
+    monkeypatch.setattr(collect_module, "collect",
+                        lambda out, points, **kw: measured.extend(points) or out)
+    assert main(["collect", "--out", str(tmp_path / "m.csv"), "--precisions", "fp32",
+                 "--models", "gpt-xs, vit-xs,"]) == 0
+    assert {p.model for p in measured} == {"gpt-xs", "vit-xs"}
 
 
 def test_the_predictors_cli_imports_no_plugin():
