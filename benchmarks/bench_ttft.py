@@ -50,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from predictors.flag_values import flag_type, parse_count, parse_counts  # noqa: E402
 from support.model import VOCAB, ModelShape, write_llama  # noqa: E402
 from support.serving import Server, become_subreaper, kvpool_command, reap_orphans  # noqa: E402
 
@@ -292,7 +293,7 @@ def overhead(r: Rep) -> float:
     return (r.pool.ttft - r.fetch_s - r.reference.ttft) / r.pool.ttft
 
 
-def plot(reps: list[Rep], path: Path, prefix: int, lengths: list[int]) -> None:
+def plot(reps: list[Rep], path: Path, prefix: int, lengths: tuple[int, ...]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,27 +321,33 @@ def plot(reps: list[Rep], path: Path, prefix: int, lengths: list[int]) -> None:
     print(f"plot: {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (apart from main, so they parse without running anything). Counts
+    and sizes are each >= 1: a 0 --chunk-tokens divided by zero in the checks below, a 0
+    --prefix-tokens passed them; the suffix lengths are also each given once (a repeat ran
+    twice per repetition and mixed the two in one median)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prefix-tokens", type=int, default=8192)
-    p.add_argument("--suffix-lengths", type=lambda v: [int(x) for x in v.split(",")],
-                   default=[256, 2048], help="new suffix lengths, comma separated")
-    p.add_argument("--layers", type=int, default=16, help="transformer layers (KV geometry)")
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    count = flag_type(parse_count)
+    p.add_argument("--prefix-tokens", type=count, default=8192)
+    p.add_argument("--suffix-lengths", type=flag_type(parse_counts), default=(256, 2048),
+                   help="new suffix lengths, comma separated, each >= 1 and each once")
+    p.add_argument("--layers", type=count, default=16, help="transformer layers (KV geometry)")
+    p.add_argument("--chunk-tokens", type=count, default=256)
     p.add_argument("--host-fraction", type=float, default=0.5,
                    help="pool host tier as a fraction of the prefix's KV (< 1)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=count, default=3)
     p.add_argument("--workdir", type=Path, default=REPO / "out" / "bench_ttft")
     p.add_argument("--out", type=Path, default=REPO / "out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.prefix_tokens % args.chunk_tokens or args.chunk_tokens % 32:
         p.error("--prefix-tokens must be a multiple of --chunk-tokens, itself a multiple of 32")
     if not 0 < args.host_fraction < 1:
         p.error("--host-fraction must be in (0, 1): the host tier is smaller than the prefix")
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
-    if not args.suffix_lengths or min(args.suffix_lengths) < 1:
-        p.error("--suffix-lengths must be positive token counts")
     print(run(args))
     return 0
 
