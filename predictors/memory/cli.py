@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..flag_values import flag_type, parse_count
 from ..spec.model import ModelSpecError
 from ..spec.options import FRAMEWORKS
 
@@ -20,7 +21,9 @@ def add_subcommands(subparsers) -> None:
     m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step")
     m.add_argument("--model", required=True,
                    help="a preset (e.g. llava-1.5-7b-like), 'mlp', 'cnn' or 'module'")
-    m.add_argument("--batch", type=int, default=1)
+    # >= 1 at the flag: mlp/cnn/module took a 0 batch (a step of no samples, judged to fit) and
+    # crashed on a negative one in torch; presets refuse it later, as micro_batch
+    m.add_argument("--batch", type=flag_type(parse_count), default=1)
     g = m.add_argument_group("mlp / cnn / module (traced nn.Module, device-level output)")
     g.add_argument("--input", type=int, default=784, help="mlp: input features")
     g.add_argument("--hidden", default="1024,1024", help="mlp: comma list of hidden widths")
@@ -50,7 +53,9 @@ def add_subcommands(subparsers) -> None:
                    help="presets: trace the built module (optimizer, device-level output) "
                         "instead of the analytical + LightGBM model")
     m.add_argument("--seq", type=int, default=2048, help="LLM sequence (image tokens included)")
-    m.add_argument("--image-res", type=int, default=None)
+    # >= 1 at the flag: a preset's vision tower took 0 or a negative multiple of its patch size
+    # and priced a model at it (cnn refuses it later, as image_res)
+    m.add_argument("--image-res", type=flag_type(parse_count), default=None)
     m.add_argument("--images-per-sample", type=int, default=1)
     m.add_argument("--precision", default="bf16")
     m.add_argument("--zero", type=int, default=0, help="ZeRO / DistributedOptimizer stage")

@@ -1,7 +1,8 @@
 """``predict collect``'s integer lists (--seqs, --batches, --dp) and counts (--repeats,
---threads, --passes): parsed by the shared :mod:`predictors.flag_values`, each value >= 1 (and,
-in a list, each once), refused naming the flag before any measurement; an unknown --models name
-is refused the same way. No point is measured here."""
+--threads, --passes), and ``predict memory``'s --batch and --image-res: parsed by the shared
+:mod:`predictors.flag_values`, each value >= 1 (and, in a list, each once), refused naming the
+flag before any work; an unknown --models name is refused the same way. Nothing is measured or
+priced here."""
 
 from __future__ import annotations
 
@@ -96,6 +97,34 @@ def test_collect_measures_the_known_models_named_with_blanks(tmp_path, monkeypat
     assert main(["collect", "--out", str(tmp_path / "m.csv"), "--precisions", "fp32",
                  "--models", "gpt-xs, vit-xs,"]) == 0
     assert {p.model for p in measured} == {"gpt-xs", "vit-xs"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "mlp", "--batch", "0"],
+    ["--model", "cnn", "--batch", "-1"],
+    ["--model", "llava-1.5-7b-like", "--image-res", "0"],
+    ["--model", "llava-1.5-7b-like", "--image-res", "-336"],
+])
+def test_memory_refuses_a_batch_or_resolution_below_one_naming_the_flag(argv, capsys):
+    """With ``type=int``, ``--model mlp --batch 0`` priced a step of no samples (verdict FITS,
+    exit 0), ``--batch -1`` crashed in torch (negative dimension), and a preset took
+    ``--image-res 0`` or ``-336`` (multiples of its patch size) and priced a model at it."""
+    flag, text = argv[-2:]
+    with pytest.raises(FlagValueError) as parsed:
+        parse_count(text)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["memory", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert err[-1] == f"predict memory: error: argument {flag}: {parsed.value}"
+
+
+def test_memory_takes_a_batch_and_a_resolution():
+    args = build_parser().parse_args(["memory", "--model", "llava-1.5-7b-like", "--batch", "4",
+                                      "--image-res", "448"])
+    assert (args.batch, args.image_res) == (4, 448)
+    defaults = build_parser().parse_args(["memory", "--model", "mlp"])
+    assert (defaults.batch, defaults.image_res) == (1, None)
 
 
 def test_the_predictors_cli_imports_no_plugin():
