@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_cona.arguments import parse_batch_range
 from megatron_cona.candidates import MAX_WORLD
-from predictors.flag_values import flag_type, parse_counts, parse_ints
+from predictors.flag_values import flag_type, parse_count, parse_counts, parse_ints
 from predictors.image_path import image_path_problem
 from predictors.spec import StrategyError, TransformerSpec
 
@@ -59,12 +59,8 @@ def _is_input_error(err: Exception) -> bool:
         for module, name in INPUT_ERRORS if module in sys.modules)
 
 
-def _count(text: str) -> int:
-    """A size or count that must be >= 1 (0 divided by zero or drew from an empty range)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 1")
-    return value
+# a size or count that must be >= 1 (0 divided by zero or drew from an empty range)
+_count = flag_type(parse_count)
 
 
 def _count_upto(limit: int) -> Callable[[str], int]:
@@ -74,7 +70,6 @@ def _count_upto(limit: int) -> Callable[[str], int]:
         if value > limit:
             raise argparse.ArgumentTypeError(f"{value} is over {limit:,} (see docs/cona.md)")
         return value
-    count.__name__ = "count"  # argparse's "invalid count value: ..." for a non-integer
     return count
 
 
