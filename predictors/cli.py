@@ -145,22 +145,16 @@ def _add_collect(sub) -> None:
 def cmd_collect(args) -> int:
     from predictors.spec.model import UnknownModelError
     from predictors.spec.precision import cpu_precisions, get_precision
-    from predictors.time.collect import collect, default_grid, model_zoo
+    from predictors.time.collect import collect, default_grid, unknown_models
 
     precisions = args.precisions.split(",") if args.precisions else cpu_precisions()
     for name in precisions:
         get_precision(name)  # named error before any measurement
     models = None
     if args.models:
-        # the grid keeps only the zoo names it is given: an unknown one (a typo) was dropped,
-        # and alone it left an empty grid that measured nothing and exited 0
         models = [name.strip() for name in args.models.split(",") if name.strip()]
-        zoo = model_zoo(args.seqs[0])
-        unknown = [name for name in models if name not in zoo]
-        if unknown or not models:
-            what = f"{', '.join(map(repr, unknown))} unknown" if unknown else "names no model"
-            raise UnknownModelError(f"--models {args.models!r}: {what}; choose zoo names from "
-                                    f"{', '.join(zoo)}")
+        if why := unknown_models(models, args.seqs[0]):  # in the flag's words
+            raise UnknownModelError(f"--models {args.models!r}: {why}")
     points = default_grid(precisions, args.seqs, args.batches, models, args.dp)
     out = collect(args.out, points, repeats=args.repeats, max_minutes=args.minutes,
                   threads=args.threads, passes=args.passes)  # fmt: skip

@@ -24,7 +24,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import torch
 
 from predictors.datasets.measurements import KEY_COLUMNS
 from predictors.spec import ParallelStrategy, TransformerSpec
+from predictors.spec.model import UnknownModelError
 from predictors.spec.precision import cpu_precisions
 from predictors.time.zoo import ConvNetSpec, ViTSpec, ZooModel
 
@@ -85,9 +86,23 @@ def _seq(spec: ZooModel) -> int:
     return getattr(spec, "seq_length", 0) if isinstance(spec, TransformerSpec) else 0
 
 
+def unknown_models(models: Sequence[str], seq: int) -> str | None:
+    """Why ``models`` cannot select from the zoo (None: each name is in it, and there is one):
+    the grid keeps only the zoo names it is given, so a typo was dropped without a word and,
+    alone, left an empty grid that measured nothing."""
+    zoo = model_zoo(seq)
+    unknown = [name for name in models if name not in zoo]
+    if not unknown and models:
+        return None
+    what = f"{', '.join(map(repr, unknown))} unknown" if unknown else "names no model"
+    return f"{what}; choose zoo names from {', '.join(zoo)}"
+
+
 def default_grid(precisions: Iterable[str] | None = None, seqs=(32, 128), batches=(1, 4),
                  models: Iterable[str] | None = None, dp_sizes=(1, 2)) -> list[GridPoint]:  # fmt: skip
     precisions = cpu_precisions() if precisions is None else tuple(precisions)
+    if models is not None and (why := unknown_models(models := tuple(models), seqs[0])):
+        raise UnknownModelError(f"models={models}: {why}")
     points = []
     for dp in dp_sizes:
         for seq in seqs:
