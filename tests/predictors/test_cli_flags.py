@@ -135,3 +135,17 @@ def test_the_predictors_cli_imports_no_plugin():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_the_grid_refuses_an_unknown_model_from_python_too():
+    """``default_grid``'s Python callers (the benchmarks) get the command line's refusal: a
+    name not in the zoo was dropped without a word."""
+    from predictors.spec.model import UnknownModelError
+    from predictors.time.collect import default_grid
+
+    assert {p.model for p in default_grid(["fp32"], models=["gpt-xs"])} == {"gpt-xs"}
+    with pytest.raises(UnknownModelError, match=r"models=\('gpt-xs', 'nope'\): 'nope' unknown; "
+                       "choose zoo names from .*gpt-xs"):
+        default_grid(["fp32"], models=["gpt-xs", "nope"])
+    with pytest.raises(UnknownModelError, match="names no model"):
+        default_grid(["fp32"], models=[])
