@@ -4,22 +4,16 @@ checksum the engine wrote, and a damaged chunk is named, never counted."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kvio.py"
+from tests.bench_module import load_benchmark
+
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kvio", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kvio"] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_kvio")
     return module
 
 

@@ -3,24 +3,18 @@ broken baseline fails CI (its timings are the benchmark's business, not asserted
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm_kvpool._kvio")
+from tests.bench_module import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kvpool.py"
+pytest.importorskip("vllm_kvpool._kvio")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kvpool", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kvpool"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_kvpool")
     return module
 
 

@@ -5,24 +5,18 @@ token (the bench raises otherwise). Timings are the benchmark's business, not as
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.bench_module import load_benchmark
 
 pytest.importorskip("vllm")
 pytest.importorskip("vllm_kvpool._kvio")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ttft.py"
-
 
 def test_new_suffixes_are_computed_and_the_prefix_served(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_ttft", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ttft"] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_ttft")
     assert bench.main(["--prefix-tokens", "512", "--suffix-lengths", "16,48", "--reps", "1",
                        "--layers", "2", "--workdir", str(tmp_path), "--out", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

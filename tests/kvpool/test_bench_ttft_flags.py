@@ -5,24 +5,17 @@ runs here, so no engine is needed): the suffix lengths through the shared
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from predictors.flag_values import FlagValueError, parse_count, parse_counts
+from tests.bench_module import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ttft.py"
 COUNTS = ("--prefix-tokens", "--layers", "--chunk-tokens", "--reps")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_ttft", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ttft"] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_ttft")
     return module
 
 
