@@ -29,19 +29,22 @@ def _shipped_measurements() -> Path:
 
 # the families ``predict time`` builds from --layers/--hidden/...: (SwiGLU MLP, tied embeddings)
 TIME_FAMILIES = {"gpt": (False, True), "bert": (False, True), "llama": (True, False)}
+# `predict time`'s size flags and a family's defaults (None: the spec's own, from the others)
+FAMILY_SIZES = {"--layers": 24, "--hidden": 2048, "--heads": 16, "--kv-heads": None,
+                "--ffn": None, "--vocab": 50257}
 
 
 def _add_time(sub) -> None:
     p = sub.add_parser("time", help="predict the time of one training iteration")
     p.add_argument("--model", default="gpt",
                    help=f"{' | '.join(TIME_FAMILIES)}, or a zoo name (gpt-s, ...)")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
+    # the sizes of a family's model (None: not given; the family's default then); a zoo name
+    # fixes its own, so a size given with one is refused (it was ignored without a word)
+    for flag, default in FAMILY_SIZES.items():
+        p.add_argument(flag, type=int, default=None,
+                       help=f"a family's size (default {default or 'from the others'}; not with a "
+                            "zoo name)")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--strategy", default="dp1tp1pp1mb1", help="dp<D>tp<T>pp<P>[mb<M>][gb<G>]")
     p.add_argument("--precision", default="bf16", help="a precision name, or 'all' for a table")
     p.add_argument("--device", default="a100-80gb", help="a100-80gb, h100-80gb, ..., cpu, local")
@@ -53,19 +56,25 @@ def _add_time(sub) -> None:
 def cmd_time(args) -> int:
     from predictors.devices import UnsupportedPrecisionError, get_device
     from predictors.spec import ParallelStrategy, TransformerSpec
-    from predictors.spec.model import UnknownModelError
+    from predictors.spec.model import ModelSpecError, UnknownModelError
     from predictors.spec.precision import PRECISIONS
     from predictors.time.collect import model_zoo
     from predictors.time.predictor import predict
 
     zoo = model_zoo(args.seq)
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in FAMILY_SIZES}
     if args.model in zoo:
+        if named := [flag for flag, value in given.items() if value is not None]:
+            raise ModelSpecError(f"{', '.join(named)}: the zoo model {args.model!r} fixes its "
+                                 f"own size; set sizes with a family ({', '.join(TIME_FAMILIES)})")
         spec = zoo[args.model]
     elif args.model in TIME_FAMILIES:
         swiglu, tied = TIME_FAMILIES[args.model]
-        spec = TransformerSpec(args.model, args.layers, args.hidden, args.heads, args.seq,
-                               args.vocab, ffn_hidden_size=args.ffn,
-                               num_query_groups=args.kv_heads, swiglu=swiglu,
+        size = {flag: default if given[flag] is None else given[flag]
+                for flag, default in FAMILY_SIZES.items()}
+        spec = TransformerSpec(args.model, size["--layers"], size["--hidden"], size["--heads"],
+                               args.seq, size["--vocab"], ffn_hidden_size=size["--ffn"],
+                               num_query_groups=size["--kv-heads"], swiglu=swiglu,
                                tied_embeddings=tied)  # fmt: skip
     else:
         raise UnknownModelError(f"--model {args.model!r} is unknown; choose a family "

@@ -229,10 +229,13 @@ def test_uneven_pipeline_split_errors_name_the_field():
     (["--kv-heads", "0"], "num_query_groups=0"),
     (["--ffn", "-5"], "ffn_hidden_size=-5"),
     (["--heads", "15"], "num_attention_heads=15"),
+    (["--model", "gpt-s", "--layers", "48", "--ffn", "8192"],
+     "--layers, --ffn: the zoo model 'gpt-s' fixes its own size"),
 ])
 def test_time_cli_names_the_bad_field_instead_of_a_traceback_or_a_guess(capsys, argv, field):
     """An unknown --model used to be priced as a GPT of that name, a zero size as a model of
-    nothing, and a negative one reached torch as a traceback."""
+    nothing, a negative one reached torch as a traceback, and a size given with a zoo model
+    was ignored without a word."""
     from predictors.cli import main
 
     assert main(["time", *argv]) == 2
