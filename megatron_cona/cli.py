@@ -20,7 +20,13 @@ from pathlib import Path
 
 from megatron_cona.arguments import parse_batch_range
 from megatron_cona.candidates import MAX_WORLD
-from predictors.flag_values import flag_type, parse_count, parse_counts, parse_ints
+from predictors.flag_values import (
+    flag_type,
+    parse_count,
+    parse_counts,
+    parse_ints,
+    parse_positive,
+)
 from predictors.image_path import image_path_problem
 from predictors.spec import StrategyError, TransformerSpec
 
@@ -83,13 +89,6 @@ def _count_upto(limit: int) -> Callable[[str], int]:
 # parse_batch_range, shared with `cona run`'s --cona-global-batch-range
 PLAN_LIMITS = {"world": MAX_WORLD, "num_layers": 1024, "hidden_size": 2**17,
                "seq_length": 2**24, "vocab_size": 2**22}
-
-
-def _positive_finite(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:  # also false for nan
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number")
-    return value
 
 
 def _out_dir(text: str) -> Path:
@@ -258,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=flag_type(parse_counts), default=(1, 2, 4, 8))
     p.add_argument("--device", default="a100-80gb")
     p.add_argument("--precision", default="fp16-mixed")
-    p.add_argument("--noise-scale", type=_positive_finite, default=math.nan,
+    p.add_argument("--noise-scale", type=flag_type(parse_positive), default=math.nan,
                    help="gradient noise scale (samples) for the efficiency term; "
                    "default: none (rank by throughput)")
     p.add_argument("--base-batch", type=_count, default=8)

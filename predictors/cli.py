@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from predictors.flag_values import flag_type, parse_count, parse_counts
+from predictors.flag_values import flag_type, parse_count, parse_counts, parse_positive
 
 DEFAULT_DATA = "predictors/data/cpu_measurements.csv"
 
@@ -127,7 +127,8 @@ def cmd_time(args) -> int:
 def _add_collect(sub) -> None:
     p = sub.add_parser("collect", help="measure iteration times on this machine (resumable)")
     p.add_argument("--out", default="out/measurements.csv")
-    p.add_argument("--minutes", type=float, default=20.0, help="time budget; rerun to resume")
+    p.add_argument("--minutes", type=flag_type(parse_positive), default=20.0,
+                   help="time budget; rerun to resume")
     p.add_argument("--precisions", default=None, help="comma list (default: all the device runs)")
     p.add_argument("--models", default=None, help="comma list of zoo names (default: all)")
     # each value >= 1 and each once: a 0 batch or DP size reached the measurement, and a repeat

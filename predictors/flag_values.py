@@ -11,6 +11,7 @@ It imports only argparse (no torch: ``cona``'s flags are parsed before any model
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -59,6 +60,18 @@ def parse_count(text: str) -> int:
     except ValueError:  # not an integer: argparse would say only "invalid ... value"
         pass
     raise FlagValueError(f"{text!r} is not an integer >= 1")
+
+
+def parse_positive(text: str) -> float:
+    """A positive finite real (a time budget, a noise scale): 0, a negative, inf or nan is no
+    amount (a 0-minute budget measured nothing and exited 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # also false for nan
+        raise FlagValueError(f"{text!r} is not a positive finite number")
+    return value
 
 
 def flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:

@@ -72,6 +72,19 @@ def test_collect_refuses_a_count_below_one_naming_the_flag(flag, text, capsys):
     assert err[-1] == f"predict collect: error: argument {flag}: {parsed.value}"
 
 
+@pytest.mark.parametrize("text", ["0", "-5", "inf", "nan", "soon"])
+def test_collect_refuses_a_time_budget_that_is_no_amount(text, capsys):
+    """``--minutes 0`` (or a negative) measured nothing and exited 0, saying the budget was
+    reached."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["collect", "--minutes", text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert err[-1] == (f"predict collect: error: argument --minutes: {text!r} is not a "
+                       "positive finite number")
+    assert build_parser().parse_args(["collect", "--minutes", "0.5"]).minutes == 0.5
+
+
 @pytest.mark.parametrize("models, says", [
     ("nope", "'nope' unknown"),
     ("gpt-s,gtp-m,vit-xs,bert", "'gtp-m', 'bert' unknown"),
