@@ -52,7 +52,11 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--trace", action="store_true",
                    help="presets: trace the built module (optimizer, device-level output) "
                         "instead of the analytical + LightGBM model")
-    m.add_argument("--seq", type=int, default=2048, help="LLM sequence (image tokens included)")
+    # None: not given (the preset's own then); a model with no text part refuses a given one,
+    # which it used to ignore without a word
+    m.add_argument("--seq", type=int, default=None,
+                   help="a preset's text sequence, image tokens included (default: the preset's "
+                        "own, 2048; not with mlp, cnn, module or a preset with no text part)")
     # >= 1 at the flag: a preset's vision tower took 0 or a negative multiple of its patch size
     # and priced a model at it (cnn refuses it later, as image_res)
     m.add_argument("--image-res", type=flag_type(parse_count), default=None)
@@ -110,8 +114,16 @@ def _named_errors(handler):
     return run
 
 
+def _no_seq(model: str) -> ModelSpecError:
+    """A given --seq on a model with no text part, which has nothing to apply it to."""
+    return ModelSpecError(f"--seq: the model {model!r} has no sequence length (no text part); "
+                          "drop --seq")
+
+
 def _memory(args) -> int:
     if args.model in ("mlp", "cnn", "module"):
+        if args.seq is not None:
+            raise _no_seq(args.model)
         return _memory_module(args)
     from .api import predict_peak_memory
 
@@ -155,6 +167,8 @@ def _memory_job(args):
                             frozen=frozen,
                             lora=None if args.lora_rank is None else LoraSpec(
                                 args.lora_rank, base_bits=args.lora_bits))
+    if args.seq is not None and model.text is None:
+        raise _no_seq(args.model)
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
     return model, strategy, TrainingOptions.for_zero_stage(args.zero,

@@ -266,6 +266,33 @@ def test_memory_cli_refuses_what_a_preset_used_to_misread_or_drop(capsys, argv, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn", "module", "vit-l-like"])
+def test_memory_cli_refuses_a_seq_given_to_a_model_with_no_text_part(capsys, model):
+    """mlp, cnn, module and a vision-only preset have no sequence length: a given --seq was
+    ignored without a word, and the user believed it priced."""
+    from predictors.cli import main
+
+    assert main(["memory", "--model", model, "--seq", "4096"]) == 1
+    assert (f"ModelSpecError: --seq: the model {model!r} has no sequence length"
+            in capsys.readouterr().err)
+
+
+def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
+    """--seq's default moved from 2048 to None (not given): a preset is still priced at 2048."""
+    import json
+
+    from predictors.cli import main
+    from predictors.memory.presets import get_preset
+
+    assert get_preset("llama-7b-like").text.seq_length == 2048
+
+    def run(*argv):
+        assert main(["memory", "--model", "llama-7b-like", "--json", *argv]) in (0, 2, 3)
+        return json.loads(capsys.readouterr().out)
+
+    assert run() == run("--seq", "2048") != run("--seq", "4096")
+
+
 def test_memory_cli_judges_a_preset_on_the_card_it_names(capsys):
     """--device on a preset sets the capacity (it was judged on 80 GiB whatever the card) and
     the generation's overheads: an A100-80GB is not Hopper."""
