@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from predictors.flag_values import check_distinct, check_once
 from predictors.spec import (
     DEFAULT_OPTIONS,
     ParallelStrategy,
@@ -68,12 +69,11 @@ class CandidateSpec:
         # directly. A 0 micro-batch was a ZeroDivisionError and a negative one never returned
         # (global_batches' loop); a repeat was taken silently (an inadmissible layout reported
         # once per repeat); a range with MIN < 1 was taken as MIN 1, MAX < MIN left no candidate.
-        if not self.micro_batches or min(self.micro_batches) < 1:
-            raise StrategyError(f"micro_batches={self.micro_batches} must list integers >= 1")
-        for name in ("micro_batches", "layouts", "fixed"):
+        check_distinct(self.micro_batches, f"micro_batches={self.micro_batches}",
+                       error=StrategyError)
+        for name in ("layouts", "fixed"):
             values = getattr(self, name) or ()
-            if len(set(values)) != len(values):
-                raise StrategyError(f"{name}={values} lists a value twice")
+            check_once(values, f"{name}={values}", error=StrategyError)
         span = self.global_batch_range
         if len(span) != 2 or not 1 <= span[0] <= span[1]:
             raise StrategyError(f"global_batch_range={span} must be (MIN, MAX) with "

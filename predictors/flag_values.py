@@ -1,7 +1,9 @@
 """Integer flags, parsed one way for every command line that takes them: the comma-separated
 lists of ``predict collect``, ``cona plan``, ``cona scale``, ``--cona-micro-batches``,
 ``benchmarks/cona_grid.py --seeds`` and ``benchmarks/bench_ttft.py --suffix-lengths``, and the
-single counts (``predict collect --repeats``, ``predict memory --batch``, ...).
+single counts (``predict collect --repeats``, ``predict memory --batch``, ...); the lists'
+rule is checked by one function, :func:`check_distinct`, for the flags and for the dataclasses
+that Python callers build directly (``CandidateSpec``, ``SimOptions``).
 
 It lives in ``predictors`` for the reason :mod:`predictors.image_path` does: CONA imports from
 ``predictors`` and never the reverse, so ``predict`` cannot import these from ``megatron_cona``.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -33,15 +35,29 @@ def parse_ints(text: str) -> tuple[int, ...]:
         raise FlagValueError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def parse_distinct(text: str, least: int) -> tuple[int, ...]:
-    """Comma-separated integers, at least one, each >= ``least`` and each once (the list is
-    taken as a set, so a repeat is a typo, and where each value is run, it would run twice)."""
-    values = parse_ints(text)
-    if not values or min(values) < least:
-        raise FlagValueError(f"{text!r} is not a comma-separated list of integers >= {least}")
+def check_once(values: Sequence[Hashable], field: str, *,
+               error: type[ValueError] = FlagValueError) -> None:
+    """Each of ``values`` once, else ``error`` naming ``field`` (the caller's name for the values
+    as its message shows them: ``micro_batches=(1, 1)``, a flag's text ``'1,1'``). Such a list
+    is taken as a set, so a repeat is a typo, and where each value is run, it would run twice."""
     if len(set(values)) != len(values):
-        raise FlagValueError(f"{text!r} lists a value twice")
-    return values
+        raise error(f"{field} lists a value twice")
+
+
+def check_distinct(values: Sequence[int], field: str, least: int = 1, *,
+                   error: type[ValueError] = FlagValueError) -> tuple[int, ...]:
+    """``values`` as a tuple: at least one, each >= ``least`` and each once (the rule of every
+    list of counts or sizes, from a flag or a dataclass); else ``error`` naming ``field`` as
+    :func:`check_once` does (dataclasses raise their own error type)."""
+    if not values or min(values) < least:
+        raise error(f"{field} must list integers >= {least}")
+    check_once(values, field, error=error)
+    return tuple(values)
+
+
+def parse_distinct(text: str, least: int) -> tuple[int, ...]:
+    """Comma-separated integers, at least one, each >= ``least`` and each once."""
+    return check_distinct(parse_ints(text), repr(text), least)
 
 
 def parse_counts(text: str) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from megatron_cona.lawsim.checks import run_checks
 from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.law import VARIANTS, LawError
 from megatron_cona.policy import PolicyConfig
+from predictors.flag_values import check_distinct, check_once
 from predictors.spec import ParallelStrategy
 
 NOTE = ("LAW-BASED SIMULATION: training progress from published laws (Kaplan et al. 2020, "
@@ -100,22 +101,20 @@ class SimOptions:
                 for n in dict.fromkeys(skippable)))
         if self.jobs < 1:
             raise LawError(f"jobs={self.jobs} must be >= 1 worker process")
+        # a repeat would run its cases twice and count them twice in every median, as would a
+        # repeated family or variant below
         for name in ("gpus", "micro_batches", "pipeline"):
-            if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise LawError(f"{name}={getattr(self, name)} must list integers >= 1")
+            check_distinct(getattr(self, name), f"{name}={getattr(self, name)}", error=LawError)
         if max(self.gpus) > MAX_WORLD:  # 10^30 GPUs never returned from the layouts' divisors
             raise LawError(f"gpus={self.gpus}: {max(self.gpus)} is over {MAX_WORLD:,} GPUs")
         for name in ("families", "variants"):
             if not getattr(self, name):
                 raise LawError(f"{name}: empty; choose from "
                                f"{', '.join(FAMILIES if name == 'families' else VARIANTS)}")
-        # a repeat would run its cases twice and count them twice in every median (in the
-        # chains to skip or the variants of the exact DP: a typo, like an unknown name)
-        for name in ("families", "gpus", "variants", "micro_batches", "pipeline", "skip",
-                     "exact_variants"):
-            values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise LawError(f"{name}={values} lists a value twice")
+        # (in the chains to skip or the variants of the exact DP a repeat is a typo, like an
+        # unknown name)
+        for name in ("families", "variants", "skip", "exact_variants"):
+            check_once(getattr(self, name), f"{name}={getattr(self, name)}", error=LawError)
         # the real numbers each need a finite value at or above a floor (nan fails every test)
         for name, floor in (("min_gain", 0.0), ("noise_z", 0.0)):
             if not floor <= getattr(self, name) < math.inf:

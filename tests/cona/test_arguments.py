@@ -119,8 +119,8 @@ def test_counts_taken(text, taken):
 
 
 @pytest.mark.parametrize("text, says", [
-    ("1,2,1", "lists a value twice"), ("0,-1", "is not a comma-separated list of integers >= 1"),
-    (",", "is not a comma-separated list of integers >= 1"),
+    ("1,2,1", "lists a value twice"), ("0,-1", "must list integers >= 1"),
+    (",", "must list integers >= 1"),
     ("1:2", "is not a comma-separated list of integers"),
     ("two", "is not a comma-separated list of integers"),
 ])

@@ -101,6 +101,29 @@ def test_a_spec_built_in_python_is_refused_naming_the_field(fields, says):
         assert str(err.value).endswith("lists a value twice")
 
 
+@pytest.mark.parametrize("values, says", [
+    ((0, 2), "must list integers >= 1"), ((), "must list integers >= 1"),
+    ((2, 4, 2), "lists a value twice"),
+])
+def test_a_flag_and_the_dataclasses_refuse_a_list_by_one_rule(values, says):
+    """CandidateSpec and SimOptions each had their own copy of the flags' rule (each >= 1, each
+    once), the flags in other words: all three now call predictors.flag_values.check_distinct."""
+    from megatron_cona.lawsim.evaluate import SimOptions
+    from megatron_cona.lawsim.law import LawError
+    from predictors.flag_values import FlagValueError, check_distinct, parse_counts
+
+    text = ",".join(map(str, values))
+    with pytest.raises(FlagValueError) as flag:
+        parse_counts(text)
+    with pytest.raises(StrategyError) as spec:
+        CandidateSpec(micro_batches=values)
+    with pytest.raises(LawError) as sim:
+        SimOptions(micro_batches=values)
+    assert str(flag.value) == f"{text!r} {says}"
+    assert str(spec.value) == str(sim.value) == f"micro_batches={values} {says}"
+    assert check_distinct([4, 1], "sizes") == (4, 1)
+
+
 def test_memory_predictor_drops_what_a_small_card_cannot_hold():
     from megatron_cona.candidates import PredictorMemory
 

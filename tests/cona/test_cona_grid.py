@@ -67,7 +67,7 @@ def test_seeds_are_taken_in_order():
 
 @pytest.mark.parametrize("text, says", [
     ("0,1,0", "'0,1,0' lists a value twice"),
-    ("1,-1", "'1,-1' is not a comma-separated list of integers >= 0"),
+    ("1,-1", "'1,-1' must list integers >= 0"),
     ("0;1", "'0;1' is not a comma-separated list of integers"),
 ])
 def test_a_repeated_or_negative_seed_is_refused_naming_the_flag(text, says, capsys):
