@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from ..flag_values import flag_type, parse_count
 from ..spec.model import ModelSpecError
@@ -15,6 +16,67 @@ from ..spec.options import FRAMEWORKS
 
 # the verdict's exit status: 0 fits, 2 does not fit, 3 tight (the margin straddles the card)
 EXIT_CODES = {"fits": 0, "oom": 2, "tight": 3}
+
+# the models traced from flags alone; any other --model is a preset
+MODULE_MODELS = ("mlp", "cnn", "module")
+# the kinds of model a flag is read by: mlp, cnn and module by name; a preset as "preset" and
+# by its parts ("text", "vision"; "multimodal": both)
+KIND_SAID = {"mlp": "mlp", "cnn": "cnn", "module": "module", "preset": "a preset",
+             "text": "a preset with a text part", "vision": "a preset with a vision part",
+             "multimodal": "a preset with a vision and a text part"}
+
+
+class ReadBy(NamedTuple):
+    """A flag only some kinds of model read: its default (None: none, or the preset's own),
+    what it sets and those kinds."""
+
+    default: object
+    what: str
+    kinds: tuple[str, ...]
+
+
+# A flag given to a model that does not read it is refused, naming it (it used to be ignored
+# without a word), so each of these is None when not given and gets its default here. A new
+# kind-specific flag or kind of model is an entry here.
+MODEL_FLAGS: dict[str, ReadBy] = {
+    "--seq": ReadBy(None, "sequence length", ("text",)),
+    "--image-res": ReadBy(None, "image resolution", ("cnn", "vision")),
+    "--images-per-sample": ReadBy(None, "text to interleave images with", ("multimodal",)),
+    "--input": ReadBy(784, "flat input features", ("mlp",)),
+    "--hidden": ReadBy("1024,1024", "hidden widths to set", ("mlp",)),
+    "--channels": ReadBy("64,128,256", "conv widths to set", ("cnn",)),
+    "--kernel": ReadBy(3, "kernel size to set", ("cnn",)),
+    "--classes": ReadBy(10, "class count to set", ("mlp", "cnn")),
+    "--activation": ReadBy("relu", "activation to set", ("mlp", "cnn")),
+    "--batchnorm": ReadBy(False, "batchnorm to add", ("mlp", "cnn")),
+    "--dropout": ReadBy(0.0, "dropout to add", ("mlp",)),
+    "--module": ReadBy(None, "factory to load", ("module",)),
+    "--input-shape": ReadBy(None, "input shape to set", ("module",)),
+    "--last-batch": ReadBy(None, "traced last batch", MODULE_MODELS),
+    "--trace": ReadBy(False, "analytical model to trace instead", ("preset",)),
+    "--strategy": ReadBy(None, "tensor or pipeline parallelism", ("preset",)),
+    "--checkpointing": ReadBy("none", "activation checkpointing to set", ("preset",)),
+    "--attention": ReadBy("flash", "attention implementation to set", ("preset",)),
+    "--freeze": ReadBy(None, "towers to freeze", ("preset",)),
+    "--lora-rank": ReadBy(None, "LLM to put LoRA adapters on", ("text",)),
+    "--lora-bits": ReadBy(16, "LLM to put LoRA adapters on", ("text",)),
+}
+
+
+def _said(kinds: tuple[str, ...]) -> str:
+    """The kinds in words: "mlp, cnn or module"."""
+    said = [KIND_SAID[k] for k in kinds]
+    return " or ".join([", ".join(said[:-1]), said[-1]] if len(said) > 1 else said)
+
+
+def _given_or(flag: str, help: str, unset: str | None = None) -> dict:
+    """add_argument's default and help for a flag of MODEL_FLAGS: None (not given); the help
+    says its real default (``unset`` where that is None) and the kinds that read it."""
+    read = MODEL_FLAGS[flag]
+    if read.default is not None and not isinstance(read.default, bool):  # a switch's: off
+        unset = str(read.default)
+    default = "" if unset is None else f"default {unset}; "
+    return {"default": None, "help": f"{help} ({default}{_said(read.kinds)} only)"}
 
 
 def add_subcommands(subparsers) -> None:
@@ -25,17 +87,18 @@ def add_subcommands(subparsers) -> None:
     # crashed on a negative one in torch; presets refuse it later, as micro_batch
     m.add_argument("--batch", type=flag_type(parse_count), default=1)
     g = m.add_argument_group("mlp / cnn / module (traced nn.Module, device-level output)")
-    g.add_argument("--input", type=int, default=784, help="mlp: input features")
-    g.add_argument("--hidden", default="1024,1024", help="mlp: comma list of hidden widths")
-    g.add_argument("--channels", default="64,128,256", help="cnn: comma list of conv widths")
-    g.add_argument("--kernel", type=int, default=3, help="cnn: kernel size")
-    g.add_argument("--classes", type=int, default=10)
-    g.add_argument("--activation", default="relu")
-    g.add_argument("--batchnorm", action="store_true")
-    g.add_argument("--dropout", type=float, default=0.0)
-    g.add_argument("--module", default=None, help="module: package.module:factory")
-    g.add_argument("--input-shape", default=None,
-                   help="module: one sample's input shape, e.g. 3x224x224 (float input)")
+    g.add_argument("--input", type=int, **_given_or("--input", "input features"))
+    g.add_argument("--hidden", **_given_or("--hidden", "comma list of hidden widths"))
+    g.add_argument("--channels", **_given_or("--channels", "comma list of conv widths"))
+    g.add_argument("--kernel", type=int, **_given_or("--kernel", "kernel size"))
+    g.add_argument("--classes", type=int, **_given_or("--classes", "classifier outputs"))
+    g.add_argument("--activation", **_given_or("--activation", "activation after each layer"))
+    g.add_argument("--batchnorm", action="store_true",
+                   **_given_or("--batchnorm", "batchnorm after each layer"))
+    g.add_argument("--dropout", type=float, **_given_or("--dropout", "dropout after each layer"))
+    g.add_argument("--module", **_given_or("--module", "package.module:factory"))
+    g.add_argument("--input-shape", **_given_or(
+        "--input-shape", "one sample's input shape, e.g. 3x224x224 (float input)"))
     g.add_argument("--optimizer", default="adam",
                    help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...")
     g.add_argument("--device", default=None,
@@ -45,38 +108,41 @@ def add_subcommands(subparsers) -> None:
                    help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
                         "megatron (distributed optimizer)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
-    g.add_argument("--last-batch", type=int, default=None,
-                   help="the loader's smaller last batch (len(dataset) %% batch), traced too")
+    g.add_argument("--last-batch", type=int, **_given_or(
+        "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
     g.add_argument("--context-mib", type=float, default=None,
                    help="your stack's measured CUDA context (default: the device's, see docs)")
-    g.add_argument("--trace", action="store_true",
-                   help="presets: trace the built module (optimizer, device-level output) "
-                        "instead of the analytical + LightGBM model")
-    # None: not given (the preset's own then); a model with no text part refuses a given one,
-    # which it used to ignore without a word
-    m.add_argument("--seq", type=int, default=None,
-                   help="a preset's text sequence, image tokens included (default: the preset's "
-                        "own, 2048; not with mlp, cnn, module or a preset with no text part)")
+    g.add_argument("--trace", action="store_true", **_given_or(
+        "--trace", "trace the built module (optimizer, device-level output) instead of the "
+                   "analytical + LightGBM model"))
+    m.add_argument("--seq", type=int, **_given_or(
+        "--seq", "text sequence, image tokens included", unset="the preset's own, 2048"))
     # >= 1 at the flag: a preset's vision tower took 0 or a negative multiple of its patch size
     # and priced a model at it (cnn refuses it later, as image_res)
-    m.add_argument("--image-res", type=flag_type(parse_count), default=None)
-    m.add_argument("--images-per-sample", type=int, default=1)
+    m.add_argument("--image-res", type=flag_type(parse_count), **_given_or(
+        "--image-res", "image resolution", unset="cnn 224, a preset its own"))
+    m.add_argument("--images-per-sample", type=int, **_given_or(
+        "--images-per-sample", "images each sample's text interleaves",
+        unset="the preset's own, 1"))
     m.add_argument("--precision", default="bf16")
     m.add_argument("--zero", type=int, default=0, help="ZeRO / DistributedOptimizer stage")
     m.add_argument("--dp", type=int, default=1, help="data-parallel degree ZeRO shards over")
-    m.add_argument("--strategy", default=None,
-                   help="presets: dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it "
-                        "(replaces --batch and --dp; the first pipeline stage's rank)")
-    m.add_argument("--checkpointing", default="none", choices=["none", "full"])
-    m.add_argument("--attention", default="flash", choices=["flash", "unfused", "eager"],
-                   help="eager: unfused (transformers' name for it)")
-    m.add_argument("--freeze", default=None, help="comma list of towers: vision,projector,llm")
-    m.add_argument("--lora-rank", type=int, default=None,
-                   help="presets: LoRA adapters of this rank on every Linear of the LLM's "
-                        "layers (LLaVA's finetune_lora.sh: 128); the LLM's weights freeze")
-    m.add_argument("--lora-bits", type=int, default=16, choices=[16, 4],
-                   help="with --lora-rank: 4 keeps the LLM's Linear weights in bitsandbytes' "
-                        "nf4 (QLoRA)")
+    m.add_argument("--strategy", **_given_or(
+        "--strategy", "dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it (replaces "
+                      "--batch and --dp; the first pipeline stage's rank)"))
+    m.add_argument("--checkpointing", choices=["none", "full"],
+                   **_given_or("--checkpointing", "activation checkpointing"))
+    m.add_argument("--attention", choices=["flash", "unfused", "eager"],
+                   **_given_or("--attention", "attention implementation; eager is unfused "
+                                                "(transformers' name for it)"))
+    m.add_argument("--freeze", **_given_or(
+        "--freeze", "comma list of towers: vision,projector,llm", unset="the preset's own"))
+    m.add_argument("--lora-rank", type=int, **_given_or(
+        "--lora-rank", "LoRA adapters of this rank on every Linear of the LLM's layers "
+                       "(LLaVA's finetune_lora.sh: 128); the LLM's weights freeze"))
+    m.add_argument("--lora-bits", type=int, choices=[16, 4], **_given_or(
+        "--lora-bits", "with --lora-rank: 4 keeps the LLM's Linear weights in bitsandbytes' "
+                       "nf4 (QLoRA)"))
     m.add_argument("--capacity-gib", default=None,
                    help="card memory in GiB (24/40/80/141...; presets default 80, mlp/cnn/"
                         "module default: --device's)")
@@ -114,16 +180,33 @@ def _named_errors(handler):
     return run
 
 
-def _no_seq(model: str) -> ModelSpecError:
-    """A given --seq on a model with no text part, which has nothing to apply it to."""
-    return ModelSpecError(f"--seq: the model {model!r} has no sequence length (no text part); "
-                          "drop --seq")
+def _model_flags(args) -> None:
+    """Refuse the flags of MODEL_FLAGS given to a model that does not read them, naming each
+    and what the model lacks; then give the others not given their defaults."""
+    from .presets import get_preset
+
+    if args.model in MODULE_MODELS:
+        kinds = {args.model}
+    else:
+        spec = get_preset(args.model)
+        kinds = {"preset"} | {part for part, has in (
+            ("text", spec.text), ("vision", spec.vision), ("multimodal", spec.multimodal)) if has}
+    dest = {flag: flag[2:].replace("-", "_") for flag in MODEL_FLAGS}
+    unread = [flag for flag, read in MODEL_FLAGS.items()
+              if getattr(args, dest[flag]) is not None and not kinds & set(read.kinds)]
+    if unread:
+        raise ModelSpecError("; ".join(
+            f"{flag}: the model {args.model!r} has no {MODEL_FLAGS[flag].what} (only "
+            f"{_said(MODEL_FLAGS[flag].kinds)} reads it)" for flag in unread)
+            + f"; drop {', '.join(unread)}")
+    for flag, read in MODEL_FLAGS.items():
+        if getattr(args, dest[flag]) is None:
+            setattr(args, dest[flag], read.default)
 
 
 def _memory(args) -> int:
-    if args.model in ("mlp", "cnn", "module"):
-        if args.seq is not None:
-            raise _no_seq(args.model)
+    _model_flags(args)
+    if args.model in MODULE_MODELS:
         return _memory_module(args)
     from .api import predict_peak_memory
 
@@ -167,8 +250,6 @@ def _memory_job(args):
                             frozen=frozen,
                             lora=None if args.lora_rank is None else LoraSpec(
                                 args.lora_rank, base_bits=args.lora_bits))
-    if args.seq is not None and model.text is None:
-        raise _no_seq(args.model)
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
     return model, strategy, TrainingOptions.for_zero_stage(args.zero,

@@ -266,15 +266,73 @@ def test_memory_cli_refuses_what_a_preset_used_to_misread_or_drop(capsys, argv, 
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn", "module", "vit-l-like"])
-def test_memory_cli_refuses_a_seq_given_to_a_model_with_no_text_part(capsys, model):
-    """mlp, cnn, module and a vision-only preset have no sequence length: a given --seq was
-    ignored without a word, and the user believed it priced."""
+@pytest.mark.parametrize("model, argv", [
+    *[(model, ["--seq", "4096"]) for model in ("mlp", "cnn", "module", "vit-l-like")],
+    *[(model, ["--image-res", "64"]) for model in ("mlp", "module", "llama-7b-like")],
+    *[(model, ["--images-per-sample", "2"])
+      for model in ("mlp", "cnn", "module", "llama-7b-like", "vit-l-like")],
+    ("llava-1.5-7b-like", ["--input", "784", "--hidden", "8", "--channels", "8", "--kernel",
+                           "3", "--classes", "10", "--activation", "relu", "--batchnorm",
+                           "--dropout", "0.1", "--last-batch", "1"]),
+    ("llama-7b-like", ["--module", "memory_factory:make", "--input-shape", "3x16x16"]),
+    ("mlp", ["--channels", "8", "--kernel", "3"]),
+    ("cnn", ["--input", "8", "--hidden", "8", "--dropout", "0.1"]),
+    ("cnn", ["--module", "memory_factory:make", "--input-shape", "3x16x16"]),
+    ("module", ["--classes", "10", "--activation", "gelu"]),
+    # a preset's flags, given their own defaults: "given" is not "differs from the default"
+    ("mlp", ["--trace", "--strategy", "dp1tp1pp1", "--checkpointing", "none", "--attention",
+             "flash", "--freeze", "vision", "--lora-rank", "8", "--lora-bits", "16"]),
+    ("vit-l-like", ["--lora-rank", "8"]),
+])
+def test_memory_cli_refuses_a_flag_the_model_does_not_read(capsys, model, argv):
+    """A flag only other kinds of model read (--seq without a text part, --image-res without
+    an image, --images-per-sample without both a vision and a text part, an mlp's sizes on a
+    cnn or a preset, a preset's options on mlp/cnn/module) was ignored without a word, and the
+    user believed it priced: refused naming each, with exit status 1 (2 is "oom")."""
     from predictors.cli import main
 
-    assert main(["memory", "--model", model, "--seq", "4096"]) == 1
-    assert (f"ModelSpecError: --seq: the model {model!r} has no sequence length"
-            in capsys.readouterr().err)
+    flags = [a for a in argv if a.startswith("--")]
+    assert main(["memory", "--model", model, *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: ModelSpecError: {flags[0]}: the model {model!r} has no ")
+    assert [f for f in flags if f"{f}: the model {model!r} has no " not in err] == []
+    assert err.rstrip().endswith(f"reads it); drop {', '.join(flags)}")
+
+
+def test_memory_cli_says_what_a_model_lacks_and_which_models_read_the_flag(capsys):
+    from predictors.cli import main
+
+    assert main(["memory", "--model", "llama-7b-like", "--image-res", "336", "--seq", "512",
+                 "--images-per-sample", "2"]) == 1
+    assert capsys.readouterr().err == (
+        "error: ModelSpecError: --image-res: the model 'llama-7b-like' has no image resolution "
+        "(only cnn or a preset with a vision part reads it); --images-per-sample: the model "
+        "'llama-7b-like' has no text to interleave images with (only a preset with a vision "
+        "and a text part reads it); drop --image-res, --images-per-sample\n")
+
+
+def test_memory_cli_still_prices_the_flags_a_model_reads_and_their_defaults(capsys):
+    """The flags now default to None (not given): not given, each still takes its documented
+    default, and a flag the model reads still changes the price."""
+    import json
+
+    from predictors.cli import main
+
+    def run(model, *argv):
+        assert main(["memory", "--model", model, "--json", *argv]) in (0, 2, 3)
+        return json.loads(capsys.readouterr().out)
+
+    mlp = run("mlp", "--batch", "4")  # batchnorm needs more than one sample
+    assert mlp == run("mlp", "--batch", "4", "--input", "784", "--hidden", "1024,1024",
+                      "--classes", "10", "--activation", "relu", "--dropout", "0.0")
+    assert mlp != run("mlp", "--batch", "4", "--dropout", "0.5", "--batchnorm")
+    assert run("cnn", "--channels", "8", "--image-res", "32") == run(
+        "cnn", "--channels", "8", "--image-res", "32", "--kernel", "3", "--classes", "10")
+    llava = run("llava-1.5-7b-like")
+    assert llava == run("llava-1.5-7b-like", "--images-per-sample", "1", "--checkpointing",
+                        "none", "--attention", "flash")
+    assert llava != run("llava-1.5-7b-like", "--images-per-sample", "2")
+    assert llava != run("llava-1.5-7b-like", "--image-res", "224")
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
