@@ -61,6 +61,9 @@ MODEL_FLAGS: dict[str, ReadBy] = {
     "--lora-rank": ReadBy(None, "LLM to put LoRA adapters on", ("text",)),
     "--lora-bits": ReadBy(16, "LLM to put LoRA adapters on", ("text",)),
 }
+# --strategy's dp<D> and mb<M> replace --dp and --batch: given with it they were dropped
+# without a word, so both are None when not given and get these defaults in _model_flags
+STRATEGY_REPLACES = {"--batch": 1, "--dp": 1}
 
 
 def _said(kinds: tuple[str, ...]) -> str:
@@ -85,7 +88,9 @@ def add_subcommands(subparsers) -> None:
                    help="a preset (e.g. llava-1.5-7b-like), 'mlp', 'cnn' or 'module'")
     # >= 1 at the flag: mlp/cnn/module took a 0 batch (a step of no samples, judged to fit) and
     # crashed on a negative one in torch; presets refuse it later, as micro_batch
-    m.add_argument("--batch", type=flag_type(parse_count), default=1)
+    m.add_argument("--batch", type=flag_type(parse_count), default=None,
+                   help=f"samples per GPU per step (default {STRATEGY_REPLACES['--batch']}; "
+                        "not with --strategy, whose mb<M> it is)")
     g = m.add_argument_group("mlp / cnn / module (traced nn.Module, device-level output)")
     g.add_argument("--input", type=int, **_given_or("--input", "input features"))
     g.add_argument("--hidden", **_given_or("--hidden", "comma list of hidden widths"))
@@ -111,7 +116,8 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--last-batch", type=int, **_given_or(
         "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
     g.add_argument("--context-mib", type=float, default=None,
-                   help="your stack's measured CUDA context (default: the device's, see docs)")
+                   help="your stack's measured CUDA context (default: the device's, see docs; "
+                        "mlp, cnn, module or a preset with --trace only)")
     g.add_argument("--trace", action="store_true", **_given_or(
         "--trace", "trace the built module (optimizer, device-level output) instead of the "
                    "analytical + LightGBM model"))
@@ -126,17 +132,20 @@ def add_subcommands(subparsers) -> None:
         unset="the preset's own, 1"))
     m.add_argument("--precision", default="bf16")
     m.add_argument("--zero", type=int, default=0, help="ZeRO / DistributedOptimizer stage")
-    m.add_argument("--dp", type=int, default=1, help="data-parallel degree ZeRO shards over")
+    m.add_argument("--dp", type=int, default=None,
+                   help=f"data-parallel degree ZeRO shards over (default "
+                        f"{STRATEGY_REPLACES['--dp']}; not with --strategy, whose dp<D> it is)")
     m.add_argument("--strategy", **_given_or(
-        "--strategy", "dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it (replaces "
-                      "--batch and --dp; the first pipeline stage's rank)"))
+        "--strategy", "dp<D>tp<T>pp<P>[mb<M>][gb<G>] as 'predict time' takes it (instead "
+                      "of --batch and --dp; the first pipeline stage's rank)"))
     m.add_argument("--checkpointing", choices=["none", "full"],
                    **_given_or("--checkpointing", "activation checkpointing"))
     m.add_argument("--attention", choices=["flash", "unfused", "eager"],
                    **_given_or("--attention", "attention implementation; eager is unfused "
                                                 "(transformers' name for it)"))
     m.add_argument("--freeze", **_given_or(
-        "--freeze", "comma list of towers: vision,projector,llm", unset="the preset's own"))
+        "--freeze", "comma list of the preset's towers: vision, projector, llm (a vision-only "
+                    "preset: vision, head)", unset="the preset's own"))
     m.add_argument("--lora-rank", type=int, **_given_or(
         "--lora-rank", "LoRA adapters of this rank on every Linear of the LLM's layers "
                        "(LLaVA's finetune_lora.sh: 128); the LLM's weights freeze"))
@@ -182,7 +191,8 @@ def _named_errors(handler):
 
 def _model_flags(args) -> None:
     """Refuse the flags of MODEL_FLAGS given to a model that does not read them, naming each
-    and what the model lacks; then give the others not given their defaults."""
+    and what the model lacks; give the flags not given their defaults; then refuse what
+    _unread_with finds."""
     from .presets import get_preset
 
     if args.model in MODULE_MODELS:
@@ -191,17 +201,70 @@ def _model_flags(args) -> None:
         spec = get_preset(args.model)
         kinds = {"preset"} | {part for part, has in (
             ("text", spec.text), ("vision", spec.vision), ("multimodal", spec.multimodal)) if has}
-    dest = {flag: flag[2:].replace("-", "_") for flag in MODEL_FLAGS}
+    defaults = {**{flag: read.default for flag, read in MODEL_FLAGS.items()},
+                **STRATEGY_REPLACES}
+    dest = {flag: flag[2:].replace("-", "_") for flag in defaults}
+    given = {flag for flag in defaults if getattr(args, dest[flag]) is not None}
     unread = [flag for flag, read in MODEL_FLAGS.items()
-              if getattr(args, dest[flag]) is not None and not kinds & set(read.kinds)]
+              if flag in given and not kinds & set(read.kinds)]
     if unread:
         raise ModelSpecError("; ".join(
             f"{flag}: the model {args.model!r} has no {MODEL_FLAGS[flag].what} (only "
             f"{_said(MODEL_FLAGS[flag].kinds)} reads it)" for flag in unread)
             + f"; drop {', '.join(unread)}")
-    for flag, read in MODEL_FLAGS.items():
-        if getattr(args, dest[flag]) is None:
-            setattr(args, dest[flag], read.default)
+    for flag in defaults.keys() - given:
+        setattr(args, dest[flag], defaults[flag])
+    if problems := _unread_with(args, kinds, given):
+        raise ModelSpecError("; ".join(problems))
+
+
+def _unread_with(args, kinds: set[str], given: set[str]) -> list[str]:
+    """A flag the model's kind reads but another flag or a value leaves unread (it was dropped
+    without a word) or fails on in torch (a message naming no flag): one message each, naming
+    the flags. ``args`` has its defaults; ``given`` the flags of _model_flags given."""
+    problems = []
+    # the bits of the LLM's weights under LoRA adapters: without them they stay in --precision
+    if "--lora-bits" in given and args.lora_rank is None:
+        problems.append("--lora-bits: without --lora-rank there are no LoRA adapters and the "
+                        "LLM's weights stay in --precision; add --lora-rank or drop --lora-bits")
+    # a preset's analytical model prices the card generation's own CUDA context
+    if args.context_mib is not None and "preset" in kinds and not args.trace:
+        problems.append(f"--context-mib: the analytical model of {args.model!r} prices the "
+                        "device's own CUDA context (only mlp, cnn, module or a preset with "
+                        "--trace reads it); add --trace or drop --context-mib")
+    # --strategy's dp<D> and mb<M> were priced and --dp/--batch dropped
+    if args.strategy is not None and (replaced := [f for f in STRATEGY_REPLACES if f in given]):
+        problems.append(f"{', '.join(replaced)} with --strategy: its mb<M> is the batch and "
+                        f"dp<D> the data-parallel degree; drop {', '.join(replaced)} or "
+                        "--strategy")
+    # a tower the preset lacks froze nothing (mlp/cnn/module were refused --freeze above)
+    towers = _towers(kinds)
+    if missing := [t for t in _frozen(args) or () if t not in towers]:
+        problems.append(f"--freeze: the model {args.model!r} has no tower "
+                        f"{', '.join(map(repr, missing))} (its towers: {', '.join(towers)})")
+    # an mlp's BatchNorm1d normalizes each channel over the batch alone, and torch refuses one
+    # value per channel in training; a cnn's BatchNorm2d also takes the >= 2x2 pixels before
+    # each pooling, so a cnn trains at batch 1
+    if args.model == "mlp" and args.batchnorm:
+        problems += [f"{flag} 1 with --batchnorm: an mlp's BatchNorm1d needs 2 or more samples "
+                     f"to train (torch refuses 1); give {flag} 2 or more or drop --batchnorm"
+                     for flag, batch in (("--batch", args.batch),
+                                         ("--last-batch", args.last_batch)) if batch == 1]
+    return problems
+
+
+def _towers(kinds: set[str]) -> tuple[str, ...]:
+    """A preset's towers, as build.tower_modules names a built one's: its vision part, the
+    projector joining a vision and a text part, the text part ("llm") and a vision-only
+    model's classification head."""
+    return tuple(tower for tower, has in (
+        ("vision", "vision" in kinds), ("projector", "multimodal" in kinds),
+        ("llm", "text" in kinds), ("head", "vision" in kinds and "text" not in kinds)) if has)
+
+
+def _frozen(args) -> tuple[str, ...] | None:
+    """The towers --freeze names (None: not given, the preset's own)."""
+    return None if args.freeze is None else tuple(t for t in args.freeze.split(",") if t)
 
 
 def _memory(args) -> int:
@@ -240,14 +303,13 @@ def _memory_job(args):
     from ..spec import LoraSpec, ModelSpecError, ParallelStrategy, TrainingOptions
     from .presets import as_memory_model
 
-    frozen = tuple(t for t in args.freeze.split(",") if t) if args.freeze is not None else None
     if args.lora_rank is not None and args.trace:
         raise ModelSpecError("--lora-rank: the traced preset path builds no adapters; drop "
                              "--trace")
     model = as_memory_model(args.model, seq=args.seq, image_res=args.image_res,
                             images_per_sample=args.images_per_sample,
                             attention="unfused" if args.attention == "eager" else args.attention,
-                            frozen=frozen,
+                            frozen=_frozen(args),
                             lora=None if args.lora_rank is None else LoraSpec(
                                 args.lora_rank, base_bits=args.lora_bits))
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy

@@ -137,7 +137,8 @@ def test_memory_takes_a_batch_and_a_resolution():
                                       "--image-res", "448"])
     assert (args.batch, args.image_res) == (4, 448)
     defaults = build_parser().parse_args(["memory", "--model", "mlp"])
-    assert (defaults.batch, defaults.image_res) == (1, None)
+    # None: not given (predict memory refuses --batch beside --strategy, then takes 1)
+    assert (defaults.batch, defaults.image_res) == (None, None)
 
 
 def test_the_predictors_cli_imports_no_plugin():

@@ -311,6 +311,48 @@ def test_memory_cli_says_what_a_model_lacks_and_which_models_read_the_flag(capsy
         "and a text part reads it); drop --image-res, --images-per-sample\n")
 
 
+@pytest.mark.parametrize("model, argv, message", [
+    ("llama-7b-like", ["--lora-bits", "4"],
+     "--lora-bits: without --lora-rank there are no LoRA adapters"),
+    ("llama-7b-like", ["--lora-bits", "16"],  # given, not "differs from the default"
+     "--lora-bits: without --lora-rank there are no LoRA adapters"),
+    ("llama-7b-like", ["--freeze", "vision"],
+     "--freeze: the model 'llama-7b-like' has no tower 'vision' (its towers: llm)"),
+    ("llama-7b-like", ["--freeze", "llm,bogus"],
+     "--freeze: the model 'llama-7b-like' has no tower 'bogus' (its towers: llm)"),
+    ("vit-l-like", ["--freeze", "llm,projector"], "--freeze: the model 'vit-l-like' has no "
+     "tower 'llm', 'projector' (its towers: vision, head)"),
+    ("llava-1.5-7b-like", ["--freeze", "head"], "--freeze: the model 'llava-1.5-7b-like' has "
+     "no tower 'head' (its towers: vision, projector, llm)"),
+    ("llama-7b-like", ["--context-mib", "600"],
+     "--context-mib: the analytical model of 'llama-7b-like' prices the device's own CUDA "
+     "context (only mlp, cnn, module or a preset with --trace reads it); add --trace"),
+    ("llama-7b-like", ["--strategy", "dp2tp1pp1", "--batch", "4"],
+     "--batch with --strategy: its mb<M> is the batch"),
+    ("llama-7b-like", ["--strategy", "dp2tp1pp1", "--dp", "2"],
+     "--dp with --strategy: its mb<M> is the batch and dp<D> the data-parallel degree; drop "
+     "--dp or --strategy"),
+    ("llama-7b-like", ["--strategy", "dp2tp1pp1", "--trace", "--batch", "1", "--dp", "1"],
+     "--batch, --dp with --strategy:"),
+    ("mlp", ["--batchnorm"], "--batch 1 with --batchnorm: an mlp's BatchNorm1d needs 2 or more "
+     "samples to train (torch refuses 1); give --batch 2 or more or drop --batchnorm"),
+    ("mlp", ["--batchnorm", "--batch", "8", "--last-batch", "1"],
+     "--last-batch 1 with --batchnorm: an mlp's BatchNorm1d needs 2 or more samples"),
+])
+def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
+                                                                         message):
+    """A flag the model's kind reads but another flag or a value left unread was dropped
+    without a word (--lora-bits without --lora-rank, --freeze of a tower the preset lacks,
+    --context-mib on the analytical path, --batch/--dp beside --strategy), an unknown tower
+    was refused naming neither --freeze nor the preset's towers, and an mlp with batchnorm
+    at batch 1 failed in torch naming no flag: each refused naming the flags, exit 1."""
+    from predictors.cli import main
+
+    assert main(["memory", "--model", model, *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ModelSpecError: ") and message in err
+
+
 def test_memory_cli_still_prices_the_flags_a_model_reads_and_their_defaults(capsys):
     """The flags now default to None (not given): not given, each still takes its documented
     default, and a flag the model reads still changes the price."""
@@ -333,6 +375,19 @@ def test_memory_cli_still_prices_the_flags_a_model_reads_and_their_defaults(caps
                         "none", "--attention", "flash")
     assert llava != run("llava-1.5-7b-like", "--images-per-sample", "2")
     assert llava != run("llava-1.5-7b-like", "--image-res", "224")
+    # what _unread_with refuses still prices where the other flag or value is there
+    assert llava == run("llava-1.5-7b-like", "--batch", "1", "--dp", "1")
+    assert llava == run("llava-1.5-7b-like", "--strategy", "dp1tp1pp1mb1")
+    assert llava != run("llava-1.5-7b-like", "--freeze", "vision,projector")
+    assert run("blip2-3b-like") != run("blip2-3b-like", "--freeze", "")  # trains all towers
+    assert run("vit-l-like") != run("vit-l-like", "--freeze", "head")
+    lora = run("llama-7b-like", "--lora-rank", "8")
+    assert lora == run("llama-7b-like", "--lora-rank", "8", "--lora-bits", "16")
+    assert lora != run("llama-7b-like", "--lora-rank", "8", "--lora-bits", "4")
+    assert run("cnn", "--channels", "8", "--image-res", "32", "--batchnorm") != run(
+        "cnn", "--channels", "8", "--image-res", "32")  # BatchNorm2d trains at batch 1
+    assert mlp != run("mlp", "--batch", "4", "--batchnorm", "--last-batch", "2")
+    assert run("mlp", "--context-mib", "600") != run("mlp")
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
