@@ -107,14 +107,13 @@ def tower_modules(spec: ModelSpec, model: nn.Module) -> dict[str, nn.Module]:
     """The named towers of a built model (the decomposition's top level)."""
     if spec.multimodal:
         inner = model.model
-        return {
-            "vision": inner.vision_tower,
-            "projector": inner.multi_modal_projector,
-            "llm": nn.ModuleList([inner.language_model, model.lm_head]),
-        }
-    if spec.text is not None:
-        return {"llm": model}
-    return {"vision": model.vision_tower, "head": model.head}
+        parts = (inner.vision_tower, inner.multi_modal_projector,
+                 nn.ModuleList([inner.language_model, model.lm_head]))
+    elif spec.text is not None:
+        parts = (model,)
+    else:
+        parts = (model.vision_tower, model.head)
+    return dict(zip(spec.towers, parts, strict=True))
 
 
 def make_inputs(spec: ModelSpec, model: nn.Module, batch: int, seq: int,

@@ -196,11 +196,12 @@ def _model_flags(args) -> None:
     from .presets import get_preset
 
     if args.model in MODULE_MODELS:
-        kinds = {args.model}
+        kinds, towers = {args.model}, ()
     else:
         spec = get_preset(args.model)
         kinds = {"preset"} | {part for part, has in (
             ("text", spec.text), ("vision", spec.vision), ("multimodal", spec.multimodal)) if has}
+        towers = spec.towers
     defaults = {**{flag: read.default for flag, read in MODEL_FLAGS.items()},
                 **STRATEGY_REPLACES}
     dest = {flag: flag[2:].replace("-", "_") for flag in defaults}
@@ -214,14 +215,16 @@ def _model_flags(args) -> None:
             + f"; drop {', '.join(unread)}")
     for flag in defaults.keys() - given:
         setattr(args, dest[flag], defaults[flag])
-    if problems := _unread_with(args, kinds, given):
+    if problems := _unread_with(args, kinds, towers, given):
         raise ModelSpecError("; ".join(problems))
 
 
-def _unread_with(args, kinds: set[str], given: set[str]) -> list[str]:
+def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
+                 ) -> list[str]:
     """A flag the model's kind reads but another flag or a value leaves unread (it was dropped
     without a word) or fails on in torch (a message naming no flag): one message each, naming
-    the flags. ``args`` has its defaults; ``given`` the flags of _model_flags given."""
+    the flags. ``args`` has its defaults; ``towers`` the preset's (``ModelSpec.towers``);
+    ``given`` the flags of _model_flags given."""
     problems = []
     # the bits of the LLM's weights under LoRA adapters: without them they stay in --precision
     if "--lora-bits" in given and args.lora_rank is None:
@@ -238,7 +241,6 @@ def _unread_with(args, kinds: set[str], given: set[str]) -> list[str]:
                         f"dp<D> the data-parallel degree; drop {', '.join(replaced)} or "
                         "--strategy")
     # a tower the preset lacks froze nothing (mlp/cnn/module were refused --freeze above)
-    towers = _towers(kinds)
     if missing := [t for t in _frozen(args) or () if t not in towers]:
         problems.append(f"--freeze: the model {args.model!r} has no tower "
                         f"{', '.join(map(repr, missing))} (its towers: {', '.join(towers)})")
@@ -251,15 +253,6 @@ def _unread_with(args, kinds: set[str], given: set[str]) -> list[str]:
                      for flag, batch in (("--batch", args.batch),
                                          ("--last-batch", args.last_batch)) if batch == 1]
     return problems
-
-
-def _towers(kinds: set[str]) -> tuple[str, ...]:
-    """A preset's towers, as build.tower_modules names a built one's: its vision part, the
-    projector joining a vision and a text part, the text part ("llm") and a vision-only
-    model's classification head."""
-    return tuple(tower for tower, has in (
-        ("vision", "vision" in kinds), ("projector", "multimodal" in kinds),
-        ("llm", "text" in kinds), ("head", "vision" in kinds and "text" not in kinds)) if has)
 
 
 def _frozen(args) -> tuple[str, ...] | None:

@@ -201,6 +201,14 @@ class ModelSpec:
         return self.vision is not None and self.text is not None
 
     @property
+    def towers(self) -> tuple[str, ...]:
+        """The towers this model has (of :data:`TOWERS`): a vision and a text part joined by
+        the projector; the text part alone; or a vision part with its classification head."""
+        if self.multimodal:
+            return ("vision", "projector", "llm")
+        return ("llm",) if self.text is not None else ("vision", "head")
+
+    @property
     def attention(self) -> str:
         """The attention implementation both towers run (one of :data:`ATTENTION_IMPLS`)."""
         return (self.text or self.vision).attention
