@@ -94,6 +94,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # support/ is not installed
+
+from support.page_cache import drop_page_cache  # noqa: E402
+
 LMCACHE_CHUNK = 256
 
 
@@ -204,15 +208,6 @@ def block_hashes(g: Geometry, salt: str) -> list[bytes]:
         prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
         out.append(prev)
     return out
-
-
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------- systems

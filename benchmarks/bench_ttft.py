@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from predictors.flag_values import flag_type, parse_count, parse_counts  # noqa: E402
 from support.model import VOCAB, ModelShape, write_llama  # noqa: E402
+from support.page_cache import drop_page_cache  # noqa: E402
 from support.serving import Server, become_subreaper, kvpool_command, reap_orphans  # noqa: E402
 
 # Llama-3.2-1B's KV geometry (16 layers, 8 KV heads, head dim 64), narrower MLP and embedding.
@@ -130,15 +131,6 @@ def reset_local_cache(server: Server) -> None:
                 return
         time.sleep(0.5)
     raise RuntimeError("vLLM refused to reset its prefix cache for 60 s")
-
-
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------- run
