@@ -6,7 +6,9 @@ that emulation, so this step uses the real ``torch.autocast(device)``, a real
 ``torch.amp.GradScaler(device)``, the TF32 switch, and fused or foreach AdamW. The precision
 names and their storage rules (weights, fp32 master copies, loss scaling, fp8 GEMMs through
 ``torch._scaled_mm``) are the predictors' (:mod:`predictors.spec.precision`), so a row's precision
-means the same thing on both sides.
+means the same thing on both sides, and so is the optimizer update that applies them
+(:func:`predictors.step.optimizer_step`: fp32 master grads, the scaler's step, the copy back),
+which is real PyTorch on both sides, not an emulation.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ class RealStep:
                  optimizer: str = "fused") -> None:
         from predictors.autocast import emulation_mode
         from predictors.spec.precision import get_precision
+        from predictors.step import optimizer_step
 
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS}")
         self.p = get_precision(precision)
         self.device, self.model = device, model
-        self._emulation = emulation_mode
+        self._emulation, self._optimizer_step = emulation_mode, optimizer_step
         if self.p.param_dtype != torch.float32:
             model.to(self.p.param_dtype)
         self.params = [q for q in model.parameters() if q.requires_grad]
@@ -82,26 +85,8 @@ class RealStep:
         with self._context():
             loss = _loss(self.model(*inputs, **kwargs), target)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
-        self._optimizer_step()
+        self._optimizer_step(self.optimizer, self.scaler, self.params, self.masters)
         return loss.detach()
-
-    def _optimizer_step(self) -> None:
-        if self.optimizer is None:
-            return
-        if self.masters:  # low-precision grads -> fp32 master grads
-            for q, m in zip(self.params, self.masters, strict=True):
-                m.grad = None if q.grad is None else q.grad.float()
-                q.grad = None
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.masters:
-            with torch.no_grad():
-                for q, m in zip(self.params, self.masters, strict=True):
-                    q.copy_(m)
 
 
 class MLP(nn.Module):

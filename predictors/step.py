@@ -91,6 +91,40 @@ def cast_floating_(model: nn.Module, dtype: torch.dtype) -> None:
                     module._buffers[name] = b.to(dtype)
 
 
+def optimizer_step(
+    optimizer: torch.optim.Optimizer | None,
+    scaler: torch.amp.GradScaler | None,
+    params: list[torch.Tensor],
+    masters: list[torch.Tensor],
+) -> None:
+    """The optimizer's part of a training step, as the precision stores its state: with fp32
+    ``masters`` (one per trainable parameter in ``params``, the tensors ``optimizer`` updates)
+    the low-precision grads are cast up into them and freed before the update, and the updated
+    masters are copied back down into the weights; ``scaler`` (dynamic loss scaling) unscales
+    and skips a step whose grads overflowed. Every grad is freed afterwards. ``optimizer`` is
+    None for a fully frozen model (nothing to do). :class:`TrainingStep` and the GPU kit's real
+    step (``gpucheck.steps.RealStep``) both run it, so the kit measures the step predicted."""
+    if optimizer is None:
+        return
+    if masters:  # low-precision grads -> fp32 master grads (a cast kernel per tensor)
+        for q, m in zip(params, masters, strict=True):
+            m.grad = None if q.grad is None else q.grad.to(torch.float32)
+            q.grad = None
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if masters:  # fp32 master -> low-precision model weights
+        with torch.no_grad():
+            for q, m in zip(params, masters, strict=True):
+                q.copy_(m)
+    else:
+        for q in params:
+            q.grad = None
+
+
 class TrainingStep:
     """Callable that performs one optimizer step on ``model`` for a :class:`Batch`."""
 
@@ -141,7 +175,7 @@ class TrainingStep:
         self.on_phase("backward")
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         self.on_phase("optimizer")
-        self._optimizer_step()
+        optimizer_step(self.optimizer, self.scaler, self.params, self.masters)
         return loss.detach()
 
     def inference(self, batch: Batch) -> None:
@@ -162,27 +196,6 @@ class TrainingStep:
         if dtype == torch.float32:
             return tree
         return tree_map(lambda x: x.to(dtype) if _is_float(x) else x, tree)
-
-    def _optimizer_step(self) -> None:
-        if self.optimizer is None:
-            return
-        if self.masters:  # low-precision grads -> fp32 master grads (a cast kernel per tensor)
-            for q, m in zip(self.params, self.masters, strict=True):
-                m.grad = None if q.grad is None else q.grad.to(torch.float32)
-                q.grad = None
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.masters:  # fp32 master -> low-precision model weights
-            with torch.no_grad():
-                for q, m in zip(self.params, self.masters, strict=True):
-                    q.copy_(m)
-        else:
-            for q in self.params:
-                q.grad = None
 
 
 def trace_training_step(
