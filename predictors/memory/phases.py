@@ -28,8 +28,12 @@ ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parame
 
 
 def deepspeed_zero(cfg: Step) -> bool:
-    """DeepSpeed's ZeRO 2/3 (one rank included): its optimizer step is :func:`deepspeed_step`'s."""
-    return cfg.options.framework == "deepspeed" and cfg.zero >= 2
+    """DeepSpeed's ZeRO 2/3 with fp32 masters (one rank included): its optimizer step is
+    :func:`deepspeed_step`'s. The one place the walk (and the replay) read
+    ``options.framework``: elsewhere it prices the generic sharded step, with no framework's
+    data-parallel buffers."""
+    return (cfg.options.framework == "deepspeed" and cfg.zero >= 2
+            and cfg.precision.master_weights_fp32)
 
 
 def trainable_tensors(fz: Factorization) -> list[int]:
@@ -97,7 +101,7 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
         live_grad += grads[i]
         visit("backward", remaining, live_grad, transient, 2)
         remaining -= acts[i]
-    if p.master_weights_fp32 and deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
+    if deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
         opt_grads = deepspeed_step(trainable_tensors(fz), dp, cfg.zero, w,
                                    cfg.options.foreach_temporaries).peak(w)
     elif p.master_weights_fp32:  # low-precision grads are cast to fp32 and dropped one by one

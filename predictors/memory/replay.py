@@ -61,7 +61,7 @@ def replay_reserved(fz: Factorization, cfg: Step, overheads: CudaOverheads) -> i
     # full gradients transient until reduce-scattered into it, the step one sub-group at a time
     ds = (deepspeed_step(trainable_tensors(fz), cfg.dp, cfg.zero, p.param_dtype.itemsize,
                          cfg.options.foreach_temporaries)
-          if deepspeed_zero(cfg) and p.master_weights_fp32 else None)
+          if deepspeed_zero(cfg) else None)
     if ds is not None:
         sim.malloc(ds.grad_buffer)
     if p.master_weights_fp32:
