@@ -64,6 +64,10 @@ MODEL_FLAGS: dict[str, ReadBy] = {
 # --strategy's dp<D> and mb<M> replace --dp and --batch: given with it they were dropped
 # without a word, so both are None when not given and get these defaults in _model_flags
 STRATEGY_REPLACES = {"--batch": 1, "--dp": 1}
+# --framework is read by the traced paths but by a preset's analytical model only as DeepSpeed's
+# ZeRO 2/3 step (phases.deepspeed_zero): given elsewhere it was dropped without a word, so it is
+# None when not given and gets this default in _model_flags
+TRACED_FRAMEWORK = {"--framework": "pytorch"}
 
 
 def _said(kinds: tuple[str, ...]) -> str:
@@ -105,13 +109,18 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--input-shape", **_given_or(
         "--input-shape", "one sample's input shape, e.g. 3x224x224 (float input)"))
     g.add_argument("--optimizer", default="adam",
-                   help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...")
+                   help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...; "
+                        "a preset's analytical model prices Adam(W) in its own implementation "
+                        "(fused; foreach under DeepSpeed's ZeRO 2/3): another needs --trace")
     g.add_argument("--device", default=None,
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity "
                         "and, for presets too, the GPU generation's overheads)")
-    g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
-                   help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
-                        "megatron (distributed optimizer)")
+    g.add_argument("--framework", default=None, choices=FRAMEWORKS,
+                   help=f"the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
+                        f"megatron (distributed optimizer) (default "
+                        f"{TRACED_FRAMEWORK['--framework']}; a preset's analytical model reads "
+                        "only deepspeed at --zero 2/3 with fp32 masters, and no framework's "
+                        "buffers: beyond --dp 1 another needs --trace)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     g.add_argument("--last-batch", type=int, **_given_or(
         "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
@@ -203,7 +212,7 @@ def _model_flags(args) -> None:
             ("text", spec.text), ("vision", spec.vision), ("multimodal", spec.multimodal)) if has}
         towers = spec.towers
     defaults = {**{flag: read.default for flag, read in MODEL_FLAGS.items()},
-                **STRATEGY_REPLACES}
+                **STRATEGY_REPLACES, **TRACED_FRAMEWORK}
     dest = {flag: flag[2:].replace("-", "_") for flag in defaults}
     given = {flag for flag in defaults if getattr(args, dest[flag]) is not None}
     unread = [flag for flag, read in MODEL_FLAGS.items()
@@ -235,6 +244,8 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
         problems.append(f"--context-mib: the analytical model of {args.model!r} prices the "
                         "device's own CUDA context (only mlp, cnn, module or a preset with "
                         "--trace reads it); add --trace or drop --context-mib")
+    if "preset" in kinds and not args.trace:
+        problems += _unpriced_analytical(args, "--framework" in given)
     # --strategy's dp<D> and mb<M> were priced and --dp/--batch dropped
     if args.strategy is not None and (replaced := [f for f in STRATEGY_REPLACES if f in given]):
         problems.append(f"{', '.join(replaced)} with --strategy: its mb<M> is the batch and "
@@ -252,6 +263,41 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
                      f"to train (torch refuses 1); give {flag} 2 or more or drop --batchnorm"
                      for flag, batch in (("--batch", args.batch),
                                          ("--last-batch", args.last_batch)) if batch == 1]
+    return problems
+
+
+def _unpriced_analytical(args, framework_given: bool) -> list[str]:
+    """What a preset's analytical model would price otherwise than asked (it was dropped
+    without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
+    other than the one it prices (:func:`phases.adam_impl`), and a given --framework beyond
+    one rank where it reads none (:func:`phases.deepspeed_zero`). One message each, naming
+    the flag; --trace prices them. ``args`` has its defaults."""
+    from .config import Step
+    from .optimizers import OptimizerSpec
+    from .phases import adam_impl, deepspeed_zero
+
+    cfg = Step(*_strategy_options(args), args.precision)
+    problems = []
+    optimizer, impl = OptimizerSpec.parse(args.optimizer), args.optimizer.partition(":")[2]
+    if optimizer.name == "sgd":  # its states (none or one) are not Adam's two
+        problems.append(f"--optimizer {args.optimizer!r}: the analytical model of "
+                        f"{args.model!r} prices Adam(W); add --trace to price this optimizer")
+    # a bare adam/adamw names no implementation: it is priced in the model's own; an explicit
+    # other one allocates other temporaries at the optimizer step (optimizers.py)
+    elif impl and impl != adam_impl(cfg):
+        priced = ("torch's foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups"
+                  if deepspeed_zero(cfg) else "fused Adam(W)")
+        problems.append(f"--optimizer {args.optimizer!r}: the analytical model of "
+                        f"{args.model!r} prices {priced}, not {impl}; add --trace to price "
+                        f"{impl} or drop ':{impl}'")
+    # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
+    # buckets, Megatron's gradient buffer, DeepSpeed's buckets): the analytical model prices
+    # none of them and reads the framework only as DeepSpeed's ZeRO 2/3 step
+    if framework_given and cfg.dp > 1 and not deepspeed_zero(cfg):
+        problems.append(f"--framework {args.framework}: the analytical model of {args.model!r} "
+                        "prices no framework's data-parallel buffers and reads only deepspeed "
+                        "at --zero 2/3 with fp32 masters (a *-mixed or fp8 --precision); add "
+                        "--trace or drop --framework")
     return problems
 
 
@@ -273,13 +319,7 @@ def _memory(args) -> int:
 
     from .allocator import GiB
     from .device import get_device
-    from .optimizers import OptimizerSpec
 
-    # the analytical preset model prices Adam's two states per parameter: another optimizer
-    # is priced only by the traced path, never silently as Adam
-    if OptimizerSpec.parse(args.optimizer).name == "sgd":
-        raise ModelSpecError(f"--optimizer {args.optimizer!r}: a preset's analytical model "
-                             "prices Adam(W); add --trace to price this optimizer")
     capacity, architecture = args.capacity_gib or "80", None
     if args.device is not None:  # the card's own capacity (unless given) and generation
         card = get_device(args.device)
@@ -293,7 +333,7 @@ def _memory(args) -> int:
 
 def _memory_job(args):
     """The model, strategy and options the flags describe (the one vocabulary)."""
-    from ..spec import LoraSpec, ModelSpecError, ParallelStrategy, TrainingOptions
+    from ..spec import LoraSpec, ModelSpecError
     from .presets import as_memory_model
 
     if args.lora_rank is not None and args.trace:
@@ -305,11 +345,17 @@ def _memory_job(args):
                             frozen=_frozen(args),
                             lora=None if args.lora_rank is None else LoraSpec(
                                 args.lora_rank, base_bits=args.lora_bits))
+    return (model, *_strategy_options(args))
+
+
+def _strategy_options(args):
+    """A preset's strategy and options as the flags give them."""
+    from ..spec import ParallelStrategy, TrainingOptions
+
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
-    return model, strategy, TrainingOptions.for_zero_stage(args.zero,
-                                                           recompute=args.checkpointing,
-                                                           framework=args.framework)
+    return strategy, TrainingOptions.for_zero_stage(args.zero, recompute=args.checkpointing,
+                                                    framework=args.framework)
 
 
 def _memory_module(args) -> int:

@@ -36,6 +36,14 @@ def deepspeed_zero(cfg: Step) -> bool:
             and cfg.precision.master_weights_fp32)
 
 
+def adam_impl(cfg: Step) -> str:
+    """The Adam(W) implementation (:data:`optimizers.IMPLEMENTATIONS`) the walk prices: the
+    fused kernel (in place; the residual model's simulated steps run it, ``predictors.step``,
+    and :data:`ADAM_STEP_BLOCK` is its step tensor), but under DeepSpeed's step torch's foreach
+    AdamW on each flat sub-group (the HF Trainer's: ``options.foreach_temporaries``)."""
+    return "foreach" if deepspeed_zero(cfg) else "fused"
+
+
 def trainable_tensors(fz: Factorization) -> list[int]:
     """Elements of each trainable parameter tensor, in model order."""
     return [n for x in fz.layers if x.trainable for n in (x.tensor_params or (x.params,))]

@@ -311,6 +311,11 @@ def test_memory_cli_says_what_a_model_lacks_and_which_models_read_the_flag(capsy
         "and a text part reads it); drop --image-res, --images-per-sample\n")
 
 
+# the one framework a preset's analytical model reads: DeepSpeed's ZeRO 2/3 step (fp32 masters)
+DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--precision",
+                  "bf16-mixed"]
+
+
 @pytest.mark.parametrize("model, argv, message", [
     ("llama-7b-like", ["--lora-bits", "4"],
      "--lora-bits: without --lora-rank there are no LoRA adapters"),
@@ -338,14 +343,35 @@ def test_memory_cli_says_what_a_model_lacks_and_which_models_read_the_flag(capsy
      "samples to train (torch refuses 1); give --batch 2 or more or drop --batchnorm"),
     ("mlp", ["--batchnorm", "--batch", "8", "--last-batch", "1"],
      "--last-batch 1 with --batchnorm: an mlp's BatchNorm1d needs 2 or more samples"),
+    *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--optimizer", f"adam:{impl}"],
+       f"--optimizer 'adam:{impl}': the analytical model of 'llava-1.5-7b-like' prices fused "
+       f"Adam(W), not {impl}; add --trace to price {impl} or drop ':{impl}'")
+      for impl in ("foreach", "for-loop")],
+    ("llama-7b-like", [*DEEPSPEED_STEP, "--optimizer", "adamw:fused"],
+     "--optimizer 'adamw:fused': the analytical model of 'llama-7b-like' prices torch's "
+     "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
+    *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
+       f"--framework {framework}: the analytical model of 'llava-1.5-7b-like' prices no "
+       "framework's data-parallel buffers and reads only deepspeed at --zero 2/3 with fp32 "
+       "masters (a *-mixed or fp8 --precision); add --trace or drop --framework")
+      for framework in ("pytorch", "deepspeed", "megatron")],
+    # given, not "differs from the default"; dp<D> of --strategy counts as --dp does
+    ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "pytorch"],
+     "--framework pytorch: the analytical model of 'llama-7b-like' prices no framework's"),
+    # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
+    ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
+     "--framework deepspeed: the analytical model of 'llama-7b-like' prices no framework's"),
 ])
 def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
                                                                          message):
     """A flag the model's kind reads but another flag or a value left unread was dropped
     without a word (--lora-bits without --lora-rank, --freeze of a tower the preset lacks,
-    --context-mib on the analytical path, --batch/--dp beside --strategy), an unknown tower
-    was refused naming neither --freeze nor the preset's towers, and an mlp with batchnorm
-    at batch 1 failed in torch naming no flag: each refused naming the flags, exit 1."""
+    --context-mib on the analytical path, --batch/--dp beside --strategy; on the analytical
+    path an --optimizer implementation other than the one it prices and a --framework beyond
+    one rank other than DeepSpeed's ZeRO 2/3 step, both priced alike whatever was given), an
+    unknown tower was refused naming neither --freeze nor the preset's towers, and an mlp
+    with batchnorm at batch 1 failed in torch naming no flag: each refused naming the flags,
+    exit 1."""
     from predictors.cli import main
 
     assert main(["memory", "--model", model, *argv]) == 1
@@ -388,6 +414,36 @@ def test_memory_cli_still_prices_the_flags_a_model_reads_and_their_defaults(caps
         "cnn", "--channels", "8", "--image-res", "32")  # BatchNorm2d trains at batch 1
     assert mlp != run("mlp", "--batch", "4", "--batchnorm", "--last-batch", "2")
     assert run("mlp", "--context-mib", "600") != run("mlp")
+
+
+def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
+    """What the analytical path reads of --optimizer and --framework still prices there (a
+    bare adam/adamw, the fused implementation it prices, DeepSpeed's ZeRO 2/3 step with
+    torch's foreach AdamW, any framework on one rank), not given they take their defaults,
+    and the traced paths read both."""
+    import json
+
+    from predictors.cli import main
+
+    def run(model, *argv):
+        assert main(["memory", "--model", model, "--json", *argv]) in (0, 2, 3)
+        return json.loads(capsys.readouterr().out)
+
+    zero1 = ["--zero", "1", "--dp", "8"]
+    llava = run("llava-1.5-7b-like", *zero1)
+    assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adamw")
+    assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adam:fused")
+    assert run("llava-1.5-7b-like") == run("llava-1.5-7b-like", "--framework", "megatron")
+    deepspeed = run("llama-7b-like", *DEEPSPEED_STEP)
+    assert deepspeed == run("llama-7b-like", *DEEPSPEED_STEP, "--optimizer", "adamw:foreach")
+    assert deepspeed != run("llama-7b-like", *DEEPSPEED_STEP[:4], *DEEPSPEED_STEP[6:])
+    mlp = run("mlp", "--batch", "4", "--optimizer", "adam:for-loop")
+    assert mlp != run("mlp", "--batch", "4", "--optimizer", "adam:fused")
+    assert run("mlp", "--batch", "4", "--dp", "2") == run("mlp", "--batch", "4", "--dp", "2",
+                                                          "--framework", "pytorch")
+    traced = run("vit-b-like", "--image-res", "32", "--trace", "--dp", "2", "--zero", "1",
+                 "--framework", "pytorch", "--optimizer", "adam:for-loop")
+    assert traced["allocator.ddp_grad_buckets"] == traced["allocator.gradient"]
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
