@@ -43,10 +43,22 @@ class PolicyConfig:
 class SwitchCostModel:
     """Seconds lost to a switch: measured switches (EMA) replace the priors."""
 
-    layout_prior_s: float = 1.0  # a (DP, TP, PP) change: weights + optimizer state move
+    # a (DP, TP, PP) change: a new layout's state is built and weights + optimizer state move;
+    # (for_build: at least the job's own state build, as session_from_args is given it)
+    layout_prior_s: float = 1.0
     batch_prior_s: float = 0.01  # micro/global batch only: no tensor moves
     decay: float = 0.5
     _measured: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def for_build(cls, build_seconds: float | None) -> SwitchCostModel:
+        """The model for a job whose training state took ``build_seconds`` to build (None: not
+        timed). A layout switch builds the new layout's state the same way and also plans,
+        moves the state and makes process groups, so the build is a floor of its cost: the
+        prior is the larger of the two, never below the default (a cheap build would price the
+        first switch by its least part)."""
+        prior = cls.layout_prior_s
+        return cls(layout_prior_s=prior if build_seconds is None else max(prior, build_seconds))
 
     @staticmethod
     def kind(current: ParallelStrategy, target: ParallelStrategy) -> str:

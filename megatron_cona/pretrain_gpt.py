@@ -152,6 +152,7 @@ class RunSummary:
     timeline: list[tuple[int, str]] = field(default_factory=list)  # (first iteration, strategy)
     switches: list[dict] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    build_seconds: float = 0.0  # the start's state build (slowest rank): a layout switch's prior
 
 
 def train(args: argparse.Namespace) -> RunSummary:
@@ -181,10 +182,13 @@ def train(args: argparse.Namespace) -> RunSummary:
         clip_grad=args.clip_grad, dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, seed=args.seed,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    built = time.perf_counter()
     executor = RuntimeExecutor(runtime.build_state(cfg, start))
+    summary = RunSummary(timeline=[(0, start.name)],
+                         build_seconds=max_over_world(time.perf_counter() - built))
     session = (session_from_args(args, settings, spec, world, cfg.precision, executor,
-                                 write_log=rank == 0) if args.cona else None)
-    summary = RunSummary(timeline=[(0, start.name)])
+                                 write_log=rank == 0, build_seconds=summary.build_seconds)
+               if args.cona else None)
 
     def record_switches(it: int, since: int) -> None:
         for record in session.switches[since:]:

@@ -41,7 +41,7 @@ from megatron_cona.goodput import (
     rank,
 )
 from megatron_cona.lr_scaling import BatchLR
-from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchPolicy
+from megatron_cona.policy import Decision, DecisionLog, PolicyConfig, SwitchCostModel, SwitchPolicy
 from megatron_cona.progress import ProgressMonitor, Verdict
 from predictors.spec import ParallelStrategy, TransformerSpec
 from predictors.spec.engines import from_megatron_args
@@ -656,9 +656,14 @@ def memory_model_for(total_bytes: int, compute_major: int, args, world_size: int
 
 def session_from_args(args, settings: ConaSettings, model: TransformerSpec, world_size: int,
                       precision: str, executor: Executor, base: ThroughputModel | None = None,
-                      write_log: bool = True) -> ConaSession:
+                      write_log: bool = True, build_seconds: float | None = None
+                      ) -> ConaSession:
     """The session ``--cona`` and its flags describe (candidates enumerated and filtered);
-    ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer."""
+    ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer.
+    ``build_seconds``: how long building the job's training state took (slowest rank), the
+    prior of a layout switch's cost: a layout switch builds the new layout's state the same
+    way (groups, model, DDP buffers, optimizer) before it moves the bytes. Without it the
+    prior is :class:`SwitchCostModel`'s 1 s, which a large job's build can exceed by far."""
     memory = {}
     if torch.cuda.is_available():  # drop candidates predicted not to fit this GPU
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -671,7 +676,10 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
     policy = SwitchPolicy(PolicyConfig(min_gain=settings.min_gain,
                                        horizon_intervals=args.cona_horizon,
                                        patience=args.cona_patience,
-                                       cooldown=args.cona_cooldown))
+                                       cooldown=args.cona_cooldown),
+                         SwitchCostModel.for_build(build_seconds))
+    log.info("CONA: a layout switch is priced at %.3f s until one is measured",
+             policy.costs.layout_prior_s)
     times = CalibratedThroughput(base or base_throughput(model, precision, args.cona_device))
     config = SessionConfig(interval=settings.interval, base_batch=args.global_batch_size,
                            lr_rule=args.cona_lr_scaling, start=args.cona_start,

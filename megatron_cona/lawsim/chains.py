@@ -31,7 +31,7 @@ from megatron_cona.lawsim.clock import TableThroughput
 from megatron_cona.lawsim.constants import value
 from megatron_cona.lawsim.probe import SimulatedProbe
 from megatron_cona.lawsim.schedules import rampup_batch, seesaw_batch
-from megatron_cona.policy import DecisionLog, SwitchPolicy
+from megatron_cona.policy import DecisionLog, SwitchCostModel, SwitchPolicy
 from megatron_cona.session import ConaSession, SessionConfig
 from predictors.spec import ParallelStrategy
 
@@ -283,8 +283,11 @@ def cona_session(case: SimCase, executor: SimExecutor, log_path=None) -> ConaSes
     config = SessionConfig(interval=1, base_batch=case.paper_batch, lr_rule="adascale",
                            noise_z=case.noise_z)
     times = CalibratedThroughput(TableThroughput(table), prior_error=case.prediction_error)
-    return ConaSession(case.candidates, times,
-                       SwitchPolicy(case.policy), GradientNoiseScale(0.5 ** (1 / READINGS)),
+    # the job timed its own state's build at start, as pretrain_gpt does: the clock's measured
+    # fixed part of a layout switch is that build (plus the plan and the finalize)
+    costs = SwitchCostModel.for_build(case.clock.fixed_switch_s)
+    return ConaSession(case.candidates, times, SwitchPolicy(case.policy, costs),
+                       GradientNoiseScale(0.5 ** (1 / READINGS)),
                        config, executor, DecisionLog(log_path))
 
 

@@ -49,6 +49,10 @@ def test_four_rank_cona_run_switches_and_trains(tmp_path):
     decisions = [json.loads(x) for x in open(log_path)]
     assert len(decisions) == 5  # iterations 4, 8, 12, 16, 20
     assert sum(d["switch"] for d in decisions) == len(cona["switches"])
+    # the first layout switch is priced at this job's own state build where it exceeds the
+    # 1 s default (SwitchCostModel.for_build)
+    assert cona["build_seconds"] > 0
+    assert decisions[0]["switch_cost_s"] == pytest.approx(max(1.0, cona["build_seconds"]))
     for d in decisions:
         assert d["current"]["goodput"] > 0 and d["best"]["iteration_time_s"] > 0
         assert d["reason"]

@@ -66,6 +66,26 @@ def test_measured_cost_replaces_prior():
     assert costs.estimate(A, C) == costs.batch_prior_s
 
 
+def test_a_timed_build_prices_the_first_layout_switch():
+    """A job that took 60 s to build its state is not moved to another layout for a gain a
+    60 s switch does not repay (the default 1 s prior would take it); a build faster than the
+    default leaves the default, since a switch does more than build; a measured switch then
+    replaces either."""
+    cur = est(A, 100.0)
+    ranking = [est(B, 120.0), cur]
+    slow = SwitchCostModel.for_build(60.0)
+    assert slow.estimate(A, B) == 60.0 and slow.estimate(A, C) == slow.batch_prior_s
+    d = SwitchPolicy(PolicyConfig(min_gain=0.1, patience=1), slow).decide(
+        1, cur, ranking, interval_s=5.0)
+    assert not d.switch and "horizon" in d.reason and d.switch_cost_s == 60.0
+    d = SwitchPolicy(PolicyConfig(min_gain=0.1, patience=1),
+                     SwitchCostModel.for_build(None)).decide(1, cur, ranking, interval_s=5.0)
+    assert d.switch and d.switch_cost_s == 1.0
+    assert SwitchCostModel.for_build(0.05).estimate(A, B) == 1.0
+    slow.record(A, B, 7.0)
+    assert slow.estimate(A, B) == 7.0
+
+
 def test_no_flapping_under_noise():
     """Two strategies with equal true goodput, measured with 5% noise: never switch back and
     forth; with a real 30% advantage hidden in the same noise it switches exactly once."""
