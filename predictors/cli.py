@@ -18,8 +18,6 @@ from pathlib import Path
 
 from predictors.flag_values import flag_type, parse_count, parse_counts, parse_positive
 
-DEFAULT_DATA = "predictors/data/cpu_measurements.csv"
-
 
 def _shipped_measurements() -> Path:
     from importlib import resources
