@@ -43,8 +43,8 @@ class PolicyConfig:
 class SwitchCostModel:
     """Seconds lost to a switch: measured switches (EMA) replace the priors."""
 
-    # a (DP, TP, PP) change: a new layout's state is built and weights + optimizer state move;
-    # (for_build: at least the job's own state build, as session_from_args is given it)
+    # a (DP, TP, PP) change: a new layout's state is built and weights + optimizer state move
+    # (for_build raises it to the job's own state build where that is longer)
     layout_prior_s: float = 1.0
     batch_prior_s: float = 0.01  # micro/global batch only: no tensor moves
     decay: float = 0.5

@@ -660,10 +660,11 @@ def session_from_args(args, settings: ConaSettings, model: TransformerSpec, worl
                       ) -> ConaSession:
     """The session ``--cona`` and its flags describe (candidates enumerated and filtered);
     ``write_log=False`` on all ranks but one keeps ``--cona-log`` single-writer.
-    ``build_seconds``: how long building the job's training state took (slowest rank), the
-    prior of a layout switch's cost: a layout switch builds the new layout's state the same
-    way (groups, model, DDP buffers, optimizer) before it moves the bytes. Without it the
-    prior is :class:`SwitchCostModel`'s 1 s, which a large job's build can exceed by far."""
+    ``build_seconds``: how long building the job's training state took (slowest rank), a
+    floor of a layout switch's cost, which builds the new layout's state the same way (groups,
+    model, DDP buffers, optimizer) before it moves the bytes: the prior of a layout switch is
+    the larger of it and :class:`SwitchCostModel`'s 1 s (:meth:`SwitchCostModel.for_build`),
+    which a large job's build can exceed by far."""
     memory = {}
     if torch.cuda.is_available():  # drop candidates predicted not to fit this GPU
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
