@@ -239,6 +239,8 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
     if "--lora-bits" in given and args.lora_rank is None:
         problems.append("--lora-bits: without --lora-rank there are no LoRA adapters and the "
                         "LLM's weights stay in --precision; add --lora-rank or drop --lora-bits")
+    if args.lora_rank is not None and args.trace:
+        problems.append("--lora-rank: the traced preset path builds no adapters; drop --trace")
     # a preset's analytical model prices the card generation's own CUDA context
     if args.context_mib is not None and "preset" in kinds and not args.trace:
         problems.append(f"--context-mib: the analytical model of {args.model!r} prices the "
@@ -333,12 +335,9 @@ def _memory(args) -> int:
 
 def _memory_job(args):
     """The model, strategy and options the flags describe (the one vocabulary)."""
-    from ..spec import LoraSpec, ModelSpecError
+    from ..spec import LoraSpec
     from .presets import as_memory_model
 
-    if args.lora_rank is not None and args.trace:
-        raise ModelSpecError("--lora-rank: the traced preset path builds no adapters; drop "
-                             "--trace")
     model = as_memory_model(args.model, seq=args.seq, image_res=args.image_res,
                             images_per_sample=args.images_per_sample,
                             attention="unfused" if args.attention == "eager" else args.attention,
