@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,15 +128,23 @@ def static_strategy(args: argparse.Namespace, world_size: int) -> ParallelStrate
     return ParallelStrategy(dp, tp, pp, args.micro_batch_size, gb)
 
 
+@contextmanager
+def _as_flag(flag: str, *errors: type[Exception]) -> Iterator[None]:
+    """An error of ``errors`` raised inside, as a ConaArgumentError naming ``flag`` (the
+    parsers and checks CONA reuses name a value, not the flag it came from)."""
+    try:
+        yield
+    except errors as err:
+        raise ConaArgumentError(flag, str(err)) from None
+
+
 def validate_cona_args(
     args: argparse.Namespace, world_size: int, model: TransformerSpec | None = None
 ) -> ConaSettings:
     """Check the CONA flags against the world and model; raise ConaArgumentError naming one."""
     start = static_strategy(args, world_size)
-    try:
+    with _as_flag("--tensor-model-parallel-size", StrategyError):
         start.check(world_size, model)
-    except StrategyError as err:
-        raise ConaArgumentError("--tensor-model-parallel-size", str(err)) from None
     if args.cona_interval < 1:
         raise ConaArgumentError("--cona-interval", f"{args.cona_interval} must be >= 1")
     if not 0 <= args.cona_min_gain < math.inf:  # nan fails it too
@@ -160,14 +170,10 @@ def validate_cona_args(
                                     f"{MAX_GLOBAL_BATCH:,} sequences, the most CONA takes "
                                     "(see docs/cona.md)")
     else:
-        try:
+        with _as_flag("--cona-global-batch-range", FlagValueError):
             lo, hi = parse_batch_range(args.cona_global_batch_range)
-        except FlagValueError as err:
-            raise ConaArgumentError("--cona-global-batch-range", str(err)) from None
-    try:
+    with _as_flag("--cona-micro-batches", FlagValueError):
         micro = parse_counts(args.cona_micro_batches)
-    except FlagValueError as err:
-        raise ConaArgumentError("--cona-micro-batches", str(err)) from None
     # checked here, before Megatron builds the model: an empty path wrote no log without a
     # word, a directory failed (IsADirectoryError) and an unknown device (UnknownDeviceError)
     # only once the CONA session was built
@@ -177,24 +183,14 @@ def validate_cona_args(
     if args.cona_device != "auto":
         from predictors.devices import UnknownDeviceError, get_device
 
-        try:
+        with _as_flag("--cona-device", UnknownDeviceError):
             get_device(args.cona_device)
-        except UnknownDeviceError as err:
-            raise ConaArgumentError("--cona-device", str(err)) from None
-    try:
+    with _as_flag("--cona-candidates", StrategyError):
         spec = parse_candidate_list(args.cona_candidates)
-    except StrategyError as err:
-        raise ConaArgumentError("--cona-candidates", str(err)) from None
-    for layout in spec.layouts or ():
-        try:
+        for layout in spec.layouts or ():
             ParallelStrategy(*layout).check(world_size, model)
-        except StrategyError as err:
-            raise ConaArgumentError("--cona-candidates", str(err)) from None
-    for strategy in spec.fixed:
-        try:
+        for strategy in spec.fixed:
             strategy.check(world_size, model)
-        except StrategyError as err:
-            raise ConaArgumentError("--cona-candidates", str(err)) from None
     spec = CandidateSpec(layouts=spec.layouts, fixed=spec.fixed, micro_batches=micro,
                          global_batch_range=(lo, hi))
     return ConaSettings(candidates=spec, interval=args.cona_interval, min_gain=args.cona_min_gain)
