@@ -19,6 +19,14 @@ COUNT_FLAGS = ("--seqs", "--batches", "--dp")
 COUNT_FLAG = ("--repeats", "--threads", "--passes")
 
 
+def _refused(argv: list[str], capsys) -> str:
+    """argparse's refusal of ``argv``: exit status 2, and its last line of stderr."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_collect_takes_count_lists_and_its_defaults():
     args = build_parser().parse_args(["collect", "--seqs", "64", "--batches", " 2, 8 ,"])
     assert (args.seqs, args.batches, args.dp) == ((64,), (2, 8), (1, 2))
@@ -41,11 +49,8 @@ def test_collect_refuses_a_bad_count_list_naming_the_flag(flag, text, says, caps
     with pytest.raises(FlagValueError) as parsed:
         parse_counts(text)
     assert says in str(parsed.value)
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["collect", flag, text])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2
-    assert err[-1] == f"predict collect: error: argument {flag}: {parsed.value}"
+    assert _refused(["collect", flag, text], capsys) == (
+        f"predict collect: error: argument {flag}: {parsed.value}")
 
 
 def test_collect_takes_counts_and_its_defaults():
@@ -65,23 +70,16 @@ def test_collect_refuses_a_count_below_one_naming_the_flag(flag, text, capsys):
     with pytest.raises(FlagValueError) as parsed:
         parse_count(text)
     assert str(parsed.value) == f"{text!r} is not an integer >= 1"
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["collect", flag, text])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2
-    assert err[-1] == f"predict collect: error: argument {flag}: {parsed.value}"
+    assert _refused(["collect", flag, text], capsys) == (
+        f"predict collect: error: argument {flag}: {parsed.value}")
 
 
 @pytest.mark.parametrize("text", ["0", "-5", "inf", "nan", "soon"])
 def test_collect_refuses_a_time_budget_that_is_no_amount(text, capsys):
     """``--minutes 0`` (or a negative) measured nothing and exited 0, saying the budget was
     reached."""
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["collect", "--minutes", text])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2
-    assert err[-1] == (f"predict collect: error: argument --minutes: {text!r} is not a "
-                       "positive finite number")
+    assert _refused(["collect", "--minutes", text], capsys) == (
+        f"predict collect: error: argument --minutes: {text!r} is not a positive finite number")
     assert build_parser().parse_args(["collect", "--minutes", "0.5"]).minutes == 0.5
 
 
@@ -125,11 +123,8 @@ def test_memory_refuses_a_batch_or_resolution_below_one_naming_the_flag(argv, ca
     flag, text = argv[-2:]
     with pytest.raises(FlagValueError) as parsed:
         parse_count(text)
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["memory", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2
-    assert err[-1] == f"predict memory: error: argument {flag}: {parsed.value}"
+    assert _refused(["memory", *argv], capsys) == (
+        f"predict memory: error: argument {flag}: {parsed.value}")
 
 
 def test_memory_takes_a_batch_and_a_resolution():
