@@ -5,17 +5,22 @@ predictors.memory.cli ...`` runs them standalone."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from ..cli import EXIT_ERROR, PredictArgumentParser
 from ..flag_values import flag_type, parse_count
 from ..spec.model import ModelSpecError
 from ..spec.options import FRAMEWORKS
 
-# the verdict's exit status: 0 fits, 2 does not fit, 3 tight (the margin straddles the card)
+# the verdict's exit status: 0 fits, 2 does not fit, 3 tight (the margin straddles the card);
+# every error exits EXIT_ERROR (1), so 2 only ever means oom
 EXIT_CODES = {"fits": 0, "oom": 2, "tight": 3}
+EXIT_STATUS = (f"exit status: {EXIT_CODES['fits']} fits, {EXIT_CODES['tight']} tight (the "
+               f"margin straddles the usable capacity), {EXIT_CODES['oom']} oom; {EXIT_ERROR} "
+               "any error (a usage error, a refused flag, an unknown preset, device or "
+               f"precision): {EXIT_CODES['oom']} only ever means oom")
 
 # the models traced from flags alone; any other --model is a preset
 MODULE_MODELS = ("mlp", "cnn", "module")
@@ -87,7 +92,8 @@ def _given_or(flag: str, help: str, unset: str | None = None) -> dict:
 
 
 def add_subcommands(subparsers) -> None:
-    m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step")
+    m = subparsers.add_parser("memory", help="predict the peak GPU memory of a training step",
+                              epilog=EXIT_STATUS)
     m.add_argument("--model", required=True,
                    help="a preset (e.g. llava-1.5-7b-like), 'mlp', 'cnn' or 'module'")
     # >= 1 at the flag: mlp/cnn/module took a 0 batch (a step of no samples, judged to fit) and
@@ -186,14 +192,15 @@ def add_subcommands(subparsers) -> None:
 
 
 def _named_errors(handler):
-    """Bad input exits 1 with the error's name and message, however the command is mounted."""
+    """Bad input exits :data:`EXIT_ERROR` with the error's name and message, however the
+    command is mounted."""
 
     def run(args) -> int:
         try:
             return handler(args)
         except (ModelSpecError, ValueError) as exc:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_ERROR
 
     return run
 
@@ -440,7 +447,7 @@ def _eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="predict")
+    parser = PredictArgumentParser(prog="predict")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -20,10 +20,11 @@ COUNT_FLAG = ("--repeats", "--threads", "--passes")
 
 
 def _refused(argv: list[str], capsys) -> str:
-    """argparse's refusal of ``argv``: exit status 2, and its last line of stderr."""
+    """argparse's refusal of ``argv``: exit status 1 (as every error of ``predict``: 2 is
+    ``predict memory``'s oom), and its last line of stderr."""
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)
-    assert exc.value.code == 2
+    assert exc.value.code == 1
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -92,7 +93,7 @@ def test_collect_refuses_an_unknown_model_before_measuring(models, says, tmp_pat
     """An unknown zoo name was dropped from the grid: alone ('nope') it left an empty grid that
     measured nothing and exited 0; beside known names the typo went unnoticed."""
     out = tmp_path / "m.csv"
-    assert main(["collect", "--out", str(out), "--precisions", "fp32", "--models", models]) == 2
+    assert main(["collect", "--out", str(out), "--precisions", "fp32", "--models", models]) == 1
     err = capsys.readouterr().err.strip()
     assert err == (f"predict collect: error: --models {models!r}: {says}; choose zoo names "
                    f"from {', '.join(model_zoo(32))}")
@@ -134,6 +135,53 @@ def test_memory_takes_a_batch_and_a_resolution():
     defaults = build_parser().parse_args(["memory", "--model", "mlp"])
     # None: not given (predict memory refuses --batch beside --strategy, then takes 1)
     assert (defaults.batch, defaults.image_res) == (None, None)
+
+
+def _status(argv: list[str]) -> int:
+    """``predict``'s exit status for ``argv``, whether main returns it or argparse exits."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+MLP = ["memory", "--model", "mlp", "--hidden", "64", "--input", "64"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["memory", "--model", "mlp", "--framework", "ddp"],
+     "predict memory: error: argument --framework: invalid choice: 'ddp'"),
+    (["memory", "--batch", "4"], "predict memory: error: the following arguments are required: "
+     "--model"),
+    (["memroy", "--model", "mlp"], "predict: error: argument command: invalid choice: 'memroy'"),
+    (["time", "--bogus"], "predict: error: unrecognized arguments: --bogus"),
+    (["time", "--precision", "bf17"], "predict time: error: precision='bf17' is unknown"),
+    (["time", "--strategy", "dp0"], "predict time: error: "),
+    (["time", "--device", "tpu9"], "predict time: error: device='tpu9' is unknown"),
+    ([*MLP, "--precision", "bf17"], "error: UnknownPrecisionError: precision='bf17' is unknown"),
+    ([*MLP, "--seq", "512"], "error: ModelSpecError: --seq: the model 'mlp' has no sequence"),
+    (["memory", "--model", "llama-7b-like", "--optimizer", "sgd"],
+     "error: ModelSpecError: --optimizer 'sgd': the analytical model"),
+])
+def test_every_error_of_predict_exits_1_so_that_2_only_means_oom(argv, says, capsys):
+    """argparse's usage errors exited 2, and so did main's named errors (an unknown precision,
+    device or strategy), while predict memory's refusals exited 1: a script that skips a job on
+    2, predict memory's oom, read a typo or an unknown precision as oom."""
+    assert _status(argv) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_an_oom_verdict_still_exits_2(capsys):
+    assert _status(["memory", "--model", "mlp", "--hidden", "4096,4096", "--input", "4096",
+                    "--batch", "4096", "--capacity-gib", "1.6", "--device", "a100-40gb"]) == 2
+    assert "verdict: OOM" in capsys.readouterr().out
+
+
+def test_predict_memory_help_gives_the_exit_status_table(capsys):
+    assert _status(["memory", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ("exit status: 0 fits, 3 tight (the margin straddles the usable capacity), 2 oom; 1 "
+            "any error") in help_text
 
 
 def test_the_predictors_cli_imports_no_plugin():
