@@ -22,6 +22,15 @@ EXIT_STATUS = (f"exit status: {EXIT_CODES['fits']} fits, {EXIT_CODES['tight']} t
                "any error (a usage error, a refused flag, an unknown preset, device or "
                f"precision): {EXIT_CODES['oom']} only ever means oom")
 
+# what a framework of device.FRAMEWORK_FUSED steps an optimizer (OPTIMIZER_SAID) with, in
+# predict memory's refusal of another implementation
+FRAMEWORK_OWN = {"deepspeed": "DeepSpeed steps {} with its own fused kernel (the FusedAdam of "
+                              "an \"optimizer\" config section, the DeepSpeed the traced path "
+                              "models)",
+                 "megatron": "Megatron steps {} with its own fused kernel (Transformer "
+                             "Engine's or Apex's) whatever the script asks"}
+OPTIMIZER_SAID = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+
 # the models traced from flags alone; any other --model is a preset
 MODULE_MODELS = ("mlp", "cnn", "module")
 # the kinds of model a flag is read by: mlp, cnn and module by name; a preset as "preset" and
@@ -117,7 +126,9 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--optimizer", default="adam",
                    help="adam (torch default: foreach), adamw, adamw:fused, sgd:for-loop, ...; "
                         "a preset's analytical model prices Adam(W) in its own implementation "
-                        "(fused; foreach under DeepSpeed's ZeRO 2/3): another needs --trace")
+                        "(fused; foreach under DeepSpeed's ZeRO 2/3): another needs --trace; "
+                        "--framework deepspeed and megatron step Adam(W) with their own fused "
+                        "kernel (megatron SGD too): another implementation is refused")
     g.add_argument("--device", default=None,
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity "
                         "and, for presets too, the GPU generation's overheads)")
@@ -255,6 +266,8 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
                         "--trace reads it); add --trace or drop --context-mib")
     if "preset" in kinds and not args.trace:
         problems += _unpriced_analytical(args, "--framework" in given)
+    elif problem := _unpriced_impl(args, traced=True):
+        problems.append(problem)
     # --strategy's dp<D> and mb<M> were priced and --dp/--batch dropped
     if args.strategy is not None and (replaced := [f for f in STRATEGY_REPLACES if f in given]):
         problems.append(f"{', '.join(replaced)} with --strategy: its mb<M> is the batch and "
@@ -278,27 +291,20 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
 def _unpriced_analytical(args, framework_given: bool) -> list[str]:
     """What a preset's analytical model would price otherwise than asked (it was dropped
     without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
-    other than the one it prices (:func:`phases.adam_impl`), and a given --framework beyond
+    other than the one it prices (:func:`_unpriced_impl`), and a given --framework beyond
     one rank where it reads none (:func:`phases.deepspeed_zero`). One message each, naming
     the flag; --trace prices them. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
-    from .phases import adam_impl, deepspeed_zero
+    from .phases import deepspeed_zero
 
     cfg = Step(*_strategy_options(args), args.precision)
     problems = []
-    optimizer, impl = OptimizerSpec.parse(args.optimizer), args.optimizer.partition(":")[2]
-    if optimizer.name == "sgd":  # its states (none or one) are not Adam's two
+    if OptimizerSpec.parse(args.optimizer).name == "sgd":  # its states are not Adam's two
         problems.append(f"--optimizer {args.optimizer!r}: the analytical model of "
                         f"{args.model!r} prices Adam(W); add --trace to price this optimizer")
-    # a bare adam/adamw names no implementation: it is priced in the model's own; an explicit
-    # other one allocates other temporaries at the optimizer step (optimizers.py)
-    elif impl and impl != adam_impl(cfg):
-        priced = ("torch's foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups"
-                  if deepspeed_zero(cfg) else "fused Adam(W)")
-        problems.append(f"--optimizer {args.optimizer!r}: the analytical model of "
-                        f"{args.model!r} prices {priced}, not {impl}; add --trace to price "
-                        f"{impl} or drop ':{impl}'")
+    elif problem := _unpriced_impl(args, traced=False):
+        problems.append(problem)
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
     # buckets, Megatron's gradient buffer, DeepSpeed's buckets): the analytical model prices
     # none of them and reads the framework only as DeepSpeed's ZeRO 2/3 step
@@ -308,6 +314,45 @@ def _unpriced_analytical(args, framework_given: bool) -> list[str]:
                         "at --zero 2/3 with fp32 masters (a *-mixed or fp8 --precision); add "
                         "--trace or drop --framework")
     return problems
+
+
+def _unpriced_impl(args, traced: bool) -> str | None:
+    """An --optimizer implementation given explicitly (``adam:foreach``) that the path prices
+    as another (it was priced so without a word; a bare ``adam`` names none and is priced in
+    the path's own): the traced paths price the framework's own fused kernel where it runs one
+    (:func:`device.framework_impl`), a preset's analytical model its own implementation
+    (:func:`phases.adam_impl`). The one rule for both paths: an implementation refused on one
+    is named with the path that prices it, if any. ``args`` has its defaults."""
+    from .config import Step
+    from .device import framework_impl
+    from .optimizers import OptimizerSpec
+    from .phases import adam_impl, deepspeed_zero
+
+    name, impl = OptimizerSpec.parse(args.optimizer).name, args.optimizer.partition(":")[2]
+    if not impl:
+        return None
+    # the framework's own kernel, which the traced paths price whatever is given
+    own = (None if framework_impl(args.framework, name) in (None, impl)
+           else FRAMEWORK_OWN[args.framework].format(OPTIMIZER_SAID[name]))
+    if traced and own is None:
+        return None
+    cfg = Step(*_strategy_options(args), args.precision) if args.model not in MODULE_MODELS \
+        else None
+    analytical = cfg is not None and impl == adam_impl(cfg)  # the analytical model prices it
+    if traced:
+        return (f"--optimizer {args.optimizer!r} with --framework {args.framework}: {own}, "
+                f"which the traced path prices; drop ':{impl}'" + (
+                    " or drop --trace (the analytical model prices DeepSpeed stepping the "
+                    "script's torch foreach Adam(W), a config without an \"optimizer\" "
+                    "section)" if analytical else ""))
+    if analytical:
+        return None
+    priced = ("torch's foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups"
+              if deepspeed_zero(cfg) else "fused Adam(W)")
+    return (f"--optimizer {args.optimizer!r}: the analytical model of {args.model!r} prices "
+            f"{priced}, not {impl}; " + (f"drop ':{impl}' (--framework {args.framework}: "
+                                         f"{own}, which --trace prices)" if own
+                                         else f"add --trace to price {impl} or drop ':{impl}'"))
 
 
 def _frozen(args) -> tuple[str, ...] | None:

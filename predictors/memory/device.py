@@ -61,6 +61,21 @@ DEVICES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "v100")
 SHARDING_FRAMEWORKS = ("pytorch", "deepspeed", "megatron")
 # The options of a plain PyTorch step (torch DDP where dp > 1): the traced paths' default
 TORCH_OPTIONS = TrainingOptions(framework="pytorch")
+# The optimizers (optimizers.OPTIMIZERS) a framework steps with its own fused kernel whatever
+# implementation the script's optimizer would pick: Megatron builds Transformer Engine's (else
+# Apex's) FusedAdam and FusedSGD (megatron/core/optimizer/__init__.py); DeepSpeed its FusedAdam
+# for an Adam or AdamW "optimizer" config section (the DeepSpeed the traced paths model; another
+# type is the torch optimizer of that name, as given). torch DDP steps the script's optimizer.
+FRAMEWORK_FUSED = {"megatron": ("adam", "adamw", "sgd"), "deepspeed": ("adam", "adamw")}
+
+
+def framework_impl(framework: str, optimizer: str) -> str | None:
+    """The implementation (:data:`optimizers.IMPLEMENTATIONS`) ``framework`` steps
+    ``optimizer`` (a name of :data:`optimizers.OPTIMIZERS`) with on the traced paths whatever
+    the script asks, or None: the one asked (:data:`FRAMEWORK_FUSED`). The one rule of
+    :meth:`Sharding.effective_optimizer` and of ``predict memory``'s refusal of another
+    implementation given explicitly."""
+    return "fused" if optimizer in FRAMEWORK_FUSED.get(framework, ()) else None
 
 
 @dataclass(frozen=True)
@@ -115,10 +130,10 @@ class Sharding(StrategyView):
         return f"{self.framework} dp={self.dp} zero={self.zero}"
 
     def effective_optimizer(self, opt: OptimizerSpec) -> OptimizerSpec:
-        """DeepSpeed and Megatron run their own fused Adam (in place, no temporaries)."""
-        if self.framework in ("deepspeed", "megatron") and opt.impl != "fused":
-            return replace(opt, impl="fused")
-        return opt
+        """``opt`` as the framework steps it: DeepSpeed's and Megatron's own fused kernels
+        (in place, no temporaries) where :func:`framework_impl` names one, else as given."""
+        impl = framework_impl(self.framework, opt.name)
+        return opt if impl in (None, opt.impl) else replace(opt, impl=impl)
 
     def nccl_bytes(self) -> int:
         """NCCL's buffers for one communicator over ``dp`` ranks: each channel keeps a send

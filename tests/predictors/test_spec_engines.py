@@ -361,6 +361,30 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
     # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
     ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
      "--framework deepspeed: the analytical model of 'llama-7b-like' prices no framework's"),
+    # the traced paths price the framework's own fused kernel: another implementation given
+    # explicitly was priced as fused without a word
+    ("mlp", ["--optimizer", "adam:foreach", "--framework", "deepspeed"],
+     "--optimizer 'adam:foreach' with --framework deepspeed: DeepSpeed steps Adam with its own "
+     "fused kernel (the FusedAdam of an \"optimizer\" config section, the DeepSpeed the traced "
+     "path models), which the traced path prices; drop ':foreach'\n"),
+    ("cnn", ["--optimizer", "sgd:for-loop", "--framework", "megatron"],
+     "--optimizer 'sgd:for-loop' with --framework megatron: Megatron steps SGD with its own "
+     "fused kernel (Transformer Engine's or Apex's) whatever the script asks, which the traced "
+     "path prices; drop ':for-loop'\n"),
+    ("vit-b-like", ["--trace", "--optimizer", "adamw:for-loop", "--framework", "megatron"],
+     "--optimizer 'adamw:for-loop' with --framework megatron: Megatron steps AdamW"),
+    # ... and named with the path that prices it: the analytical model prices DeepSpeed's ZeRO
+    # 2/3 step with the script's foreach AdamW, the traced path Megatron's fused Adam
+    ("vit-b-like", ["--trace", *DEEPSPEED_STEP, "--optimizer", "adamw:foreach"],
+     "DeepSpeed steps AdamW with its own fused kernel (the FusedAdam of an \"optimizer\" "
+     "config section, the DeepSpeed the traced path models), which the traced path prices; "
+     "drop ':foreach' or drop --trace (the analytical model prices DeepSpeed stepping the "
+     "script's torch foreach Adam(W), a config without an \"optimizer\" section)"),
+    ("llava-1.5-7b-like", ["--framework", "megatron", "--optimizer", "adam:foreach"],
+     "--optimizer 'adam:foreach': the analytical model of 'llava-1.5-7b-like' prices fused "
+     "Adam(W), not foreach; drop ':foreach' (--framework megatron: Megatron steps Adam with its "
+     "own fused kernel (Transformer Engine's or Apex's) whatever the script asks, which --trace "
+     "prices)"),
 ])
 def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
                                                                          message):
@@ -444,6 +468,18 @@ def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     traced = run("vit-b-like", "--image-res", "32", "--trace", "--dp", "2", "--zero", "1",
                  "--framework", "pytorch", "--optimizer", "adam:for-loop")
     assert traced["allocator.ddp_grad_buckets"] == traced["allocator.gradient"]
+    # DeepSpeed and Megatron step Adam with their own fused kernel: not given, it is priced
+    # (a given other one is refused); DeepSpeed steps SGD as given, Megatron its fused one
+    for framework in ("deepspeed", "megatron"):
+        job = ["--batch", "4", "--dp", "2", "--framework", framework]
+        assert run("mlp", *job) == run("mlp", *job, "--optimizer", "adam:fused")
+        assert run("mlp", *job, "--optimizer", "sgd") == run("mlp", *job, "--optimizer",
+                                                           "sgd:fused")
+    assert run("mlp", "--batch", "4", "--optimizer", "sgd:for-loop", "--framework",
+               "deepspeed")["verdict"] == "fits"
+    assert run("vit-b-like", "--image-res", "32", "--trace", *DEEPSPEED_STEP, "--optimizer",
+               "adamw:fused") == run("vit-b-like", "--image-res", "32", "--trace",
+                                     *DEEPSPEED_STEP)
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
