@@ -97,6 +97,35 @@ class CommBuffers:
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
 
 
+def grad_buffers(framework: str, zero: int, dp: int, grad_bytes: int) -> dict[str, int]:
+    """The gradient buffers ``framework`` allocates once, when it wraps the model for ``dp``
+    ranks at ZeRO stage ``zero``: each as large as every trainable gradient (``grad_bytes``,
+    not the gradients live at the step's peak) and live in every phase. torch DDP's flat
+    buckets at ZeRO 0/1 (``gradient_as_bucket_view=False``: the reducer's
+    ``initialize_buckets`` allocates every bucket, the backward copies each gradient in), and
+    Megatron's contiguous main-grad buffer. The one implementation for the traced paths
+    (:class:`Sharding`) and a preset's analytical model (``api.predict_peak_memory``)."""
+    if dp == 1:
+        return {}
+    if framework == "pytorch" and zero < 2:
+        return {"ddp_grad_buckets": grad_bytes}
+    if framework == "megatron":
+        return {"megatron_grad_buffer": grad_bytes}
+    return {}
+
+
+def nccl_bytes(dp: int, buffers: CommBuffers | None = None) -> int:
+    """NCCL's buffers for one communicator over ``dp`` ranks (outside the caching allocator:
+    NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive buffer of
+    ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol, plus LL (1/8) and LL128
+    (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
+    if dp == 1:
+        return 0
+    b = buffers or CommBuffers()
+    per_channel = 2 * b.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
+    return int(b.nccl_channels * per_channel)
+
+
 @dataclass(frozen=True)
 class Sharding(StrategyView):
     """Data parallelism as the traced paths apply it to one rank: ``strategy.dp`` ranks, the
@@ -136,29 +165,25 @@ class Sharding(StrategyView):
         return opt if impl in (None, opt.impl) else replace(opt, impl=impl)
 
     def nccl_bytes(self) -> int:
-        """NCCL's buffers for one communicator over ``dp`` ranks: each channel keeps a send
-        and a receive buffer of ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol,
-        plus LL (1/8) and LL128 (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
-        if self.dp == 1:
-            return 0
-        b = self.buffers
-        per_channel = 2 * b.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
-        return int(b.nccl_channels * per_channel)
+        """NCCL's buffers for the data-parallel communicator (:func:`nccl_bytes`)."""
+        return nccl_bytes(self.dp, self.buffers)
 
-    def sharding_adjustment(self, live: dict[str, int], opt: OptimizerSpec, precision: str,
-                            peak_phase: str = "",
+    def sharding_adjustment(self, live: dict[str, int], grad_bytes: int, opt: OptimizerSpec,
+                            precision: str, peak_phase: str = "",
                             module_tensors: list[list[int]] | None = None
                             ) -> tuple[dict, list[str]]:  # fmt: skip
         """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
         peak breakdown ``live`` (labels of :mod:`tracker`). Returns ``({"delta": bytes,
         "buffers": {name: bytes}}, notes)``; sharding is applied to the traced breakdown, it
-        is not itself traced. ``module_tensors``: per module, its parameter tensors' bytes
-        (ZeRO-3 gathers one module at a time; :mod:`zero`)."""
+        is not itself traced. ``grad_bytes``: every trainable gradient's bytes (what the
+        framework's gradient buffers copy, :func:`grad_buffers`); ``module_tensors``: per
+        module, its parameter tensors' bytes (ZeRO-3 gathers one module at a time;
+        :mod:`zero`)."""
         if self.dp == 1:
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
-        buffers: dict[str, int] = {}
+        buffers = grad_buffers(self.framework, self.zero, d, grad_bytes)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
         delta = 0
@@ -167,11 +192,6 @@ class Sharding(StrategyView):
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only
                 delta -= int(live.get("temporary", 0) * (1 - keep))
-        if self.framework == "pytorch" and self.zero < 2:
-            # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False)
-            buffers["ddp_grad_buckets"] = grads
-        if self.framework == "megatron":
-            buffers["megatron_grad_buffer"] = grads  # contiguous main-grad buffer
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
             # stage_1_and_2.py allocates its contiguous-gradient (ipg) buffer at the full

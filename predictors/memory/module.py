@@ -228,9 +228,9 @@ def predict_module_memory(
         outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
     m = (Margin.fixed(margin) if margin is not None
          else margin_for("conv" if meas.convolutions else "dense"))
-    extra, notes = dist.sharding_adjustment(meas.breakdown, opt, precision, meas.peak_phase,
-                                            _module_tensors(build, precision)
-                                            if dist.zero == 3 else None)  # fmt: skip
+    module_tensors, grad_bytes = _parameter_bytes(build, precision) if dist.dp > 1 else ([], 0)
+    extra, notes = dist.sharding_adjustment(meas.breakdown, grad_bytes, opt, precision,
+                                            meas.peak_phase, module_tensors)
     pred = DeviceMemoryPrediction(
         prof.name, precision, opt, dist,
         max_memory_allocated=meas.peak_allocated + extra["delta"],
@@ -257,16 +257,19 @@ def predict_module_memory(
     return pred
 
 
-def _module_tensors(build: Callable[[], nn.Module], precision: str) -> list[list[int]]:
+def _parameter_bytes(build: Callable[[], nn.Module], precision: str
+                     ) -> tuple[list[list[int]], int]:  # fmt: skip
     """Per module with parameters of its own, their bytes at the precision's weight dtype
-    (what ZeRO-3 gathers one module at a time)."""
+    (what ZeRO-3 gathers one module at a time), and the bytes of every trainable parameter's
+    gradient (of that dtype: what a framework's gradient buffers copy, device.grad_buffers)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     elem = get_precision(precision).param_dtype.itemsize
     with FakeTensorMode():
         model = build()
-        return [[q.numel() * elem for q in m.parameters(recurse=False)]
-                for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        return ([[q.numel() * elem for q in m.parameters(recurse=False)]
+                 for m in model.modules() if any(True for _ in m.parameters(recurse=False))],
+                sum(q.numel() * elem for q in model.parameters() if q.requires_grad))
 
 
 def predict_spec_memory(model: str | ModelSpec | TransformerSpec,

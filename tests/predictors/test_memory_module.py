@@ -132,6 +132,24 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
         _predict(strategy=ParallelStrategy(4, 2, 1))
 
 
+def test_ddp_buckets_and_megatron_buffer_hold_every_trainable_gradient_whatever_the_peak():
+    """torch DDP allocates its flat buckets when it wraps the model (the reducer's
+    initialize_buckets), Megatron its main-grad buffer: each as large as every trainable
+    gradient and live in every phase. They were priced at the gradients live at the traced
+    peak: at this backward peak, the last layers' only."""
+    dp2 = ParallelStrategy(2, 1, 1)
+    model = WIDE.build()
+    frozen = model[0].weight  # a frozen weight has no gradient to bucket
+    frozen.requires_grad_(False)
+    x, y = WIDE.example(4096)
+    for framework, name in (("pytorch", "ddp_grad_buckets"),
+                            ("megatron", "megatron_grad_buffer")):
+        p = predict_module_memory(model, x, y, optimizer="adam:fused", strategy=dp2,
+                                  options=TrainingOptions(framework=framework))
+        assert p.inside_allocator[name] == PARAM_BYTES - 4 * frozen.numel()
+        assert p.inside_allocator["gradient"] < p.inside_allocator[name] / 2
+
+
 def test_cudnn_workspace_is_allocated_around_convolutions():
     cnn = CnnSpec((32, 64), image_res=64, classes=10)
     x, y = cnn.example(16)
