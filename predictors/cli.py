@@ -15,24 +15,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
 
+from predictors.cli_parser import EXIT_ERROR, PredictArgumentParser
 from predictors.flag_values import flag_type, parse_count, parse_counts, parse_positive
-
-# Every error of `predict` exits 1 (a usage error, a refused flag, an unknown precision, ...):
-# `predict memory`'s verdict takes 0, 3 and 2 (oom), and a script that skips a job on 2 read
-# argparse's own usage status 2, and this module's 2 for a named error, as "oom"
-EXIT_ERROR = 1
-
-
-class PredictArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors exit :data:`EXIT_ERROR`, not argparse's 2, with
-    argparse's usage line and ``<prog>: error: <message>``. ``add_subparsers`` makes each
-    subcommand's parser of its parent's class, so theirs do too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
 
 
 def _shipped_measurements() -> Path:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from ..cli import EXIT_ERROR, PredictArgumentParser
+from ..cli_parser import EXIT_ERROR, PredictArgumentParser
 from ..flag_values import flag_type, parse_count
 from ..spec.model import ModelSpecError
 from ..spec.options import FRAMEWORKS
