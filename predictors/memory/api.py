@@ -23,8 +23,11 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
+from .device import grad_buffers, nccl_bytes
+from .factorize import factorize
 from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER
+from .phases import layer_grad_bytes
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
 
@@ -42,20 +45,27 @@ class MemoryPrediction:
     margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     trained_on: str  # what the residual model was trained against
     inflight_microbatches: int = 1  # activations held at once on the first pipeline stage
+    nccl_bytes: int = 0  # NCCL's buffers, outside the caching allocator (torch DDP, dp > 1)
+
+    @property
+    def outside_allocator(self) -> int:
+        """Bytes outside the caching allocator: the CUDA context and NCCL's buffers."""
+        return self.context_bytes + self.nccl_bytes
 
     @property
     def device_used(self) -> int:
-        """Device-level memory (``nvidia-smi`` ``memory.used``): reserved + CUDA context."""
-        return self.peak_reserved + self.context_bytes
+        """Device-level memory (``nvidia-smi`` ``memory.used``): reserved + CUDA context +
+        NCCL's buffers."""
+        return self.peak_reserved + self.outside_allocator
 
     @property
     def judgement(self) -> Judgement:
-        return judge(self.peak_reserved, self.context_bytes, self.capacity, self.margin)
+        return judge(self.peak_reserved, self.outside_allocator, self.capacity, self.margin)
 
     @property
     def device_total(self) -> int:
         """Device-level memory at the upper bound of the reserved bytes."""
-        return self.judgement.upper + self.context_bytes
+        return self.judgement.upper + self.outside_allocator
 
     @property
     def fits(self) -> bool:
@@ -66,7 +76,8 @@ class MemoryPrediction:
         return {"model": self.model.name, "max_memory_reserved": self.peak_reserved,
                 "peak_allocated_analytical": self.peak_allocated_analytical,
                 **{f"analytical.{k}": v for k, v in self.components.items()},
-                "cuda_context": self.context_bytes, "device_used": self.device_used,
+                "cuda_context": self.context_bytes, "nccl_buffers": self.nccl_bytes,
+                "device_used": self.device_used,
                 "capacity": self.capacity, **self.judgement.as_dict()}
 
     def format(self) -> str:
@@ -85,7 +96,9 @@ class MemoryPrediction:
             f"predicted peak reserved {g(self.peak_reserved)} (residual model trained on: "
             f"{self.trained_on})",
             f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
-            f"{g(self.context_bytes)} = {g(self.device_used)}",
+            f"{g(self.context_bytes)}"
+            + (f" + NCCL buffers {g(self.nccl_bytes)}" if self.nccl_bytes else "")
+            + f" = {g(self.device_used)}",
             self.judgement.describe(),
         ]
         return "\n".join(lines)
@@ -110,7 +123,11 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     Megatron-Core's tensor/pipeline sizes (the prediction is the first pipeline stage's rank,
     with its own depth where the strategy splits the layers unevenly), its micro-batch count
     sets how many are in flight. ``options``: the ZeRO stage (distributed optimizer: 1,
-    ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full) and sequence parallelism.
+    ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full), sequence parallelism and
+    the framework, whose data-parallel buffers beyond one rank are priced for ``pytorch``
+    (torch DDP's gradient buckets and NCCL's buffers, by the traced paths' one implementation,
+    :func:`device.grad_buffers` and :func:`device.nccl_bytes`) and for no other (Megatron's
+    gradient buffer, DeepSpeed's buckets, their NCCL buffers: not priced).
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -169,9 +186,18 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
             spec, tp, options.sequence_parallel))  # fmt: skip
         # the allocator's overhead over live bytes is kept in proportion
         reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
+    nccl = 0
+    if options.framework == "pytorch" and strategy.dp > 1:
+        # torch DDP's buckets, allocated when it wraps the model: live in every phase, so the
+        # walk's peak grows by them; whole segments of their own (25 MiB buckets)
+        buffers = grad_buffers(options.framework, cfg.zero, strategy.dp,
+                               sum(layer_grad_bytes(factorize(spec, cfg))) // tp)
+        comps.update(buffers)
+        reserved += sum(buffers.values())
+        nccl = nccl_bytes(strategy.dp)
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
-                            _shipped_model().trained_on, inflight)
+                            _shipped_model().trained_on, inflight, nccl)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient")

@@ -78,10 +78,6 @@ MODEL_FLAGS: dict[str, ReadBy] = {
 # --strategy's dp<D> and mb<M> replace --dp and --batch: given with it they were dropped
 # without a word, so both are None when not given and get these defaults in _model_flags
 STRATEGY_REPLACES = {"--batch": 1, "--dp": 1}
-# --framework is read by the traced paths but by a preset's analytical model only as DeepSpeed's
-# ZeRO 2/3 step (phases.deepspeed_zero): given elsewhere it was dropped without a word, so it is
-# None when not given and gets this default in _model_flags
-TRACED_FRAMEWORK = {"--framework": "pytorch"}
 
 
 def _said(kinds: tuple[str, ...]) -> str:
@@ -132,12 +128,12 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--device", default=None,
                    help="a100-40gb, a100-80gb, h100-80gb, h200, l40s, v100 (sets capacity "
                         "and, for presets too, the GPU generation's overheads)")
-    g.add_argument("--framework", default=None, choices=FRAMEWORKS,
-                   help=f"the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
-                        f"megatron (distributed optimizer) (default "
-                        f"{TRACED_FRAMEWORK['--framework']}; a preset's analytical model reads "
-                        "only deepspeed at --zero 2/3 with fp32 masters, and no framework's "
-                        "buffers: beyond --dp 1 another needs --trace)")
+    g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
+                   help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
+                        "megatron (distributed optimizer) (default pytorch; beyond --dp 1 a "
+                        "preset's analytical model prices pytorch's buffers, DDP's gradient "
+                        "buckets and NCCL's, and reads deepspeed only as its ZeRO 2/3 step with "
+                        "fp32 masters: another needs --trace)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     g.add_argument("--last-batch", type=int, **_given_or(
         "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
@@ -230,7 +226,7 @@ def _model_flags(args) -> None:
             ("text", spec.text), ("vision", spec.vision), ("multimodal", spec.multimodal)) if has}
         towers = spec.towers
     defaults = {**{flag: read.default for flag, read in MODEL_FLAGS.items()},
-                **STRATEGY_REPLACES, **TRACED_FRAMEWORK}
+                **STRATEGY_REPLACES}
     dest = {flag: flag[2:].replace("-", "_") for flag in defaults}
     given = {flag for flag in defaults if getattr(args, dest[flag]) is not None}
     unread = [flag for flag, read in MODEL_FLAGS.items()
@@ -265,7 +261,7 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
                         "device's own CUDA context (only mlp, cnn, module or a preset with "
                         "--trace reads it); add --trace or drop --context-mib")
     if "preset" in kinds and not args.trace:
-        problems += _unpriced_analytical(args, "--framework" in given)
+        problems += _unpriced_analytical(args)
     elif problem := _unpriced_impl(args, traced=True):
         problems.append(problem)
     # --strategy's dp<D> and mb<M> were priced and --dp/--batch dropped
@@ -288,12 +284,13 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
     return problems
 
 
-def _unpriced_analytical(args, framework_given: bool) -> list[str]:
+def _unpriced_analytical(args) -> list[str]:
     """What a preset's analytical model would price otherwise than asked (it was dropped
     without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
-    other than the one it prices (:func:`_unpriced_impl`), and a given --framework beyond
-    one rank where it reads none (:func:`phases.deepspeed_zero`). One message each, naming
-    the flag; --trace prices them. ``args`` has its defaults."""
+    other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
+    whose buffers it does not price (all but pytorch's) and whose step it does not read (all
+    but :func:`phases.deepspeed_zero`). One message each, naming the flag; --trace prices
+    them. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
     from .phases import deepspeed_zero
@@ -306,13 +303,14 @@ def _unpriced_analytical(args, framework_given: bool) -> list[str]:
     elif problem := _unpriced_impl(args, traced=False):
         problems.append(problem)
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
-    # buckets, Megatron's gradient buffer, DeepSpeed's buckets): the analytical model prices
-    # none of them and reads the framework only as DeepSpeed's ZeRO 2/3 step
-    if framework_given and cfg.dp > 1 and not deepspeed_zero(cfg):
-        problems.append(f"--framework {args.framework}: the analytical model of {args.model!r} "
-                        "prices no framework's data-parallel buffers and reads only deepspeed "
-                        "at --zero 2/3 with fp32 masters (a *-mixed or fp8 --precision); add "
-                        "--trace or drop --framework")
+    # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
+    # prices torch DDP's (api.predict_peak_memory) and reads DeepSpeed as its ZeRO 2/3 step
+    if cfg.dp > 1 and args.framework != "pytorch" and not deepspeed_zero(cfg):
+        problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
+                        f"of {args.model!r} prices the data-parallel buffers of pytorch only "
+                        "(torch DDP's gradient buckets and NCCL's buffers) and reads deepspeed "
+                        "only as its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 "
+                        "--precision); add --trace")
     return problems
 
 

@@ -44,6 +44,12 @@ def adam_impl(cfg: Step) -> str:
     return "foreach" if deepspeed_zero(cfg) else "fused"
 
 
+def layer_grad_bytes(fz: Factorization, shard: int = 1) -> list[int]:
+    """Each layer's gradient bytes (its trainable parameters', in their dtype), ``shard``
+    ways: what the walk holds as gradients, and, unsharded, what torch DDP's buckets copy."""
+    return [x.param_bytes // shard if x.trainable else 0 for x in fz.layers]
+
+
 def trainable_tensors(fz: Factorization) -> list[int]:
     """Elements of each trainable parameter tensor, in model order."""
     return [n for x in fz.layers if x.trainable for n in (x.tensor_params or (x.params,))]
@@ -79,7 +85,7 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
     base = params + states + fz.input_bytes
     ws = overheads.cublas_workspace_bytes
     acts = [x.saved for x in fz.layers]
-    grads = [x.param_bytes // shard_grad if x.trainable else 0 for x in fz.layers]
+    grads = layer_grad_bytes(fz, shard_grad)
     phase_peaks: dict[str, int] = {}
     best = (0, "", {})
 

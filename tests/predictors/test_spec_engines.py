@@ -351,16 +351,17 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "--optimizer 'adamw:fused': the analytical model of 'llama-7b-like' prices torch's "
      "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
     *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
-       f"--framework {framework}: the analytical model of 'llava-1.5-7b-like' prices no "
-       "framework's data-parallel buffers and reads only deepspeed at --zero 2/3 with fp32 "
-       "masters (a *-mixed or fp8 --precision); add --trace or drop --framework")
-      for framework in ("pytorch", "deepspeed", "megatron")],
-    # given, not "differs from the default"; dp<D> of --strategy counts as --dp does
-    ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "pytorch"],
-     "--framework pytorch: the analytical model of 'llama-7b-like' prices no framework's"),
+       f"--framework {framework}: beyond one rank the analytical model of 'llava-1.5-7b-like' "
+       "prices the data-parallel buffers of pytorch only (torch DDP's gradient buckets and "
+       "NCCL's buffers) and reads deepspeed only as its ZeRO 2/3 step with fp32 masters (a "
+       "*-mixed or fp8 --precision); add --trace\n")
+      for framework in ("deepspeed", "megatron", "torchtitan")],
+    # dp<D> of --strategy counts as --dp does
+    ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "megatron"],
+     "--framework megatron: beyond one rank the analytical model of 'llama-7b-like' prices"),
     # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
     ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
-     "--framework deepspeed: the analytical model of 'llama-7b-like' prices no framework's"),
+     "--framework deepspeed: beyond one rank the analytical model of 'llama-7b-like' prices"),
     # the traced paths price the framework's own fused kernel: another implementation given
     # explicitly was priced as fused without a word
     ("mlp", ["--optimizer", "adam:foreach", "--framework", "deepspeed"],
@@ -457,6 +458,7 @@ def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     llava = run("llava-1.5-7b-like", *zero1)
     assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adamw")
     assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adam:fused")
+    assert llava == run("llava-1.5-7b-like", *zero1, "--framework", "pytorch")  # the default
     assert run("llava-1.5-7b-like") == run("llava-1.5-7b-like", "--framework", "megatron")
     deepspeed = run("llama-7b-like", *DEEPSPEED_STEP)
     assert deepspeed == run("llama-7b-like", *DEEPSPEED_STEP, "--optimizer", "adamw:foreach")
@@ -480,6 +482,55 @@ def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     assert run("vit-b-like", "--image-res", "32", "--trace", *DEEPSPEED_STEP, "--optimizer",
                "adamw:fused") == run("vit-b-like", "--image-res", "32", "--trace",
                                      *DEEPSPEED_STEP)
+
+
+def test_memory_cli_prices_torch_ddps_buffers_beyond_one_rank_on_both_paths(capsys):
+    """Beyond one rank the analytical path priced no framework's data-parallel buffers with
+    --framework not given, though its default is pytorch: `--dp 8` was one rank's prediction,
+    under what torch DDP allocates (its gradient buckets, NCCL's buffers). Both paths price
+    them by one implementation (device.grad_buffers, device.nccl_bytes): the same bytes."""
+    import json
+
+    from predictors.cli import main
+    from predictors.memory.device import nccl_bytes
+
+    def run(*argv):
+        assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
+                     *argv]) in (0, 2, 3)
+        return json.loads(capsys.readouterr().out)
+
+    one, dp8 = run("--batch", "4"), run("--batch", "4", "--dp", "8")
+    traced = run("--batch", "4", "--dp", "8", "--trace")
+    buckets = traced["allocator.ddp_grad_buckets"]
+    assert dp8["analytical.ddp_grad_buckets"] == buckets > 0
+    assert dp8["nccl_buffers"] == traced["nccl_buffers"] == nccl_bytes(8) > one["nccl_buffers"]
+    assert dp8["max_memory_reserved"] == one["max_memory_reserved"] + buckets
+    assert dp8["device_used"] == one["device_used"] + buckets + nccl_bytes(8)
+    assert dp8["usable"] == one["usable"] - nccl_bytes(8)  # outside the allocator
+    # ZeRO 1 (torch's ZeroRedundancyOptimizer) keeps DDP's buckets; ZeRO 2/3 has none
+    assert run("--batch", "4", "--dp", "8", "--zero", "1")["analytical.ddp_grad_buckets"] == (
+        buckets)
+    assert "analytical.ddp_grad_buckets" not in run("--batch", "4", "--dp", "8", "--zero", "2")
+    # tensor parallelism: each rank buckets its 1/tp of the gradients
+    tp2 = run("--strategy", "dp8tp2pp1")
+    assert tp2["analytical.ddp_grad_buckets"] == pytest.approx(buckets / 2, rel=0.01)
+
+
+def test_memory_api_prices_no_data_parallel_buffers_but_torch_ddps():
+    """CONA's memory filter (megatron_cona.candidates.PredictorMemory: Megatron's options) and
+    the LLaVA outcomes (DeepSpeed) are priced as before: only framework pytorch adds buffers."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.spec import DEFAULT_OPTIONS
+
+    dp8 = ParallelStrategy(8, 2, 2, micro_batch=1, global_batch=16)
+    one = ParallelStrategy(1, 2, 2, micro_batch=1, global_batch=2)
+    for options in (DEFAULT_OPTIONS, TrainingOptions.for_zero_stage(3, framework="deepspeed")):
+        p = predict_peak_memory("llama-7b-like", dp8, options)
+        assert p.nccl_bytes == 0 and "ddp_grad_buckets" not in p.components
+    assert predict_peak_memory("llama-7b-like", dp8).device_total == predict_peak_memory(
+        "llama-7b-like", one).device_total  # no ZeRO: dp changes nothing a rank holds
+    torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
+    assert torch_ddp.nccl_bytes > 0 and torch_ddp.components["ddp_grad_buckets"] > 0
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
