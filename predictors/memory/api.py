@@ -23,11 +23,11 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
-from .device import grad_buffers, nccl_bytes
+from .device import grad_buffers, megatron_step_copy, nccl_bytes, replaces_gradients
 from .factorize import factorize
 from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER
-from .phases import layer_grad_bytes
+from .phases import trainable_params, walk_phases
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
 
@@ -124,10 +124,12 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     with its own depth where the strategy splits the layers unevenly), its micro-batch count
     sets how many are in flight. ``options``: the ZeRO stage (distributed optimizer: 1,
     ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full), sequence parallelism and
-    the framework, whose data-parallel buffers beyond one rank are priced for ``pytorch``
-    (torch DDP's gradient buckets and NCCL's buffers, by the traced paths' one implementation,
-    :func:`device.grad_buffers` and :func:`device.nccl_bytes`) and for no other (Megatron's
-    gradient buffer, DeepSpeed's buckets, their NCCL buffers: not priced).
+    the framework, whose gradient buffers are priced by the traced paths' one implementation
+    (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
+    ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
+    the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
+    beside them, and NCCL's buffers, :func:`device.nccl_bytes`), for no other (DeepSpeed's
+    buckets; nor Megatron's NCCL buffers: not priced).
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -177,6 +179,19 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
                                  f"{', '.join(by_name)}")
         overheads = by_name[architecture]
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
+    fz = factorize(spec, cfg)
+    grad_params = trainable_params(fz)
+    buffers = grad_buffers(options.framework, cfg.zero, strategy.dp, grad_params, cfg.precision)
+    if replaces_gradients(options.framework) and buffers:
+        # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
+        # holds it, full size, in every phase instead of the per-layer gradients of the plain
+        # PyTorch step the residual model was trained on (which appear in the backward, so
+        # none at a forward or loss peak); priced beyond the residual by the walks' difference
+        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=buffers,
+                               step_copy=megatron_step_copy(cfg.precision, cfg.zero,
+                                                            strategy.dp, grad_params))
+        reserved += megatron.peak_allocated - est.peak_allocated
+        est = megatron
     family = margin_family(spec)
     bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
     inflight = min(pp, strategy.num_microbatches)
@@ -188,19 +203,20 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
         reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
     nccl = 0
     if options.framework == "pytorch" and strategy.dp > 1:
-        # torch DDP's buckets, allocated when it wraps the model: live in every phase, so the
-        # walk's peak grows by them; whole segments of their own (25 MiB buckets)
-        buffers = grad_buffers(options.framework, cfg.zero, strategy.dp,
-                               sum(layer_grad_bytes(factorize(spec, cfg))) // tp)
-        comps.update(buffers)
-        reserved += sum(buffers.values())
+        # torch DDP's buckets, allocated when it wraps the model: live in every phase beside
+        # the gradients, so the walk's peak grows by them; whole segments of their own (25 MiB
+        # buckets); each rank buckets its 1/tp of the gradients
+        ddp = {k: v // tp for k, v in buffers.items()}
+        comps.update(ddp)
+        reserved += sum(ddp.values())
         nccl = nccl_bytes(strategy.dp)
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
                             _shipped_model().trained_on, inflight, nccl)
 
 
-SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient")
+SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",
+                 "megatron_grad_buffer")
 
 
 def per_rank_components(components: dict[str, int], tp: int, inflight: int,

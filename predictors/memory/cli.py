@@ -304,7 +304,8 @@ def _unpriced_analytical(args) -> list[str]:
         problems.append(problem)
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
     # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
-    # prices torch DDP's (api.predict_peak_memory) and reads DeepSpeed as its ZeRO 2/3 step
+    # prices torch DDP's (api.predict_peak_memory), Megatron's gradient buffer but not its
+    # NCCL buffers, and reads DeepSpeed as its ZeRO 2/3 step
     if cfg.dp > 1 and args.framework != "pytorch" and not deepspeed_zero(cfg):
         problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
                         f"of {args.model!r} prices the data-parallel buffers of pytorch only "

@@ -65,9 +65,12 @@ class Step(StrategyView):
     @classmethod
     def data_parallel(cls, batch: int, precision: str | Precision, *, recompute: str = "none",
                       zero: int = 0, dp: int = 1) -> Step:
-        """``batch`` samples per GPU over ``dp`` ranks at ZeRO stage ``zero``."""
+        """``batch`` samples per GPU over ``dp`` ranks at ZeRO stage ``zero``, in plain
+        PyTorch (``framework="pytorch"``): the step the ground truth measures
+        (``predictors.step``), with no Megatron gradient buffer."""
         return cls(ParallelStrategy(dp, 1, 1, micro_batch=batch),
-                   TrainingOptions.for_zero_stage(zero, recompute=recompute), precision)
+                   TrainingOptions.for_zero_stage(zero, recompute=recompute,
+                                                  framework="pytorch"), precision)
 
     @property
     def batch(self) -> int:

@@ -3,7 +3,8 @@ buffers of distributed training (data parallelism, ZeRO, Megatron's distributed 
 
 * Inside the allocator (so inside ``max_memory_reserved``): cuBLAS workspaces (traced, see
   :mod:`overheads`), cuDNN convolution workspaces (traced, :mod:`tracker`), DDP gradient
-  buckets, DeepSpeed ZeRO reduce / all-gather buckets and stage-3 live parameters.
+  buckets, Megatron's gradient buffer (one rank included), DeepSpeed ZeRO reduce /
+  all-gather buckets and stage-3 live parameters.
 * Outside it: the CUDA context with the kernels of the loaded libraries, and NCCL's
   communication buffers (NCCL allocates them with ``cudaMalloc`` itself).
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from ..devices import get_device as get_compute_device
 from ..spec.options import TrainingOptions
-from ..spec.precision import get_precision
+from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, StrategyView
@@ -97,21 +100,66 @@ class CommBuffers:
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
 
 
-def grad_buffers(framework: str, zero: int, dp: int, grad_bytes: int) -> dict[str, int]:
+def megatron_grad_dtype(precision: str | Precision) -> torch.dtype:
+    """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision``:
+    ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with grad dtype
+    fp32 where ``ddp_config.grad_reduce_in_fp32``, else the parameter's
+    (``megatron/core/distributed/distributed_data_parallel.py``,
+    ``_allocate_buffers_for_parameters``). Megatron-LM sets that flag from
+    ``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` turns on (``validate_args``:
+    bf16 gradients are accumulated and reduced in fp32) and ``--fp16`` leaves off: fp32 but for
+    fp16 weights (fp16 weights with the flag given are not modelled: 2 B per element short)."""
+    p = get_precision(precision)
+    return torch.float16 if p.param_dtype == torch.float16 else torch.float32
+
+
+def replaces_gradients(framework: str) -> bool:
+    """Whether ``framework``'s gradient buffer (:func:`grad_buffers`) holds the gradients IN
+    PLACE of ``param.grad``: Megatron-Core's backward hook adds each ``param.grad`` into
+    ``param.main_grad`` (a view of the buffer) and drops it
+    (``DistributedDataParallel._make_backward_post_hook``; with gradient-accumulation fusion
+    the weight gradient is written into ``main_grad`` directly), and its optimizer steps
+    ``main_grad`` (``optimizer.py`` / ``distrib_optimizer.py``,
+    ``_copy_model_grads_to_main_grads``). torch DDP's buckets are a copy beside ``.grad``."""
+    return framework == "megatron"
+
+
+def grad_buffers(framework: str, zero: int, dp: int, grad_params: int,
+                 precision: str | Precision) -> dict[str, int]:
     """The gradient buffers ``framework`` allocates once, when it wraps the model for ``dp``
-    ranks at ZeRO stage ``zero``: each as large as every trainable gradient (``grad_bytes``,
-    not the gradients live at the step's peak) and live in every phase. torch DDP's flat
-    buckets at ZeRO 0/1 (``gradient_as_bucket_view=False``: the reducer's
-    ``initialize_buckets`` allocates every bucket, the backward copies each gradient in), and
-    Megatron's contiguous main-grad buffer. The one implementation for the traced paths
+    ranks at ZeRO stage ``zero``, for ``grad_params`` trainable elements (every trainable
+    gradient, not the gradients live at the step's peak); live in every phase. torch DDP's
+    flat buckets at ZeRO 0/1 beyond one rank, in the gradients' dtype
+    (``gradient_as_bucket_view=False``: the reducer's ``initialize_buckets`` allocates every
+    bucket, the backward copies each gradient in). Megatron-Core's contiguous ``main_grad``
+    buffer at ZeRO 0/1 (without or with the distributed optimizer) at any ``dp``, one rank
+    included (Megatron-LM's ``get_model`` wraps every model chunk in its
+    ``DistributedDataParallel``), in :func:`megatron_grad_dtype`: ``_ParamAndGradBuffer``
+    allocates ``grad_data`` for every parameter that requires a gradient
+    (``param_and_grad_buffer.py``), full size under the distributed optimizer too (its
+    reduce-scatter writes each rank's shard into a view of the same buffer); the
+    distributed optimizer's ``param_data`` buffer takes the parameters' own storage (each
+    ``param.data`` is moved into it), so it adds nothing. Megatron's FSDP and gradient
+    sharding (ZeRO 2/3) are not modelled here. The one implementation for the traced paths
     (:class:`Sharding`) and a preset's analytical model (``api.predict_peak_memory``)."""
-    if dp == 1:
-        return {}
-    if framework == "pytorch" and zero < 2:
-        return {"ddp_grad_buckets": grad_bytes}
-    if framework == "megatron":
-        return {"megatron_grad_buffer": grad_bytes}
+    if framework == "pytorch" and zero < 2 and dp > 1:
+        return {"ddp_grad_buckets": grad_params * get_precision(precision).param_dtype.itemsize}
+    if framework == "megatron" and zero < 2:
+        return {"megatron_grad_buffer": grad_params * megatron_grad_dtype(precision).itemsize}
     return {}
+
+
+def megatron_step_copy(precision: str | Precision, zero: int, dp: int, grad_params: int) -> int:
+    """The fp32 gradient bytes Megatron's optimizer casts from its buffer for the step, live
+    while it steps: none where the buffer is fp32 (``main_grad.float()`` of an fp32 tensor is
+    the tensor itself; fp32 weights step on ``main_grad`` directly), else with fp32 masters
+    every gradient (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``) or,
+    under the distributed optimizer, the rank's 1/``dp`` shard
+    (``DistributedOptimizer._copy_model_grads_to_main_grads``)."""
+    p = get_precision(precision)
+    if not p.master_weights_fp32 or megatron_grad_dtype(p) == torch.float32:
+        return 0
+    return grad_params * 4 // (dp if zero >= 1 else 1)
 
 
 def nccl_bytes(dp: int, buffers: CommBuffers | None = None) -> int:
@@ -168,26 +216,42 @@ class Sharding(StrategyView):
         """NCCL's buffers for the data-parallel communicator (:func:`nccl_bytes`)."""
         return nccl_bytes(self.dp, self.buffers)
 
-    def sharding_adjustment(self, live: dict[str, int], grad_bytes: int, opt: OptimizerSpec,
+    @property
+    def changes_step(self) -> bool:
+        """Whether the framework changes what the traced single-GPU step holds: beyond one
+        rank, and under Megatron at one rank too (its gradient buffer, :func:`grad_buffers`)."""
+        return self.dp > 1 or replaces_gradients(self.framework)
+
+    def sharding_adjustment(self, live: dict[str, int], grad_params: int, opt: OptimizerSpec,
                             precision: str, peak_phase: str = "",
-                            module_tensors: list[list[int]] | None = None
+                            module_tensors: list[list[int]] | None = None, *,
+                            peak_allocated: int, peaks_without_gradients: dict[str, int]
                             ) -> tuple[dict, list[str]]:  # fmt: skip
         """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
-        peak breakdown ``live`` (labels of :mod:`tracker`). Returns ``({"delta": bytes,
-        "buffers": {name: bytes}}, notes)``; sharding is applied to the traced breakdown, it
-        is not itself traced. ``grad_bytes``: every trainable gradient's bytes (what the
-        framework's gradient buffers copy, :func:`grad_buffers`); ``module_tensors``: per
-        module, its parameter tensors' bytes (ZeRO-3 gathers one module at a time;
-        :mod:`zero`)."""
-        if self.dp == 1:
+        peak breakdown ``live`` (labels of :mod:`tracker`; ``peak_allocated`` its total).
+        Returns ``({"delta": bytes, "buffers": {name: bytes}}, notes)``; sharding is applied
+        to the traced breakdown, it is not itself traced. ``grad_params``: the trainable
+        elements (what the framework's gradient buffers hold, :func:`grad_buffers`);
+        ``module_tensors``: per module, its parameter tensors' bytes (ZeRO-3 gathers one
+        module at a time; :mod:`zero`); ``peaks_without_gradients``: per phase, the trace's
+        most bytes live at once outside its gradients (``.grad`` and fp32 master gradients),
+        what a buffer that replaces them (:func:`replaces_gradients`) adds to."""
+        if not self.changes_step:
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
-        buffers = grad_buffers(self.framework, self.zero, d, grad_bytes)
+        buffers = grad_buffers(self.framework, self.zero, d, grad_params, precision)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
         delta = 0
         elem = get_precision(precision).param_dtype.itemsize
+        if replaces_gradients(self.framework):  # zero <= 1 (__post_init__)
+            # the buffer, live from wrap time, holds the gradients: none of the traced ones
+            # is held, so the step peaks at its highest moment without them (not necessarily
+            # the traced peak's), plus the optimizer's fp32 cast of the buffer while it steps
+            cast = megatron_step_copy(precision, self.zero, d, grad_params)
+            delta += max(v + (cast if phase == "optimizer" else 0)
+                         for phase, v in peaks_without_gradients.items()) - peak_allocated
         if self.zero >= 1:
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only
@@ -217,5 +281,8 @@ class Sharding(StrategyView):
         notes = [f"{self.framework} ZeRO-{self.zero} over dp={d} applied to the traced "
                  "single-GPU breakdown (bucket sizes from the framework's documented "
                  "defaults; sharding is modelled, not traced)"]
+        if replaces_gradients(self.framework):
+            notes.append("Megatron's gradient buffer holds the gradients: the traced .grad "
+                         "tensors are not held (the breakdown is the traced peak's)")
         return {"delta": delta, "buffers": buffers}, notes
 

@@ -31,7 +31,15 @@ from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
 from .build import make_inputs
 from .config import SINGLE_GPU, Step, resolve_shapes
-from .device import DEVICES, TORCH_OPTIONS, CommBuffers, DeviceProfile, Sharding, get_device
+from .device import (
+    DEVICES,
+    TORCH_OPTIONS,
+    CommBuffers,
+    DeviceProfile,
+    Sharding,
+    get_device,
+    replaces_gradients,
+)
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
 from .simulate import Measurement, loss_from_output, prepare_model, trace_step
@@ -228,14 +236,19 @@ def predict_module_memory(
         outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
     m = (Margin.fixed(margin) if margin is not None
          else margin_for("conv" if meas.convolutions else "dense"))
-    module_tensors, grad_bytes = _parameter_bytes(build, precision) if dist.dp > 1 else ([], 0)
-    extra, notes = dist.sharding_adjustment(meas.breakdown, grad_bytes, opt, precision,
-                                            meas.peak_phase, module_tensors)
+    module_tensors, grad_params = (_parameter_bytes(build, precision) if dist.changes_step
+                                   else ([], 0))
+    extra, notes = dist.sharding_adjustment(
+        meas.breakdown, grad_params, opt, precision, meas.peak_phase, module_tensors,
+        peak_allocated=meas.peak_allocated,
+        peaks_without_gradients=meas.phase_peaks_without_gradients)
     pred = DeviceMemoryPrediction(
         prof.name, precision, opt, dist,
         max_memory_allocated=meas.peak_allocated + extra["delta"],
         max_memory_reserved=meas.peak_reserved + extra["delta"],
-        inside_allocator={**meas.breakdown, **extra["buffers"]},
+        # Megatron's buffer holds the gradients: the traced ones are not held
+        inside_allocator={**meas.breakdown, **({"gradient": 0} if replaces_gradients(
+            dist.framework) else {}), **extra["buffers"]},
         outside_allocator=outside, capacity=capacity, margin=m, notes=notes)
     if pred.fits:
         return pred
@@ -260,8 +273,8 @@ def predict_module_memory(
 def _parameter_bytes(build: Callable[[], nn.Module], precision: str
                      ) -> tuple[list[list[int]], int]:  # fmt: skip
     """Per module with parameters of its own, their bytes at the precision's weight dtype
-    (what ZeRO-3 gathers one module at a time), and the bytes of every trainable parameter's
-    gradient (of that dtype: what a framework's gradient buffers copy, device.grad_buffers)."""
+    (what ZeRO-3 gathers one module at a time), and the trainable elements (what a
+    framework's gradient buffers hold, device.grad_buffers)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     elem = get_precision(precision).param_dtype.itemsize
@@ -269,7 +282,7 @@ def _parameter_bytes(build: Callable[[], nn.Module], precision: str
         model = build()
         return ([[q.numel() * elem for q in m.parameters(recurse=False)]
                  for m in model.modules() if any(True for _ in m.parameters(recurse=False))],
-                sum(q.numel() * elem for q in model.parameters() if q.requires_grad))
+                sum(q.numel() for q in model.parameters() if q.requires_grad))
 
 
 def predict_spec_memory(model: str | ModelSpec | TransformerSpec,

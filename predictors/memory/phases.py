@@ -46,8 +46,14 @@ def adam_impl(cfg: Step) -> str:
 
 def layer_grad_bytes(fz: Factorization, shard: int = 1) -> list[int]:
     """Each layer's gradient bytes (its trainable parameters', in their dtype), ``shard``
-    ways: what the walk holds as gradients, and, unsharded, what torch DDP's buckets copy."""
+    ways: what the walk holds as gradients, appearing layer by layer in the backward."""
     return [x.param_bytes // shard if x.trainable else 0 for x in fz.layers]
+
+
+def trainable_params(fz: Factorization) -> int:
+    """Trainable elements: what a framework's gradient buffers hold
+    (:func:`device.grad_buffers`)."""
+    return sum(x.params for x in fz.layers if x.trainable)
 
 
 def trainable_tensors(fz: Factorization) -> list[int]:
@@ -64,15 +70,24 @@ class PeakEstimate:
 
 
 def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
-                fz: Factorization | None = None) -> PeakEstimate:
+                fz: Factorization | None = None, *, grad_buffer: dict[str, int] | None = None,
+                step_copy: int = 0) -> PeakEstimate:
+    """The step's phases over ``fz`` and their peak. ``grad_buffer``: a framework's buffer
+    that holds every gradient in place of the per-layer ones (Megatron's, by
+    :func:`device.grad_buffers`; :func:`device.replaces_gradients`): allocated when the
+    framework wraps the model, so live, full size, in every phase (its own components), and no
+    per-layer gradient appears in the backward; ``step_copy``: the fp32 gradient bytes the
+    framework's optimizer casts from it while it steps (:func:`device.megatron_step_copy`).
+    Without it the walk prices the plain PyTorch step the residual model was trained on."""
     fz = fz or factorize(spec, cfg)
+    held = dict(grad_buffer or {})  # in every phase
     p = cfg.precision
     w = fz.layers[0].param_bytes // max(fz.layers[0].params, 1) if fz.layers else F32
     dp = cfg.dp
     shard_opt = dp if cfg.zero >= 1 else 1
     shard_grad = dp if cfg.zero >= 2 else 1
     shard_param = dp if cfg.zero >= 3 else 1
-    trainable = sum(x.params for x in fz.layers if x.trainable)
+    trainable = trainable_params(fz)
     if cfg.zero and trainable and cfg.dp > trainable:
         raise ShardingError(f"zero={cfg.zero}: dp={cfg.dp} exceeds the {trainable} trainable "
                             "parameters to shard")
@@ -82,10 +97,11 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
     state_bytes = F32 if p.master_weights_fp32 else w
     states = (trainable * 2 * state_bytes + (trainable * F32 if p.master_weights_fp32 else 0))
     states = states // shard_opt + fz.num_trainable_tensors * ADAM_STEP_BLOCK
-    base = params + states + fz.input_bytes
+    base = params + states + fz.input_bytes + sum(held.values())
     ws = overheads.cublas_workspace_bytes
     acts = [x.saved for x in fz.layers]
-    grads = layer_grad_bytes(fz, shard_grad)
+    # a buffer that holds the gradients leaves none to appear layer by layer
+    grads = [0] * len(fz.layers) if held else layer_grad_bytes(fz, shard_grad)
     phase_peaks: dict[str, int] = {}
     best = (0, "", {})
 
@@ -97,7 +113,7 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
             best = (total, phase, {
                 "parameters": params, "optimizer_states": states, "inputs": fz.input_bytes,
                 "activations": act, "gradients": grad, "transient": transient,
-                "workspace": workspaces * ws,
+                "workspace": workspaces * ws, **held,
             })
 
     all_acts = sum(acts) + fz.loss_saved
@@ -115,7 +131,9 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
         live_grad += grads[i]
         visit("backward", remaining, live_grad, transient, 2)
         remaining -= acts[i]
-    if deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
+    if held:  # the optimizer steps the buffer (or its fp32 cast)
+        opt_grads = step_copy
+    elif deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
         opt_grads = deepspeed_step(trainable_tensors(fz), dp, cfg.zero, w,
                                    cfg.options.foreach_temporaries).peak(w)
     elif p.master_weights_fp32:  # low-precision grads are cast to fp32 and dropped one by one

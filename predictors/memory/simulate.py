@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,12 +47,15 @@ class Measurement:
     saved_by_module: dict[str, int]  # activation bytes saved per module (forward end)
     segments_released: int = 0  # cached segments freed under capacity pressure
     convolutions: int = 0  # convolution ops traced (the step loads cuDNN)
+    # per phase, the most bytes live at once outside the gradients (tracker.phase_peaks_without)
+    phase_peaks_without_gradients: dict[str, int] = field(default_factory=dict)
 
     def as_row(self) -> dict:
         row = asdict(self)
         row.pop("saved_by_module")
         row.pop("segments_released")
         row.pop("convolutions")
+        row.pop("phase_peaks_without_gradients")
         for k, v in row.pop("breakdown").items():
             row[f"gt_{k}"] = v
         for k, v in row.pop("phase_peaks").items():
@@ -166,6 +169,7 @@ def trace_step(build: Callable[[], torch.nn.Module],
         saved_by_module=dict(tracker.module_saved),
         segments_released=s.num_releases,
         convolutions=tracker.convolutions,
+        phase_peaks_without_gradients=tracker.phase_peaks_without("gradient"),
     )
 
 

@@ -46,6 +46,7 @@ class _Record:
     handle: int
     alloc_seq: int
     free_seq: int | None = None
+    block: int = 0  # bytes the allocator counts allocated for it (its rounded block)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class MemoryTracker(TorchDispatchMode):
         self._workspace_phases: set[str] = set()
         self._records: list[_Record] = []
         self._seq = 0
+        self._reset_seq = 0  # the step measured starts after it (reset_peak)
         self.peak = PeakSnapshot()
         self.phase_peaks: dict[str, int] = {}
         self.module_saved: dict[str, int] = defaultdict(int)
@@ -84,12 +86,14 @@ class MemoryTracker(TorchDispatchMode):
     # -- bookkeeping --------------------------------------------------------------------------
     def _alloc(self, key: int, nbytes: int, label: str, op: str,
                 conv: ConvCall | None = None) -> _Record:
+        before = self.allocator.stats.allocated
         handle = self.allocator.malloc(nbytes)
         if label != "workspace":
             workspaces.record(nbytes, conv)
         module = self._module_stack[-1] if self._module_stack else ""
         self._seq += 1
-        rec = _Record(nbytes, label, self.phase, module, op, handle, self._seq)
+        rec = _Record(nbytes, label, self.phase, module, op, handle, self._seq,
+                      block=self.allocator.stats.allocated - before)
         self._live[key] = rec
         self._records.append(rec)
         self._by_label[label] += nbytes
@@ -149,6 +153,26 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = PeakSnapshot(self.allocator.stats.allocated, self.phase, self._seq)
         self.phase_peaks = {}
         self._records = [r for r in self._records if r.free_seq is None]
+        self._reset_seq = self._seq
+
+    def phase_peaks_without(self, label: str) -> dict[str, int]:
+        """Per phase, the most allocated bytes (as :attr:`phase_peaks` counts them) outside the
+        storages of (final) ``label`` since :meth:`reset_peak`: what the step holds where a
+        framework keeps those tensors elsewhere (Megatron's gradient buffer in place of
+        ``.grad``). Its peaks can fall at other moments than the traced peak's, so they are
+        swept over the whole stream."""
+        events = []  # (seq, bytes, phase of an allocation); seqs are unique
+        for r in self._records:
+            if r.label != label:
+                events.append((r.alloc_seq, r.block, r.phase))
+                if r.free_seq is not None:
+                    events.append((r.free_seq, -r.block, ""))
+        live, out = 0, {}
+        for seq, nbytes, phase in sorted(events):
+            live += nbytes
+            if nbytes > 0 and seq > self._reset_seq:
+                out[phase] = max(out.get(phase, 0), live)
+        return out
 
     def peak_breakdown(self) -> dict[str, int]:
         """Bytes per (final) label of the storages live at the allocated peak."""

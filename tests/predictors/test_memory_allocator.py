@@ -82,6 +82,33 @@ def test_tracker_sees_allocations_frees_and_saved_tensors():
     assert tracker.peak.allocated >= tracker.allocator.stats.allocated
 
 
+def test_phase_peaks_without_a_label_sweep_the_whole_stream():
+    """What a step holds where a framework keeps some tensors elsewhere (Megatron's gradient
+    buffer in place of .grad): per phase, over the whole stream, in the allocator's bytes.
+    Without a label no storage has, the traced phase peaks; no gradient exists in the
+    forward; the backward's gradients are left out."""
+    tracker = MemoryTracker()
+    with FakeTensorMode():
+        lin = torch.nn.Linear(256, 512)
+        x = torch.randn(64, 256, requires_grad=True)
+        with tracker:
+            tracker.register(lin.parameters(), "parameter")
+            tracker.register([x], "temporary")
+            tracker.phase = "forward"
+            y = lin(x).relu()
+            tracker.end_forward()
+            tracker.phase = "backward"
+            y.sum().backward()
+            tracker.relabel([lin.weight.grad, lin.bias.grad, x.grad], "gradient")
+            del y
+    assert tracker.phase_peaks_without("no such label") == tracker.phase_peaks
+    without = tracker.phase_peaks_without("gradient")
+    assert without["forward"] == tracker.phase_peaks["forward"]
+    grads = round_size(256 * 512 * 4) + round_size(512 * 4) + round_size(64 * 256 * 4)
+    assert (tracker.phase_peaks["backward"] - grads <= without["backward"]
+            < tracker.phase_peaks["backward"])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
 def test_replay_shards_like_the_analytical_walk(precision):
     """The tensor-level replay applies ZeRO 1/2/3 as the phase walk does: each stage lowers

@@ -150,6 +150,35 @@ def test_ddp_buckets_and_megatron_buffer_hold_every_trainable_gradient_whatever_
         assert p.inside_allocator["gradient"] < p.inside_allocator[name] / 2
 
 
+def test_megatron_buffer_takes_the_place_of_the_traced_gradients():
+    """Megatron's backward hook adds each gradient into its buffer and drops ``param.grad``,
+    and its optimizer steps the buffer: the traced ``.grad`` tensors (and fp32 master
+    gradients) are not held beside it, as torch DDP's are beside its buckets. At this
+    optimizer-phase peak (batch 8: every gradient live) they were counted twice; the buffer is
+    fp32 at bf16 weights, and Megatron wraps the model at one rank too."""
+    x, y = WIDE.example(8)
+
+    def run(framework, precision="fp32", dp=2):
+        return predict_module_memory(WIDE.build, x, y, optimizer="adam:fused",
+                                     precision=precision, strategy=ParallelStrategy(dp, 1, 1),
+                                     options=TrainingOptions(framework=framework))
+
+    ddp, megatron = run("pytorch"), run("megatron")
+    assert ddp.inside_allocator["gradient"] == PARAM_BYTES  # every fp32 gradient is live
+    assert megatron.inside_allocator["gradient"] == 0
+    assert (megatron.inside_allocator["megatron_grad_buffer"]
+            == ddp.inside_allocator["ddp_grad_buckets"] == PARAM_BYTES)
+    assert (ddp.max_memory_allocated - megatron.max_memory_allocated
+            == pytest.approx(PARAM_BYTES, rel=0.02))
+    mixed = run("megatron", "bf16-mixed")
+    assert mixed.inside_allocator["megatron_grad_buffer"] == PARAM_BYTES
+    assert run("pytorch", "bf16-mixed").inside_allocator["ddp_grad_buckets"] == PARAM_BYTES // 2
+    one = run("megatron", dp=1)
+    assert one.inside_allocator["megatron_grad_buffer"] == PARAM_BYTES
+    assert one.max_memory_allocated == megatron.max_memory_allocated  # no ZeRO: dp is moot
+    assert "megatron_grad_buffer" not in run("pytorch", dp=1).inside_allocator
+
+
 def test_cudnn_workspace_is_allocated_around_convolutions():
     cnn = CnnSpec((32, 64), image_res=64, classes=10)
     x, y = cnn.example(16)

@@ -3,9 +3,12 @@
 import pytest
 
 from predictors.memory.api import per_rank_components, predict_peak_memory
-from predictors.memory.config import ShardingError
+from predictors.memory.config import ShardingError, Step
+from predictors.memory.factorize import factorize
+from predictors.memory.overheads import HOPPER
+from predictors.memory.phases import trainable_params, walk_phases
 from predictors.memory.presets import as_memory_model
-from predictors.spec import ParallelStrategy
+from predictors.spec import ParallelStrategy, TrainingOptions, TransformerSpec
 
 MODEL = "llama-7b-like"  # 32 layers, hidden 4096, 32 heads
 
@@ -64,6 +67,44 @@ def test_per_rank_components_by_hand():
     out = per_rank_components(comps, tp=2, inflight=3, activation_share=22 / 34)
     assert out == {"parameters": 400, "gradients": 200, "optimizer_states": 800,
                    "activations": 660, "transient": 40, "inputs": 10, "workspace": 32}
+
+
+# as CONA's vTrain case (megatron_cona.lawsim.clock): unfused attention, the peak where the
+# backward starts, before any gradient
+GPT_1_3B = TransformerSpec("gpt", 24, 2048, 16, 1024, 50257, tied_embeddings=True,
+                           attention="unfused")
+
+
+def test_megatron_gradient_buffer_is_held_full_size_in_every_phase_in_its_dtype():
+    """Megatron-Core's DDP wrapper allocates a main_grad buffer for every trainable parameter
+    when it wraps the model, full size under the distributed optimizer, fp32 at bf16 weights
+    and fp16 at fp16 ones, in place of param.grad. The walk held gradients only as the
+    backward made them, in the weights' dtype: CONA's filter (Megatron's options) priced none
+    of the buffer at this peak before the first gradient (GPT-3 1.3B bf16-mixed on 8 ranks
+    with the distributed optimizer: 4.9 GiB of 11 short). Priced beyond the residual model."""
+    megatron = TrainingOptions(distributed_optimizer=True)
+    torch_ddp = TrainingOptions(distributed_optimizer=True, framework="pytorch")
+    dp8 = ParallelStrategy(8, 1, 1, micro_batch=1, global_batch=64)
+    n = trainable_params(factorize(as_memory_model(GPT_1_3B), Step(dp8, megatron)))
+    for precision, width in (("bf16-mixed", 4), ("fp16-mixed", 2)):
+        mg = predict_peak_memory(GPT_1_3B, dp8, megatron, precision)
+        pt = predict_peak_memory(GPT_1_3B, dp8, torch_ddp, precision)
+        assert mg.components["megatron_grad_buffer"] == n * width
+        assert mg.components["gradients"] == pt.components["gradients"] == 0  # none made yet
+        ddp = pt.components["ddp_grad_buckets"]  # beside the gradients, in their dtype
+        assert ddp == n * 2
+        assert mg.peak_allocated_analytical == pt.peak_allocated_analytical - ddp + n * width
+        assert mg.peak_reserved == pt.peak_reserved - ddp + n * width
+        tp2 = ParallelStrategy(4, 2, 1, micro_batch=1, global_batch=32)
+        assert predict_peak_memory(GPT_1_3B, tp2, megatron, precision).components[
+            "megatron_grad_buffer"] == n * width // 2
+    # the walk: the buffer is live in the forward, and the optimizer steps it (fp32) rather
+    # than fp32 gradients made beside it
+    spec, cfg = as_memory_model(GPT_1_3B), Step(dp8, megatron, "bf16-mixed")
+    plain = walk_phases(spec, cfg, HOPPER)
+    held = walk_phases(spec, cfg, HOPPER, grad_buffer={"megatron_grad_buffer": 4 * n})
+    assert held.phase_peaks["forward"] == plain.phase_peaks["forward"] + 4 * n
+    assert held.phase_peaks["optimizer"] <= plain.phase_peaks["optimizer"]
 
 
 def test_cona_admission_counts_per_rank_parts():

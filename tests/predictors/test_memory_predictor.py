@@ -95,6 +95,19 @@ def test_api_breakdown_and_verdict():
     assert frozen.components["optimizer_states"] == 2 * 4 * proj + 4 * 512
 
 
+def test_the_ground_truths_step_is_plain_pytorch():
+    """Step.data_parallel (the collected rows the residual model is trained on, the GPU kit's
+    memory grid) is the plain PyTorch step (predictors.step): priced without Megatron's
+    gradient buffer, which its default options (Megatron's) would have added."""
+    from predictors.memory.config import Step
+
+    cfg = Step.data_parallel(4, "bf16-mixed")
+    p = predict_peak_memory("llama-7b-like", cfg.strategy, cfg.options, cfg.precision)
+    assert cfg.options.framework == "pytorch" and "megatron_grad_buffer" not in p.components
+    megatron = predict_peak_memory("llama-7b-like", cfg.strategy, precision=cfg.precision)
+    assert "megatron_grad_buffer" in megatron.components
+
+
 def test_named_errors():
     with pytest.raises(UnknownModelError):
         predict_peak_memory("gpt-17-like")

@@ -444,8 +444,8 @@ def test_memory_cli_still_prices_the_flags_a_model_reads_and_their_defaults(caps
 def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     """What the analytical path reads of --optimizer and --framework still prices there (a
     bare adam/adamw, the fused implementation it prices, DeepSpeed's ZeRO 2/3 step with
-    torch's foreach AdamW, any framework on one rank), not given they take their defaults,
-    and the traced paths read both."""
+    torch's foreach AdamW, any framework on one rank, Megatron's gradient buffer there), not
+    given they take their defaults, and the traced paths read both."""
     import json
 
     from predictors.cli import main
@@ -459,7 +459,13 @@ def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adamw")
     assert llava == run("llava-1.5-7b-like", *zero1, "--optimizer", "adam:fused")
     assert llava == run("llava-1.5-7b-like", *zero1, "--framework", "pytorch")  # the default
-    assert run("llava-1.5-7b-like") == run("llava-1.5-7b-like", "--framework", "megatron")
+    # one rank: torch DDP allocates nothing, Megatron still wraps the model in its DDP, whose
+    # gradient buffer holds every gradient (fp32 at fp32 weights) in place of the walk's
+    one, megatron = run("llava-1.5-7b-like"), run("llava-1.5-7b-like", "--framework", "megatron")
+    assert "analytical.megatron_grad_buffer" not in one
+    assert megatron["analytical.megatron_grad_buffer"] > one["analytical.gradients"] > 0
+    assert megatron["analytical.gradients"] == 0
+    assert megatron["max_memory_reserved"] > one["max_memory_reserved"]
     deepspeed = run("llama-7b-like", *DEEPSPEED_STEP)
     assert deepspeed == run("llama-7b-like", *DEEPSPEED_STEP, "--optimizer", "adamw:foreach")
     assert deepspeed != run("llama-7b-like", *DEEPSPEED_STEP[:4], *DEEPSPEED_STEP[6:])
@@ -516,9 +522,11 @@ def test_memory_cli_prices_torch_ddps_buffers_beyond_one_rank_on_both_paths(caps
     assert tp2["analytical.ddp_grad_buckets"] == pytest.approx(buckets / 2, rel=0.01)
 
 
-def test_memory_api_prices_no_data_parallel_buffers_but_torch_ddps():
-    """CONA's memory filter (megatron_cona.candidates.PredictorMemory: Megatron's options) and
-    the LLaVA outcomes (DeepSpeed) are priced as before: only framework pytorch adds buffers."""
+def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_buffer():
+    """Only framework pytorch adds data-parallel buffers beyond one rank (torch DDP's buckets,
+    NCCL's); CONA's memory filter (megatron_cona.candidates.PredictorMemory: Megatron's
+    options) meets Megatron's gradient buffer at every dp (test_memory_parallel), the LLaVA
+    outcomes (DeepSpeed's ZeRO-3) no buffer."""
     from predictors.memory.api import predict_peak_memory
     from predictors.spec import DEFAULT_OPTIONS
 
@@ -527,6 +535,7 @@ def test_memory_api_prices_no_data_parallel_buffers_but_torch_ddps():
     for options in (DEFAULT_OPTIONS, TrainingOptions.for_zero_stage(3, framework="deepspeed")):
         p = predict_peak_memory("llama-7b-like", dp8, options)
         assert p.nccl_bytes == 0 and "ddp_grad_buckets" not in p.components
+        assert ("megatron_grad_buffer" in p.components) == (options.framework == "megatron")
     assert predict_peak_memory("llama-7b-like", dp8).device_total == predict_peak_memory(
         "llama-7b-like", one).device_total  # no ZeRO: dp changes nothing a rank holds
     torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
