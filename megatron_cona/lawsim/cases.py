@@ -77,18 +77,22 @@ def _bert_law(spec: TransformerSpec) -> ModelLaw:
                     loss_scale=math.log(value("roberta_ppl")) / loss)
 
 
+# each family at the precision Megatron runs it with: --fp16 / --bf16 are fp16-mixed /
+# bf16-mixed here (half-precision weights, fp32 main gradients and master copy); plain "fp16" /
+# "bf16" are torch autocast over fp32 weights, which no Megatron job runs (the memory filter and
+# the time predictor price the two apart)
 register_family(Family(
     "gpt3-1.3b", TransformerSpec("gpt", 24, 2048, 16, int(value("gpt3_seq")), 50257),
-    value("gpt3_1p3b_batch_tokens"), "fp16", _gpt_law,
+    value("gpt3_1p3b_batch_tokens"), "fp16-mixed", _gpt_law,
     "GPT-3 XL (Brown et al. 2020, Table 2.1); Kaplan's constants"))
 register_family(Family(
     "bert-large", TransformerSpec("bert", 24, 1024, 16, int(value("bert_seq")), 30522),
-    value("bert_batch_seqs") * value("bert_seq"), "fp16", _bert_law,
+    value("bert_batch_seqs") * value("bert_seq"), "fp16-mixed", _bert_law,
     "BERT-Large (Devlin et al. 2019); B* and loss scale from RoBERTa Table 3 (MLM family)"))
 register_family(Family(
     "llama-3.2-1b", TransformerSpec("llama", 16, 2048, 32, int(value("llama3_seq")), 128256,
                                     ffn_hidden_size=8192, num_query_groups=8, swiglu=True),
-    value("llama3_batch_tokens"), "bf16", _gpt_law,
+    value("llama3_batch_tokens"), "bf16-mixed", _gpt_law,
     "Llama-3.2-1B; batch and sequence of Llama 3's recipe (Dubey et al. 2024); Kaplan's "
     "constants (its 128k tokenizer is not corrected for)"))
 
