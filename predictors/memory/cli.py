@@ -290,7 +290,7 @@ def _unpriced_analytical(args) -> list[str]:
     other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
     whose buffers it does not price (all but pytorch's) and whose step it does not read (all
     but :func:`phases.deepspeed_zero`). One message each, naming the flag; --trace prices
-    them. ``args`` has its defaults."""
+    them. And Megatron at ZeRO 2/3, which neither path prices. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
     from .phases import deepspeed_zero
@@ -312,6 +312,14 @@ def _unpriced_analytical(args) -> list[str]:
                         "(torch DDP's gradient buckets and NCCL's buffers) and reads deepspeed "
                         "only as its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 "
                         "--precision); add --trace")
+    # Megatron's gradient buffer is priced at ZeRO 0/1 only (device.grad_buffers): at 2/3 the
+    # walk priced the generic sharded step without it, below --zero 1's price for the same
+    # job at --dp 1, where there is nothing to shard; the traced path refuses it (Sharding)
+    if args.framework == "megatron" and cfg.zero > 1:
+        problems.append(f"--zero {args.zero} with --framework megatron: Megatron shards "
+                        "optimizer states only (--zero 1, its distributed optimizer); the "
+                        f"analytical model of {args.model!r} prices its gradient buffer at "
+                        "--zero 0 or 1; choose one of them")
     return problems
 
 

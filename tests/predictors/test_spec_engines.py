@@ -386,6 +386,13 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "Adam(W), not foreach; drop ':foreach' (--framework megatron: Megatron steps Adam with its "
      "own fused kernel (Transformer Engine's or Apex's) whatever the script asks, which --trace "
      "prices)"),
+    # Megatron's gradient buffer is priced at --zero 0/1: at 2/3 the walk priced the generic
+    # sharded step without it, so at --dp 1 (nothing to shard) --zero 2 fit where --zero 1
+    # was tight; the traced path refuses Megatron beyond --zero 1 too (device.Sharding)
+    *[("llava-1.5-7b-like", ["--framework", "megatron", "--zero", zero],
+       f"--zero {zero} with --framework megatron: Megatron shards optimizer states only (--zero "
+       "1, its distributed optimizer); the analytical model of 'llava-1.5-7b-like' prices its "
+       "gradient buffer at --zero 0 or 1; choose one of them\n") for zero in ("2", "3")],
 ])
 def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
                                                                          message):
