@@ -308,10 +308,11 @@ def _unpriced_analytical(args) -> list[str]:
     # NCCL buffers, and reads DeepSpeed as its ZeRO 2/3 step
     if cfg.dp > 1 and args.framework != "pytorch" and not deepspeed_zero(cfg):
         problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
-                        f"of {args.model!r} prices the data-parallel buffers of pytorch only "
-                        "(torch DDP's gradient buckets and NCCL's buffers) and reads deepspeed "
-                        "only as its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 "
-                        "--precision); add --trace")
+                        f"of {args.model!r} prices every data-parallel buffer of pytorch only "
+                        "(torch DDP's gradient buckets and NCCL's buffers; of megatron its "
+                        "gradient buffer, not its NCCL buffers) and reads deepspeed only as its "
+                        "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add "
+                        "--trace")
     # Megatron's gradient buffer is priced at ZeRO 0/1 only (device.grad_buffers): at 2/3 the
     # walk priced the generic sharded step without it, below --zero 1's price for the same
     # job at --dp 1, where there is nothing to shard; the traced path refuses it (Sharding)

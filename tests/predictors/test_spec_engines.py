@@ -352,9 +352,10 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
     *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
        f"--framework {framework}: beyond one rank the analytical model of 'llava-1.5-7b-like' "
-       "prices the data-parallel buffers of pytorch only (torch DDP's gradient buckets and "
-       "NCCL's buffers) and reads deepspeed only as its ZeRO 2/3 step with fp32 masters (a "
-       "*-mixed or fp8 --precision); add --trace\n")
+       "prices every data-parallel buffer of pytorch only (torch DDP's gradient buckets and "
+       "NCCL's buffers; of megatron its gradient buffer, not its NCCL buffers) and reads "
+       "deepspeed only as its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); "
+       "add --trace\n")
       for framework in ("deepspeed", "megatron", "torchtitan")],
     # dp<D> of --strategy counts as --dp does
     ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "megatron"],
