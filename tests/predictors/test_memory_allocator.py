@@ -61,8 +61,11 @@ def test_capacity_releases_cached_segments_then_ooms():
         a.malloc(8 * MiB)
 
 
-def test_tracker_sees_allocations_frees_and_saved_tensors():
-    tracker = MemoryTracker()
+def _trace_linear_step(tracker: MemoryTracker, after_forward=None, after_backward=None):
+    """One forward and backward of Linear(256, 512) + ReLU on 64 samples under ``tracker``;
+    ``after_forward()`` runs at the forward's end, ``after_backward(lin, x)`` after the
+    backward, both inside the trace. Returns ``(lin, x)``: held by the caller, their
+    parameters, input and gradients stay allocated."""
     with FakeTensorMode():
         lin = torch.nn.Linear(256, 512)
         x = torch.randn(64, 256, requires_grad=True)
@@ -72,11 +75,24 @@ def test_tracker_sees_allocations_frees_and_saved_tensors():
             tracker.phase = "forward"
             y = lin(x).relu()
             tracker.end_forward()
-            # Linear saves its input (registered) and weight; relu saves its output
-            assert tracker.live_bytes("activation") == 64 * 512 * 4
+            if after_forward:
+                after_forward()
             tracker.phase = "backward"
             y.sum().backward()
+            if after_backward:
+                after_backward(lin, x)
             del y
+    return lin, x
+
+
+def test_tracker_sees_allocations_frees_and_saved_tensors():
+    tracker = MemoryTracker()
+
+    def saved() -> None:
+        # Linear saves its input (registered) and weight; relu saves its output
+        assert tracker.live_bytes("activation") == 64 * 512 * 4
+
+    _held = _trace_linear_step(tracker, after_forward=saved)  # their bytes are counted below
     assert tracker.allocator.stats.allocated == round_size(256 * 512 * 4) * 2 + round_size(
         512 * 4) * 2 + round_size(64 * 256 * 4) * 2  # params, grads, x and x.grad
     assert tracker.peak.allocated >= tracker.allocator.stats.allocated
@@ -88,19 +104,8 @@ def test_phase_peaks_without_a_label_sweep_the_whole_stream():
     Without a label no storage has, the traced phase peaks; no gradient exists in the
     forward; the backward's gradients are left out."""
     tracker = MemoryTracker()
-    with FakeTensorMode():
-        lin = torch.nn.Linear(256, 512)
-        x = torch.randn(64, 256, requires_grad=True)
-        with tracker:
-            tracker.register(lin.parameters(), "parameter")
-            tracker.register([x], "temporary")
-            tracker.phase = "forward"
-            y = lin(x).relu()
-            tracker.end_forward()
-            tracker.phase = "backward"
-            y.sum().backward()
-            tracker.relabel([lin.weight.grad, lin.bias.grad, x.grad], "gradient")
-            del y
+    _trace_linear_step(tracker, after_backward=lambda lin, x: tracker.relabel(
+        [lin.weight.grad, lin.bias.grad, x.grad], "gradient"))
     assert tracker.phase_peaks_without("no such label") == tracker.phase_peaks
     without = tracker.phase_peaks_without("gradient")
     assert without["forward"] == tracker.phase_peaks["forward"]
