@@ -1,14 +1,19 @@
 """Python API: ``predict_peak_memory`` (used by CONA to drop candidates that do not fit).
 
 Tensor and pipeline parallelism follow Megatron-Core's layouts, per rank, as Megatron-Bridge's
-memory estimator does: the rank on the FIRST pipeline stage (the one holding the most
-activations) runs ``num_layers / pp`` text layers; weights, gradients and optimizer states of
-its layers and of the vocabulary-parallel embedding/head are split ``tp`` ways; per layer the
-activations are ``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` bytes at 2 B per element (Korthikanti
-et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, Table 2; with
-sequence parallelism all of it is split: ``(34 + 5*a*s/h)/tp``); under 1F1B the first stage
-holds the activations of ``min(pp, micro-batches)`` micro-batches in flight. The CUDA
-context is per process and is never divided by ``tp``.
+memory estimator does. Each pipeline stage is priced with what Megatron-Core's GPTModel puts
+there (``megatron/core/models/gpt/gpt_model.py``, ``pre_process`` / ``post_process``): its
+text layers (``num_layers / pp``, or the strategy's uneven split), the input embedding on the
+first stage (with a multimodal model's vision tower and projector), the final norm, output
+layer (its own copy of tied word embeddings) and the logits and loss on the last; under 1F1B
+stage ``i`` (0-based) holds the activations of ``min(pp - i, micro-batches)`` micro-batches in
+flight. The prediction is the stage with the largest predicted peak. Weights, gradients and
+optimizer states of its layers and of the vocabulary-parallel embedding/head are split ``tp``
+ways; per layer the activations are ``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` bytes at 2 B per
+element (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+2022, Table 2; with sequence parallelism all of it is split: ``(34 + 5*a*s/h)/tp``). The
+residual model, trained on single-GPU steps, is applied to each stage's part of the model as
+to a whole one. The CUDA context is per process and is never divided by ``tp``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .config import SINGLE_GPU, ShardingError, Step
 from .device import grad_buffers, megatron_step_copy, nccl_bytes, replaces_gradients
 from .factorize import factorize
 from .model import MemoryModel, margin_family
-from .overheads import CARDS, HOPPER, PRE_HOPPER
+from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
 from .phases import trainable_params, walk_phases
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
@@ -34,7 +39,7 @@ from .verdict import Judgement, Margin, Verdict, judge, margin_for
 
 @dataclass
 class MemoryPrediction:
-    model: ModelSpec  # the first pipeline stage's part of the model, as walked
+    model: ModelSpec  # the predicted pipeline stage's part of the model, as walked
     step: Step
     peak_reserved: int  # predicted torch.cuda.max_memory_reserved of one steady-state step
     peak_allocated_analytical: int  # analytical max of live bytes (before the residual)
@@ -44,8 +49,9 @@ class MemoryPrediction:
     capacity: int
     margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     trained_on: str  # what the residual model was trained against
-    inflight_microbatches: int = 1  # activations held at once on the first pipeline stage
+    inflight_microbatches: int = 1  # micro-batches whose activations the stage holds at once
     nccl_bytes: int = 0  # NCCL's buffers, outside the caching allocator (torch DDP, dp > 1)
+    stage: int = 0  # the pipeline stage predicted (0-based): the one with the largest peak
 
     @property
     def outside_allocator(self) -> int:
@@ -78,6 +84,7 @@ class MemoryPrediction:
                 **{f"analytical.{k}": v for k, v in self.components.items()},
                 "cuda_context": self.context_bytes, "nccl_buffers": self.nccl_bytes,
                 "device_used": self.device_used,
+                "pipeline_stage": self.stage,
                 "capacity": self.capacity, **self.judgement.as_dict()}
 
     def format(self) -> str:
@@ -86,8 +93,9 @@ class MemoryPrediction:
         lines = [f"model {m.name}: {st.precision.name}, batch {st.batch}, "
                  f"seq {m.seq_length}, zero {st.zero} (dp {st.dp}), "
                  f"checkpointing {st.checkpointing}, attention {m.attention}, "
-                 f"tp {st.strategy.tp} pp {st.strategy.pp} (first stage, "
-                 f"{self.inflight_microbatches} micro-batch(es) in flight)",
+                 f"tp {st.strategy.tp} pp {st.strategy.pp} (stage {self.stage + 1} of "
+                 f"{st.strategy.pp}, the largest peak; {self.inflight_microbatches} "
+                 "micro-batch(es) in flight)",
                  f"analytical breakdown at the {self.peak_phase} peak:"]
         for k, v in self.components.items():
             lines.append(f"  {k:17s}{g(v)}")
@@ -120,9 +128,10 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     alone (:func:`predictors.memory.presets.as_memory_model`; its sequence length, image
     resolution, attention, frozen towers and images per sample are the model's own).
     ``strategy``: its micro-batch is the batch, ``dp`` what ZeRO shards over, ``tp``/``pp``
-    Megatron-Core's tensor/pipeline sizes (the prediction is the first pipeline stage's rank,
-    with its own depth where the strategy splits the layers unevenly), its micro-batch count
-    sets how many are in flight. ``options``: the ZeRO stage (distributed optimizer: 1,
+    Megatron-Core's tensor/pipeline sizes (the prediction is the rank of the pipeline stage
+    with the largest peak, ``stage``: each stage with its own depth, the first with the
+    embedding, the last with the output layer and loss), its micro-batch count sets how many
+    are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
     ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full), sequence parallelism and
     the framework, whose gradient buffers are priced by the traced paths' one implementation
     (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
@@ -143,18 +152,9 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
                             "the memory predictor (context parallelism)")
-    tp, pp = strategy.tp, strategy.pp
+    tp = strategy.tp
     spec = as_memory_model(model)
-    if strategy.uneven:  # Megatron's --decoder-first-pipeline-num-layers
-        if spec.text is None:
-            raise ShardingError(f"strategy {strategy.name}: an uneven pipeline split needs a "
-                                "text tower")
-        spec = spec.with_layers(None, strategy.stage_layers(spec.text.num_layers)[0])
-    elif pp > 1:
-        if spec.text is None or spec.text.num_layers % pp:
-            layers = spec.text.num_layers if spec.text else 0
-            raise ShardingError(f"pp={pp} must divide the text tower's num_layers={layers}")
-        spec = spec.with_layers(None, spec.text.num_layers // pp)
+    stages = _pipeline_stages(spec, strategy)
     if spec.text is not None and tp > 1 and (spec.text.num_attention_heads % tp
                                                 or spec.text.kv_heads % tp):
         raise ShardingError(f"tp={tp} must divide num_attention_heads="
@@ -178,6 +178,50 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
             raise ModelSpecError(f"architecture={architecture!r}: choose one of "
                                  f"{', '.join(by_name)}")
         overheads = by_name[architecture]
+    family = margin_family(spec)
+    bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
+    predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage)
+                   for stage, part, inflight in stages]
+    # the outside-allocator bytes are the same on every stage: the largest reserved peak is
+    # the largest device-level one
+    return max(predictions, key=lambda p: p.peak_reserved)
+
+
+def _pipeline_stages(spec: ModelSpec, strategy: ParallelStrategy
+                     ) -> list[tuple[int, ModelSpec, int]]:
+    """``(stage, its part of the model, micro-batches in flight)`` for each pipeline stage
+    that may hold the largest peak: of the stages alike in depth and role (a middle stage of
+    an even split, say) the earliest, which under 1F1B holds ``min(pp - stage, micro-batches)``
+    in flight, the most of them. One stage (pp = 1): the whole model."""
+    pp = strategy.pp
+    if pp == 1:
+        return [(0, spec, 1)]
+    if strategy.uneven:  # Megatron's --decoder-first/last-pipeline-num-layers
+        if spec.text is None:
+            raise ShardingError(f"strategy {strategy.name}: an uneven pipeline split needs a "
+                                "text tower")
+        layers = strategy.stage_layers(spec.text.num_layers)
+    else:
+        if spec.text is None or spec.text.num_layers % pp:
+            depth = spec.text.num_layers if spec.text else 0
+            raise ShardingError(f"pp={pp} must divide the text tower's num_layers={depth}")
+        layers = (spec.text.num_layers // pp,) * pp
+    out, seen = [], set()
+    for i, n in enumerate(layers):
+        role = (n, i == 0, i == pp - 1)
+        if role not in seen:
+            seen.add(role)
+            out.append((i, spec.pipeline_stage(n, first=i == 0, last=i == pp - 1),
+                        min(pp - i, strategy.num_microbatches)))
+    return out
+
+
+def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacity: int,
+                   bounds: Margin, inflight: int, stage: int) -> MemoryPrediction:
+    """One rank of one pipeline stage (``spec``: the stage's part of the model) holding
+    ``inflight`` micro-batches' activations."""
+    strategy, options = cfg.strategy, cfg.options
+    tp = strategy.tp
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
@@ -192,9 +236,6 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
                                                             strategy.dp, grad_params))
         reserved += megatron.peak_allocated - est.peak_allocated
         est = megatron
-    family = margin_family(spec)
-    bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
-    inflight = min(pp, strategy.num_microbatches)
     comps = dict(est.components)
     if tp > 1 or inflight > 1:
         comps = per_rank_components(comps, tp, inflight, _activation_tp_share(
@@ -212,7 +253,7 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
         nccl = nccl_bytes(strategy.dp)
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
-                            _shipped_model().trained_on, inflight, nccl)
+                            _shipped_model().trained_on, inflight, nccl, stage)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

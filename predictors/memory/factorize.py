@@ -326,7 +326,13 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
 
     grad_flows = False  # does anything upstream of the current point need a gradient?
     v, t = spec.vision, spec.text
-    if v is not None:
+    # a pipeline stage after the first holds none of what feeds the text tower's embedding
+    # (the vision tower and projector sit upstream, on the first stage), but still passes a
+    # gradient back to them where they train
+    front = t is None or t.holds_embedding
+    if spec.multimodal and not front:
+        grad_flows = not {"vision", "projector"} <= frozen
+    if v is not None and front:
         train_v = "vision" not in frozen
         images = shapes.images if spec.multimodal else cfg.batch
         tok = shapes.vision_tokens
@@ -366,7 +372,7 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
             trainable=train_v and not spec.multimodal)
         grad_flows = train_v
         fz.input_bytes += images * 3 * v.image_size ** 2 * wbytes
-    if spec.multimodal:
+    if spec.multimodal and front:
         train_p = "projector" not in frozen
         n = shapes.images * shapes.patches
         saved = 0
@@ -393,7 +399,8 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
         emb = (n * t.hidden_size * dt.res if dt.res == F32 else 0) + 2 * t.seq_length * (t.hidden_size // t.num_attention_heads) * dt.res
         if spec.multimodal:  # concatenated image features + placeholder mask
             emb += shapes.images * shapes.patches * t.hidden_size * dt.mm + n
-        add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
+        if t.holds_embedding:
+            add("llm.embed", "llm", (t.vocab_size * t.hidden_size,), saved=emb if needs else 0)
         qbytes: tuple[int, ...] = ()
         qlargest = largest
         if spec.lora is not None and spec.lora.base_bits == 4:
@@ -410,20 +417,23 @@ def factorize(spec: ModelSpec, cfg: Step) -> Factorization:
                 nbytes=qbytes)
             if spec.lora is not None:
                 add(f"llm.layers.{i}.lora", "lora", lora_params(t, spec.lora), trainable=True)
-        tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
-        head = () if tied else (t.vocab_size * t.hidden_size,)
-        add("llm.head", "llm", (t.hidden_size, *head),
-            saved=(rmsnorm_saved(n, t.hidden_size, dt)
-                   + (0 if dt.autocast or dt.res != F32 else n * t.hidden_size * dt.res)
-                   + linear_saved(n, t.hidden_size, t.vocab_size, False, dt, input_grad=True,
-                                  weight_trainable=train_t, input_low=False)) if needs else 0)
-        logits = n * t.vocab_size
-        fz.held_output = logits * dt.mm
-        if needs:
-            fz.loss_saved = logits * (dt.mm + F32)  # logits (held by the output) + log-softmax
-            fz.loss_transient = logits * F32 * 2  # fp32 upcast, then d(log-softmax)
-        else:
-            fz.loss_saved = logits * dt.mm
+        if t.holds_head:
+            tied = t.tied_embeddings and not spec.multimodal  # LLaVA unties (its own config flag)
+            # a tied head shares the embedding's weight only on the stage that holds both;
+            # Megatron's last stage keeps its own copy (``setup_embeddings_and_output_layer``)
+            head = () if tied and t.holds_embedding else (t.vocab_size * t.hidden_size,)
+            add("llm.head", "llm", (t.hidden_size, *head),
+                saved=(rmsnorm_saved(n, t.hidden_size, dt)
+                       + (0 if dt.autocast or dt.res != F32 else n * t.hidden_size * dt.res)
+                       + linear_saved(n, t.hidden_size, t.vocab_size, False, dt, input_grad=True,
+                                      weight_trainable=train_t, input_low=False)) if needs else 0)
+            logits = n * t.vocab_size
+            fz.held_output = logits * dt.mm
+            if needs:
+                fz.loss_saved = logits * (dt.mm + F32)  # logits (held by the output) + log-softmax
+                fz.loss_transient = logits * F32 * 2  # fp32 upcast, then d(log-softmax)
+            else:
+                fz.loss_saved = logits * dt.mm
         fz.input_bytes += n * 8 * 2
     else:
         h = v.hidden_size

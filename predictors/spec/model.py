@@ -45,6 +45,12 @@ class TransformerSpec:
     # core attention (no --use-flash-attn): a [b*heads, s, s] scores GEMM, one fused
     # scale-mask-softmax kernel, dropout on the probabilities and a second batched GEMM
     attention: str = "flash"
+    # the part of a pipeline stage (Megatron-Core's GPTModel ``pre_process`` / ``post_process``):
+    # the input embedding sits on the first stage, the final norm, output layer and loss on the
+    # last (with tied embeddings the last stage keeps its own copy of the word embeddings);
+    # both on one GPU. Set by :meth:`ModelSpec.pipeline_stage`
+    holds_embedding: bool = True
+    holds_head: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
@@ -78,7 +84,10 @@ class TransformerSpec:
         attn = h * h + 2 * h * self.kv_heads * head_dim + h * h
         mlp = (3 if self.swiglu else 2) * h * f
         per_layer = attn + mlp + 4 * h
-        emb = v * h * (1 if self.tied_embeddings else 2) + self.seq_length * h
+        # the output layer shares the embedding's weight only where both sit on one stage
+        own_head = self.holds_head and not (self.tied_embeddings and self.holds_embedding)
+        emb = (v * h + self.seq_length * h if self.holds_embedding else 0) + (
+            v * h if own_head else 0)
         return self.num_layers * per_layer + emb
 
 
@@ -240,3 +249,15 @@ class ModelSpec:
         v = self.vision and replace(self.vision, num_layers=vision_layers or self.vision.num_layers)
         t = self.text and replace(self.text, num_layers=text_layers or self.text.num_layers)
         return replace(self, vision=v, text=t)
+
+    def pipeline_stage(self, text_layers: int, first: bool, last: bool) -> ModelSpec:
+        """What one pipeline stage of this model holds, as Megatron-Core places it
+        (``megatron/core/models/gpt/gpt_model.py``, ``pre_process`` / ``post_process``):
+        ``text_layers`` text layers, the input embedding (and a multimodal model's vision tower
+        and projector, upstream of it) on the ``first`` stage, the final norm, output layer
+        and loss on the ``last``."""
+        if self.text is None:
+            raise ModelSpecError(f"model {self.name!r}: a pipeline stage splits the text tower, "
+                                 "and it has none")
+        t = replace(self.text, num_layers=text_layers, holds_embedding=first, holds_head=last)
+        return replace(self, text=t)

@@ -26,10 +26,14 @@ def test_tp_splits_states_not_the_context():
 
 
 def test_pp_first_stage_holds_inflight_microbatches():
+    """Under 1F1B with 8 micro-batches the first of 4 stages holds 4 in flight, its peak the
+    largest; alone (pp = 1, one micro-batch) its part of the model holds a quarter of that."""
     pp4 = predict_peak_memory(MODEL, ParallelStrategy(1, 1, 4, global_batch=8),
                               precision="bf16-mixed")
-    stage = predict_peak_memory(MODEL, ParallelStrategy(1, 1, 4), precision="bf16-mixed")
-    assert pp4.inflight_microbatches == 4 and stage.inflight_microbatches == 1
+    first = as_memory_model(MODEL).pipeline_stage(8, first=True, last=False)
+    stage = predict_peak_memory(first, precision="bf16-mixed")
+    assert pp4.stage == 0 and pp4.inflight_microbatches == 4
+    assert stage.inflight_microbatches == 1
     assert pp4.components["activations"] == 4 * stage.components["activations"]
     assert pp4.components["parameters"] == stage.components["parameters"]
     with pytest.raises(ShardingError, match="pp=5"):
@@ -38,10 +42,12 @@ def test_pp_first_stage_holds_inflight_microbatches():
         predict_peak_memory(MODEL, ParallelStrategy(1, 3, 1))
 
 
-def test_uneven_pipeline_split_prices_the_first_stages_own_depth():
-    """Megatron's --decoder-first-pipeline-num-layers: the first stage holds its own depth (30
-    layers as 6 + 2 x 10 + 4 on pp=4 where pp does not divide the depth: accepted), with the
-    same in-flight micro-batches as an even split."""
+def test_uneven_pipeline_split_prices_each_stages_own_depth():
+    """Megatron's --decoder-first/last-pipeline-num-layers: each stage holds its own depth (30
+    layers as 6 + 2 x 10 + 4 on pp=4 where pp does not divide the depth: accepted). With 8
+    micro-batches the second stage, 10 layers and 3 in flight, outgrows the first (6 layers,
+    the embedding, 4 in flight): it is the one predicted, its part of the model priced as on
+    one GPU with 3 micro-batches' activations."""
     from dataclasses import replace
 
     from predictors.spec import StrategyError
@@ -50,10 +56,11 @@ def test_uneven_pipeline_split_prices_the_first_stages_own_depth():
     model30 = deep.with_layers(None, 30)
     uneven = ParallelStrategy(1, 1, 4, 1, 8, first_stage_layers=6, last_stage_layers=4)
     got = predict_peak_memory(model30, uneven, precision="bf16-mixed")
-    even6 = predict_peak_memory(deep.with_layers(None, 24), ParallelStrategy(1, 1, 4, 1, 8),
-                                precision="bf16-mixed")
-    # the first stage of both holds 6 layers and 4 micro-batches
-    assert got.components == even6.components and got.inflight_microbatches == 4
+    middle = predict_peak_memory(deep.pipeline_stage(10, first=False, last=False),
+                                 precision="bf16-mixed")
+    assert (got.stage, got.inflight_microbatches, got.model.text.num_layers) == (1, 3, 10)
+    assert got.components["parameters"] == middle.components["parameters"]
+    assert got.components["activations"] == 3 * middle.components["activations"]
     with pytest.raises(ShardingError, match="pp=4"):
         predict_peak_memory(model30, replace(uneven, first_stage_layers=None,
                                              last_stage_layers=None))
@@ -124,3 +131,86 @@ def test_cona_admission_counts_per_rank_parts():
     pp_few = mem.peak_bytes(gpt, ParallelStrategy(1, 1, 4, 1, 1), bf16)
     pp_full = mem.peak_bytes(gpt, ParallelStrategy(1, 1, 4, 1, 8), bf16)
     assert pp_full > pp_few
+
+
+# llama-7b-like's dims (presets.LLAMA_7B): a decoder layer's q/k/v/o (4 h^2), SwiGLU MLP
+# (3 h f) and two RMSNorms (2 h); the word embeddings and the untied head v h each
+_H, _F, _V = 4096, 11008, 32064
+_LAYER = 4 * _H * _H + 3 * _H * _F + 2 * _H
+# llama-3.2-1b-like: a 128k vocabulary, tied embeddings
+LLAMA_1B = TransformerSpec("llama", 16, 2048, 32, 2048, 128256, ffn_hidden_size=8192,
+                           num_query_groups=8, swiglu=True, tied_embeddings=True)
+
+
+def _params(prediction) -> int:
+    return sum(x.params for x in factorize(prediction.model, prediction.step).layers)
+
+
+def test_pp_first_stage_holds_the_embedding_and_the_last_the_head():
+    """Megatron-Core's GPTModel builds the embedding on the first stage (``pre_process``), the
+    final norm and output layer on the last (``post_process``): the first of 4 stages of
+    llama-7b-like holds 8 layers and the embedding, 1.750B parameters, not also the head
+    (1.882B); the last holds 8 layers, the final norm and the head."""
+    pp4 = predict_peak_memory(MODEL, ParallelStrategy(1, 1, 4, 1, 8), precision="bf16-mixed")
+    assert pp4.stage == 0
+    assert _params(pp4) == 8 * _LAYER + _V * _H == 1_750_401_024
+    spec = as_memory_model(MODEL)
+    last = factorize(spec.pipeline_stage(8, first=False, last=True), pp4.step)
+    assert sum(x.params for x in last.layers) == 8 * _LAYER + _H + _V * _H
+    assert [x.name for x in last.layers][-1] == "llm.head" and last.loss_saved
+    first = factorize(spec.pipeline_stage(8, first=True, last=False), pp4.step)
+    assert first.layers[0].name == "llm.embed" and first.loss_saved == first.held_output == 0
+    middle = spec.pipeline_stage(8, first=False, last=False)
+    assert sum(x.params for x in factorize(middle, pp4.step).layers) == 8 * _LAYER
+    assert middle.text.num_parameters() == 8 * (_LAYER - 2 * _H + 4 * _H)  # its own closed form
+
+
+def test_pp_last_stage_with_a_large_vocabulary_is_the_one_predicted():
+    """With tied embeddings the last stage keeps its own copy of the word embeddings
+    (``LanguageModule.setup_embeddings_and_output_layer``) and holds the 128k-wide logits and
+    the loss: at pp 2 with one micro-batch it outgrows the first and is the one predicted. With
+    an uneven split that leaves the first stage 4 of the 16 layers, the first stage's rank
+    alone (what was predicted, with the head and the loss on it) under-states the job."""
+    h, v = LLAMA_1B.hidden_size, LLAMA_1B.vocab_size
+    pp2 = predict_peak_memory(LLAMA_1B, ParallelStrategy(1, 1, 2, 1, 1), precision="bf16-mixed")
+    assert (pp2.stage, pp2.inflight_microbatches, pp2.model.text.num_layers) == (1, 1, 8)
+    stage = factorize(pp2.model, pp2.step)
+    assert "llm.embed" not in [x.name for x in stage.layers]
+    assert stage.layers[-1].params == h + v * h  # final norm + its copy of the embeddings
+    spec = as_memory_model(LLAMA_1B)
+    first = predict_peak_memory(spec.pipeline_stage(8, first=True, last=False),
+                                precision="bf16-mixed")
+    assert first.peak_reserved < pp2.peak_reserved
+    assert "stage 2 of 2" in pp2.format() and pp2.as_dict()["pipeline_stage"] == 1
+    uneven = predict_peak_memory(LLAMA_1B, ParallelStrategy(1, 1, 2, 1, 1, first_stage_layers=4),
+                                 precision="bf16-mixed")
+    assert (uneven.stage, uneven.model.text.num_layers) == (1, 12)
+    first4 = predict_peak_memory(spec.with_layers(None, 4), precision="bf16-mixed")
+    assert uneven.peak_reserved > 1.4 * first4.peak_reserved
+
+
+def test_pp_later_stages_of_a_multimodal_model_leave_the_vision_tower_upstream():
+    """A multimodal model's vision tower and projector feed the embedding, on the first stage;
+    a later stage of blip2-3b-like (frozen ViT and LLM, a trainable projector) holds only text
+    layers, which still save what the gradient needs on its way back to the projector."""
+    spec = as_memory_model("blip2-3b-like")
+    cfg = Step(ParallelStrategy(1, 1, 2, 1, 2), precision="bf16-mixed")
+    first = factorize(spec.pipeline_stage(16, first=True, last=False), cfg)
+    last = factorize(spec.pipeline_stage(16, first=False, last=True), cfg)
+    assert {x.tower for x in first.layers} == {"vision", "projector", "llm"}
+    assert {x.tower for x in last.layers} == {"llm"}
+    assert all(x.saved for x in last.layers) and last.num_trainable_tensors == 0
+
+
+def test_pp1_predictions_are_unchanged():
+    """One stage is the whole model, as before the stages were priced apart: main's values
+    (75e12c1) with the shipped residual model (retraining it moves ``peak_reserved``)."""
+    cases = {("llama-7b-like", 1, "bf16-mixed"): (148631212143, 134561924608),
+             ("qwen2-1.5b-like", 2, "bf16"): (50073787976, 50261459968),
+             ("llava-1.5-7b-like", 1, "bf16-mixed"): (153205122554, 140763157304),
+             ("blip2-3b-like", 4, "bf16-mixed"): (40282153981, 38053572352)}
+    for (name, batch, precision), (reserved, analytical) in cases.items():
+        got = predict_peak_memory(name, ParallelStrategy(1, 1, 1, batch, batch),
+                                  precision=precision)
+        assert (got.stage, got.peak_reserved, got.peak_allocated_analytical) == (
+            0, reserved, analytical), name
