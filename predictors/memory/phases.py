@@ -44,12 +44,6 @@ def adam_impl(cfg: Step) -> str:
     return "foreach" if deepspeed_zero(cfg) else "fused"
 
 
-def layer_grad_bytes(fz: Factorization, shard: int = 1) -> list[int]:
-    """Each layer's gradient bytes (its trainable parameters', in their dtype), ``shard``
-    ways: what the walk holds as gradients, appearing layer by layer in the backward."""
-    return [x.param_bytes // shard if x.trainable else 0 for x in fz.layers]
-
-
 def trainable_params(fz: Factorization) -> int:
     """Trainable elements: what a framework's gradient buffers hold
     (:func:`device.grad_buffers`)."""
@@ -101,7 +95,7 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
     ws = overheads.cublas_workspace_bytes
     acts = [x.saved for x in fz.layers]
     # a buffer that holds the gradients leaves none to appear layer by layer
-    grads = [0] * len(fz.layers) if held else layer_grad_bytes(fz, shard_grad)
+    grads = [0 if held or not x.trainable else x.param_bytes // shard_grad for x in fz.layers]
     phase_peaks: dict[str, int] = {}
     best = (0, "", {})
 
