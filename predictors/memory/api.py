@@ -28,7 +28,13 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
-from .device import grad_buffers, megatron_step_copy, nccl_bytes, replaces_gradients
+from .device import (
+    grad_buffers,
+    megatron_step_copy,
+    nccl_bytes,
+    replaces_gradients,
+    unmodelled_zero,
+)
 from .factorize import factorize
 from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
@@ -132,7 +138,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     with the largest peak, ``stage``: each stage with its own depth, the first with the
     embedding, the last with the output layer and loss), its micro-batch count sets how many
     are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
-    ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full), sequence parallelism and
+    ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
+    :func:`device.unmodelled_zero`), ``recompute`` (none or full), sequence parallelism and
     the framework, whose gradient buffers are priced by the traced paths' one implementation
     (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
     ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
@@ -149,6 +156,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
+    if problem := unmodelled_zero(options):
+        raise ShardingError(problem)
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
                             "the memory predictor (context parallelism)")

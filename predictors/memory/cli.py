@@ -248,6 +248,8 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
     without a word) or fails on in torch (a message naming no flag): one message each, naming
     the flags. ``args`` has its defaults; ``towers`` the preset's (``ModelSpec.towers``);
     ``given`` the flags of _model_flags given."""
+    from .device import unmodelled_zero
+
     problems = []
     # the bits of the LLM's weights under LoRA adapters: without them they stay in --precision
     if "--lora-bits" in given and args.lora_rank is None:
@@ -260,6 +262,9 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
         problems.append(f"--context-mib: the analytical model of {args.model!r} prices the "
                         "device's own CUDA context (only mlp, cnn, module or a preset with "
                         "--trace reads it); add --trace or drop --context-mib")
+    # a ZeRO stage neither path models under the framework: the API's own refusal
+    if problem := unmodelled_zero(_strategy_options(args)[1]):
+        problems.append(problem)
     if "preset" in kinds and not args.trace:
         problems += _unpriced_analytical(args)
     elif problem := _unpriced_impl(args, traced=True):
@@ -290,7 +295,7 @@ def _unpriced_analytical(args) -> list[str]:
     other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
     whose buffers it does not price (all but pytorch's) and whose step it does not read (all
     but :func:`phases.deepspeed_zero`). One message each, naming the flag; --trace prices
-    them. And Megatron at ZeRO 2/3, which neither path prices. ``args`` has its defaults."""
+    them. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
     from .phases import deepspeed_zero
@@ -313,14 +318,6 @@ def _unpriced_analytical(args) -> list[str]:
                         "gradient buffer, not its NCCL buffers) and reads deepspeed only as its "
                         "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add "
                         "--trace")
-    # Megatron's gradient buffer is priced at ZeRO 0/1 only (device.grad_buffers): at 2/3 the
-    # walk priced the generic sharded step without it, below --zero 1's price for the same
-    # job at --dp 1, where there is nothing to shard; the traced path refuses it (Sharding)
-    if args.framework == "megatron" and cfg.zero > 1:
-        problems.append(f"--zero {args.zero} with --framework megatron: Megatron shards "
-                        "optimizer states only (--zero 1, its distributed optimizer); the "
-                        f"analytical model of {args.model!r} prices its gradient buffer at "
-                        "--zero 0 or 1; choose one of them")
     return problems
 
 

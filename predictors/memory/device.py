@@ -100,6 +100,22 @@ class CommBuffers:
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
 
 
+def unmodelled_zero(options: TrainingOptions) -> str | None:
+    """Why ``options``' ZeRO stage (:attr:`TrainingOptions.zero_stage`) is not modelled under
+    its framework, naming the fields and ``predict memory``'s flags, or None. The one rule of
+    the traced paths (:class:`Sharding`), a preset's analytical model
+    (``api.predict_peak_memory``) and ``predict memory``'s refusal. Megatron's gradient buffer
+    (:func:`grad_buffers`) is priced at ZeRO 0/1 only, its distributed optimizer's: at 2/3
+    the walk priced the generic sharded step without it, so at dp 1, where there is nothing to
+    shard, zero 2 fit where zero 1 was tight."""
+    zero, framework = options.zero_stage, options.framework
+    if framework == "megatron" and zero > 1:
+        return (f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): "
+                "Megatron shards optimizer states only (zero 1, its distributed optimizer) and "
+                "its gradient buffer is priced at zero 0 or 1; choose one of them")
+    return None
+
+
 def megatron_grad_dtype(precision: str | Precision) -> torch.dtype:
     """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision``:
     ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with grad dtype
@@ -194,8 +210,8 @@ class Sharding(StrategyView):
         if self.framework not in SHARDING_FRAMEWORKS:
             raise ShardingError(f"framework={self.framework!r}: the traced path models "
                                 f"{SHARDING_FRAMEWORKS}")
-        if self.framework == "megatron" and self.zero > 1:
-            raise ShardingError("framework='megatron' shards optimizer states only (zero<=1)")
+        if problem := unmodelled_zero(self.options):
+            raise ShardingError(problem)
 
     @property
     def framework(self) -> str:

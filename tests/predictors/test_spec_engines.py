@@ -163,15 +163,39 @@ def test_memory_predictor_takes_the_one_training_options():
 
     strategy = ParallelStrategy(4, 2, 1, micro_batch=2, global_batch=16)
     for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
-                                 1, "full"), (TrainingOptions(fsdp=True), 3, "none")):  # fmt: skip
+                                 1, "full"),
+                                (TrainingOptions(fsdp=True, framework="deepspeed"), 3, "none")):
         got = predict_peak_memory("llama-7b-like", strategy, options)
         assert (got.step.zero, got.step.checkpointing) == (zero, ckpt)
-        stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt)
+        stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt, framework=options.framework)
         assert stage.zero_stage == zero
         assert got.device_total == predict_peak_memory("llama-7b-like", strategy,
                                                        stage).device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
+
+
+@pytest.mark.parametrize("options", [TrainingOptions.for_zero_stage(2),
+                                     TrainingOptions(fsdp=True)])
+def test_memory_api_refuses_megatron_beyond_zero_1_as_the_cli_does(options, capsys):
+    """predict_peak_memory priced Megatron (the options' default framework) at ZeRO 2/3 as the
+    generic sharded step without its gradient buffer, which the CLI refused: 27.9 GiB below
+    ZeRO 1's price for LLaVA-1.5-7B at dp 1, where there is nothing to shard. Both refuse it
+    with one message (device.unmodelled_zero)."""
+    from predictors.cli import main
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+
+    zero = options.zero_stage
+    message = (f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): "
+               "Megatron shards optimizer states only (zero 1, its distributed optimizer) and "
+               "its gradient buffer is priced at zero 0 or 1; choose one of them")
+    with pytest.raises(ShardingError) as refused:
+        predict_peak_memory("llava-1.5-7b-like", options=options)
+    assert str(refused.value) == message
+    assert main(["memory", "--model", "llava-1.5-7b-like", "--framework", "megatron",
+                 "--zero", str(zero)]) == 1
+    assert capsys.readouterr().err == f"error: ModelSpecError: {message}\n"
 
 
 def test_megatron_uneven_pipeline_flags_round_trip():
@@ -389,11 +413,13 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "prices)"),
     # Megatron's gradient buffer is priced at --zero 0/1: at 2/3 the walk priced the generic
     # sharded step without it, so at --dp 1 (nothing to shard) --zero 2 fit where --zero 1
-    # was tight; the traced path refuses Megatron beyond --zero 1 too (device.Sharding)
-    *[("llava-1.5-7b-like", ["--framework", "megatron", "--zero", zero],
-       f"--zero {zero} with --framework megatron: Megatron shards optimizer states only (--zero "
-       "1, its distributed optimizer); the analytical model of 'llava-1.5-7b-like' prices its "
-       "gradient buffer at --zero 0 or 1; choose one of them\n") for zero in ("2", "3")],
+    # was tight; the API and the traced path refuse it the same way (device.unmodelled_zero)
+    *[(model, ["--framework", "megatron", "--zero", zero, *trace],
+       f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): Megatron "
+       "shards optimizer states only (zero 1, its distributed optimizer) and its gradient "
+       "buffer is priced at zero 0 or 1; choose one of them\n")
+      for zero in ("2", "3") for model, trace in (("llava-1.5-7b-like", []), ("mlp", []),
+                                                 ("vit-b-like", ["--trace"]))],
 ])
 def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
                                                                          message):
