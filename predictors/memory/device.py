@@ -58,9 +58,9 @@ def get_device(name: str, stack: str | None = None) -> DeviceProfile:
 DEVICES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "v100")
 
 # The frameworks whose data-parallel buffers are modelled (TrainingOptions.framework):
-# "pytorch" is torch DDP (ZeRO-1 via ZeroRedundancyOptimizer), "deepspeed" its ZeRO with the
-# documented defaults of CommBuffers, "megatron" its distributed optimizer (ZeRO-1 over a
-# contiguous gradient buffer)
+# "pytorch" is torch DDP (ZeRO-1 via ZeroRedundancyOptimizer; its FSDP is not modelled:
+# unmodelled_zero), "deepspeed" its ZeRO with the documented defaults of CommBuffers,
+# "megatron" its distributed optimizer (ZeRO-1 over a contiguous gradient buffer)
 SHARDING_FRAMEWORKS = ("pytorch", "deepspeed", "megatron")
 # The options of a plain PyTorch step (torch DDP where dp > 1): the traced paths' default
 TORCH_OPTIONS = TrainingOptions(framework="pytorch")
@@ -107,12 +107,22 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
     (``api.predict_peak_memory``) and ``predict memory``'s refusal. Megatron's gradient buffer
     (:func:`grad_buffers`) is priced at ZeRO 0/1 only, its distributed optimizer's: at 2/3
     the walk priced the generic sharded step without it, so at dp 1, where there is nothing to
-    shard, zero 2 fit where zero 1 was tight."""
+    shard, zero 2 fit where zero 1 was tight. torch's ZeroRedundancyOptimizer is ZeRO-1 only
+    (``torch/distributed/optim/zero_redundancy_optimizer.py``: it shards optimizer states;
+    DDP still all-reduces full gradients): at 2/3 the traced path kept every gradient and
+    dropped DDP's buckets, the analytical one sharded the gradients (and at 3 the parameters,
+    by DeepSpeed's stage-3 model, :mod:`zero`), both below zero 1's price. Sharding gradients in
+    PyTorch is its FSDP, which neither path models."""
     zero, framework = options.zero_stage, options.framework
     if framework == "megatron" and zero > 1:
         return (f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): "
                 "Megatron shards optimizer states only (zero 1, its distributed optimizer) and "
                 "its gradient buffer is priced at zero 0 or 1; choose one of them")
+    if framework == "pytorch" and zero > 1:
+        return (f"zero={zero} with framework='pytorch' (--zero {zero} --framework pytorch): "
+                "torch DDP shards optimizer states only (zero 1, torch's "
+                "ZeroRedundancyOptimizer); sharding gradients in PyTorch is its FSDP, which is "
+                "not modelled; choose zero 0 or 1, or framework 'deepspeed' for its ZeRO 2/3")
     return None
 
 
@@ -285,10 +295,7 @@ class Sharding(StrategyView):
             # the all-gather of updated parameters works in allgather_bucket_size pieces
             buffers["ds_allgather_bucket"] = int(min(self.buffers.allgather_bucket * elem,
                                                      max(params, elem)))
-        if self.zero == 3:
-            if self.framework != "deepspeed":
-                raise ShardingError(f"zero=3 needs framework='deepspeed' (got "
-                                    f"{self.framework!r})")
+        if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent
             buffers["ds_stage3_gathered_module"] = z3.gathered
