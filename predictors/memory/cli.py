@@ -22,15 +22,6 @@ EXIT_STATUS = (f"exit status: {EXIT_CODES['fits']} fits, {EXIT_CODES['tight']} t
                "any error (a usage error, a refused flag, an unknown preset, device or "
                f"precision): {EXIT_CODES['oom']} only ever means oom")
 
-# what a framework of device.FRAMEWORK_FUSED steps an optimizer (OPTIMIZER_SAID) with, in
-# predict memory's refusal of another implementation
-FRAMEWORK_OWN = {"deepspeed": "DeepSpeed steps {} with its own fused kernel (the FusedAdam of "
-                              "an \"optimizer\" config section, the DeepSpeed the traced path "
-                              "models)",
-                 "megatron": "Megatron steps {} with its own fused kernel (Transformer "
-                             "Engine's or Apex's) whatever the script asks"}
-OPTIMIZER_SAID = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-
 # the models traced from flags alone; any other --model is a preset
 MODULE_MODELS = ("mlp", "cnn", "module")
 # the kinds of model a flag is read by: mlp, cnn and module by name; a preset as "preset" and
@@ -324,21 +315,22 @@ def _unpriced_analytical(args) -> list[str]:
 def _unpriced_impl(args, traced: bool) -> str | None:
     """An --optimizer implementation given explicitly (``adam:foreach``) that the path prices
     as another (it was priced so without a word; a bare ``adam`` names none and is priced in
-    the path's own): the traced paths price the framework's own fused kernel where it runs one
-    (:func:`device.framework_impl`), a preset's analytical model its own implementation
-    (:func:`phases.adam_impl`). The one rule for both paths: an implementation refused on one
-    is named with the path that prices it, if any. ``args`` has its defaults."""
+    the path's own): the traced paths refuse one the framework does not run, pricing its own
+    fused kernel (:func:`device.unrun_impl`, the API's rule), a preset's analytical model
+    prices its own implementation (:func:`phases.adam_impl`). The one rule for both paths: an
+    implementation refused on one is named with the path that prices it, if any. ``args`` has
+    its defaults."""
     from .config import Step
-    from .device import framework_impl
+    from .device import unrun_impl
     from .optimizers import OptimizerSpec
     from .phases import adam_impl, deepspeed_zero
 
-    name, impl = OptimizerSpec.parse(args.optimizer).name, args.optimizer.partition(":")[2]
-    if not impl:
+    opt = OptimizerSpec.parse(args.optimizer)
+    impl = opt.impl
+    if impl is None:
         return None
-    # the framework's own kernel, which the traced paths price whatever is given
-    own = (None if framework_impl(args.framework, name) in (None, impl)
-           else FRAMEWORK_OWN[args.framework].format(OPTIMIZER_SAID[name]))
+    # the framework's own kernel, which the traced paths price, refusing another named
+    own = unrun_impl(args.framework, opt)
     if traced and own is None:
         return None
     cfg = Step(*_strategy_options(args), args.precision) if args.model not in MODULE_MODELS \

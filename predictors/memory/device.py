@@ -21,7 +21,7 @@ from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, StrategyView
-from .optimizers import OptimizerSpec
+from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
 from .zero import zero3_params
 
@@ -70,15 +70,32 @@ TORCH_OPTIONS = TrainingOptions(framework="pytorch")
 # for an Adam or AdamW "optimizer" config section (the DeepSpeed the traced paths model; another
 # type is the torch optimizer of that name, as given). torch DDP steps the script's optimizer.
 FRAMEWORK_FUSED = {"megatron": ("adam", "adamw", "sgd"), "deepspeed": ("adam", "adamw")}
+# what a framework of FRAMEWORK_FUSED steps an optimizer (OPTIMIZER_SAID) with, in words: the
+# refusal of another implementation given explicitly (unrun_impl)
+FRAMEWORK_OWN = {"deepspeed": "DeepSpeed steps {} with its own fused kernel (the FusedAdam of "
+                              "an \"optimizer\" config section, the DeepSpeed the traced path "
+                              "models)",
+                 "megatron": "Megatron steps {} with its own fused kernel (Transformer "
+                             "Engine's or Apex's) whatever the script asks"}
+OPTIMIZER_SAID = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 
 
 def framework_impl(framework: str, optimizer: str) -> str | None:
     """The implementation (:data:`optimizers.IMPLEMENTATIONS`) ``framework`` steps
     ``optimizer`` (a name of :data:`optimizers.OPTIMIZERS`) with on the traced paths whatever
-    the script asks, or None: the one asked (:data:`FRAMEWORK_FUSED`). The one rule of
-    :meth:`Sharding.effective_optimizer` and of ``predict memory``'s refusal of another
-    implementation given explicitly."""
+    the script asks, or None: the one asked (:data:`FRAMEWORK_FUSED`)."""
     return "fused" if optimizer in FRAMEWORK_FUSED.get(framework, ()) else None
+
+
+def unrun_impl(framework: str, opt: OptimizerSpec) -> str | None:
+    """What ``framework`` steps ``opt`` with instead of the implementation ``opt`` names, in
+    words (:data:`FRAMEWORK_OWN`), or None: it names none, or the one the framework runs
+    (:func:`framework_impl`). Pricing the framework's kernel instead was silent: the one rule
+    of :meth:`Sharding.effective_optimizer`'s refusal and of ``predict memory``'s."""
+    own = framework_impl(framework, opt.name)
+    if opt.impl is None or own in (None, opt.impl):
+        return None
+    return FRAMEWORK_OWN[framework].format(OPTIMIZER_SAID[opt.name])
 
 
 @dataclass(frozen=True)
@@ -234,9 +251,16 @@ class Sharding(StrategyView):
 
     def effective_optimizer(self, opt: OptimizerSpec) -> OptimizerSpec:
         """``opt`` as the framework steps it: DeepSpeed's and Megatron's own fused kernels
-        (in place, no temporaries) where :func:`framework_impl` names one, else as given."""
-        impl = framework_impl(self.framework, opt.name)
-        return opt if impl in (None, opt.impl) else replace(opt, impl=impl)
+        (in place, no temporaries) where :func:`framework_impl` names one, else as given (not
+        named: torch's default, :data:`optimizers.TORCH_IMPL`). Another implementation named
+        explicitly is refused, naming the field (:func:`unrun_impl`)."""
+        if own := unrun_impl(self.framework, opt):
+            raise ShardingError(f"optimizer '{opt.name}:{opt.impl}' with "
+                                f"framework={self.framework!r}: {own}, which the traced path "
+                                f"prices; give the optimizer without ':{opt.impl}' "
+                                f"('{opt.name}')")
+        return replace(opt, impl=opt.impl or framework_impl(self.framework, opt.name)
+                       or TORCH_IMPL)
 
     def nccl_bytes(self) -> int:
         """NCCL's buffers for the data-parallel communicator (:func:`nccl_bytes`)."""

@@ -181,7 +181,10 @@ def predict_module_memory(
     called under ``FakeTensorMode``) on ``inputs`` (a tensor, tuple or list of positional
     inputs; ``kwargs`` keyword inputs) with ``loss_fn(output, target)``.
 
-    ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
+    ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...; not
+    named, the implementation is torch's default or the framework's own kernel where it runs
+    one (DeepSpeed's and Megatron's fused Adam(W), Megatron's fused SGD), and another one named
+    for such a framework is refused (:func:`device.unrun_impl`, the CLI's rule too);
     ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``strategy``: its
     ``dp`` is the data-parallel degree (tp = pp = cp = 1: only data parallelism is applied; the
     batch is the inputs'); ``options``: the ZeRO stage (:attr:`TrainingOptions.zero_stage`) and

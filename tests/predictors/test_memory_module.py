@@ -132,6 +132,39 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
         _predict(strategy=ParallelStrategy(4, 2, 1))
 
 
+def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
+    """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
+    priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a
+    word (the foreach temporary left out: 12 MiB here, its ZeRO-1 shard), where the CLI
+    refused it. Both refuse it by one rule (device.unrun_impl), naming the field; named by no
+    implementation, the framework's own is priced, and one it runs is priced as given."""
+    from predictors.memory.optimizers import OptimizerSpec
+
+    dp2 = ParallelStrategy(2, 1, 1)
+    deepspeed = TrainingOptions.for_zero_stage(1, framework="deepspeed")
+    megatron = TrainingOptions(framework="megatron")
+    for optimizer, options, own in (
+            ("adam:foreach", deepspeed, "DeepSpeed steps Adam with its own fused kernel"),
+            (OptimizerSpec("adamw", "for-loop"), megatron,
+             "Megatron steps AdamW with its own fused kernel"),
+            ("sgd:foreach", megatron, "Megatron steps SGD with its own fused kernel")):
+        with pytest.raises(ShardingError) as refused:
+            _predict(strategy=dp2, options=options, optimizer=optimizer)
+        said = optimizer if isinstance(optimizer, str) else "adamw:for-loop"
+        name, impl = said.split(":")
+        assert str(refused.value).startswith(
+            f"optimizer '{said}' with framework={options.framework!r}: {own}")
+        assert str(refused.value).endswith(
+            f", which the traced path prices; give the optimizer without ':{impl}' ('{name}')")
+    bare = _predict(strategy=dp2, options=deepspeed, optimizer="adam")
+    assert bare.optimizer.impl == "fused"
+    assert bare.max_memory_allocated == _predict(strategy=dp2, options=deepspeed,
+                                                 optimizer="adam:fused").max_memory_allocated
+    assert _predict(strategy=dp2, options=deepspeed, optimizer="sgd:for-loop").optimizer.impl == (
+        "for-loop")  # DeepSpeed steps SGD as the script builds it
+    assert _predict(optimizer="adam").optimizer.impl == "foreach"  # torch's default
+
+
 def test_ddp_buckets_and_megatron_buffer_hold_every_trainable_gradient_whatever_the_peak():
     """torch DDP allocates its flat buckets when it wraps the model (the reducer's
     initialize_buckets), Megatron its main-grad buffer: each as large as every trainable
