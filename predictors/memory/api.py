@@ -234,15 +234,14 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
-    buffers = grad_buffers(options.framework, cfg.zero, strategy.dp, grad_params, cfg.precision)
+    buffers = grad_buffers(cfg, grad_params, cfg.precision)
     if replaces_gradients(options.framework) and buffers:
         # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
         # holds it, full size, in every phase instead of the per-layer gradients of the plain
         # PyTorch step the residual model was trained on (which appear in the backward, so
         # none at a forward or loss peak); priced beyond the residual by the walks' difference
         megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=buffers,
-                               step_copy=megatron_step_copy(cfg.precision, cfg.zero,
-                                                            strategy.dp, grad_params))
+                               step_copy=megatron_step_copy(cfg, grad_params, cfg.precision))
         reserved += megatron.peak_allocated - est.peak_allocated
         est = megatron
     comps = dict(est.components)

@@ -125,6 +125,10 @@ def add_subcommands(subparsers) -> None:
                         "preset's analytical model prices pytorch's buffers, DDP's gradient "
                         "buckets and NCCL's, and reads deepspeed only as its ZeRO 2/3 step with "
                         "fp32 masters: another needs --trace)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Megatron-LM's flag: its gradient buffer in fp32 (--framework megatron "
+                        "only; off, as in Megatron-LM, whose --bf16 turns it on: decides the "
+                        "buffer of fp16 weights, --precision fp16-mixed)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     g.add_argument("--last-batch", type=int, **_given_or(
         "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
@@ -397,19 +401,21 @@ def _memory_job(args):
 
 
 def _strategy_options(args):
-    """A preset's strategy and options as the flags give them."""
+    """A preset's strategy and options as the flags give them (the options of mlp, cnn and
+    module too)."""
     from ..spec import ParallelStrategy, TrainingOptions
 
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
-    return strategy, TrainingOptions.for_zero_stage(args.zero, recompute=args.checkpointing,
-                                                    framework=args.framework)
+    return strategy, TrainingOptions.for_zero_stage(
+        args.zero, recompute=args.checkpointing, framework=args.framework,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32)
 
 
 def _memory_module(args) -> int:
     import json
 
-    from ..spec import ParallelStrategy, TrainingOptions
+    from ..spec import ParallelStrategy
     from .module import predict_module_memory
     from .simple import CnnSpec, MlpSpec, load_factory, parse_shape, parse_widths
 
@@ -435,8 +441,7 @@ def _memory_module(args) -> int:
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
                                  precision=args.precision,
                                  strategy=ParallelStrategy(args.dp, 1, 1),
-                                 options=TrainingOptions.for_zero_stage(
-                                     args.zero, framework=args.framework), device=device,
+                                 options=_strategy_options(args)[1], device=device,
                                  capacity_gib=capacity, margin=args.margin,
                                  context_mib=args.context_mib, last_batch=args.last_batch)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())

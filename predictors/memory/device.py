@@ -143,17 +143,19 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
     return None
 
 
-def megatron_grad_dtype(precision: str | Precision) -> torch.dtype:
-    """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision``:
-    ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with grad dtype
-    fp32 where ``ddp_config.grad_reduce_in_fp32``, else the parameter's
+def megatron_grad_dtype(precision: str | Precision, options: TrainingOptions) -> torch.dtype:
+    """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision`` under
+    ``options``: ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with
+    grad dtype fp32 where ``ddp_config.grad_reduce_in_fp32``, else the parameter's
     (``megatron/core/distributed/distributed_data_parallel.py``,
     ``_allocate_buffers_for_parameters``). Megatron-LM sets that flag from
-    ``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` turns on (``validate_args``:
-    bf16 gradients are accumulated and reduced in fp32) and ``--fp16`` leaves off: fp32 but for
-    fp16 weights (fp16 weights with the flag given are not modelled: 2 B per element short)."""
+    ``--accumulate-allreduce-grads-in-fp32``
+    (:attr:`TrainingOptions.accumulate_allreduce_grads_in_fp32`), which ``--bf16`` turns on
+    whatever is given (``validate_args``: bf16 gradients are accumulated and reduced in fp32)
+    and ``--fp16`` leaves as given: fp32 but for fp16 weights without the flag."""
     p = get_precision(precision)
-    return torch.float16 if p.param_dtype == torch.float16 else torch.float32
+    fp16 = p.param_dtype == torch.float16 and not options.accumulate_allreduce_grads_in_fp32
+    return torch.float16 if fp16 else torch.float32
 
 
 def replaces_gradients(framework: str) -> bool:
@@ -167,42 +169,44 @@ def replaces_gradients(framework: str) -> bool:
     return framework == "megatron"
 
 
-def grad_buffers(framework: str, zero: int, dp: int, grad_params: int,
+def grad_buffers(view: StrategyView, grad_params: int,
                  precision: str | Precision) -> dict[str, int]:
-    """The gradient buffers ``framework`` allocates once, when it wraps the model for ``dp``
-    ranks at ZeRO stage ``zero``, for ``grad_params`` trainable elements (every trainable
+    """The gradient buffers ``view``'s framework allocates once, when it wraps the model for
+    its ``dp`` ranks at its ZeRO stage, for ``grad_params`` trainable elements (every trainable
     gradient, not the gradients live at the step's peak); live in every phase. torch DDP's
-    flat buckets at ZeRO 0/1 beyond one rank, in the gradients' dtype
-    (``gradient_as_bucket_view=False``: the reducer's ``initialize_buckets`` allocates every
-    bucket, the backward copies each gradient in). Megatron-Core's contiguous ``main_grad``
-    buffer at ZeRO 0/1 (without or with the distributed optimizer) at any ``dp``, one rank
-    included (Megatron-LM's ``get_model`` wraps every model chunk in its
-    ``DistributedDataParallel``), in :func:`megatron_grad_dtype`: ``_ParamAndGradBuffer``
-    allocates ``grad_data`` for every parameter that requires a gradient
-    (``param_and_grad_buffer.py``), full size under the distributed optimizer too (its
-    reduce-scatter writes each rank's shard into a view of the same buffer); the
-    distributed optimizer's ``param_data`` buffer takes the parameters' own storage (each
-    ``param.data`` is moved into it), so it adds nothing. Megatron's FSDP and gradient
-    sharding (ZeRO 2/3) are not modelled here. The one implementation for the traced paths
-    (:class:`Sharding`) and a preset's analytical model (``api.predict_peak_memory``)."""
-    if framework == "pytorch" and zero < 2 and dp > 1:
+    flat buckets beyond one rank, in the gradients' dtype (``gradient_as_bucket_view=False``:
+    the reducer's ``initialize_buckets`` allocates every bucket, the backward copies each
+    gradient in). Megatron-Core's contiguous ``main_grad`` buffer (without or with the
+    distributed optimizer) at any ``dp``, one rank included (Megatron-LM's ``get_model`` wraps
+    every model chunk in its ``DistributedDataParallel``), in :func:`megatron_grad_dtype`:
+    ``_ParamAndGradBuffer`` allocates ``grad_data`` for every parameter that requires a
+    gradient (``param_and_grad_buffer.py``), full size under the distributed optimizer too (its
+    reduce-scatter writes each rank's shard into a view of the same buffer); the distributed
+    optimizer's ``param_data`` buffer takes the parameters' own storage (each ``param.data`` is
+    moved into it), so it adds nothing. Both at ZeRO 0/1: their ZeRO 2/3 is refused
+    (:func:`unmodelled_zero`). The one implementation for the traced paths (:class:`Sharding`)
+    and a preset's analytical model (``api.predict_peak_memory``: :class:`config.Step`)."""
+    framework = view.options.framework
+    if framework == "pytorch" and view.dp > 1:
         return {"ddp_grad_buckets": grad_params * get_precision(precision).param_dtype.itemsize}
-    if framework == "megatron" and zero < 2:
-        return {"megatron_grad_buffer": grad_params * megatron_grad_dtype(precision).itemsize}
+    if framework == "megatron":
+        dtype = megatron_grad_dtype(precision, view.options)
+        return {"megatron_grad_buffer": grad_params * dtype.itemsize}
     return {}
 
 
-def megatron_step_copy(precision: str | Precision, zero: int, dp: int, grad_params: int) -> int:
+def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Precision) -> int:
     """The fp32 gradient bytes Megatron's optimizer casts from its buffer for the step, live
-    while it steps: none where the buffer is fp32 (``main_grad.float()`` of an fp32 tensor is
-    the tensor itself; fp32 weights step on ``main_grad`` directly), else with fp32 masters
-    every gradient (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``) or,
-    under the distributed optimizer, the rank's 1/``dp`` shard
+    while it steps: none where the buffer is fp32 (:func:`megatron_grad_dtype` under
+    ``view.options``; ``main_grad.float()`` of an fp32 tensor is the tensor itself; fp32
+    weights step on ``main_grad`` directly), else with fp32 masters every gradient
+    (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``) or, under the
+    distributed optimizer, the rank's 1/``dp`` shard
     (``DistributedOptimizer._copy_model_grads_to_main_grads``)."""
     p = get_precision(precision)
-    if not p.master_weights_fp32 or megatron_grad_dtype(p) == torch.float32:
+    if not p.master_weights_fp32 or megatron_grad_dtype(p, view.options) == torch.float32:
         return 0
-    return grad_params * 4 // (dp if zero >= 1 else 1)
+    return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
 def nccl_bytes(dp: int, buffers: CommBuffers | None = None) -> int:
@@ -290,7 +294,7 @@ class Sharding(StrategyView):
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
-        buffers = grad_buffers(self.framework, self.zero, d, grad_params, precision)
+        buffers = grad_buffers(self, grad_params, precision)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
         delta = 0
@@ -299,7 +303,7 @@ class Sharding(StrategyView):
             # the buffer, live from wrap time, holds the gradients: none of the traced ones
             # is held, so the step peaks at its highest moment without them (not necessarily
             # the traced peak's), plus the optimizer's fp32 cast of the buffer while it steps
-            cast = megatron_step_copy(precision, self.zero, d, grad_params)
+            cast = megatron_step_copy(self, grad_params, precision)
             delta += max(v + (cast if phase == "optimizer" else 0)
                          for phase, v in peaks_without_gradients.items()) - peak_allocated
         if self.zero >= 1:
