@@ -19,7 +19,7 @@ to a whole one. The CUDA context is per process and is never divided by ``tp``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
@@ -31,7 +31,7 @@ from .config import SINGLE_GPU, ShardingError, Step
 from .device import (
     grad_buffers,
     megatron_step_copy,
-    nccl_bytes,
+    nccl_communicators,
     replaces_gradients,
     unmodelled_zero,
 )
@@ -56,8 +56,13 @@ class MemoryPrediction:
     margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     trained_on: str  # what the residual model was trained against
     inflight_microbatches: int = 1  # micro-batches whose activations the stage holds at once
-    nccl_bytes: int = 0  # NCCL's buffers, outside the caching allocator (torch DDP, dp > 1)
+    # NCCL's buffers by communicator (device.nccl_communicators), outside the caching allocator
+    nccl: dict[str, int] = field(default_factory=dict)
     stage: int = 0  # the pipeline stage predicted (0-based): the one with the largest peak
+
+    @property
+    def nccl_bytes(self) -> int:
+        return sum(self.nccl.values())
 
     @property
     def outside_allocator(self) -> int:
@@ -88,7 +93,8 @@ class MemoryPrediction:
         return {"model": self.model.name, "max_memory_reserved": self.peak_reserved,
                 "peak_allocated_analytical": self.peak_allocated_analytical,
                 **{f"analytical.{k}": v for k, v in self.components.items()},
-                "cuda_context": self.context_bytes, "nccl_buffers": self.nccl_bytes,
+                "cuda_context": self.context_bytes, **self.nccl,
+                "nccl_buffers": self.nccl_bytes,
                 "device_used": self.device_used,
                 "pipeline_stage": self.stage,
                 "capacity": self.capacity, **self.judgement.as_dict()}
@@ -111,7 +117,7 @@ class MemoryPrediction:
             f"{self.trained_on})",
             f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
             f"{g(self.context_bytes)}"
-            + (f" + NCCL buffers {g(self.nccl_bytes)}" if self.nccl_bytes else "")
+            + "".join(f" + NCCL {k[5:]} communicator {g(v)}" for k, v in self.nccl.items())
             + f" = {g(self.device_used)}",
             self.judgement.describe(),
         ]
@@ -144,8 +150,10 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
     ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
     the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
-    beside them, and NCCL's buffers, :func:`device.nccl_bytes`), for no other (DeepSpeed's
-    buckets; nor Megatron's NCCL buffers: not priced).
+    beside them), for no other (DeepSpeed's buckets: not priced); whatever the framework,
+    NCCL's buffers of each communicator the rank runs a collective on, one per parallel group
+    of more than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths'
+    one implementation), outside the caching allocator.
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -250,7 +258,6 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
             spec, tp, options.sequence_parallel))  # fmt: skip
         # the allocator's overhead over live bytes is kept in proportion
         reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
-    nccl = 0
     if options.framework == "pytorch" and strategy.dp > 1:
         # torch DDP's buckets, allocated when it wraps the model: live in every phase beside
         # the gradients, so the walk's peak grows by them; whole segments of their own (25 MiB
@@ -258,10 +265,10 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         ddp = {k: v // tp for k, v in buffers.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
-        nccl = nccl_bytes(strategy.dp)
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
-                            _shipped_model().trained_on, inflight, nccl, stage)
+                            _shipped_model().trained_on, inflight,
+                            nccl_communicators(strategy), stage)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

@@ -122,9 +122,11 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
                    help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
                         "megatron (distributed optimizer) (default pytorch; beyond --dp 1 a "
-                        "preset's analytical model prices pytorch's buffers, DDP's gradient "
-                        "buckets and NCCL's, and reads deepspeed only as its ZeRO 2/3 step with "
-                        "fp32 masters: another needs --trace)")
+                        "preset's analytical model prices the buffers of pytorch (DDP's "
+                        "gradient buckets) and megatron (its gradient buffer) and reads "
+                        "deepspeed only as its ZeRO 2/3 step with fp32 masters: another needs "
+                        "--trace; NCCL's buffers, one communicator per parallel group of more "
+                        "than one rank, on every path)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Megatron-LM's flag: its gradient buffer in fp32 (--framework megatron "
                         "only; off, as in Megatron-LM, whose --bf16 turns it on: decides the "
@@ -288,9 +290,9 @@ def _unpriced_analytical(args) -> list[str]:
     """What a preset's analytical model would price otherwise than asked (it was dropped
     without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
     other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
-    whose buffers it does not price (all but pytorch's) and whose step it does not read (all
-    but :func:`phases.deepspeed_zero`). One message each, naming the flag; --trace prices
-    them. ``args`` has its defaults."""
+    whose buffers it does not price (all but pytorch's and megatron's) and whose step it does
+    not read (all but :func:`phases.deepspeed_zero`). One message each, naming the flag;
+    --trace prices them. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
     from .phases import deepspeed_zero
@@ -304,15 +306,15 @@ def _unpriced_analytical(args) -> list[str]:
         problems.append(problem)
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
     # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
-    # prices torch DDP's (api.predict_peak_memory), Megatron's gradient buffer but not its
-    # NCCL buffers, and reads DeepSpeed as its ZeRO 2/3 step
-    if cfg.dp > 1 and args.framework != "pytorch" and not deepspeed_zero(cfg):
+    # prices torch DDP's and Megatron's and every framework's NCCL buffers
+    # (api.predict_peak_memory), and reads DeepSpeed as its ZeRO 2/3 step, not its buckets
+    if (cfg.dp > 1 and args.framework not in ("pytorch", "megatron")
+            and not deepspeed_zero(cfg)):
         problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
-                        f"of {args.model!r} prices every data-parallel buffer of pytorch only "
-                        "(torch DDP's gradient buckets and NCCL's buffers; of megatron its "
-                        "gradient buffer, not its NCCL buffers) and reads deepspeed only as its "
-                        "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add "
-                        "--trace")
+                        f"of {args.model!r} prices every data-parallel buffer of pytorch and "
+                        "megatron only (torch DDP's gradient buckets, Megatron's gradient "
+                        "buffer, NCCL's buffers) and reads deepspeed only as its ZeRO 2/3 step "
+                        "with fp32 masters (a *-mixed or fp8 --precision); add --trace")
     return problems
 
 

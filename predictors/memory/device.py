@@ -33,8 +33,9 @@ class DeviceProfile:
     overheads: CudaOverheads
 
     def outside_allocator(self, dist: Sharding) -> dict[str, int]:
-        return {"cuda_context": self.overheads.context_bytes,
-                "nccl_buffers": dist.nccl_bytes()}
+        """The CUDA context and NCCL's buffers, one entry per communicator
+        (:func:`nccl_communicators`)."""
+        return {"cuda_context": self.overheads.context_bytes, **dist.nccl()}
 
 
 def get_device(name: str, stack: str | None = None) -> DeviceProfile:
@@ -209,16 +210,36 @@ def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Pr
     return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
-def nccl_bytes(dp: int, buffers: CommBuffers | None = None) -> int:
-    """NCCL's buffers for one communicator over ``dp`` ranks (outside the caching allocator:
-    NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive buffer of
-    ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol, plus LL (1/8) and LL128
-    (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
-    if dp == 1:
+def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
+    """NCCL's buffers for one communicator over ``ranks`` ranks (outside the caching
+    allocator: NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive
+    buffer of ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol, plus LL (1/8) and
+    LL128 (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
+    if ranks == 1:
         return 0
     b = buffers or CommBuffers()
     per_channel = 2 * b.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
     return int(b.nccl_channels * per_channel)
+
+
+def nccl_communicators(strategy: ParallelStrategy, buffers: CommBuffers | None = None
+                       ) -> dict[str, int]:
+    """NCCL's buffers of each communicator one rank of ``strategy`` runs a collective on in
+    the step, by :func:`nccl_bytes`: one per parallel group of more than one rank, named
+    ``nccl_dp``, ``nccl_tp``, ``nccl_pp``. Megatron-Core's
+    ``parallel_state.initialize_model_parallel`` creates the data-, tensor- and
+    pipeline-parallel groups, each a ``torch.distributed.new_group`` of the NCCL backend (torch
+    DDP and DeepSpeed use the data-parallel one); NCCL allocates a communicator's buffers
+    lazily, when the group runs its first collective (``ProcessGroupNCCL`` creates the
+    communicator on first use), so a group is priced where the step uses it: the gradients'
+    all-reduce or reduce-scatter over dp, the layers' all-reduces over tp, the activations'
+    send/recv between pipeline stages over pp. Megatron's other groups (the model-parallel
+    group of the gradient norm, the embedding group of tied embeddings at pp > 1) are not
+    priced. The one implementation of the traced paths (:class:`Sharding`) and a preset's
+    analytical model (``api.predict_peak_memory``)."""
+    sizes = {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    return {f"nccl_{group}": nccl_bytes(ranks, buffers)
+            for group, ranks in sizes.items() if ranks > 1}
 
 
 @dataclass(frozen=True)
@@ -266,9 +287,10 @@ class Sharding(StrategyView):
         return replace(opt, impl=opt.impl or framework_impl(self.framework, opt.name)
                        or TORCH_IMPL)
 
-    def nccl_bytes(self) -> int:
-        """NCCL's buffers for the data-parallel communicator (:func:`nccl_bytes`)."""
-        return nccl_bytes(self.dp, self.buffers)
+    def nccl(self) -> dict[str, int]:
+        """NCCL's buffers by communicator (:func:`nccl_communicators`; the data-parallel one
+        only: tp = pp = 1 here), with this framework's buffer sizes."""
+        return nccl_communicators(self.strategy, self.buffers)
 
     @property
     def changes_step(self) -> bool:
