@@ -238,9 +238,11 @@ class PredictorMemory:
     pipeline stage's ``num_layers / pp`` layers (a GELU tower as the SwiGLU layer with its
     MLP's parameter count), weights/gradients/states split ``tp`` ways, activations per Megatron's
     TP split and held for ``min(pp, micro-batches)`` micro-batches in flight (1F1B), the
-    micro-batch as the batch; the CUDA context is per process, not divided by ``tp``. Under
-    Megatron's options (the default) Megatron-Core's gradient buffer is held, full size, in
-    every phase (fp32 at bf16 weights; ``predictors.memory.device.grad_buffers``).
+    micro-batch as the batch; the CUDA context is per process, not divided by ``tp``, and
+    NCCL's buffers are one communicator's per parallel group of more than one rank (dp, tp,
+    pp; ``predictors.memory.device.nccl_communicators``). Under Megatron's options (the
+    default) Megatron-Core's gradient buffer is held, full size, in every phase (fp32 at bf16
+    weights; ``predictors.memory.device.grad_buffers``).
     """
 
     def __init__(self, capacity_gib: float | str = 80, architecture: str | None = None,

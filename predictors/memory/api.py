@@ -19,7 +19,7 @@ to a whole one. The CUDA context is per process and is never divided by ``tp``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..spec.model import ModelSpec, ModelSpecError, TransformerSpec
@@ -28,7 +28,13 @@ from ..spec.precision import Precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
-from .device import grad_buffers, megatron_step_copy, nccl_bytes, replaces_gradients
+from .device import (
+    grad_buffers,
+    megatron_step_copy,
+    nccl_communicators,
+    replaces_gradients,
+    unmodelled_zero,
+)
 from .factorize import factorize
 from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
@@ -50,8 +56,13 @@ class MemoryPrediction:
     margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     trained_on: str  # what the residual model was trained against
     inflight_microbatches: int = 1  # micro-batches whose activations the stage holds at once
-    nccl_bytes: int = 0  # NCCL's buffers, outside the caching allocator (torch DDP, dp > 1)
+    # NCCL's buffers by communicator (device.nccl_communicators), outside the caching allocator
+    nccl: dict[str, int] = field(default_factory=dict)
     stage: int = 0  # the pipeline stage predicted (0-based): the one with the largest peak
+
+    @property
+    def nccl_bytes(self) -> int:
+        return sum(self.nccl.values())
 
     @property
     def outside_allocator(self) -> int:
@@ -82,7 +93,8 @@ class MemoryPrediction:
         return {"model": self.model.name, "max_memory_reserved": self.peak_reserved,
                 "peak_allocated_analytical": self.peak_allocated_analytical,
                 **{f"analytical.{k}": v for k, v in self.components.items()},
-                "cuda_context": self.context_bytes, "nccl_buffers": self.nccl_bytes,
+                "cuda_context": self.context_bytes, **self.nccl,
+                "nccl_buffers": self.nccl_bytes,
                 "device_used": self.device_used,
                 "pipeline_stage": self.stage,
                 "capacity": self.capacity, **self.judgement.as_dict()}
@@ -105,7 +117,7 @@ class MemoryPrediction:
             f"{self.trained_on})",
             f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
             f"{g(self.context_bytes)}"
-            + (f" + NCCL buffers {g(self.nccl_bytes)}" if self.nccl_bytes else "")
+            + "".join(f" + NCCL {k[5:]} communicator {g(v)}" for k, v in self.nccl.items())
             + f" = {g(self.device_used)}",
             self.judgement.describe(),
         ]
@@ -132,13 +144,16 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     with the largest peak, ``stage``: each stage with its own depth, the first with the
     embedding, the last with the output layer and loss), its micro-batch count sets how many
     are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
-    ``shard_gradients``: 2, FSDP: 3), ``recompute`` (none or full), sequence parallelism and
+    ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
+    :func:`device.unmodelled_zero`), ``recompute`` (none or full), sequence parallelism and
     the framework, whose gradient buffers are priced by the traced paths' one implementation
     (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
     ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
     the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
-    beside them, and NCCL's buffers, :func:`device.nccl_bytes`), for no other (DeepSpeed's
-    buckets; nor Megatron's NCCL buffers: not priced).
+    beside them), for no other (DeepSpeed's buckets: not priced); whatever the framework,
+    NCCL's buffers of each communicator the rank runs a collective on, one per parallel group
+    of more than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths'
+    one implementation), outside the caching allocator.
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -149,6 +164,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
+    if problem := unmodelled_zero(options):
+        raise ShardingError(problem)
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
                             "the memory predictor (context parallelism)")
@@ -225,15 +242,14 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
-    buffers = grad_buffers(options.framework, cfg.zero, strategy.dp, grad_params, cfg.precision)
+    buffers = grad_buffers(cfg, grad_params, cfg.precision)
     if replaces_gradients(options.framework) and buffers:
         # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
         # holds it, full size, in every phase instead of the per-layer gradients of the plain
         # PyTorch step the residual model was trained on (which appear in the backward, so
         # none at a forward or loss peak); priced beyond the residual by the walks' difference
         megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=buffers,
-                               step_copy=megatron_step_copy(cfg.precision, cfg.zero,
-                                                            strategy.dp, grad_params))
+                               step_copy=megatron_step_copy(cfg, grad_params, cfg.precision))
         reserved += megatron.peak_allocated - est.peak_allocated
         est = megatron
     comps = dict(est.components)
@@ -242,7 +258,6 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
             spec, tp, options.sequence_parallel))  # fmt: skip
         # the allocator's overhead over live bytes is kept in proportion
         reserved = int(reserved * sum(comps.values()) / max(sum(est.components.values()), 1))
-    nccl = 0
     if options.framework == "pytorch" and strategy.dp > 1:
         # torch DDP's buckets, allocated when it wraps the model: live in every phase beside
         # the gradients, so the walk's peak grows by them; whole segments of their own (25 MiB
@@ -250,10 +265,10 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         ddp = {k: v // tp for k, v in buffers.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
-        nccl = nccl_bytes(strategy.dp)
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
-                            _shipped_model().trained_on, inflight, nccl, stage)
+                            _shipped_model().trained_on, inflight,
+                            nccl_communicators(strategy), stage)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

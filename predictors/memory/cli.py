@@ -22,15 +22,6 @@ EXIT_STATUS = (f"exit status: {EXIT_CODES['fits']} fits, {EXIT_CODES['tight']} t
                "any error (a usage error, a refused flag, an unknown preset, device or "
                f"precision): {EXIT_CODES['oom']} only ever means oom")
 
-# what a framework of device.FRAMEWORK_FUSED steps an optimizer (OPTIMIZER_SAID) with, in
-# predict memory's refusal of another implementation
-FRAMEWORK_OWN = {"deepspeed": "DeepSpeed steps {} with its own fused kernel (the FusedAdam of "
-                              "an \"optimizer\" config section, the DeepSpeed the traced path "
-                              "models)",
-                 "megatron": "Megatron steps {} with its own fused kernel (Transformer "
-                             "Engine's or Apex's) whatever the script asks"}
-OPTIMIZER_SAID = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-
 # the models traced from flags alone; any other --model is a preset
 MODULE_MODELS = ("mlp", "cnn", "module")
 # the kinds of model a flag is read by: mlp, cnn and module by name; a preset as "preset" and
@@ -131,9 +122,15 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--framework", default="pytorch", choices=FRAMEWORKS,
                    help="the traced paths model pytorch (torch DDP), deepspeed (its ZeRO) and "
                         "megatron (distributed optimizer) (default pytorch; beyond --dp 1 a "
-                        "preset's analytical model prices pytorch's buffers, DDP's gradient "
-                        "buckets and NCCL's, and reads deepspeed only as its ZeRO 2/3 step with "
-                        "fp32 masters: another needs --trace)")
+                        "preset's analytical model prices the buffers of pytorch (DDP's "
+                        "gradient buckets) and megatron (its gradient buffer) and reads "
+                        "deepspeed only as its ZeRO 2/3 step with fp32 masters: another needs "
+                        "--trace; NCCL's buffers, one communicator per parallel group of more "
+                        "than one rank, on every path)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Megatron-LM's flag: its gradient buffer in fp32 (--framework megatron "
+                        "only; off, as in Megatron-LM, whose --bf16 turns it on: decides the "
+                        "buffer of fp16 weights, --precision fp16-mixed)")
     g.add_argument("--json", action="store_true", help="print the named parts as JSON")
     g.add_argument("--last-batch", type=int, **_given_or(
         "--last-batch", "the loader's smaller last batch (len(dataset) %% batch), traced too"))
@@ -248,6 +245,8 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
     without a word) or fails on in torch (a message naming no flag): one message each, naming
     the flags. ``args`` has its defaults; ``towers`` the preset's (``ModelSpec.towers``);
     ``given`` the flags of _model_flags given."""
+    from .device import unmodelled_zero
+
     problems = []
     # the bits of the LLM's weights under LoRA adapters: without them they stay in --precision
     if "--lora-bits" in given and args.lora_rank is None:
@@ -260,6 +259,9 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
         problems.append(f"--context-mib: the analytical model of {args.model!r} prices the "
                         "device's own CUDA context (only mlp, cnn, module or a preset with "
                         "--trace reads it); add --trace or drop --context-mib")
+    # a ZeRO stage neither path models under the framework: the API's own refusal
+    if problem := unmodelled_zero(_strategy_options(args)[1]):
+        problems.append(problem)
     if "preset" in kinds and not args.trace:
         problems += _unpriced_analytical(args)
     elif problem := _unpriced_impl(args, traced=True):
@@ -288,9 +290,9 @@ def _unpriced_analytical(args) -> list[str]:
     """What a preset's analytical model would price otherwise than asked (it was dropped
     without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
     other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
-    whose buffers it does not price (all but pytorch's) and whose step it does not read (all
-    but :func:`phases.deepspeed_zero`). One message each, naming the flag; --trace prices
-    them. And Megatron at ZeRO 2/3, which neither path prices. ``args`` has its defaults."""
+    whose buffers it does not price (all but pytorch's and megatron's) and whose step it does
+    not read (all but :func:`phases.deepspeed_zero`). One message each, naming the flag;
+    --trace prices them. ``args`` has its defaults."""
     from .config import Step
     from .optimizers import OptimizerSpec
     from .phases import deepspeed_zero
@@ -304,44 +306,37 @@ def _unpriced_analytical(args) -> list[str]:
         problems.append(problem)
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
     # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
-    # prices torch DDP's (api.predict_peak_memory), Megatron's gradient buffer but not its
-    # NCCL buffers, and reads DeepSpeed as its ZeRO 2/3 step
-    if cfg.dp > 1 and args.framework != "pytorch" and not deepspeed_zero(cfg):
+    # prices torch DDP's and Megatron's and every framework's NCCL buffers
+    # (api.predict_peak_memory), and reads DeepSpeed as its ZeRO 2/3 step, not its buckets
+    if (cfg.dp > 1 and args.framework not in ("pytorch", "megatron")
+            and not deepspeed_zero(cfg)):
         problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
-                        f"of {args.model!r} prices every data-parallel buffer of pytorch only "
-                        "(torch DDP's gradient buckets and NCCL's buffers; of megatron its "
-                        "gradient buffer, not its NCCL buffers) and reads deepspeed only as its "
-                        "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add "
-                        "--trace")
-    # Megatron's gradient buffer is priced at ZeRO 0/1 only (device.grad_buffers): at 2/3 the
-    # walk priced the generic sharded step without it, below --zero 1's price for the same
-    # job at --dp 1, where there is nothing to shard; the traced path refuses it (Sharding)
-    if args.framework == "megatron" and cfg.zero > 1:
-        problems.append(f"--zero {args.zero} with --framework megatron: Megatron shards "
-                        "optimizer states only (--zero 1, its distributed optimizer); the "
-                        f"analytical model of {args.model!r} prices its gradient buffer at "
-                        "--zero 0 or 1; choose one of them")
+                        f"of {args.model!r} prices every data-parallel buffer of pytorch and "
+                        "megatron only (torch DDP's gradient buckets, Megatron's gradient "
+                        "buffer, NCCL's buffers) and reads deepspeed only as its ZeRO 2/3 step "
+                        "with fp32 masters (a *-mixed or fp8 --precision); add --trace")
     return problems
 
 
 def _unpriced_impl(args, traced: bool) -> str | None:
     """An --optimizer implementation given explicitly (``adam:foreach``) that the path prices
     as another (it was priced so without a word; a bare ``adam`` names none and is priced in
-    the path's own): the traced paths price the framework's own fused kernel where it runs one
-    (:func:`device.framework_impl`), a preset's analytical model its own implementation
-    (:func:`phases.adam_impl`). The one rule for both paths: an implementation refused on one
-    is named with the path that prices it, if any. ``args`` has its defaults."""
+    the path's own): the traced paths refuse one the framework does not run, pricing its own
+    fused kernel (:func:`device.unrun_impl`, the API's rule), a preset's analytical model
+    prices its own implementation (:func:`phases.adam_impl`). The one rule for both paths: an
+    implementation refused on one is named with the path that prices it, if any. ``args`` has
+    its defaults."""
     from .config import Step
-    from .device import framework_impl
+    from .device import unrun_impl
     from .optimizers import OptimizerSpec
     from .phases import adam_impl, deepspeed_zero
 
-    name, impl = OptimizerSpec.parse(args.optimizer).name, args.optimizer.partition(":")[2]
-    if not impl:
+    opt = OptimizerSpec.parse(args.optimizer)
+    impl = opt.impl
+    if impl is None:
         return None
-    # the framework's own kernel, which the traced paths price whatever is given
-    own = (None if framework_impl(args.framework, name) in (None, impl)
-           else FRAMEWORK_OWN[args.framework].format(OPTIMIZER_SAID[name]))
+    # the framework's own kernel, which the traced paths price, refusing another named
+    own = unrun_impl(args.framework, opt)
     if traced and own is None:
         return None
     cfg = Step(*_strategy_options(args), args.precision) if args.model not in MODULE_MODELS \
@@ -408,19 +403,21 @@ def _memory_job(args):
 
 
 def _strategy_options(args):
-    """A preset's strategy and options as the flags give them."""
+    """A preset's strategy and options as the flags give them (the options of mlp, cnn and
+    module too)."""
     from ..spec import ParallelStrategy, TrainingOptions
 
     strategy = (ParallelStrategy.parse(args.strategy) if args.strategy
                 else ParallelStrategy(args.dp, 1, 1, micro_batch=args.batch))
-    return strategy, TrainingOptions.for_zero_stage(args.zero, recompute=args.checkpointing,
-                                                    framework=args.framework)
+    return strategy, TrainingOptions.for_zero_stage(
+        args.zero, recompute=args.checkpointing, framework=args.framework,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32)
 
 
 def _memory_module(args) -> int:
     import json
 
-    from ..spec import ParallelStrategy, TrainingOptions
+    from ..spec import ParallelStrategy
     from .module import predict_module_memory
     from .simple import CnnSpec, MlpSpec, load_factory, parse_shape, parse_widths
 
@@ -446,8 +443,7 @@ def _memory_module(args) -> int:
     pred = predict_module_memory(model, x, y, optimizer=args.optimizer,
                                  precision=args.precision,
                                  strategy=ParallelStrategy(args.dp, 1, 1),
-                                 options=TrainingOptions.for_zero_stage(
-                                     args.zero, framework=args.framework), device=device,
+                                 options=_strategy_options(args)[1], device=device,
                                  capacity_gib=capacity, margin=args.margin,
                                  context_mib=args.context_mib, last_batch=args.last_batch)
     print(json.dumps(pred.as_dict(), indent=1) if args.json else pred.format())

@@ -21,7 +21,7 @@ from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, StrategyView
-from .optimizers import OptimizerSpec
+from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
 from .zero import zero3_params
 
@@ -33,8 +33,9 @@ class DeviceProfile:
     overheads: CudaOverheads
 
     def outside_allocator(self, dist: Sharding) -> dict[str, int]:
-        return {"cuda_context": self.overheads.context_bytes,
-                "nccl_buffers": dist.nccl_bytes()}
+        """The CUDA context and NCCL's buffers, one entry per communicator
+        (:func:`nccl_communicators`)."""
+        return {"cuda_context": self.overheads.context_bytes, **dist.nccl()}
 
 
 def get_device(name: str, stack: str | None = None) -> DeviceProfile:
@@ -58,9 +59,9 @@ def get_device(name: str, stack: str | None = None) -> DeviceProfile:
 DEVICES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "l40s", "v100")
 
 # The frameworks whose data-parallel buffers are modelled (TrainingOptions.framework):
-# "pytorch" is torch DDP (ZeRO-1 via ZeroRedundancyOptimizer), "deepspeed" its ZeRO with the
-# documented defaults of CommBuffers, "megatron" its distributed optimizer (ZeRO-1 over a
-# contiguous gradient buffer)
+# "pytorch" is torch DDP (ZeRO-1 via ZeroRedundancyOptimizer; its FSDP is not modelled:
+# unmodelled_zero), "deepspeed" its ZeRO with the documented defaults of CommBuffers,
+# "megatron" its distributed optimizer (ZeRO-1 over a contiguous gradient buffer)
 SHARDING_FRAMEWORKS = ("pytorch", "deepspeed", "megatron")
 # The options of a plain PyTorch step (torch DDP where dp > 1): the traced paths' default
 TORCH_OPTIONS = TrainingOptions(framework="pytorch")
@@ -70,15 +71,32 @@ TORCH_OPTIONS = TrainingOptions(framework="pytorch")
 # for an Adam or AdamW "optimizer" config section (the DeepSpeed the traced paths model; another
 # type is the torch optimizer of that name, as given). torch DDP steps the script's optimizer.
 FRAMEWORK_FUSED = {"megatron": ("adam", "adamw", "sgd"), "deepspeed": ("adam", "adamw")}
+# what a framework of FRAMEWORK_FUSED steps an optimizer (OPTIMIZER_SAID) with, in words: the
+# refusal of another implementation given explicitly (unrun_impl)
+FRAMEWORK_OWN = {"deepspeed": "DeepSpeed steps {} with its own fused kernel (the FusedAdam of "
+                              "an \"optimizer\" config section, the DeepSpeed the traced path "
+                              "models)",
+                 "megatron": "Megatron steps {} with its own fused kernel (Transformer "
+                             "Engine's or Apex's) whatever the script asks"}
+OPTIMIZER_SAID = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 
 
 def framework_impl(framework: str, optimizer: str) -> str | None:
     """The implementation (:data:`optimizers.IMPLEMENTATIONS`) ``framework`` steps
     ``optimizer`` (a name of :data:`optimizers.OPTIMIZERS`) with on the traced paths whatever
-    the script asks, or None: the one asked (:data:`FRAMEWORK_FUSED`). The one rule of
-    :meth:`Sharding.effective_optimizer` and of ``predict memory``'s refusal of another
-    implementation given explicitly."""
+    the script asks, or None: the one asked (:data:`FRAMEWORK_FUSED`)."""
     return "fused" if optimizer in FRAMEWORK_FUSED.get(framework, ()) else None
+
+
+def unrun_impl(framework: str, opt: OptimizerSpec) -> str | None:
+    """What ``framework`` steps ``opt`` with instead of the implementation ``opt`` names, in
+    words (:data:`FRAMEWORK_OWN`), or None: it names none, or the one the framework runs
+    (:func:`framework_impl`). Pricing the framework's kernel instead was silent: the one rule
+    of :meth:`Sharding.effective_optimizer`'s refusal and of ``predict memory``'s."""
+    own = framework_impl(framework, opt.name)
+    if opt.impl is None or own in (None, opt.impl):
+        return None
+    return FRAMEWORK_OWN[framework].format(OPTIMIZER_SAID[opt.name])
 
 
 @dataclass(frozen=True)
@@ -100,17 +118,45 @@ class CommBuffers:
     nccl_buffsize: int = 4 * MiB  # NCCL_BUFFSIZE default (Simple protocol, per channel/peer)
 
 
-def megatron_grad_dtype(precision: str | Precision) -> torch.dtype:
-    """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision``:
-    ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with grad dtype
-    fp32 where ``ddp_config.grad_reduce_in_fp32``, else the parameter's
+def unmodelled_zero(options: TrainingOptions) -> str | None:
+    """Why ``options``' ZeRO stage (:attr:`TrainingOptions.zero_stage`) is not modelled under
+    its framework, naming the fields and ``predict memory``'s flags, or None. The one rule of
+    the traced paths (:class:`Sharding`), a preset's analytical model
+    (``api.predict_peak_memory``) and ``predict memory``'s refusal. Megatron's gradient buffer
+    (:func:`grad_buffers`) is priced at ZeRO 0/1 only, its distributed optimizer's: at 2/3
+    the walk priced the generic sharded step without it, so at dp 1, where there is nothing to
+    shard, zero 2 fit where zero 1 was tight. torch's ZeroRedundancyOptimizer is ZeRO-1 only
+    (``torch/distributed/optim/zero_redundancy_optimizer.py``: it shards optimizer states;
+    DDP still all-reduces full gradients): at 2/3 the traced path kept every gradient and
+    dropped DDP's buckets, the analytical one sharded the gradients (and at 3 the parameters,
+    by DeepSpeed's stage-3 model, :mod:`zero`), both below zero 1's price. Sharding gradients in
+    PyTorch is its FSDP, which neither path models."""
+    zero, framework = options.zero_stage, options.framework
+    if framework == "megatron" and zero > 1:
+        return (f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): "
+                "Megatron shards optimizer states only (zero 1, its distributed optimizer) and "
+                "its gradient buffer is priced at zero 0 or 1; choose one of them")
+    if framework == "pytorch" and zero > 1:
+        return (f"zero={zero} with framework='pytorch' (--zero {zero} --framework pytorch): "
+                "torch DDP shards optimizer states only (zero 1, torch's "
+                "ZeroRedundancyOptimizer); sharding gradients in PyTorch is its FSDP, which is "
+                "not modelled; choose zero 0 or 1, or framework 'deepspeed' for its ZeRO 2/3")
+    return None
+
+
+def megatron_grad_dtype(precision: str | Precision, options: TrainingOptions) -> torch.dtype:
+    """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision`` under
+    ``options``: ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with
+    grad dtype fp32 where ``ddp_config.grad_reduce_in_fp32``, else the parameter's
     (``megatron/core/distributed/distributed_data_parallel.py``,
     ``_allocate_buffers_for_parameters``). Megatron-LM sets that flag from
-    ``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` turns on (``validate_args``:
-    bf16 gradients are accumulated and reduced in fp32) and ``--fp16`` leaves off: fp32 but for
-    fp16 weights (fp16 weights with the flag given are not modelled: 2 B per element short)."""
+    ``--accumulate-allreduce-grads-in-fp32``
+    (:attr:`TrainingOptions.accumulate_allreduce_grads_in_fp32`), which ``--bf16`` turns on
+    whatever is given (``validate_args``: bf16 gradients are accumulated and reduced in fp32)
+    and ``--fp16`` leaves as given: fp32 but for fp16 weights without the flag."""
     p = get_precision(precision)
-    return torch.float16 if p.param_dtype == torch.float16 else torch.float32
+    fp16 = p.param_dtype == torch.float16 and not options.accumulate_allreduce_grads_in_fp32
+    return torch.float16 if fp16 else torch.float32
 
 
 def replaces_gradients(framework: str) -> bool:
@@ -124,54 +170,76 @@ def replaces_gradients(framework: str) -> bool:
     return framework == "megatron"
 
 
-def grad_buffers(framework: str, zero: int, dp: int, grad_params: int,
+def grad_buffers(view: StrategyView, grad_params: int,
                  precision: str | Precision) -> dict[str, int]:
-    """The gradient buffers ``framework`` allocates once, when it wraps the model for ``dp``
-    ranks at ZeRO stage ``zero``, for ``grad_params`` trainable elements (every trainable
+    """The gradient buffers ``view``'s framework allocates once, when it wraps the model for
+    its ``dp`` ranks at its ZeRO stage, for ``grad_params`` trainable elements (every trainable
     gradient, not the gradients live at the step's peak); live in every phase. torch DDP's
-    flat buckets at ZeRO 0/1 beyond one rank, in the gradients' dtype
-    (``gradient_as_bucket_view=False``: the reducer's ``initialize_buckets`` allocates every
-    bucket, the backward copies each gradient in). Megatron-Core's contiguous ``main_grad``
-    buffer at ZeRO 0/1 (without or with the distributed optimizer) at any ``dp``, one rank
-    included (Megatron-LM's ``get_model`` wraps every model chunk in its
-    ``DistributedDataParallel``), in :func:`megatron_grad_dtype`: ``_ParamAndGradBuffer``
-    allocates ``grad_data`` for every parameter that requires a gradient
-    (``param_and_grad_buffer.py``), full size under the distributed optimizer too (its
-    reduce-scatter writes each rank's shard into a view of the same buffer); the
-    distributed optimizer's ``param_data`` buffer takes the parameters' own storage (each
-    ``param.data`` is moved into it), so it adds nothing. Megatron's FSDP and gradient
-    sharding (ZeRO 2/3) are not modelled here. The one implementation for the traced paths
-    (:class:`Sharding`) and a preset's analytical model (``api.predict_peak_memory``)."""
-    if framework == "pytorch" and zero < 2 and dp > 1:
+    flat buckets beyond one rank, in the gradients' dtype (``gradient_as_bucket_view=False``:
+    the reducer's ``initialize_buckets`` allocates every bucket, the backward copies each
+    gradient in). Megatron-Core's contiguous ``main_grad`` buffer (without or with the
+    distributed optimizer) at any ``dp``, one rank included (Megatron-LM's ``get_model`` wraps
+    every model chunk in its ``DistributedDataParallel``), in :func:`megatron_grad_dtype`:
+    ``_ParamAndGradBuffer`` allocates ``grad_data`` for every parameter that requires a
+    gradient (``param_and_grad_buffer.py``), full size under the distributed optimizer too (its
+    reduce-scatter writes each rank's shard into a view of the same buffer); the distributed
+    optimizer's ``param_data`` buffer takes the parameters' own storage (each ``param.data`` is
+    moved into it), so it adds nothing. Both at ZeRO 0/1: their ZeRO 2/3 is refused
+    (:func:`unmodelled_zero`). The one implementation for the traced paths (:class:`Sharding`)
+    and a preset's analytical model (``api.predict_peak_memory``: :class:`config.Step`)."""
+    framework = view.options.framework
+    if framework == "pytorch" and view.dp > 1:
         return {"ddp_grad_buckets": grad_params * get_precision(precision).param_dtype.itemsize}
-    if framework == "megatron" and zero < 2:
-        return {"megatron_grad_buffer": grad_params * megatron_grad_dtype(precision).itemsize}
+    if framework == "megatron":
+        dtype = megatron_grad_dtype(precision, view.options)
+        return {"megatron_grad_buffer": grad_params * dtype.itemsize}
     return {}
 
 
-def megatron_step_copy(precision: str | Precision, zero: int, dp: int, grad_params: int) -> int:
+def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Precision) -> int:
     """The fp32 gradient bytes Megatron's optimizer casts from its buffer for the step, live
-    while it steps: none where the buffer is fp32 (``main_grad.float()`` of an fp32 tensor is
-    the tensor itself; fp32 weights step on ``main_grad`` directly), else with fp32 masters
-    every gradient (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``) or,
-    under the distributed optimizer, the rank's 1/``dp`` shard
+    while it steps: none where the buffer is fp32 (:func:`megatron_grad_dtype` under
+    ``view.options``; ``main_grad.float()`` of an fp32 tensor is the tensor itself; fp32
+    weights step on ``main_grad`` directly), else with fp32 masters every gradient
+    (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``) or, under the
+    distributed optimizer, the rank's 1/``dp`` shard
     (``DistributedOptimizer._copy_model_grads_to_main_grads``)."""
     p = get_precision(precision)
-    if not p.master_weights_fp32 or megatron_grad_dtype(p) == torch.float32:
+    if not p.master_weights_fp32 or megatron_grad_dtype(p, view.options) == torch.float32:
         return 0
-    return grad_params * 4 // (dp if zero >= 1 else 1)
+    return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
-def nccl_bytes(dp: int, buffers: CommBuffers | None = None) -> int:
-    """NCCL's buffers for one communicator over ``dp`` ranks (outside the caching allocator:
-    NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive buffer of
-    ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol, plus LL (1/8) and LL128
-    (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
-    if dp == 1:
+def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
+    """NCCL's buffers for one communicator over ``ranks`` ranks (outside the caching
+    allocator: NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive
+    buffer of ``NCCL_BUFFSIZE`` per ring neighbour for the Simple protocol, plus LL (1/8) and
+    LL128 (~9/8) buffers (NCCL docs, NCCL_BUFFSIZE / NCCL_PROTO)."""
+    if ranks == 1:
         return 0
     b = buffers or CommBuffers()
     per_channel = 2 * b.nccl_buffsize * (1 + 1 / 8 + 9 / 8)
     return int(b.nccl_channels * per_channel)
+
+
+def nccl_communicators(strategy: ParallelStrategy, buffers: CommBuffers | None = None
+                       ) -> dict[str, int]:
+    """NCCL's buffers of each communicator one rank of ``strategy`` runs a collective on in
+    the step, by :func:`nccl_bytes`: one per parallel group of more than one rank, named
+    ``nccl_dp``, ``nccl_tp``, ``nccl_pp``. Megatron-Core's
+    ``parallel_state.initialize_model_parallel`` creates the data-, tensor- and
+    pipeline-parallel groups, each a ``torch.distributed.new_group`` of the NCCL backend (torch
+    DDP and DeepSpeed use the data-parallel one); NCCL allocates a communicator's buffers
+    lazily, when the group runs its first collective (``ProcessGroupNCCL`` creates the
+    communicator on first use), so a group is priced where the step uses it: the gradients'
+    all-reduce or reduce-scatter over dp, the layers' all-reduces over tp, the activations'
+    send/recv between pipeline stages over pp. Megatron's other groups (the model-parallel
+    group of the gradient norm, the embedding group of tied embeddings at pp > 1) are not
+    priced. The one implementation of the traced paths (:class:`Sharding`) and a preset's
+    analytical model (``api.predict_peak_memory``)."""
+    sizes = {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    return {f"nccl_{group}": nccl_bytes(ranks, buffers)
+            for group, ranks in sizes.items() if ranks > 1}
 
 
 @dataclass(frozen=True)
@@ -194,8 +262,8 @@ class Sharding(StrategyView):
         if self.framework not in SHARDING_FRAMEWORKS:
             raise ShardingError(f"framework={self.framework!r}: the traced path models "
                                 f"{SHARDING_FRAMEWORKS}")
-        if self.framework == "megatron" and self.zero > 1:
-            raise ShardingError("framework='megatron' shards optimizer states only (zero<=1)")
+        if problem := unmodelled_zero(self.options):
+            raise ShardingError(problem)
 
     @property
     def framework(self) -> str:
@@ -208,13 +276,21 @@ class Sharding(StrategyView):
 
     def effective_optimizer(self, opt: OptimizerSpec) -> OptimizerSpec:
         """``opt`` as the framework steps it: DeepSpeed's and Megatron's own fused kernels
-        (in place, no temporaries) where :func:`framework_impl` names one, else as given."""
-        impl = framework_impl(self.framework, opt.name)
-        return opt if impl in (None, opt.impl) else replace(opt, impl=impl)
+        (in place, no temporaries) where :func:`framework_impl` names one, else as given (not
+        named: torch's default, :data:`optimizers.TORCH_IMPL`). Another implementation named
+        explicitly is refused, naming the field (:func:`unrun_impl`)."""
+        if own := unrun_impl(self.framework, opt):
+            raise ShardingError(f"optimizer '{opt.name}:{opt.impl}' with "
+                                f"framework={self.framework!r}: {own}, which the traced path "
+                                f"prices; give the optimizer without ':{opt.impl}' "
+                                f"('{opt.name}')")
+        return replace(opt, impl=opt.impl or framework_impl(self.framework, opt.name)
+                       or TORCH_IMPL)
 
-    def nccl_bytes(self) -> int:
-        """NCCL's buffers for the data-parallel communicator (:func:`nccl_bytes`)."""
-        return nccl_bytes(self.dp, self.buffers)
+    def nccl(self) -> dict[str, int]:
+        """NCCL's buffers by communicator (:func:`nccl_communicators`; the data-parallel one
+        only: tp = pp = 1 here), with this framework's buffer sizes."""
+        return nccl_communicators(self.strategy, self.buffers)
 
     @property
     def changes_step(self) -> bool:
@@ -240,7 +316,7 @@ class Sharding(StrategyView):
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
-        buffers = grad_buffers(self.framework, self.zero, d, grad_params, precision)
+        buffers = grad_buffers(self, grad_params, precision)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
         delta = 0
@@ -249,7 +325,7 @@ class Sharding(StrategyView):
             # the buffer, live from wrap time, holds the gradients: none of the traced ones
             # is held, so the step peaks at its highest moment without them (not necessarily
             # the traced peak's), plus the optimizer's fp32 cast of the buffer while it steps
-            cast = megatron_step_copy(precision, self.zero, d, grad_params)
+            cast = megatron_step_copy(self, grad_params, precision)
             delta += max(v + (cast if phase == "optimizer" else 0)
                          for phase, v in peaks_without_gradients.items()) - peak_allocated
         if self.zero >= 1:
@@ -269,10 +345,7 @@ class Sharding(StrategyView):
             # the all-gather of updated parameters works in allgather_bucket_size pieces
             buffers["ds_allgather_bucket"] = int(min(self.buffers.allgather_bucket * elem,
                                                      max(params, elem)))
-        if self.zero == 3:
-            if self.framework != "deepspeed":
-                raise ShardingError(f"zero=3 needs framework='deepspeed' (got "
-                                    f"{self.framework!r})")
+        if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent
             buffers["ds_stage3_gathered_module"] = z3.gathered

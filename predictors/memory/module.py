@@ -74,7 +74,7 @@ class DeviceMemoryPrediction:
     max_memory_allocated: int  # torch.cuda.max_memory_allocated
     max_memory_reserved: int  # torch.cuda.max_memory_reserved
     inside_allocator: dict[str, int]  # live bytes by kind at the allocated peak
-    outside_allocator: dict[str, int]  # cuda_context, nccl_buffers
+    outside_allocator: dict[str, int]  # cuda_context, cudnn, nccl_<group> by communicator
     capacity: int
     margin: Margin  # bounds of the reserved bytes the verdict compares (verdict.py)
     out_of_memory: bool = False  # the capacity-bounded simulation failed even after freeing
@@ -104,7 +104,9 @@ class DeviceMemoryPrediction:
         return {"device": self.device, "max_memory_allocated": self.max_memory_allocated,
                 "max_memory_reserved": self.max_memory_reserved,
                 **{f"allocator.{k}": v for k, v in self.inside_allocator.items()},
-                **self.outside_allocator, "device_used": self.device_used,
+                **self.outside_allocator,
+                "nccl_buffers": sum(self.sharding.nccl().values()),
+                "device_used": self.device_used,
                 "capacity": self.capacity, **self.judgement.as_dict()}
 
     def format(self) -> str:
@@ -181,7 +183,10 @@ def predict_module_memory(
     called under ``FakeTensorMode``) on ``inputs`` (a tensor, tuple or list of positional
     inputs; ``kwargs`` keyword inputs) with ``loss_fn(output, target)``.
 
-    ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...;
+    ``optimizer``: an :class:`OptimizerSpec` or ``"adam"``, ``"adamw:fused"``, ...; not
+    named, the implementation is torch's default or the framework's own kernel where it runs
+    one (DeepSpeed's and Megatron's fused Adam(W), Megatron's fused SGD), and another one named
+    for such a framework is refused (:func:`device.unrun_impl`, the CLI's rule too);
     ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``strategy``: its
     ``dp`` is the data-parallel degree (tp = pp = cp = 1: only data parallelism is applied; the
     batch is the inputs'); ``options``: the ZeRO stage (:attr:`TrainingOptions.zero_stage`) and

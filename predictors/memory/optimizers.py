@@ -19,15 +19,19 @@ from ..spec.model import ModelSpecError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+TORCH_IMPL = "foreach"  # what torch.optim builds on CUDA when no implementation is asked
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """``name``: adam | adamw | sgd; ``impl``: foreach (torch's CUDA default) | fused | for-loop.
-    Defaults are ``torch.optim.Adam()``'s (what a plain PyTorch script gets)."""
+    """``name``: adam | adamw | sgd; ``impl``: foreach | fused | for-loop, or None: not named,
+    the step's own (:data:`TORCH_IMPL`, torch's CUDA default, or the framework's kernel where
+    it runs one, ``device.Sharding.effective_optimizer``); one named that the framework does
+    not run is refused there. Other defaults are ``torch.optim.Adam()``'s (what a plain
+    PyTorch script gets)."""
 
     name: str = "adam"
-    impl: str = "foreach"
+    impl: str | None = None
     lr: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only (0: no momentum buffer)
@@ -35,7 +39,7 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ModelSpecError(f"optimizer={self.name!r} is unknown; choose {OPTIMIZERS}")
-        if self.impl not in IMPLEMENTATIONS:
+        if self.impl is not None and self.impl not in IMPLEMENTATIONS:
             raise ModelSpecError(
                 f"optimizer_impl={self.impl!r} is unknown; choose {IMPLEMENTATIONS}")
 
@@ -43,7 +47,7 @@ class OptimizerSpec:
     def parse(cls, text: str) -> OptimizerSpec:
         """``"adam"``, ``"adamw:fused"``, ``"sgd:for-loop"``."""
         name, _, impl = text.partition(":")
-        return cls(name=name, impl=impl or "foreach",
+        return cls(name=name, impl=impl or None,
                    weight_decay=0.01 if name == "adamw" else 0.0)
 
     @property
@@ -53,7 +57,8 @@ class OptimizerSpec:
         return 2
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        flags = {"fused": True} if self.impl == "fused" else {"foreach": self.impl == "foreach"}
+        impl = self.impl or TORCH_IMPL
+        flags = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
                                    weight_decay=self.weight_decay, **flags)

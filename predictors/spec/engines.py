@@ -143,6 +143,7 @@ def megatron_args(t: TransformerSpec, strategy: ParallelStrategy,
              "--overlap-param-gather": options.overlap_param_gather,
              "--tp-comm-overlap": options.tp_comm_overlap,
              "--sequence-parallel": options.sequence_parallel,
+             "--accumulate-allreduce-grads-in-fp32": options.accumulate_allreduce_grads_in_fp32,
              "--use-flash-attn": t.attention == "flash"}  # fmt: skip
     argv += [f for f, on in flags.items() if on]
     if not options.overlap_p2p_comm:
@@ -197,6 +198,7 @@ def from_megatron_args(args: argparse.Namespace, world_size: int, family: str = 
         distributed_optimizer=bool(get("use_distributed_optimizer")),
         overlap_param_gather=bool(get("overlap_param_gather")),
         sequence_parallel=bool(get("sequence_parallel")),
+        accumulate_allreduce_grads_in_fp32=bool(get("accumulate_allreduce_grads_in_fp32")),
         overlap_p2p_comm=bool(get("overlap_p2p_comm", True)),
         recompute=get("recompute_granularity") or "none")
     return spec, strategy, options

@@ -109,6 +109,11 @@ class TrainingOptions:
     # torch.compile (Inductor): elementwise chains fused into fewer kernels
     compiled: bool = False
     framework: str = "megatron"  # one of FRAMEWORKS
+    # Megatron-LM's --accumulate-allreduce-grads-in-fp32 (ddp_config.grad_reduce_in_fp32): the
+    # gradient buffer in fp32. Off, as Megatron-LM's flag is; its --bf16 turns it on whatever
+    # is given (validate_args), so it decides the buffer's dtype at fp16 weights only
+    # (predictors.memory.device.megatron_grad_dtype); no other framework has the flag
+    accumulate_allreduce_grads_in_fp32: bool = False
     # parameter-sized fp32 temporaries of torch's foreach AdamW where a framework steps it on
     # one flat tensor (DeepSpeed ZeRO without an "optimizer" config section: the HF Trainer's
     # AdamW); the torch version decides it: :func:`foreach_temporaries`
@@ -119,6 +124,11 @@ class TrainingOptions:
             raise StrategyError(f"framework={self.framework!r} must be one of {FRAMEWORKS}")
         if self.recompute not in RECOMPUTE_MODES:
             raise StrategyError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
+        if self.accumulate_allreduce_grads_in_fp32 and self.framework != "megatron":
+            raise StrategyError("accumulate_allreduce_grads_in_fp32=True is Megatron-LM's "
+                                "--accumulate-allreduce-grads-in-fp32, which "
+                                f"framework={self.framework!r} does not run; drop it or set "
+                                "framework='megatron'")
         if self.foreach_temporaries < 0:
             raise StrategyError(f"foreach_temporaries={self.foreach_temporaries} must be >= 0")
         if self.virtual_pipeline < 1:

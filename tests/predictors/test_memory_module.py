@@ -73,7 +73,7 @@ def test_fp16_autocast_with_grad_scaler_still_steps_the_foreach_optimizer():
 
 def test_device_level_names_every_part():
     p = _predict(device="a100-40gb")
-    assert p.outside_allocator == {"cuda_context": CONTEXTS["ampere"].bytes, "nccl_buffers": 0}
+    assert p.outside_allocator == {"cuda_context": CONTEXTS["ampere"].bytes}  # one rank: no NCCL
     assert p.device_used == p.max_memory_reserved + CONTEXTS["ampere"].bytes
     assert p.max_memory_reserved >= p.max_memory_allocated
     d = p.as_dict()
@@ -121,15 +121,48 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
                      buffers=CommBuffers(reduce_bucket=1e6))
     # states and gradients sharded 8 ways, a 4 MB bucket instead of 2 GB
     assert small.max_memory_allocated < one.max_memory_allocated < z2.max_memory_allocated
-    assert z2.outside_allocator["nccl_buffers"] > 0
+    assert z2.outside_allocator["nccl_dp"] > 0
     with pytest.raises(ShardingError, match="framework='megatron'"):
         Sharding(dp8, TrainingOptions.for_zero_stage(3, framework="megatron"))
-    with pytest.raises(ShardingError, match="got 'pytorch'"):
+    with pytest.raises(ShardingError, match="framework='pytorch'.*FSDP, which is not modelled"):
         _predict(strategy=dp8, options=TrainingOptions.for_zero_stage(3, framework="pytorch"))
     with pytest.raises(ShardingError, match="framework='torchtitan'"):
         _predict(strategy=dp8, options=TrainingOptions(framework="torchtitan"))
     with pytest.raises(ShardingError, match="tp=pp=cp=1"):
         _predict(strategy=ParallelStrategy(4, 2, 1))
+
+
+def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
+    """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
+    priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a
+    word (the foreach temporary left out: 12 MiB here, its ZeRO-1 shard), where the CLI
+    refused it. Both refuse it by one rule (device.unrun_impl), naming the field; named by no
+    implementation, the framework's own is priced, and one it runs is priced as given."""
+    from predictors.memory.optimizers import OptimizerSpec
+
+    dp2 = ParallelStrategy(2, 1, 1)
+    deepspeed = TrainingOptions.for_zero_stage(1, framework="deepspeed")
+    megatron = TrainingOptions(framework="megatron")
+    for optimizer, options, own in (
+            ("adam:foreach", deepspeed, "DeepSpeed steps Adam with its own fused kernel"),
+            (OptimizerSpec("adamw", "for-loop"), megatron,
+             "Megatron steps AdamW with its own fused kernel"),
+            ("sgd:foreach", megatron, "Megatron steps SGD with its own fused kernel")):
+        with pytest.raises(ShardingError) as refused:
+            _predict(strategy=dp2, options=options, optimizer=optimizer)
+        said = optimizer if isinstance(optimizer, str) else "adamw:for-loop"
+        name, impl = said.split(":")
+        assert str(refused.value).startswith(
+            f"optimizer '{said}' with framework={options.framework!r}: {own}")
+        assert str(refused.value).endswith(
+            f", which the traced path prices; give the optimizer without ':{impl}' ('{name}')")
+    bare = _predict(strategy=dp2, options=deepspeed, optimizer="adam")
+    assert bare.optimizer.impl == "fused"
+    assert bare.max_memory_allocated == _predict(strategy=dp2, options=deepspeed,
+                                                 optimizer="adam:fused").max_memory_allocated
+    assert _predict(strategy=dp2, options=deepspeed, optimizer="sgd:for-loop").optimizer.impl == (
+        "for-loop")  # DeepSpeed steps SGD as the script builds it
+    assert _predict(optimizer="adam").optimizer.impl == "foreach"  # torch's default
 
 
 def test_ddp_buckets_and_megatron_buffer_hold_every_trainable_gradient_whatever_the_peak():

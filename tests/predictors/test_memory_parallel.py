@@ -1,5 +1,7 @@
 """TP and PP in the memory API (Megatron-Core layouts, per rank) and CONA's admission using it."""
 
+import argparse
+
 import pytest
 
 from predictors.memory.api import per_rank_components, predict_peak_memory
@@ -112,6 +114,66 @@ def test_megatron_gradient_buffer_is_held_full_size_in_every_phase_in_its_dtype(
     held = walk_phases(spec, cfg, HOPPER, grad_buffer={"megatron_grad_buffer": 4 * n})
     assert held.phase_peaks["forward"] == plain.phase_peaks["forward"] + 4 * n
     assert held.phase_peaks["optimizer"] <= plain.phase_peaks["optimizer"]
+
+
+def test_megatron_fp16_buffer_follows_accumulate_allreduce_grads_in_fp32(capsys):
+    """Megatron-LM's --accumulate-allreduce-grads-in-fp32 makes the gradient buffer fp32 at
+    fp16 weights too (ddp_config.grad_reduce_in_fp32); it was priced fp16 whatever the job
+    said: GPT-3 1.3B fp16-mixed on 8 ranks 2.44 GiB short. The flag is an option of the job
+    (TrainingOptions), off as Megatron-LM's is, and every consumer reads it there: the buffer
+    (grad_buffers), the optimizer's cast (none from an fp32 buffer: megatron_step_copy), the
+    analytical and traced paths and the CLI; --bf16 turns it on in Megatron-LM whatever is
+    given, so at bf16-mixed it changes nothing. Another framework has no such flag: refused."""
+    import json
+
+    from predictors.cli import main
+    from predictors.memory.device import megatron_step_copy
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+    from predictors.spec import StrategyError
+    from predictors.spec.engines import from_megatron_args, megatron_args
+
+    on = TrainingOptions(distributed_optimizer=True, accumulate_allreduce_grads_in_fp32=True)
+    off = TrainingOptions(distributed_optimizer=True)
+    dp8 = ParallelStrategy(8, 1, 1, micro_batch=1, global_batch=64)
+    n = trainable_params(factorize(as_memory_model(GPT_1_3B), Step(dp8, off)))
+    fp32, fp16 = (predict_peak_memory(GPT_1_3B, dp8, o, "fp16-mixed") for o in (on, off))
+    assert fp32.components["megatron_grad_buffer"] == 4 * n
+    assert fp16.components["megatron_grad_buffer"] == 2 * n
+    assert fp32.peak_reserved == fp16.peak_reserved + 2 * n  # a backward peak: no step cast
+    assert megatron_step_copy(Step(dp8, on, "fp16-mixed"), n, "fp16-mixed") == 0
+    assert megatron_step_copy(Step(dp8, off, "fp16-mixed"), n, "fp16-mixed") == 4 * n // 8
+    assert (predict_peak_memory(GPT_1_3B, dp8, on, "bf16-mixed").device_total
+            == predict_peak_memory(GPT_1_3B, dp8, off, "bf16-mixed").device_total)
+    # the traced path: an MLP's buffer, fp32 with the flag, fp16 without
+    mlp = MlpSpec(64, (256,), 10)
+    elements = sum(p.numel() for p in mlp.build().parameters())
+    for options, width in ((on, 4), (off, 2)):
+        traced = predict_module_memory(mlp.build, *mlp.example(4), optimizer="adam",
+                                       precision="fp16-mixed", options=options)
+        assert traced.inside_allocator["megatron_grad_buffer"] == width * elements
+    # the CLI, by Megatron-LM's own flag name
+    def run(*argv):
+        assert main(["memory", "--model", "llama-7b-like", "--framework", "megatron",
+                     "--precision", "fp16-mixed", "--json", *argv]) in (0, 2, 3)
+        return json.loads(capsys.readouterr().out)["analytical.megatron_grad_buffer"]
+
+    assert run("--accumulate-allreduce-grads-in-fp32") == 2 * run()
+    # Megatron-LM's flags carry it both ways
+    assert "--accumulate-allreduce-grads-in-fp32" in megatron_args(GPT_1_3B, dp8, on)
+    assert "--accumulate-allreduce-grads-in-fp32" not in megatron_args(GPT_1_3B, dp8, off)
+    parsed = argparse.Namespace(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                                seq_length=1024, micro_batch_size=1,
+                                accumulate_allreduce_grads_in_fp32=True)
+    assert from_megatron_args(parsed, 8)[2].accumulate_allreduce_grads_in_fp32
+    message = ("accumulate_allreduce_grads_in_fp32=True is Megatron-LM's "
+               "--accumulate-allreduce-grads-in-fp32, which framework='pytorch' does not run; "
+               "drop it or set framework='megatron'")
+    with pytest.raises(StrategyError) as refused:
+        TrainingOptions(framework="pytorch", accumulate_allreduce_grads_in_fp32=True)
+    assert str(refused.value) == message
+    assert main(["memory", "--model", "mlp", "--accumulate-allreduce-grads-in-fp32"]) == 1
+    assert capsys.readouterr().err == f"error: StrategyError: {message}\n"
 
 
 def test_cona_admission_counts_per_rank_parts():

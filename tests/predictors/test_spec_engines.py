@@ -163,15 +163,39 @@ def test_memory_predictor_takes_the_one_training_options():
 
     strategy = ParallelStrategy(4, 2, 1, micro_batch=2, global_batch=16)
     for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
-                                 1, "full"), (TrainingOptions(fsdp=True), 3, "none")):  # fmt: skip
+                                 1, "full"),
+                                (TrainingOptions(fsdp=True, framework="deepspeed"), 3, "none")):
         got = predict_peak_memory("llama-7b-like", strategy, options)
         assert (got.step.zero, got.step.checkpointing) == (zero, ckpt)
-        stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt)
+        stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt, framework=options.framework)
         assert stage.zero_stage == zero
         assert got.device_total == predict_peak_memory("llama-7b-like", strategy,
                                                        stage).device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
+
+
+@pytest.mark.parametrize("options", [TrainingOptions.for_zero_stage(2),
+                                     TrainingOptions(fsdp=True)])
+def test_memory_api_refuses_megatron_beyond_zero_1_as_the_cli_does(options, capsys):
+    """predict_peak_memory priced Megatron (the options' default framework) at ZeRO 2/3 as the
+    generic sharded step without its gradient buffer, which the CLI refused: 27.9 GiB below
+    ZeRO 1's price for LLaVA-1.5-7B at dp 1, where there is nothing to shard. Both refuse it
+    with one message (device.unmodelled_zero)."""
+    from predictors.cli import main
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+
+    zero = options.zero_stage
+    message = (f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): "
+               "Megatron shards optimizer states only (zero 1, its distributed optimizer) and "
+               "its gradient buffer is priced at zero 0 or 1; choose one of them")
+    with pytest.raises(ShardingError) as refused:
+        predict_peak_memory("llava-1.5-7b-like", options=options)
+    assert str(refused.value) == message
+    assert main(["memory", "--model", "llava-1.5-7b-like", "--framework", "megatron",
+                 "--zero", str(zero)]) == 1
+    assert capsys.readouterr().err == f"error: ModelSpecError: {message}\n"
 
 
 def test_megatron_uneven_pipeline_flags_round_trip():
@@ -352,14 +376,13 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
     *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
        f"--framework {framework}: beyond one rank the analytical model of 'llava-1.5-7b-like' "
-       "prices every data-parallel buffer of pytorch only (torch DDP's gradient buckets and "
-       "NCCL's buffers; of megatron its gradient buffer, not its NCCL buffers) and reads "
-       "deepspeed only as its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); "
-       "add --trace\n")
-      for framework in ("deepspeed", "megatron", "torchtitan")],
+       "prices every data-parallel buffer of pytorch and megatron only (torch DDP's gradient "
+       "buckets, Megatron's gradient buffer, NCCL's buffers) and reads deepspeed only as its "
+       "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add --trace\n")
+      for framework in ("deepspeed", "torchtitan")],
     # dp<D> of --strategy counts as --dp does
-    ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "megatron"],
-     "--framework megatron: beyond one rank the analytical model of 'llama-7b-like' prices"),
+    ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "torchtitan"],
+     "--framework torchtitan: beyond one rank the analytical model of 'llama-7b-like' prices"),
     # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
     ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
      "--framework deepspeed: beyond one rank the analytical model of 'llama-7b-like' prices"),
@@ -389,11 +412,13 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
      "prices)"),
     # Megatron's gradient buffer is priced at --zero 0/1: at 2/3 the walk priced the generic
     # sharded step without it, so at --dp 1 (nothing to shard) --zero 2 fit where --zero 1
-    # was tight; the traced path refuses Megatron beyond --zero 1 too (device.Sharding)
-    *[("llava-1.5-7b-like", ["--framework", "megatron", "--zero", zero],
-       f"--zero {zero} with --framework megatron: Megatron shards optimizer states only (--zero "
-       "1, its distributed optimizer); the analytical model of 'llava-1.5-7b-like' prices its "
-       "gradient buffer at --zero 0 or 1; choose one of them\n") for zero in ("2", "3")],
+    # was tight; the API and the traced path refuse it the same way (device.unmodelled_zero)
+    *[(model, ["--framework", "megatron", "--zero", zero, *trace],
+       f"zero={zero} with framework='megatron' (--zero {zero} --framework megatron): Megatron "
+       "shards optimizer states only (zero 1, its distributed optimizer) and its gradient "
+       "buffer is priced at zero 0 or 1; choose one of them\n")
+      for zero in ("2", "3") for model, trace in (("llava-1.5-7b-like", []), ("mlp", []),
+                                                 ("vit-b-like", ["--trace"]))],
 ])
 def test_memory_cli_refuses_a_flag_another_flag_or_value_leaves_unread(capsys, model, argv,
                                                                          message):
@@ -476,7 +501,6 @@ def test_memory_cli_prices_the_optimizer_and_framework_its_path_reads(capsys):
     assert megatron["max_memory_reserved"] > one["max_memory_reserved"]
     deepspeed = run("llama-7b-like", *DEEPSPEED_STEP)
     assert deepspeed == run("llama-7b-like", *DEEPSPEED_STEP, "--optimizer", "adamw:foreach")
-    assert deepspeed != run("llama-7b-like", *DEEPSPEED_STEP[:4], *DEEPSPEED_STEP[6:])
     mlp = run("mlp", "--batch", "4", "--optimizer", "adam:for-loop")
     assert mlp != run("mlp", "--batch", "4", "--optimizer", "adam:fused")
     assert run("mlp", "--batch", "4", "--dp", "2") == run("mlp", "--batch", "4", "--dp", "2",
@@ -521,33 +545,137 @@ def test_memory_cli_prices_torch_ddps_buffers_beyond_one_rank_on_both_paths(caps
     assert dp8["max_memory_reserved"] == one["max_memory_reserved"] + buckets
     assert dp8["device_used"] == one["device_used"] + buckets + nccl_bytes(8)
     assert dp8["usable"] == one["usable"] - nccl_bytes(8)  # outside the allocator
-    # ZeRO 1 (torch's ZeroRedundancyOptimizer) keeps DDP's buckets; ZeRO 2/3 has none
+    # ZeRO 1 (torch's ZeroRedundancyOptimizer) keeps DDP's buckets (2/3: refused, below)
     assert run("--batch", "4", "--dp", "8", "--zero", "1")["analytical.ddp_grad_buckets"] == (
         buckets)
-    assert "analytical.ddp_grad_buckets" not in run("--batch", "4", "--dp", "8", "--zero", "2")
     # tensor parallelism: each rank buckets its 1/tp of the gradients
     tp2 = run("--strategy", "dp8tp2pp1")
     assert tp2["analytical.ddp_grad_buckets"] == pytest.approx(buckets / 2, rel=0.01)
 
 
-def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_buffer():
-    """Only framework pytorch adds data-parallel buffers beyond one rank (torch DDP's buckets,
-    NCCL's); CONA's memory filter (megatron_cona.candidates.PredictorMemory: Megatron's
-    options) meets Megatron's gradient buffer at every dp (test_memory_parallel), the LLaVA
-    outcomes (DeepSpeed's ZeRO-3) no buffer."""
+@pytest.mark.parametrize("zero", [2, 3])
+def test_memory_refuses_torch_beyond_zero_1_on_every_path(zero, capsys):
+    """torch's ZeroRedundancyOptimizer is ZeRO-1: at --zero 2 the traced path kept every
+    gradient and dropped DDP's buckets (an MLP over 8 ranks 25 MiB below its zero-1 price), the
+    analytical one sharded the gradients (LLaMA-7B bf16-mixed over 8 ranks: 37.1 GB reserved
+    against 71.9 at zero 1), and at 3 priced DeepSpeed's stage 3 as torch's; sharding gradients
+    in PyTorch is FSDP, not modelled. Refused on both paths and by the CLI with one message
+    (device.unmodelled_zero)."""
+    from predictors.cli import main
     from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    message = (f"zero={zero} with framework='pytorch' (--zero {zero} --framework pytorch): "
+               "torch DDP shards optimizer states only (zero 1, torch's "
+               "ZeroRedundancyOptimizer); sharding gradients in PyTorch is its FSDP, which is "
+               "not modelled; choose zero 0 or 1, or framework 'deepspeed' for its ZeRO 2/3")
+    dp8 = ParallelStrategy(8, 1, 1)
+    options = TrainingOptions.for_zero_stage(zero, framework="pytorch")
+    with pytest.raises(ShardingError) as analytical:
+        predict_peak_memory("llama-7b-like", dp8, options, "bf16-mixed")
+    mlp = MlpSpec(64, (32,), 10)
+    with pytest.raises(ShardingError) as traced:
+        predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8, options=options)
+    assert str(analytical.value) == str(traced.value) == message
+    for model in (["llama-7b-like"], ["mlp"], ["vit-b-like", "--trace"]):
+        assert main(["memory", "--model", *model, "--dp", "8", "--zero", str(zero)]) == 1
+        assert capsys.readouterr().err == f"error: ModelSpecError: {message}\n"
+    # DeepSpeed's ZeRO 2/3 stays priced
+    assert predict_peak_memory("llama-7b-like", dp8, TrainingOptions.for_zero_stage(
+        zero, framework="deepspeed"), "bf16-mixed").peak_reserved > 0
+
+
+def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_buffer():
+    """Only framework pytorch adds DDP's gradient buckets beyond one rank; CONA's memory filter
+    (megatron_cona.candidates.PredictorMemory: Megatron's options) meets Megatron's gradient
+    buffer at every dp (test_memory_parallel), the LLaVA outcomes (DeepSpeed's ZeRO-3) no
+    buffer; NCCL's buffers are every framework's (the next test)."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes
     from predictors.spec import DEFAULT_OPTIONS
 
     dp8 = ParallelStrategy(8, 2, 2, micro_batch=1, global_batch=16)
     one = ParallelStrategy(1, 2, 2, micro_batch=1, global_batch=2)
     for options in (DEFAULT_OPTIONS, TrainingOptions.for_zero_stage(3, framework="deepspeed")):
         p = predict_peak_memory("llama-7b-like", dp8, options)
-        assert p.nccl_bytes == 0 and "ddp_grad_buckets" not in p.components
+        assert "ddp_grad_buckets" not in p.components
         assert ("megatron_grad_buffer" in p.components) == (options.framework == "megatron")
+    # no ZeRO: dp changes nothing a rank holds but its data-parallel communicator
     assert predict_peak_memory("llama-7b-like", dp8).device_total == predict_peak_memory(
-        "llama-7b-like", one).device_total  # no ZeRO: dp changes nothing a rank holds
+        "llama-7b-like", one).device_total + nccl_bytes(8)
     torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
-    assert torch_ddp.nccl_bytes > 0 and torch_ddp.components["ddp_grad_buckets"] > 0
+    assert torch_ddp.components["ddp_grad_buckets"] > 0
+
+
+@pytest.mark.parametrize("options", [TrainingOptions(distributed_optimizer=True),
+                                     TrainingOptions.for_zero_stage(3, framework="deepspeed"),
+                                     TrainingOptions(framework="pytorch")])
+def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framework(options):
+    """NCCL's buffers (cudaMalloc, outside the caching allocator) were priced for torch DDP's
+    data-parallel communicator only: Megatron's and DeepSpeed's data-parallel communicators,
+    and the tensor- and pipeline-parallel ones Megatron-Core creates
+    (parallel_state.initialize_model_parallel), were missing from the device total, 288 MiB
+    each at the default 16 channels (LLaMA-7B over dp 8, tp 2, pp 2: 864 MiB). Each group of
+    more than one rank is priced once, by one rule (device.nccl_communicators), and named."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes
+
+    each = nccl_bytes(8)
+    assert each == 288 * 2**20  # 16 channels x 2 x 4 MiB x (1 + 1/8 + 9/8)
+    for strategy, groups in ((ParallelStrategy(8, 2, 2, global_batch=16), {"dp", "tp", "pp"}),
+                             (ParallelStrategy(1, 2, 1), {"tp"}),
+                             (ParallelStrategy(1, 1, 4, global_batch=4), {"pp"}),
+                             (ParallelStrategy(1, 1, 1), set())):
+        if options.zero_stage and strategy.dp == 1:
+            continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
+        p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
+        assert p.nccl == {f"nccl_{g}": each for g in groups}
+        assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
+        d = p.as_dict()
+        assert d["nccl_buffers"] == each * len(groups)
+        assert {k: v for k, v in d.items() if k.startswith("nccl_") and k != "nccl_buffers"} \
+            == p.nccl
+        for g in groups:
+            assert f"NCCL {g} communicator" in p.format()
+
+
+def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
+    """The traced paths price the data-parallel communicator of every framework they model
+    (by the same rule as the analytical path), named nccl_dp and counted once."""
+    from predictors.memory.device import nccl_bytes
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    mlp = MlpSpec(64, (32,), 10)
+    dp8 = ParallelStrategy(8, 1, 1)
+    for options in (TrainingOptions(framework="pytorch"), TrainingOptions(framework="megatron"),
+                    TrainingOptions.for_zero_stage(2, framework="deepspeed")):
+        p = predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8, options=options)
+        outside = p.outside_allocator
+        assert {k: v for k, v in outside.items() if k.startswith("nccl")} == {
+            "nccl_dp": nccl_bytes(8)}
+        assert p.device_used == p.max_memory_reserved + outside["cuda_context"] + nccl_bytes(8)
+        assert p.as_dict()["nccl_buffers"] == nccl_bytes(8)
+    one = predict_module_memory(mlp.build, *mlp.example(4))
+    assert set(one.outside_allocator) == {"cuda_context"} and one.as_dict()["nccl_buffers"] == 0
+
+
+def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_are(capsys):
+    """The analytical path refused --framework megatron beyond one rank because it priced
+    Megatron's gradient buffer but not its NCCL buffers; with those priced every buffer of
+    Megatron's is, and it prices the job (CONA's memory filter always did, through the API)."""
+    import json
+
+    from predictors.cli import main
+    from predictors.memory.device import nccl_bytes
+
+    assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
+                 "--framework", "megatron", "--dp", "8", "--zero", "1"]) in (0, 2, 3)
+    out = json.loads(capsys.readouterr().out)
+    assert out["nccl_dp"] == out["nccl_buffers"] == nccl_bytes(8)
+    assert out["analytical.megatron_grad_buffer"] > 0
 
 
 def test_memory_cli_prices_a_preset_at_its_own_2048_tokens_unless_seq_is_given(capsys):
