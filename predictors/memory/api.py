@@ -117,7 +117,8 @@ class MemoryPrediction:
             f"{self.trained_on})",
             f"device-level (nvidia-smi memory.used) = reserved + CUDA context "
             f"{g(self.context_bytes)}"
-            + "".join(f" + NCCL {k[5:]} communicator {g(v)}" for k, v in self.nccl.items())
+            + "".join(f" + NCCL {k.removeprefix('nccl_')} communicator {g(v)}"
+                      for k, v in self.nccl.items())
             + f" = {g(self.device_used)}",
             self.judgement.describe(),
         ]
