@@ -29,6 +29,8 @@ from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
 from .device import (
+    CommBuffers,
+    deepspeed_buckets,
     grad_buffers,
     megatron_step_copy,
     nccl_communicators,
@@ -41,6 +43,7 @@ from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
 from .phases import trainable_params, walk_phases
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
+from .zero import PREFETCH_BUCKET
 
 
 @dataclass
@@ -135,7 +138,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
                         options: TrainingOptions = DEFAULT_OPTIONS,
                         precision: str | Precision = "bf16", capacity_gib: float | str = 80, *,
                         architecture: str | None = None,
-                        margin: float | None = None) -> MemoryPrediction:
+                        margin: float | None = None,
+                        buffers: CommBuffers | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits, in the one
     vocabulary of :mod:`predictors.spec`. ``model``: a preset name, a model or a text tower
     alone (:func:`predictors.memory.presets.as_memory_model`; its sequence length, image
@@ -151,10 +155,13 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
     ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
     the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
-    beside them), for no other (DeepSpeed's buckets: not priced); whatever the framework,
-    NCCL's buffers of each communicator the rank runs a collective on, one per parallel group
-    of more than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths'
-    one implementation), outside the caching allocator.
+    beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
+    (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
+    buffers of each communicator the rank runs a collective on, one per parallel group of more
+    than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths' one
+    implementation), outside the caching allocator. ``buffers``: the framework's bucket and
+    NCCL buffer sizes (default: the documented defaults, :class:`device.CommBuffers`); ZeRO-3's
+    prefetch bucket is DeepSpeed's default here (:mod:`zero`), another one is refused.
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -167,6 +174,13 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     cfg = Step(strategy, options, precision)
     if problem := unmodelled_zero(options):
         raise ShardingError(problem)
+    buffers = buffers or CommBuffers()
+    if buffers.prefetch_bucket != PREFETCH_BUCKET:
+        raise ShardingError(f"buffers.prefetch_bucket={buffers.prefetch_bucket:g}: the "
+                            "analytical model prices DeepSpeed's default "
+                            f"stage3_prefetch_bucket_size ({PREFETCH_BUCKET:g} elements, "
+                            "zero.PREFETCH_BUCKET); leave it at the default or use the traced "
+                            "path (predict_spec_memory)")
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
                             "the memory predictor (context parallelism)")
@@ -198,7 +212,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
         overheads = by_name[architecture]
     family = margin_family(spec)
     bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
-    predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage)
+    predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage,
+                                  buffers)
                    for stage, part, inflight in stages]
     # the outside-allocator bytes are the same on every stage: the largest reserved peak is
     # the largest device-level one
@@ -235,21 +250,22 @@ def _pipeline_stages(spec: ModelSpec, strategy: ParallelStrategy
 
 
 def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacity: int,
-                   bounds: Margin, inflight: int, stage: int) -> MemoryPrediction:
+                   bounds: Margin, inflight: int, stage: int,
+                   buffers: CommBuffers) -> MemoryPrediction:
     """One rank of one pipeline stage (``spec``: the stage's part of the model) holding
-    ``inflight`` micro-batches' activations."""
+    ``inflight`` micro-batches' activations, with the framework's ``buffers``."""
     strategy, options = cfg.strategy, cfg.options
     tp = strategy.tp
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
-    buffers = grad_buffers(cfg, grad_params, cfg.precision)
-    if replaces_gradients(options.framework) and buffers:
+    grads = grad_buffers(cfg, grad_params, cfg.precision)
+    if replaces_gradients(options.framework) and grads:
         # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
         # holds it, full size, in every phase instead of the per-layer gradients of the plain
         # PyTorch step the residual model was trained on (which appear in the backward, so
         # none at a forward or loss peak); priced beyond the residual by the walks' difference
-        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=buffers,
+        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
                                step_copy=megatron_step_copy(cfg, grad_params, cfg.precision))
         reserved += megatron.peak_allocated - est.peak_allocated
         est = megatron
@@ -263,13 +279,19 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         # torch DDP's buckets, allocated when it wraps the model: live in every phase beside
         # the gradients, so the walk's peak grows by them; whole segments of their own (25 MiB
         # buckets); each rank buckets its 1/tp of the gradients
-        ddp = {k: v // tp for k, v in buffers.items()}
+        ddp = {k: v // tp for k, v in grads.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
+    # DeepSpeed's buckets, fixed sizes (not split by tp): priced live at the peak whatever its
+    # phase, as the traced path prices them (stage 2's ipg buffers live from the backward's
+    # start to its end: at a forward or step peak this is an upper bound); whole segments
+    ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers)
+    comps.update(ds)
+    reserved += sum(ds.values())
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
                             _shipped_model().trained_on, inflight,
-                            nccl_communicators(strategy), stage)
+                            nccl_communicators(strategy, buffers), stage)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

@@ -307,7 +307,7 @@ def _unpriced_analytical(args) -> list[str]:
     # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
     # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
     # prices torch DDP's and Megatron's and every framework's NCCL buffers
-    # (api.predict_peak_memory), and reads DeepSpeed as its ZeRO 2/3 step, not its buckets
+    # (api.predict_peak_memory), and DeepSpeed as its ZeRO 2/3 step with its buckets
     if (cfg.dp > 1 and args.framework not in ("pytorch", "megatron")
             and not deepspeed_zero(cfg)):
         problems.append(f"--framework {args.framework}: beyond one rank the analytical model "

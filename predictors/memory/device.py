@@ -210,6 +210,34 @@ def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Pr
     return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
+def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Precision,
+                      buffers: CommBuffers | None = None) -> dict[str, int]:
+    """The bucket buffers DeepSpeed's ZeRO optimizer allocates inside the caching allocator on
+    one rank of ``view`` (framework ``deepspeed`` at ZeRO >= 1; none otherwise), by name, at
+    ``buffers``' sizes in the weights' dtype at ``precision`` (the optimizer's ``self.dtype``);
+    ``param_bytes``: the rank's parameter bytes (what the all-gather bucket is capped at).
+    Stage 2 allocates its contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size``
+    whatever the model size, a second one with ``overlap_comm``
+    (``deepspeed/runtime/zero/stage_1_and_2.py``, ``backward`` / ``setup_buckets``); stage 3
+    one flat ipg buffer of it (``stage3.py``, allocated at init); stage 1's all-gather of the
+    updated parameters works in ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
+    runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
+    (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
+    (``api.predict_peak_memory``), which price them live in every phase of the step."""
+    if view.options.framework != "deepspeed" or view.zero == 0:
+        return {}
+    b = buffers or CommBuffers()
+    elem = get_precision(precision).param_dtype.itemsize
+    out = {}
+    if view.zero >= 2:
+        overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
+        n = 2 if overlap and view.zero == 2 else 1
+        out["ds_reduce_bucket"] = int(n * b.reduce_bucket * elem)
+    if view.zero == 1:
+        out["ds_allgather_bucket"] = int(min(b.allgather_bucket * elem, max(param_bytes, elem)))
+    return out
+
+
 def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
     """NCCL's buffers for one communicator over ``ranks`` ranks (outside the caching
     allocator: NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive
@@ -295,8 +323,10 @@ class Sharding(StrategyView):
     @property
     def changes_step(self) -> bool:
         """Whether the framework changes what the traced single-GPU step holds: beyond one
-        rank, and under Megatron at one rank too (its gradient buffer, :func:`grad_buffers`)."""
-        return self.dp > 1 or replaces_gradients(self.framework)
+        rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
+        and DeepSpeed's ZeRO (its buckets, :func:`deepspeed_buckets`)."""
+        return (self.dp > 1 or replaces_gradients(self.framework)
+                or (self.framework == "deepspeed" and self.zero >= 1))
 
     def sharding_adjustment(self, live: dict[str, int], grad_params: int, opt: OptimizerSpec,
                             precision: str, peak_phase: str = "",
@@ -334,17 +364,7 @@ class Sharding(StrategyView):
                 delta -= int(live.get("temporary", 0) * (1 - keep))
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
-            # stage_1_and_2.py allocates its contiguous-gradient (ipg) buffer at the full
-            # reduce_bucket_size whatever the model size, a second one with overlap_comm;
-            # stage 3 keeps one flat ipg buffer
-            overlap = (self.buffers.overlap_comm if self.buffers.overlap_comm is not None
-                       else self.zero == 3)
-            n = 2 if overlap and self.zero == 2 else 1
-            buffers["ds_reduce_bucket"] = int(n * self.buffers.reduce_bucket * elem)
-        if self.framework == "deepspeed" and self.zero == 1:
-            # the all-gather of updated parameters works in allgather_bucket_size pieces
-            buffers["ds_allgather_bucket"] = int(min(self.buffers.allgather_bucket * elem,
-                                                     max(params, elem)))
+        buffers.update(deepspeed_buckets(self, params, precision, self.buffers))
         if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent

@@ -587,11 +587,11 @@ def test_memory_refuses_torch_beyond_zero_1_on_every_path(zero, capsys):
         zero, framework="deepspeed"), "bf16-mixed").peak_reserved > 0
 
 
-def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_buffer():
+def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_other_frameworks():
     """Only framework pytorch adds DDP's gradient buckets beyond one rank; CONA's memory filter
     (megatron_cona.candidates.PredictorMemory: Megatron's options) meets Megatron's gradient
-    buffer at every dp (test_memory_parallel), the LLaVA outcomes (DeepSpeed's ZeRO-3) no
-    buffer; NCCL's buffers are every framework's (the next test)."""
+    buffer at every dp (test_memory_parallel), the LLaVA outcomes (DeepSpeed's ZeRO-3) its
+    own buckets (the next test); NCCL's buffers are every framework's."""
     from predictors.memory.api import predict_peak_memory
     from predictors.memory.device import nccl_bytes
     from predictors.spec import DEFAULT_OPTIONS
@@ -607,6 +607,44 @@ def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_b
         "llama-7b-like", one).device_total + nccl_bytes(8)
     torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
     assert torch_ddp.components["ddp_grad_buckets"] > 0
+
+
+def test_memory_api_prices_deepspeeds_buckets_by_the_traced_paths_rule():
+    """The analytical path priced DeepSpeed's ZeRO step but not its buckets, which the traced
+    path prices (device.deepspeed_buckets): ZeRO 2/3 allocate the contiguous-gradient (ipg)
+    buffer at the full reduce_bucket_size (5e8 elements, 954 MiB in bf16; two with
+    overlap_comm at stage 2), whatever the model, one rank included (DeepSpeed's ZeRO
+    optimizer runs there too). One rule on both paths, in the reserved bytes."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+    from predictors.memory.device import CommBuffers
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    def job(zero, dp=8, **kw):
+        return predict_peak_memory("llama-7b-like", ParallelStrategy(dp, 1, 1, global_batch=dp),
+                                   TrainingOptions.for_zero_stage(zero, framework="deepspeed"),
+                                   "bf16-mixed", **kw)
+
+    bucket = int(5e8 * 2)  # reduce_bucket_size elements of bf16
+    small = CommBuffers(reduce_bucket=1e6)
+    for zero, n in ((2, 1), (3, 1)):  # overlap_comm: off at stage 2, on (one buffer) at 3
+        p = job(zero)
+        assert p.components["ds_reduce_bucket"] == n * bucket
+        assert p.peak_reserved - job(zero, buffers=small).peak_reserved == n * (bucket - 2e6)
+    assert job(2, buffers=CommBuffers(overlap_comm=True)).components["ds_reduce_bucket"] == (
+        2 * bucket)
+    assert job(3, dp=1).components["ds_reduce_bucket"] == bucket  # one rank too
+    # the traced path's bytes, by the same rule (an fp32 MLP: 4 B elements), at one rank too
+    mlp = MlpSpec(64, (32,), 10)
+    for dp in (1, 8):
+        traced = predict_module_memory(mlp.build(), *mlp.example(4), precision="fp32",
+                                       strategy=ParallelStrategy(dp, 1, 1),
+                                       options=TrainingOptions.for_zero_stage(
+                                           2, framework="deepspeed"))
+        assert traced.inside_allocator["ds_reduce_bucket"] == 5e8 * 4
+    with pytest.raises(ShardingError, match=r"buffers.prefetch_bucket=1e\+06: the analytical"):
+        job(3, buffers=CommBuffers(prefetch_bucket=1e6))
 
 
 @pytest.mark.parametrize("options", [TrainingOptions(distributed_optimizer=True),
