@@ -283,8 +283,9 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         comps.update(ddp)
         reserved += sum(ddp.values())
     # DeepSpeed's buckets, fixed sizes (not split by tp): priced live at the peak whatever its
-    # phase, as the traced path prices them (stage 2's ipg buffers live from the backward's
-    # start to its end: at a forward or step peak this is an upper bound); whole segments
+    # phase, as the traced path prices them (stage 1/2's ipg buffers live from the
+    # backward's start to its end: at a forward or step peak this is an upper bound); whole
+    # segments of their own
     ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers)
     comps.update(ds)
     reserved += sum(ds.values())

@@ -216,11 +216,13 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     one rank of ``view`` (framework ``deepspeed`` at ZeRO >= 1; none otherwise), by name, at
     ``buffers``' sizes in the weights' dtype at ``precision`` (the optimizer's ``self.dtype``);
     ``param_bytes``: the rank's parameter bytes (what the all-gather bucket is capped at).
-    Stage 2 allocates its contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size``
-    whatever the model size, a second one with ``overlap_comm``
-    (``deepspeed/runtime/zero/stage_1_and_2.py``, ``backward`` / ``setup_buckets``); stage 3
-    one flat ipg buffer of it (``stage3.py``, allocated at init); stage 1's all-gather of the
-    updated parameters works in ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
+    Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
+    the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
+    size, a second one with ``overlap_comm``, at each backward's start wherever
+    ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
+    v0.12.6, ``setup_buckets`` since); stage 3 one flat ipg buffer of it (``stage3.py``,
+    allocated at init); stage 1's all-gather of the updated parameters works in
+    ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
     runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
     (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
     (``api.predict_peak_memory``), which price them live in every phase of the step."""
@@ -228,11 +230,9 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
         return {}
     b = buffers or CommBuffers()
     elem = get_precision(precision).param_dtype.itemsize
-    out = {}
-    if view.zero >= 2:
-        overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
-        n = 2 if overlap and view.zero == 2 else 1
-        out["ds_reduce_bucket"] = int(n * b.reduce_bucket * elem)
+    overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
+    n = 2 if overlap and view.zero < 3 else 1
+    out = {"ds_reduce_bucket": int(n * b.reduce_bucket * elem)}
     if view.zero == 1:
         out["ds_allgather_bucket"] = int(min(b.allgather_bucket * elem, max(param_bytes, elem)))
     return out
