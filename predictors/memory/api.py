@@ -36,6 +36,7 @@ from .device import (
     nccl_communicators,
     replaces_gradients,
     unmodelled_zero,
+    unpriced_framework,
 )
 from .factorize import factorize
 from .model import MemoryModel, margin_family
@@ -150,12 +151,14 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     embedding, the last with the output layer and loss), its micro-batch count sets how many
     are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
     ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
-    :func:`device.unmodelled_zero`), ``recompute`` (none or full), sequence parallelism and
-    the framework, whose gradient buffers are priced by the traced paths' one implementation
-    (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
-    ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
-    the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
-    beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
+    :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
+    priced: torchtitan's and LLM Foundry's FSDP, DeepSpeed but at its ZeRO 2/3 step with fp32
+    masters, :func:`device.unpriced_framework`), ``recompute`` (none or full), sequence
+    parallelism and the framework, whose gradient buffers are priced by the traced paths' one
+    implementation (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's:
+    Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every
+    phase in place of the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's
+    gradient buckets beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
     (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
     buffers of each communicator the rank runs a collective on, one per parallel group of more
     than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths' one
@@ -172,7 +175,7 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
-    if problem := unmodelled_zero(options):
+    if problem := unmodelled_zero(options) or unpriced_framework(cfg):
         raise ShardingError(problem)
     buffers = buffers or CommBuffers()
     if buffers.prefetch_bucket != PREFETCH_BUCKET:

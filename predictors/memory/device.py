@@ -20,9 +20,10 @@ from ..spec.options import TrainingOptions
 from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
-from .config import SINGLE_GPU, ShardingError, StrategyView
+from .config import SINGLE_GPU, ShardingError, Step, StrategyView
 from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
+from .phases import deepspeed_zero
 from .zero import zero3_params
 
 
@@ -142,6 +143,39 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
                 "ZeroRedundancyOptimizer); sharding gradients in PyTorch is its FSDP, which is "
                 "not modelled; choose zero 0 or 1, or framework 'deepspeed' for its ZeRO 2/3")
     return None
+
+
+# What neither path models of a framework's sharded data parallelism beyond one rank, in
+# words (unpriced_framework): torchtitan shards with FSDP2 (torch's fully_shard: per-layer
+# all-gather output and reduce-scatter input buffers, the next layer's prefetched), LLM
+# Foundry with FSDP1 through Composer (flat parameters all-gathered per wrapped module)
+UNMODELLED_SHARDING = {"torchtitan": "torchtitan's FSDP2 (fully_shard: its all-gather and "
+                                     "reduce-scatter buffers)",
+                       "llm-foundry": "LLM Foundry's FSDP1 through Composer (its flat "
+                                      "parameters' all-gather and reduce-scatter buffers)"}
+
+
+def unpriced_framework(cfg: Step) -> str | None:
+    """Why a preset's analytical model (``api.predict_peak_memory``) does not price ``cfg``'s
+    framework beyond one rank, naming the fields and ``predict memory``'s flags, or None. It
+    prices the data-parallel buffers of ``pytorch`` (torch DDP's gradient buckets,
+    :func:`grad_buffers`), ``megatron`` (its gradient buffer) and ``deepspeed`` where it reads
+    DeepSpeed's step (ZeRO 2/3 with fp32 masters, :func:`phases.deepspeed_zero`; its buckets,
+    :func:`deepspeed_buckets`), and NCCL's of every framework; another framework beyond one
+    rank was priced as one rank's step plus NCCL's buffers, none of its own. The one rule of
+    the API's refusal and ``predict memory``'s."""
+    framework, dp = cfg.options.framework, cfg.dp
+    if dp == 1 or framework in ("pytorch", "megatron") or deepspeed_zero(cfg):
+        return None
+    head = (f"framework={framework!r} at dp={dp} (--framework {framework} --dp {dp}): beyond "
+            "one rank the analytical model prices the data-parallel buffers of pytorch and "
+            "megatron (torch DDP's gradient buckets, Megatron's gradient buffer) and of "
+            "deepspeed at its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 precision; its "
+            "buckets), and NCCL's buffers of every framework")
+    if framework in UNMODELLED_SHARDING:
+        return (f"{head}; {UNMODELLED_SHARDING[framework]} is not modelled on either path "
+                "(the traced path runs pytorch, deepspeed and megatron)")
+    return f"{head}; the traced path (--trace, predict_spec_memory) prices this one"
 
 
 def megatron_grad_dtype(precision: str | Precision, options: TrainingOptions) -> torch.dtype:

@@ -165,12 +165,13 @@ def test_memory_predictor_takes_the_one_training_options():
     for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
                                  1, "full"),
                                 (TrainingOptions(fsdp=True, framework="deepspeed"), 3, "none")):
-        got = predict_peak_memory("llama-7b-like", strategy, options)
+        # DeepSpeed keeps fp32 masters: its step is read at a *-mixed precision
+        got = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert (got.step.zero, got.step.checkpointing) == (zero, ckpt)
         stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt, framework=options.framework)
         assert stage.zero_stage == zero
-        assert got.device_total == predict_peak_memory("llama-7b-like", strategy,
-                                                       stage).device_total
+        assert got.device_total == predict_peak_memory("llama-7b-like", strategy, stage,
+                                                       "bf16-mixed").device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
 
@@ -374,18 +375,28 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
     ("llama-7b-like", [*DEEPSPEED_STEP, "--optimizer", "adamw:fused"],
      "--optimizer 'adamw:fused': the analytical model of 'llama-7b-like' prices torch's "
      "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
+    # one rule with the API's refusal (device.unpriced_framework): --trace prices DeepSpeed at
+    # ZeRO 0/1, neither path torchtitan's or LLM Foundry's sharding (it said "add --trace")
     *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
-       f"--framework {framework}: beyond one rank the analytical model of 'llava-1.5-7b-like' "
-       "prices every data-parallel buffer of pytorch and megatron only (torch DDP's gradient "
-       "buckets, Megatron's gradient buffer, NCCL's buffers) and reads deepspeed only as its "
-       "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add --trace\n")
-      for framework in ("deepspeed", "torchtitan")],
+       f"framework='{framework}' at dp=8 (--framework {framework} --dp 8): beyond one rank the "
+       "analytical model prices the data-parallel buffers of pytorch and megatron (torch DDP's "
+       "gradient buckets, Megatron's gradient buffer) and of deepspeed at its ZeRO 2/3 step "
+       "with fp32 masters (a *-mixed or fp8 precision; its buckets), and NCCL's buffers of "
+       f"every framework; {remedy}\n")
+      for framework, remedy in (
+          ("deepspeed", "the traced path (--trace, predict_spec_memory) prices this one"),
+          ("torchtitan", "torchtitan's FSDP2 (fully_shard: its all-gather and reduce-scatter "
+           "buffers) is not modelled on either path (the traced path runs pytorch, deepspeed "
+           "and megatron)"),
+          ("llm-foundry", "LLM Foundry's FSDP1 through Composer (its flat parameters' "
+           "all-gather and reduce-scatter buffers) is not modelled on either path (the "
+           "traced path runs pytorch, deepspeed and megatron)"))],
     # dp<D> of --strategy counts as --dp does
     ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "torchtitan"],
-     "--framework torchtitan: beyond one rank the analytical model of 'llama-7b-like' prices"),
+     "framework='torchtitan' at dp=8 (--framework torchtitan --dp 8): beyond one rank"),
     # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
     ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
-     "--framework deepspeed: beyond one rank the analytical model of 'llama-7b-like' prices"),
+     "framework='deepspeed' at dp=8 (--framework deepspeed --dp 8): beyond one rank"),
     # the traced paths price the framework's own fused kernel: another implementation given
     # explicitly was priced as fused without a word
     ("mlp", ["--optimizer", "adam:foreach", "--framework", "deepspeed"],
@@ -599,7 +610,7 @@ def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_other_frame
     dp8 = ParallelStrategy(8, 2, 2, micro_batch=1, global_batch=16)
     one = ParallelStrategy(1, 2, 2, micro_batch=1, global_batch=2)
     for options in (DEFAULT_OPTIONS, TrainingOptions.for_zero_stage(3, framework="deepspeed")):
-        p = predict_peak_memory("llama-7b-like", dp8, options)
+        p = predict_peak_memory("llama-7b-like", dp8, options, "bf16-mixed")
         assert "ddp_grad_buckets" not in p.components
         assert ("megatron_grad_buffer" in p.components) == (options.framework == "megatron")
     # no ZeRO: dp changes nothing a rank holds but its data-parallel communicator
@@ -607,6 +618,31 @@ def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_other_frame
         "llama-7b-like", one).device_total + nccl_bytes(8)
     torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
     assert torch_ddp.components["ddp_grad_buckets"] > 0
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "llm-foundry", "deepspeed"])
+def test_memory_api_refuses_a_framework_whose_buffers_it_does_not_price_as_the_cli_does(
+        framework, capsys):
+    """Beyond one rank the CLI refused a framework whose data-parallel buffers the analytical
+    model does not price (torchtitan's FSDP2, LLM Foundry's FSDP1 through Composer, DeepSpeed
+    but at its ZeRO 2/3 step with fp32 masters); the API priced it as one rank's step plus
+    NCCL's buffers, none of the framework's own (torchtitan over dp 8 was one rank's
+    prediction + 288 MiB). One rule (device.unpriced_framework), one message naming the field
+    and the flag; one rank is priced as before."""
+    from predictors.cli import main
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+
+    options = TrainingOptions(framework=framework)
+    with pytest.raises(ShardingError) as api:
+        predict_peak_memory("llama-7b-like", ParallelStrategy(8, 1, 1, global_batch=8), options,
+                            "bf16-mixed")
+    assert str(api.value).startswith(f"framework='{framework}' at dp=8 (--framework "
+                                     f"{framework} --dp 8): beyond one rank")
+    assert main(["memory", "--model", "llama-7b-like", "--dp", "8", "--framework", framework,
+                 "--precision", "bf16-mixed"]) == 1
+    assert capsys.readouterr().err == f"error: ModelSpecError: {api.value}\n"
+    assert predict_peak_memory("llama-7b-like", options=options).peak_reserved > 0
 
 
 def test_memory_api_prices_deepspeeds_buckets_by_the_traced_paths_rule():
