@@ -7,7 +7,7 @@ text layers (``num_layers / pp``, or the strategy's uneven split), the input emb
 first stage (with a multimodal model's vision tower and projector), the final norm, output
 layer (its own copy of tied word embeddings) and the logits and loss on the last; under 1F1B
 stage ``i`` (0-based) holds the activations of ``min(pp - i, micro-batches)`` micro-batches in
-flight. The prediction is the stage with the largest predicted peak. Weights, gradients and
+flight. The prediction is the stage with the largest device total. Weights, gradients and
 optimizer states of its layers and of the vocabulary-parallel embedding/head are split ``tp``
 ways; per layer the activations are ``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` bytes at 2 B per
 element (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
@@ -62,7 +62,7 @@ class MemoryPrediction:
     inflight_microbatches: int = 1  # micro-batches whose activations the stage holds at once
     # NCCL's buffers by communicator (device.nccl_communicators), outside the caching allocator
     nccl: dict[str, int] = field(default_factory=dict)
-    stage: int = 0  # the pipeline stage predicted (0-based): the one with the largest peak
+    stage: int = 0  # the pipeline stage predicted (0-based): the largest device total
 
     @property
     def nccl_bytes(self) -> int:
@@ -110,7 +110,7 @@ class MemoryPrediction:
                  f"seq {m.seq_length}, zero {st.zero} (dp {st.dp}), "
                  f"checkpointing {st.checkpointing}, attention {m.attention}, "
                  f"tp {st.strategy.tp} pp {st.strategy.pp} (stage {self.stage + 1} of "
-                 f"{st.strategy.pp}, the largest peak; {self.inflight_microbatches} "
+                 f"{st.strategy.pp}, the largest total; {self.inflight_microbatches} "
                  "micro-batch(es) in flight)",
                  f"analytical breakdown at the {self.peak_phase} peak:"]
         for k, v in self.components.items():
@@ -147,8 +147,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     resolution, attention, frozen towers and images per sample are the model's own).
     ``strategy``: its micro-batch is the batch, ``dp`` what ZeRO shards over, ``tp``/``pp``
     Megatron-Core's tensor/pipeline sizes (the prediction is the rank of the pipeline stage
-    with the largest peak, ``stage``: each stage with its own depth, the first with the
-    embedding, the last with the output layer and loss), its micro-batch count sets how many
+    with the largest device total, ``stage``: each stage with its own depth, the first with
+    the embedding, the last with the output layer and loss), its micro-batch count sets how many
     are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
     ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
     :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
@@ -161,10 +161,11 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     gradient buckets beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
     (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
     buffers of each communicator the rank runs a collective on, one per parallel group of more
-    than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths' one
-    implementation), outside the caching allocator. ``buffers``: the framework's bucket and
-    NCCL buffer sizes (default: the documented defaults, :class:`device.CommBuffers`); ZeRO-3's
-    prefetch bucket is DeepSpeed's default here (:mod:`zero`), another one is refused.
+    than one rank (dp, tp, pp, and Megatron's gradient-statistics and embedding groups:
+    :func:`device.nccl_communicators`, the traced paths' one implementation), outside the
+    caching allocator. ``buffers``: the framework's bucket and NCCL buffer sizes (default: the
+    documented defaults, :class:`device.CommBuffers`); ZeRO-3's prefetch bucket is DeepSpeed's
+    default here (:mod:`zero`), another one is refused.
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -218,15 +219,16 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage,
                                   buffers)
                    for stage, part, inflight in stages]
-    # the outside-allocator bytes are the same on every stage: the largest reserved peak is
-    # the largest device-level one
-    return max(predictions, key=lambda p: p.peak_reserved)
+    # the stage with the largest device total: its reserved peak's upper bound plus what lies
+    # outside the allocator, which differs by stage (the first and last hold Megatron's
+    # embedding communicator)
+    return max(predictions, key=lambda p: p.device_total)
 
 
 def _pipeline_stages(spec: ModelSpec, strategy: ParallelStrategy
                      ) -> list[tuple[int, ModelSpec, int]]:
     """``(stage, its part of the model, micro-batches in flight)`` for each pipeline stage
-    that may hold the largest peak: of the stages alike in depth and role (a middle stage of
+    that may hold the largest device total: of the stages alike in depth and role (a middle stage of
     an even split, say) the earliest, which under 1F1B holds ``min(pp - stage, micro-batches)``
     in flight, the most of them. One stage (pp = 1): the whole model."""
     pp = strategy.pp
@@ -295,7 +297,16 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
                             _shipped_model().trained_on, inflight,
-                            nccl_communicators(strategy, buffers), stage)
+                            nccl_communicators(strategy, options, buffers,
+                                               embedding_stage=_embedding_stage(spec)), stage)
+
+
+def _embedding_stage(spec: ModelSpec) -> bool:
+    """Whether a pipeline stage (``spec``: its part of the model) holds a copy of tied word
+    embeddings: the first stage's input embedding, the last's output layer
+    (:func:`device.nccl_communicators`' embedding group)."""
+    t = spec.text
+    return t is not None and t.tied_embeddings and (t.holds_embedding or t.holds_head)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

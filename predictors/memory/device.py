@@ -284,22 +284,40 @@ def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
     return int(b.nccl_channels * per_channel)
 
 
-def nccl_communicators(strategy: ParallelStrategy, buffers: CommBuffers | None = None
+def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
+                       buffers: CommBuffers | None = None, *, embedding_stage: bool = False
                        ) -> dict[str, int]:
     """NCCL's buffers of each communicator one rank of ``strategy`` runs a collective on in
-    the step, by :func:`nccl_bytes`: one per parallel group of more than one rank, named
-    ``nccl_dp``, ``nccl_tp``, ``nccl_pp``. Megatron-Core's
-    ``parallel_state.initialize_model_parallel`` creates the data-, tensor- and
-    pipeline-parallel groups, each a ``torch.distributed.new_group`` of the NCCL backend (torch
-    DDP and DeepSpeed use the data-parallel one); NCCL allocates a communicator's buffers
-    lazily, when the group runs its first collective (``ProcessGroupNCCL`` creates the
-    communicator on first use), so a group is priced where the step uses it: the gradients'
-    all-reduce or reduce-scatter over dp, the layers' all-reduces over tp, the activations'
-    send/recv between pipeline stages over pp. Megatron's other groups (the model-parallel
-    group of the gradient norm, the embedding group of tied embeddings at pp > 1) are not
-    priced. The one implementation of the traced paths (:class:`Sharding`) and a preset's
-    analytical model (``api.predict_peak_memory``)."""
-    sizes = {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    the step under ``options``' framework, by :func:`nccl_bytes`: one per group of more than
+    one rank, named ``nccl_<group>``. Megatron-Core's ``parallel_state.
+    initialize_model_parallel`` creates the groups, each a ``torch.distributed.new_group`` of
+    the NCCL backend (torch DDP and DeepSpeed use the data-parallel one); NCCL allocates a
+    communicator's buffers lazily, when the group runs its first collective
+    (``ProcessGroupNCCL`` creates the communicator on first use), so a group is priced where
+    a rank uses it. Every framework: ``dp`` (the gradients' all-reduce or reduce-scatter),
+    ``tp`` (the layers' all-reduces), ``pp`` (the activations' send/recv between stages).
+    Megatron (Megatron-Core 0.16) also: the optimizer's gradient statistics (the gradient
+    norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are all-reduced over
+    ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel group of tp x pp
+    ranks (``mp``) without the distributed optimizer, with it the intra-distributed-optimizer
+    instance group of every rank (``dist_opt``: ``optimizer/__init__.py`` sets
+    ``grad_stats_parallel_group`` to ``intra_dist_opt_group``, one instance by default, built
+    over all 'tp-ep-pp' groups of the data-parallel ranks); and, on an ``embedding_stage``
+    (the first or last pipeline stage of a model with tied word embeddings), the embedding
+    group of the first and last stage (``embd``: ``LanguageModule.
+    setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
+    ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    The one implementation of the traced paths (:class:`Sharding`) and a preset's analytical
+    model (``api.predict_peak_memory``)."""
+    s = strategy
+    sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
+    if options.framework == "megatron":
+        if options.distributed_optimizer:
+            sizes["dist_opt"] = s.world_size
+        else:
+            sizes["mp"] = s.tp * s.pp
+        if embedding_stage:
+            sizes["embd"] = min(s.pp, 2)
     return {f"nccl_{group}": nccl_bytes(ranks, buffers)
             for group, ranks in sizes.items() if ranks > 1}
 
@@ -350,9 +368,10 @@ class Sharding(StrategyView):
                        or TORCH_IMPL)
 
     def nccl(self) -> dict[str, int]:
-        """NCCL's buffers by communicator (:func:`nccl_communicators`; the data-parallel one
-        only: tp = pp = 1 here), with this framework's buffer sizes."""
-        return nccl_communicators(self.strategy, self.buffers)
+        """NCCL's buffers by communicator (:func:`nccl_communicators`: tp = pp = 1 here, so the
+        data-parallel one and Megatron's distributed optimizer's), with this framework's
+        buffer sizes."""
+        return nccl_communicators(self.strategy, self.options, self.buffers)
 
     @property
     def changes_step(self) -> bool:

@@ -704,6 +704,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
                              (ParallelStrategy(1, 1, 1), set())):
         if options.zero_stage and strategy.dp == 1:
             continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
+        if options.framework == "megatron":  # its distributed optimizer's gradient statistics
+            groups = groups | {"dist_opt"}  # (the next test; LLaMA's embeddings are untied)
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -713,6 +715,52 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
             == p.nccl
         for g in groups:
             assert f"NCCL {g} communicator" in p.format()
+
+
+def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators():
+    """Megatron-Core 0.16 runs collectives on two more groups than dp, tp and pp, each its own
+    NCCL communicator (288 MiB at the default 16 channels) that was missing from the device
+    total: the optimizer all-reduces the gradient norm (--clip-grad, on by default) and fp16's
+    found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
+    with the distributed optimizer, the intra-distributed-optimizer instance group of every
+    rank ('dist_opt'); and with tied word embeddings the first and last pipeline stage
+    all-reduce the shared weight over the embedding group ('embd'). Priced by one rule
+    (device.nccl_communicators) on both paths, Megatron's only."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+    from predictors.spec import DEFAULT_OPTIONS
+
+    each = nccl_bytes(2)
+    s = ParallelStrategy(2, 2, 2, global_batch=4)
+    distributed = TrainingOptions(distributed_optimizer=True)
+
+    def groups(model, options, strategy=s):
+        p = predict_peak_memory(model, strategy, options, "bf16-mixed")
+        assert set(p.nccl.values()) <= {each}
+        assert p.device_used == p.peak_reserved + p.context_bytes + each * len(p.nccl)
+        return {k.removeprefix("nccl_") for k in p.nccl}
+
+    # Qwen2-1.5B ties its embeddings: the stage predicted (first or last) holds the group
+    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd"}
+    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp"}  # untied
+    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp"}
+    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {"dp", "dist_opt"}
+    # torch DDP and DeepSpeed run none of Megatron's groups
+    assert groups("qwen2-1.5b-like", TrainingOptions(framework="pytorch")) == {"dp", "tp", "pp"}
+    # a middle stage holds no copy of the embeddings: no embedding communicator
+    pp4 = ParallelStrategy(1, 1, 4, global_batch=4)
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp"}
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS, embedding_stage=True)) == {
+        "nccl_pp", "nccl_mp", "nccl_embd"}
+    # the traced path (data parallelism only): the distributed optimizer's group over dp
+    mlp = MlpSpec(64, (32,), 10)
+    traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
+                                   options=replace(distributed, framework="megatron"))
+    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {"nccl_dp",
+                                                                           "nccl_dist_opt"}
 
 
 def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
@@ -748,7 +796,8 @@ def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_ar
     assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
                  "--framework", "megatron", "--dp", "8", "--zero", "1"]) in (0, 2, 3)
     out = json.loads(capsys.readouterr().out)
-    assert out["nccl_dp"] == out["nccl_buffers"] == nccl_bytes(8)
+    # and the distributed optimizer's gradient statistics over every rank (the next test)
+    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_buffers"] / 2 == nccl_bytes(8)
     assert out["analytical.megatron_grad_buffer"] > 0
 
 
