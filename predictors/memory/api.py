@@ -110,7 +110,7 @@ class MemoryPrediction:
                  f"seq {m.seq_length}, zero {st.zero} (dp {st.dp}), "
                  f"checkpointing {st.checkpointing}, attention {m.attention}, "
                  f"tp {st.strategy.tp} pp {st.strategy.pp} (stage {self.stage + 1} of "
-                 f"{st.strategy.pp}, the largest total; {self.inflight_microbatches} "
+                 f"{st.strategy.pp}, the largest device total; {self.inflight_microbatches} "
                  "micro-batch(es) in flight)",
                  f"analytical breakdown at the {self.peak_phase} peak:"]
         for k, v in self.components.items():
