@@ -724,16 +724,23 @@ LLAVA_LORA = 128  # scripts/v1_5/finetune_lora.sh: --lora_r 128 (alpha only scal
 
 def llava_job(r: dict):
     """A ``llava_outcomes.csv`` row as a user describes the job: (model, strategy, options,
-    precision). Full finetuning at ``bf16`` as before; a LoRA row (``finetune_lora.sh``:
-    rank 128 on every Linear of the LLM, LLaVA's ``find_all_linear_names``, the projector
-    trained, the vision tower frozen) at ``bf16-mixed``: LLaVA casts the model to bf16 before
-    adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
-    masters and Adam states of what trains (the adapters and the projector). The ``frozen``
-    column names the frozen towers, ``+``-joined: ``vision`` when finetuning, ``vision+llm``
-    in pretraining (``pretrain.sh``'s ``tune_mm_mlp_adapter``: only the projector trains).
-    ``seq`` is the padded LLM sequence, image tokens included (LLaVA pads each batch to its
-    longest sample): the script's ``model_max_length`` for finetuning rows, the bound of the
-    caption data for pretraining rows (derived in their ``note``)."""
+    precision, DeepSpeed's buffer sizes). Full finetuning at ``bf16`` as before; a LoRA row
+    (``finetune_lora.sh``: rank 128 on every Linear of the LLM, LLaVA's ``find_all_linear_names``,
+    the projector trained, the vision tower frozen) at ``bf16-mixed``: LLaVA casts the model to bf16
+    before adding the adapters (``llava/train/train.py``, ``bits == 16``) and DeepSpeed keeps fp32
+    masters and Adam states of what trains (the adapters and the projector). The ``frozen`` column
+    names the frozen towers, ``+``-joined: ``vision`` when finetuning, ``vision+llm`` in pretraining
+    (``pretrain.sh``'s ``tune_mm_mlp_adapter``: only the projector trains). ``seq`` is the padded
+    LLM sequence, image tokens included (LLaVA pads each batch to its longest sample): the script's
+    ``model_max_length`` for finetuning rows, the bound of the caption data for pretraining rows
+    (derived in their ``note``). The buffers are LLaVA's ``scripts/zero2.json`` / ``zero3.json``
+    (``overlap_comm`` true, ``reduce_bucket_size`` "auto") as the HF Trainer fills them: "auto" is
+    the model config's ``hidden_size`` squared (``transformers/integrations/deepspeed.py``,
+    ``HfTrainerDeepSpeedConfig.trainer_config_finalize``; LLaVA's config is Llama's, the text
+    tower's width). Its ZeRO-3 prefetch bucket ("auto": 0.9 x hidden^2) is priced at DeepSpeed's
+    default 5e7 elements, the one the analytical model prices (67 and 50 MiB more than LLaVA's at 7B
+    and 13B: above, not below)."""
+    from predictors.memory.device import CommBuffers
     from predictors.memory.presets import as_memory_model
     from predictors.spec import LoraSpec, ParallelStrategy, TrainingOptions, foreach_temporaries
 
@@ -748,7 +755,9 @@ def llava_job(r: dict):
     options = TrainingOptions.for_zero_stage(
         int(r["zero"]), recompute=r["checkpointing"], framework="deepspeed",
         foreach_temporaries=foreach_temporaries(r["torch"]))
-    return model, strategy, options, "bf16-mixed"
+    hidden = model.text.hidden_size
+    return (model, strategy, options, "bf16-mixed",
+            CommBuffers(reduce_bucket=hidden * hidden, overlap_comm=True))
 
 
 @dataclass
@@ -780,8 +789,9 @@ def llava_outcomes(path: Path = LLAVA_OUTCOMES) -> list[Outcome]:
     counted: dict[str, float] = {}
     print(f"LLaVA-1.5 published outcomes ({len(rows)} rows, {LLAVA_OUTCOMES.name}; DEVELOPMENT):")
     for r in rows:
-        model, strategy, options, precision = llava_job(r)
-        p = predict_peak_memory(model, strategy, options, precision, r["capacity_gib"])
+        model, strategy, options, precision, buffers = llava_job(r)
+        p = predict_peak_memory(model, strategy, options, precision, r["capacity_gib"],
+                                buffers=buffers)
         if r["model"] not in counted:
             with torch.device("meta"):
                 counted[r["model"]] = accelerate_mib(build_model(model), "bfloat16")

@@ -240,7 +240,8 @@ class PredictorMemory:
     TP split and held for ``min(pp, micro-batches)`` micro-batches in flight (1F1B), the
     micro-batch as the batch; the CUDA context is per process, not divided by ``tp``, and
     NCCL's buffers are one communicator's per parallel group of more than one rank (dp, tp,
-    pp; ``predictors.memory.device.nccl_communicators``). Under Megatron's options (the
+    pp, Megatron's gradient-statistics group and, on the first and last stage, its embedding
+    group; ``predictors.memory.device.nccl_communicators``). Under Megatron's options (the
     default) Megatron-Core's gradient buffer is held, full size, in every phase (fp32 at bf16
     weights; ``predictors.memory.device.grad_buffers``).
     """

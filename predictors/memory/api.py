@@ -7,7 +7,7 @@ text layers (``num_layers / pp``, or the strategy's uneven split), the input emb
 first stage (with a multimodal model's vision tower and projector), the final norm, output
 layer (its own copy of tied word embeddings) and the logits and loss on the last; under 1F1B
 stage ``i`` (0-based) holds the activations of ``min(pp - i, micro-batches)`` micro-batches in
-flight. The prediction is the stage with the largest predicted peak. Weights, gradients and
+flight. The prediction is the stage with the largest device total. Weights, gradients and
 optimizer states of its layers and of the vocabulary-parallel embedding/head are split ``tp``
 ways; per layer the activations are ``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` bytes at 2 B per
 element (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
@@ -29,11 +29,14 @@ from ..spec.strategy import ParallelStrategy
 from .allocator import GiB
 from .config import SINGLE_GPU, ShardingError, Step
 from .device import (
+    CommBuffers,
+    deepspeed_buckets,
     grad_buffers,
     megatron_step_copy,
     nccl_communicators,
     replaces_gradients,
     unmodelled_zero,
+    unpriced_framework,
 )
 from .factorize import factorize
 from .model import MemoryModel, margin_family
@@ -41,6 +44,7 @@ from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
 from .phases import trainable_params, walk_phases
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
+from .zero import PREFETCH_BUCKET
 
 
 @dataclass
@@ -58,7 +62,7 @@ class MemoryPrediction:
     inflight_microbatches: int = 1  # micro-batches whose activations the stage holds at once
     # NCCL's buffers by communicator (device.nccl_communicators), outside the caching allocator
     nccl: dict[str, int] = field(default_factory=dict)
-    stage: int = 0  # the pipeline stage predicted (0-based): the one with the largest peak
+    stage: int = 0  # the pipeline stage predicted (0-based): the largest device total
 
     @property
     def nccl_bytes(self) -> int:
@@ -106,7 +110,7 @@ class MemoryPrediction:
                  f"seq {m.seq_length}, zero {st.zero} (dp {st.dp}), "
                  f"checkpointing {st.checkpointing}, attention {m.attention}, "
                  f"tp {st.strategy.tp} pp {st.strategy.pp} (stage {self.stage + 1} of "
-                 f"{st.strategy.pp}, the largest peak; {self.inflight_microbatches} "
+                 f"{st.strategy.pp}, the largest device total; {self.inflight_microbatches} "
                  "micro-batch(es) in flight)",
                  f"analytical breakdown at the {self.peak_phase} peak:"]
         for k, v in self.components.items():
@@ -135,26 +139,33 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
                         options: TrainingOptions = DEFAULT_OPTIONS,
                         precision: str | Precision = "bf16", capacity_gib: float | str = 80, *,
                         architecture: str | None = None,
-                        margin: float | None = None) -> MemoryPrediction:
+                        margin: float | None = None,
+                        buffers: CommBuffers | None = None) -> MemoryPrediction:
     """Predict one GPU's peak memory for a training step and whether it fits, in the one
     vocabulary of :mod:`predictors.spec`. ``model``: a preset name, a model or a text tower
     alone (:func:`predictors.memory.presets.as_memory_model`; its sequence length, image
     resolution, attention, frozen towers and images per sample are the model's own).
     ``strategy``: its micro-batch is the batch, ``dp`` what ZeRO shards over, ``tp``/``pp``
     Megatron-Core's tensor/pipeline sizes (the prediction is the rank of the pipeline stage
-    with the largest peak, ``stage``: each stage with its own depth, the first with the
-    embedding, the last with the output layer and loss), its micro-batch count sets how many
+    with the largest device total, ``stage``: each stage with its own depth, the first with
+    the embedding, the last with the output layer and loss), its micro-batch count sets how many
     are in flight on each stage. ``options``: the ZeRO stage (distributed optimizer: 1,
     ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
-    :func:`device.unmodelled_zero`), ``recompute`` (none or full), sequence parallelism and
-    the framework, whose gradient buffers are priced by the traced paths' one implementation
-    (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's: Megatron-Core's
-    ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every phase in place of
-    the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's gradient buckets
-    beside them), for no other (DeepSpeed's buckets: not priced); whatever the framework,
-    NCCL's buffers of each communicator the rank runs a collective on, one per parallel group
-    of more than one rank (dp, tp, pp: :func:`device.nccl_communicators`, the traced paths'
-    one implementation), outside the caching allocator.
+    :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
+    priced: torchtitan's and LLM Foundry's FSDP, DeepSpeed but at its ZeRO 2/3 step with fp32
+    masters, :func:`device.unpriced_framework`), ``recompute`` (none or full), sequence
+    parallelism and the framework, whose gradient buffers are priced by the traced paths' one
+    implementation (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's:
+    Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every
+    phase in place of the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's
+    gradient buckets beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
+    (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
+    buffers of each communicator the rank runs a collective on, one per parallel group of more
+    than one rank (dp, tp, pp, and Megatron's gradient-statistics and embedding groups:
+    :func:`device.nccl_communicators`, the traced paths' one implementation), outside the
+    caching allocator. ``buffers``: the framework's bucket and NCCL buffer sizes (default: the
+    documented defaults, :class:`device.CommBuffers`); ZeRO-3's prefetch bucket is DeepSpeed's
+    default here (:mod:`zero`), another one is refused.
     The device: ``capacity_gib`` (a number of GiB, or a card key of :data:`overheads.CARDS`
     such as ``"141"``) and ``architecture`` (``"hopper"`` or ``"pre-hopper"``: the GPU
     generation whose CUDA context and allocator overheads apply; by default a card key's own,
@@ -165,8 +176,15 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
-    if problem := unmodelled_zero(options):
+    if problem := unmodelled_zero(options) or unpriced_framework(cfg):
         raise ShardingError(problem)
+    buffers = buffers or CommBuffers()
+    if buffers.prefetch_bucket != PREFETCH_BUCKET:
+        raise ShardingError(f"buffers.prefetch_bucket={buffers.prefetch_bucket:g}: the "
+                            "analytical model prices DeepSpeed's default "
+                            f"stage3_prefetch_bucket_size ({PREFETCH_BUCKET:g} elements, "
+                            "zero.PREFETCH_BUCKET); leave it at the default or use the traced "
+                            "path (predict_spec_memory)")
     if strategy.cp > 1:
         raise ShardingError(f"strategy {strategy.name}: cp={strategy.cp} is not modelled by "
                             "the memory predictor (context parallelism)")
@@ -198,17 +216,19 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
         overheads = by_name[architecture]
     family = margin_family(spec)
     bounds = Margin.fixed(margin, family) if margin is not None else margin_for(family)
-    predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage)
+    predictions = [_predict_stage(part, cfg, overheads, capacity, bounds, inflight, stage,
+                                  buffers)
                    for stage, part, inflight in stages]
-    # the outside-allocator bytes are the same on every stage: the largest reserved peak is
-    # the largest device-level one
-    return max(predictions, key=lambda p: p.peak_reserved)
+    # the stage with the largest device total: its reserved peak's upper bound plus what lies
+    # outside the allocator, which differs by stage (the first and last hold Megatron's
+    # embedding communicator)
+    return max(predictions, key=lambda p: p.device_total)
 
 
 def _pipeline_stages(spec: ModelSpec, strategy: ParallelStrategy
                      ) -> list[tuple[int, ModelSpec, int]]:
     """``(stage, its part of the model, micro-batches in flight)`` for each pipeline stage
-    that may hold the largest peak: of the stages alike in depth and role (a middle stage of
+    that may hold the largest device total: of the stages alike in depth and role (a middle stage of
     an even split, say) the earliest, which under 1F1B holds ``min(pp - stage, micro-batches)``
     in flight, the most of them. One stage (pp = 1): the whole model."""
     pp = strategy.pp
@@ -235,21 +255,22 @@ def _pipeline_stages(spec: ModelSpec, strategy: ParallelStrategy
 
 
 def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacity: int,
-                   bounds: Margin, inflight: int, stage: int) -> MemoryPrediction:
+                   bounds: Margin, inflight: int, stage: int,
+                   buffers: CommBuffers) -> MemoryPrediction:
     """One rank of one pipeline stage (``spec``: the stage's part of the model) holding
-    ``inflight`` micro-batches' activations."""
+    ``inflight`` micro-batches' activations, with the framework's ``buffers``."""
     strategy, options = cfg.strategy, cfg.options
     tp = strategy.tp
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
-    buffers = grad_buffers(cfg, grad_params, cfg.precision)
-    if replaces_gradients(options.framework) and buffers:
+    grads = grad_buffers(cfg, grad_params, cfg.precision)
+    if replaces_gradients(options.framework) and grads:
         # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
         # holds it, full size, in every phase instead of the per-layer gradients of the plain
         # PyTorch step the residual model was trained on (which appear in the backward, so
         # none at a forward or loss peak); priced beyond the residual by the walks' difference
-        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=buffers,
+        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
                                step_copy=megatron_step_copy(cfg, grad_params, cfg.precision))
         reserved += megatron.peak_allocated - est.peak_allocated
         est = megatron
@@ -263,13 +284,29 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         # torch DDP's buckets, allocated when it wraps the model: live in every phase beside
         # the gradients, so the walk's peak grows by them; whole segments of their own (25 MiB
         # buckets); each rank buckets its 1/tp of the gradients
-        ddp = {k: v // tp for k, v in buffers.items()}
+        ddp = {k: v // tp for k, v in grads.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
+    # DeepSpeed's buckets, fixed sizes (not split by tp): priced live at the peak whatever its
+    # phase, as the traced path prices them (stage 1/2's ipg buffers live from the
+    # backward's start to its end: at a forward or step peak this is an upper bound); whole
+    # segments of their own
+    ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers)
+    comps.update(ds)
+    reserved += sum(ds.values())
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,
                             comps, overheads.context_bytes, capacity, bounds,
                             _shipped_model().trained_on, inflight,
-                            nccl_communicators(strategy), stage)
+                            nccl_communicators(strategy, options, buffers,
+                                               embedding_stage=_embedding_stage(spec)), stage)
+
+
+def _embedding_stage(spec: ModelSpec) -> bool:
+    """Whether a pipeline stage (``spec``: its part of the model) holds a copy of tied word
+    embeddings: the first stage's input embedding, the last's output layer
+    (:func:`device.nccl_communicators`' embedding group)."""
+    t = spec.text
+    return t is not None and t.tied_embeddings and (t.holds_embedding or t.holds_head)
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",

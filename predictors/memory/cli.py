@@ -290,12 +290,11 @@ def _unpriced_analytical(args) -> list[str]:
     """What a preset's analytical model would price otherwise than asked (it was dropped
     without a word, or priced as Adam): an optimizer other than Adam(W), an implementation
     other than the one it prices (:func:`_unpriced_impl`), and a --framework beyond one rank
-    whose buffers it does not price (all but pytorch's and megatron's) and whose step it does
-    not read (all but :func:`phases.deepspeed_zero`). One message each, naming the flag;
-    --trace prices them. ``args`` has its defaults."""
+    whose buffers it does not price (:func:`device.unpriced_framework`, the API's rule).
+    One message each, naming the flag. ``args`` has its defaults."""
     from .config import Step
+    from .device import unpriced_framework
     from .optimizers import OptimizerSpec
-    from .phases import deepspeed_zero
 
     cfg = Step(*_strategy_options(args), args.precision)
     problems = []
@@ -304,17 +303,9 @@ def _unpriced_analytical(args) -> list[str]:
                         f"{args.model!r} prices Adam(W); add --trace to price this optimizer")
     elif problem := _unpriced_impl(args, traced=False):
         problems.append(problem)
-    # beyond one rank the traced paths add the framework's buffers (torch DDP's gradient
-    # buckets, Megatron's gradient buffer, DeepSpeed's buckets, NCCL's): the analytical model
-    # prices torch DDP's and Megatron's and every framework's NCCL buffers
-    # (api.predict_peak_memory), and reads DeepSpeed as its ZeRO 2/3 step, not its buckets
-    if (cfg.dp > 1 and args.framework not in ("pytorch", "megatron")
-            and not deepspeed_zero(cfg)):
-        problems.append(f"--framework {args.framework}: beyond one rank the analytical model "
-                        f"of {args.model!r} prices every data-parallel buffer of pytorch and "
-                        "megatron only (torch DDP's gradient buckets, Megatron's gradient "
-                        "buffer, NCCL's buffers) and reads deepspeed only as its ZeRO 2/3 step "
-                        "with fp32 masters (a *-mixed or fp8 --precision); add --trace")
+    # a framework beyond one rank whose buffers it does not price: the API's own refusal
+    if problem := unpriced_framework(cfg):
+        problems.append(problem)
     return problems
 
 

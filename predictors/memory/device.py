@@ -20,9 +20,10 @@ from ..spec.options import TrainingOptions
 from ..spec.precision import Precision, get_precision
 from ..spec.strategy import ParallelStrategy
 from .allocator import MiB
-from .config import SINGLE_GPU, ShardingError, StrategyView
+from .config import SINGLE_GPU, ShardingError, Step, StrategyView
 from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
+from .phases import deepspeed_zero
 from .zero import zero3_params
 
 
@@ -144,6 +145,39 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
     return None
 
 
+# What neither path models of a framework's sharded data parallelism beyond one rank, in
+# words (unpriced_framework): torchtitan shards with FSDP2 (torch's fully_shard: per-layer
+# all-gather output and reduce-scatter input buffers, the next layer's prefetched), LLM
+# Foundry with FSDP1 through Composer (flat parameters all-gathered per wrapped module)
+UNMODELLED_SHARDING = {"torchtitan": "torchtitan's FSDP2 (fully_shard: its all-gather and "
+                                     "reduce-scatter buffers)",
+                       "llm-foundry": "LLM Foundry's FSDP1 through Composer (its flat "
+                                      "parameters' all-gather and reduce-scatter buffers)"}
+
+
+def unpriced_framework(cfg: Step) -> str | None:
+    """Why a preset's analytical model (``api.predict_peak_memory``) does not price ``cfg``'s
+    framework beyond one rank, naming the fields and ``predict memory``'s flags, or None. It
+    prices the data-parallel buffers of ``pytorch`` (torch DDP's gradient buckets,
+    :func:`grad_buffers`), ``megatron`` (its gradient buffer) and ``deepspeed`` where it reads
+    DeepSpeed's step (ZeRO 2/3 with fp32 masters, :func:`phases.deepspeed_zero`; its buckets,
+    :func:`deepspeed_buckets`), and NCCL's of every framework; another framework beyond one
+    rank was priced as one rank's step plus NCCL's buffers, none of its own. The one rule of
+    the API's refusal and ``predict memory``'s."""
+    framework, dp = cfg.options.framework, cfg.dp
+    if dp == 1 or framework in ("pytorch", "megatron") or deepspeed_zero(cfg):
+        return None
+    head = (f"framework={framework!r} at dp={dp} (--framework {framework} --dp {dp}): beyond "
+            "one rank the analytical model prices the data-parallel buffers of pytorch and "
+            "megatron (torch DDP's gradient buckets, Megatron's gradient buffer) and of "
+            "deepspeed at its ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 precision; its "
+            "buckets), and NCCL's buffers of every framework")
+    if framework in UNMODELLED_SHARDING:
+        return (f"{head}; {UNMODELLED_SHARDING[framework]} is not modelled on either path "
+                "(the traced path runs pytorch, deepspeed and megatron)")
+    return f"{head}; the traced path (--trace, predict_spec_memory) prices this one"
+
+
 def megatron_grad_dtype(precision: str | Precision, options: TrainingOptions) -> torch.dtype:
     """The dtype of Megatron-Core's gradient buffer (``main_grad``) at ``precision`` under
     ``options``: ``DistributedDataParallel`` groups parameters by (param dtype, grad dtype) with
@@ -210,6 +244,34 @@ def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Pr
     return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
+def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Precision,
+                      buffers: CommBuffers | None = None) -> dict[str, int]:
+    """The bucket buffers DeepSpeed's ZeRO optimizer allocates inside the caching allocator on
+    one rank of ``view`` (framework ``deepspeed`` at ZeRO >= 1; none otherwise), by name, at
+    ``buffers``' sizes in the weights' dtype at ``precision`` (the optimizer's ``self.dtype``);
+    ``param_bytes``: the rank's parameter bytes (what the all-gather bucket is capped at).
+    Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
+    the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
+    size, a second one with ``overlap_comm``, at each backward's start wherever
+    ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
+    v0.12.6, ``setup_buckets`` since); stage 3 one flat ipg buffer of it (``stage3.py``,
+    allocated at init); stage 1's all-gather of the updated parameters works in
+    ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
+    runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
+    (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
+    (``api.predict_peak_memory``), which price them live in every phase of the step."""
+    if view.options.framework != "deepspeed" or view.zero == 0:
+        return {}
+    b = buffers or CommBuffers()
+    elem = get_precision(precision).param_dtype.itemsize
+    overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
+    n = 2 if overlap and view.zero < 3 else 1
+    out = {"ds_reduce_bucket": int(n * b.reduce_bucket * elem)}
+    if view.zero == 1:
+        out["ds_allgather_bucket"] = int(min(b.allgather_bucket * elem, max(param_bytes, elem)))
+    return out
+
+
 def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
     """NCCL's buffers for one communicator over ``ranks`` ranks (outside the caching
     allocator: NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive
@@ -222,22 +284,40 @@ def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
     return int(b.nccl_channels * per_channel)
 
 
-def nccl_communicators(strategy: ParallelStrategy, buffers: CommBuffers | None = None
+def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
+                       buffers: CommBuffers | None = None, *, embedding_stage: bool = False
                        ) -> dict[str, int]:
     """NCCL's buffers of each communicator one rank of ``strategy`` runs a collective on in
-    the step, by :func:`nccl_bytes`: one per parallel group of more than one rank, named
-    ``nccl_dp``, ``nccl_tp``, ``nccl_pp``. Megatron-Core's
-    ``parallel_state.initialize_model_parallel`` creates the data-, tensor- and
-    pipeline-parallel groups, each a ``torch.distributed.new_group`` of the NCCL backend (torch
-    DDP and DeepSpeed use the data-parallel one); NCCL allocates a communicator's buffers
-    lazily, when the group runs its first collective (``ProcessGroupNCCL`` creates the
-    communicator on first use), so a group is priced where the step uses it: the gradients'
-    all-reduce or reduce-scatter over dp, the layers' all-reduces over tp, the activations'
-    send/recv between pipeline stages over pp. Megatron's other groups (the model-parallel
-    group of the gradient norm, the embedding group of tied embeddings at pp > 1) are not
-    priced. The one implementation of the traced paths (:class:`Sharding`) and a preset's
-    analytical model (``api.predict_peak_memory``)."""
-    sizes = {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    the step under ``options``' framework, by :func:`nccl_bytes`: one per group of more than
+    one rank, named ``nccl_<group>``. Megatron-Core's ``parallel_state.
+    initialize_model_parallel`` creates the groups, each a ``torch.distributed.new_group`` of
+    the NCCL backend (torch DDP and DeepSpeed use the data-parallel one); NCCL allocates a
+    communicator's buffers lazily, when the group runs its first collective
+    (``ProcessGroupNCCL`` creates the communicator on first use), so a group is priced where
+    a rank uses it. Every framework: ``dp`` (the gradients' all-reduce or reduce-scatter),
+    ``tp`` (the layers' all-reduces), ``pp`` (the activations' send/recv between stages).
+    Megatron (Megatron-Core 0.16) also: the optimizer's gradient statistics (the gradient
+    norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are all-reduced over
+    ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel group of tp x pp
+    ranks (``mp``) without the distributed optimizer, with it the intra-distributed-optimizer
+    instance group of every rank (``dist_opt``: ``optimizer/__init__.py`` sets
+    ``grad_stats_parallel_group`` to ``intra_dist_opt_group``, one instance by default, built
+    over all 'tp-ep-pp' groups of the data-parallel ranks); and, on an ``embedding_stage``
+    (the first or last pipeline stage of a model with tied word embeddings), the embedding
+    group of the first and last stage (``embd``: ``LanguageModule.
+    setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
+    ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    The one implementation of the traced paths (:class:`Sharding`) and a preset's analytical
+    model (``api.predict_peak_memory``)."""
+    s = strategy
+    sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
+    if options.framework == "megatron":
+        if options.distributed_optimizer:
+            sizes["dist_opt"] = s.world_size
+        else:
+            sizes["mp"] = s.tp * s.pp
+        if embedding_stage:
+            sizes["embd"] = min(s.pp, 2)
     return {f"nccl_{group}": nccl_bytes(ranks, buffers)
             for group, ranks in sizes.items() if ranks > 1}
 
@@ -288,15 +368,18 @@ class Sharding(StrategyView):
                        or TORCH_IMPL)
 
     def nccl(self) -> dict[str, int]:
-        """NCCL's buffers by communicator (:func:`nccl_communicators`; the data-parallel one
-        only: tp = pp = 1 here), with this framework's buffer sizes."""
-        return nccl_communicators(self.strategy, self.buffers)
+        """NCCL's buffers by communicator (:func:`nccl_communicators`: tp = pp = 1 here, so the
+        data-parallel one and Megatron's distributed optimizer's), with this framework's
+        buffer sizes."""
+        return nccl_communicators(self.strategy, self.options, self.buffers)
 
     @property
     def changes_step(self) -> bool:
         """Whether the framework changes what the traced single-GPU step holds: beyond one
-        rank, and under Megatron at one rank too (its gradient buffer, :func:`grad_buffers`)."""
-        return self.dp > 1 or replaces_gradients(self.framework)
+        rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
+        and DeepSpeed's ZeRO (its buckets, :func:`deepspeed_buckets`)."""
+        return (self.dp > 1 or replaces_gradients(self.framework)
+                or (self.framework == "deepspeed" and self.zero >= 1))
 
     def sharding_adjustment(self, live: dict[str, int], grad_params: int, opt: OptimizerSpec,
                             precision: str, peak_phase: str = "",
@@ -334,17 +417,7 @@ class Sharding(StrategyView):
                 delta -= int(live.get("temporary", 0) * (1 - keep))
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
-            # stage_1_and_2.py allocates its contiguous-gradient (ipg) buffer at the full
-            # reduce_bucket_size whatever the model size, a second one with overlap_comm;
-            # stage 3 keeps one flat ipg buffer
-            overlap = (self.buffers.overlap_comm if self.buffers.overlap_comm is not None
-                       else self.zero == 3)
-            n = 2 if overlap and self.zero == 2 else 1
-            buffers["ds_reduce_bucket"] = int(n * self.buffers.reduce_bucket * elem)
-        if self.framework == "deepspeed" and self.zero == 1:
-            # the all-gather of updated parameters works in allgather_bucket_size pieces
-            buffers["ds_allgather_bucket"] = int(min(self.buffers.allgather_bucket * elem,
-                                                     max(params, elem)))
+        buffers.update(deepspeed_buckets(self, params, precision, self.buffers))
         if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent

@@ -132,6 +132,22 @@ def test_deepspeed_zero_shards_and_names_its_buffers():
         _predict(strategy=ParallelStrategy(4, 2, 1))
 
 
+def test_deepspeed_zero_1_holds_its_contiguous_gradient_buffer_as_zero_2_does():
+    """DeepSpeed's stages 1 and 2 are one optimizer class (stage_1_and_2.py): its backward
+    allocates the contiguous-gradient (ipg) buffer of reduce_bucket_size elements, two with
+    overlap_comm, wherever contiguous_gradients holds (on by default), stage 1 too. It was
+    priced at stage 2 only: stage 1 came out 2 GB (fp32) under what DeepSpeed allocates."""
+    dp8 = ParallelStrategy(8, 1, 1)
+    zero1 = TrainingOptions.for_zero_stage(1, framework="deepspeed")
+    z1 = _predict(strategy=dp8, options=zero1)
+    assert z1.inside_allocator["ds_reduce_bucket"] == 5e8 * 4  # fp32 elements
+    assert "ds_allgather_bucket" in z1.inside_allocator
+    small = _predict(strategy=dp8, options=zero1, buffers=CommBuffers(reduce_bucket=1e6))
+    assert z1.max_memory_reserved - small.max_memory_reserved == (5e8 - 1e6) * 4
+    overlap = _predict(strategy=dp8, options=zero1, buffers=CommBuffers(overlap_comm=True))
+    assert overlap.inside_allocator["ds_reduce_bucket"] == 2 * 5e8 * 4
+
+
 def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
     """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
     priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a

@@ -165,12 +165,13 @@ def test_memory_predictor_takes_the_one_training_options():
     for options, zero, ckpt in ((TrainingOptions(distributed_optimizer=True, recompute="full"),
                                  1, "full"),
                                 (TrainingOptions(fsdp=True, framework="deepspeed"), 3, "none")):
-        got = predict_peak_memory("llama-7b-like", strategy, options)
+        # DeepSpeed keeps fp32 masters: its step is read at a *-mixed precision
+        got = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert (got.step.zero, got.step.checkpointing) == (zero, ckpt)
         stage = TrainingOptions.for_zero_stage(zero, recompute=ckpt, framework=options.framework)
         assert stage.zero_stage == zero
-        assert got.device_total == predict_peak_memory("llama-7b-like", strategy,
-                                                       stage).device_total
+        assert got.device_total == predict_peak_memory("llama-7b-like", strategy, stage,
+                                                       "bf16-mixed").device_total
     with pytest.raises(ModelSpecError, match="recompute='selective'"):
         predict_peak_memory("llama-7b-like", options=TrainingOptions(recompute="selective"))
 
@@ -374,18 +375,28 @@ DEEPSPEED_STEP = ["--zero", "2", "--dp", "8", "--framework", "deepspeed", "--pre
     ("llama-7b-like", [*DEEPSPEED_STEP, "--optimizer", "adamw:fused"],
      "--optimizer 'adamw:fused': the analytical model of 'llama-7b-like' prices torch's "
      "foreach Adam(W) on DeepSpeed's ZeRO 2/3 sub-groups, not fused; add --trace"),
+    # one rule with the API's refusal (device.unpriced_framework): --trace prices DeepSpeed at
+    # ZeRO 0/1, neither path torchtitan's or LLM Foundry's sharding (it said "add --trace")
     *[("llava-1.5-7b-like", ["--zero", "1", "--dp", "8", "--framework", framework],
-       f"--framework {framework}: beyond one rank the analytical model of 'llava-1.5-7b-like' "
-       "prices every data-parallel buffer of pytorch and megatron only (torch DDP's gradient "
-       "buckets, Megatron's gradient buffer, NCCL's buffers) and reads deepspeed only as its "
-       "ZeRO 2/3 step with fp32 masters (a *-mixed or fp8 --precision); add --trace\n")
-      for framework in ("deepspeed", "torchtitan")],
+       f"framework='{framework}' at dp=8 (--framework {framework} --dp 8): beyond one rank the "
+       "analytical model prices the data-parallel buffers of pytorch and megatron (torch DDP's "
+       "gradient buckets, Megatron's gradient buffer) and of deepspeed at its ZeRO 2/3 step "
+       "with fp32 masters (a *-mixed or fp8 precision; its buckets), and NCCL's buffers of "
+       f"every framework; {remedy}\n")
+      for framework, remedy in (
+          ("deepspeed", "the traced path (--trace, predict_spec_memory) prices this one"),
+          ("torchtitan", "torchtitan's FSDP2 (fully_shard: its all-gather and reduce-scatter "
+           "buffers) is not modelled on either path (the traced path runs pytorch, deepspeed "
+           "and megatron)"),
+          ("llm-foundry", "LLM Foundry's FSDP1 through Composer (its flat parameters' "
+           "all-gather and reduce-scatter buffers) is not modelled on either path (the "
+           "traced path runs pytorch, deepspeed and megatron)"))],
     # dp<D> of --strategy counts as --dp does
     ("llama-7b-like", ["--strategy", "dp8tp1pp1", "--framework", "torchtitan"],
-     "--framework torchtitan: beyond one rank the analytical model of 'llama-7b-like' prices"),
+     "framework='torchtitan' at dp=8 (--framework torchtitan --dp 8): beyond one rank"),
     # DeepSpeed's step needs fp32 masters: at bf16 (fp32 weights under autocast) it is not read
     ("llama-7b-like", [*DEEPSPEED_STEP[:-2], "--precision", "bf16"],
-     "--framework deepspeed: beyond one rank the analytical model of 'llama-7b-like' prices"),
+     "framework='deepspeed' at dp=8 (--framework deepspeed --dp 8): beyond one rank"),
     # the traced paths price the framework's own fused kernel: another implementation given
     # explicitly was priced as fused without a word
     ("mlp", ["--optimizer", "adam:foreach", "--framework", "deepspeed"],
@@ -587,11 +598,11 @@ def test_memory_refuses_torch_beyond_zero_1_on_every_path(zero, capsys):
         zero, framework="deepspeed"), "bf16-mixed").peak_reserved > 0
 
 
-def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_buffer():
+def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_other_frameworks():
     """Only framework pytorch adds DDP's gradient buckets beyond one rank; CONA's memory filter
     (megatron_cona.candidates.PredictorMemory: Megatron's options) meets Megatron's gradient
-    buffer at every dp (test_memory_parallel), the LLaVA outcomes (DeepSpeed's ZeRO-3) no
-    buffer; NCCL's buffers are every framework's (the next test)."""
+    buffer at every dp (test_memory_parallel), the LLaVA outcomes (DeepSpeed's ZeRO-3) its
+    own buckets (the next test); NCCL's buffers are every framework's."""
     from predictors.memory.api import predict_peak_memory
     from predictors.memory.device import nccl_bytes
     from predictors.spec import DEFAULT_OPTIONS
@@ -599,7 +610,7 @@ def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_b
     dp8 = ParallelStrategy(8, 2, 2, micro_batch=1, global_batch=16)
     one = ParallelStrategy(1, 2, 2, micro_batch=1, global_batch=2)
     for options in (DEFAULT_OPTIONS, TrainingOptions.for_zero_stage(3, framework="deepspeed")):
-        p = predict_peak_memory("llama-7b-like", dp8, options)
+        p = predict_peak_memory("llama-7b-like", dp8, options, "bf16-mixed")
         assert "ddp_grad_buckets" not in p.components
         assert ("megatron_grad_buffer" in p.components) == (options.framework == "megatron")
     # no ZeRO: dp changes nothing a rank holds but its data-parallel communicator
@@ -607,6 +618,69 @@ def test_memory_api_prices_torch_ddps_buffers_beyond_one_rank_and_no_deepspeed_b
         "llama-7b-like", one).device_total + nccl_bytes(8)
     torch_ddp = predict_peak_memory("llama-7b-like", dp8, TrainingOptions(framework="pytorch"))
     assert torch_ddp.components["ddp_grad_buckets"] > 0
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "llm-foundry", "deepspeed"])
+def test_memory_api_refuses_a_framework_whose_buffers_it_does_not_price_as_the_cli_does(
+        framework, capsys):
+    """Beyond one rank the CLI refused a framework whose data-parallel buffers the analytical
+    model does not price (torchtitan's FSDP2, LLM Foundry's FSDP1 through Composer, DeepSpeed
+    but at its ZeRO 2/3 step with fp32 masters); the API priced it as one rank's step plus
+    NCCL's buffers, none of the framework's own (torchtitan over dp 8 was one rank's
+    prediction + 288 MiB). One rule (device.unpriced_framework), one message naming the field
+    and the flag; one rank is priced as before."""
+    from predictors.cli import main
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+
+    options = TrainingOptions(framework=framework)
+    with pytest.raises(ShardingError) as api:
+        predict_peak_memory("llama-7b-like", ParallelStrategy(8, 1, 1, global_batch=8), options,
+                            "bf16-mixed")
+    assert str(api.value).startswith(f"framework='{framework}' at dp=8 (--framework "
+                                     f"{framework} --dp 8): beyond one rank")
+    assert main(["memory", "--model", "llama-7b-like", "--dp", "8", "--framework", framework,
+                 "--precision", "bf16-mixed"]) == 1
+    assert capsys.readouterr().err == f"error: ModelSpecError: {api.value}\n"
+    assert predict_peak_memory("llama-7b-like", options=options).peak_reserved > 0
+
+
+def test_memory_api_prices_deepspeeds_buckets_by_the_traced_paths_rule():
+    """The analytical path priced DeepSpeed's ZeRO step but not its buckets, which the traced
+    path prices (device.deepspeed_buckets): ZeRO 2/3 allocate the contiguous-gradient (ipg)
+    buffer at the full reduce_bucket_size (5e8 elements, 954 MiB in bf16; two with
+    overlap_comm at stage 2), whatever the model, one rank included (DeepSpeed's ZeRO
+    optimizer runs there too). One rule on both paths, in the reserved bytes."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+    from predictors.memory.device import CommBuffers
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    def job(zero, dp=8, **kw):
+        return predict_peak_memory("llama-7b-like", ParallelStrategy(dp, 1, 1, global_batch=dp),
+                                   TrainingOptions.for_zero_stage(zero, framework="deepspeed"),
+                                   "bf16-mixed", **kw)
+
+    bucket = int(5e8 * 2)  # reduce_bucket_size elements of bf16
+    small = CommBuffers(reduce_bucket=1e6)
+    for zero, n in ((2, 1), (3, 1)):  # overlap_comm: off at stage 2, on (one buffer) at 3
+        p = job(zero)
+        assert p.components["ds_reduce_bucket"] == n * bucket
+        assert p.peak_reserved - job(zero, buffers=small).peak_reserved == n * (bucket - 2e6)
+    assert job(2, buffers=CommBuffers(overlap_comm=True)).components["ds_reduce_bucket"] == (
+        2 * bucket)
+    assert job(3, dp=1).components["ds_reduce_bucket"] == bucket  # one rank too
+    # the traced path's bytes, by the same rule (an fp32 MLP: 4 B elements), at one rank too
+    mlp = MlpSpec(64, (32,), 10)
+    for dp in (1, 8):
+        traced = predict_module_memory(mlp.build(), *mlp.example(4), precision="fp32",
+                                       strategy=ParallelStrategy(dp, 1, 1),
+                                       options=TrainingOptions.for_zero_stage(
+                                           2, framework="deepspeed"))
+        assert traced.inside_allocator["ds_reduce_bucket"] == 5e8 * 4
+    with pytest.raises(ShardingError, match=r"buffers.prefetch_bucket=1e\+06: the analytical"):
+        job(3, buffers=CommBuffers(prefetch_bucket=1e6))
 
 
 @pytest.mark.parametrize("options", [TrainingOptions(distributed_optimizer=True),
@@ -630,6 +704,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
                              (ParallelStrategy(1, 1, 1), set())):
         if options.zero_stage and strategy.dp == 1:
             continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
+        if options.framework == "megatron":  # its distributed optimizer's gradient statistics
+            groups = groups | {"dist_opt"}  # (the next test; LLaMA's embeddings are untied)
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -639,6 +715,52 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
             == p.nccl
         for g in groups:
             assert f"NCCL {g} communicator" in p.format()
+
+
+def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators():
+    """Megatron-Core 0.16 runs collectives on two more groups than dp, tp and pp, each its own
+    NCCL communicator (288 MiB at the default 16 channels) that was missing from the device
+    total: the optimizer all-reduces the gradient norm (--clip-grad, on by default) and fp16's
+    found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
+    with the distributed optimizer, the intra-distributed-optimizer instance group of every
+    rank ('dist_opt'); and with tied word embeddings the first and last pipeline stage
+    all-reduce the shared weight over the embedding group ('embd'). Priced by one rule
+    (device.nccl_communicators) on both paths, Megatron's only."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+    from predictors.spec import DEFAULT_OPTIONS
+
+    each = nccl_bytes(2)
+    s = ParallelStrategy(2, 2, 2, global_batch=4)
+    distributed = TrainingOptions(distributed_optimizer=True)
+
+    def groups(model, options, strategy=s):
+        p = predict_peak_memory(model, strategy, options, "bf16-mixed")
+        assert set(p.nccl.values()) <= {each}
+        assert p.device_used == p.peak_reserved + p.context_bytes + each * len(p.nccl)
+        return {k.removeprefix("nccl_") for k in p.nccl}
+
+    # Qwen2-1.5B ties its embeddings: the stage predicted (first or last) holds the group
+    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd"}
+    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp"}  # untied
+    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp"}
+    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {"dp", "dist_opt"}
+    # torch DDP and DeepSpeed run none of Megatron's groups
+    assert groups("qwen2-1.5b-like", TrainingOptions(framework="pytorch")) == {"dp", "tp", "pp"}
+    # a middle stage holds no copy of the embeddings: no embedding communicator
+    pp4 = ParallelStrategy(1, 1, 4, global_batch=4)
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp"}
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS, embedding_stage=True)) == {
+        "nccl_pp", "nccl_mp", "nccl_embd"}
+    # the traced path (data parallelism only): the distributed optimizer's group over dp
+    mlp = MlpSpec(64, (32,), 10)
+    traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
+                                   options=replace(distributed, framework="megatron"))
+    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {"nccl_dp",
+                                                                           "nccl_dist_opt"}
 
 
 def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
@@ -674,7 +796,8 @@ def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_ar
     assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
                  "--framework", "megatron", "--dp", "8", "--zero", "1"]) in (0, 2, 3)
     out = json.loads(capsys.readouterr().out)
-    assert out["nccl_dp"] == out["nccl_buffers"] == nccl_bytes(8)
+    # and the distributed optimizer's gradient statistics over every rank (the next test)
+    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_buffers"] / 2 == nccl_bytes(8)
     assert out["analytical.megatron_grad_buffer"] > 0
 
 
