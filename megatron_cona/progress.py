@@ -15,8 +15,9 @@ Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so t
 strategy would have had after the switch is read from its intervals around the switch: for an
 experiment bracketed by intervals on the old strategy before and after it (the session's
 ``bracket``), interpolated between the two sides (linear in the loss), nothing
-extrapolated; for an ordinary switch extrapolated from its last intervals' readings (one fit,
-ln rate linear in the loss); loss readings are unbiased with independent noise.
+extrapolated; for an ordinary switch extrapolated from its last intervals' readings (one fit
+over one interval or several, at least five readings, ln rate linear in the loss); loss
+readings are unbiased with independent noise.
 """
 
 from __future__ import annotations
@@ -353,7 +354,10 @@ class ProgressMonitor:
         end = len(self.rates) - len(backs)
         news = self._run_before(end, new, limit=intervals)
         olds = self._run_before(end - len(news), old)
-        if not news or len(olds) < (1 if backs else 2):
+        # an extrapolated old side needs a bend to extrapolate: a cubic's five readings, from
+        # one interval or several (a move made after one interval on the old strategy is
+        # judged too, not taken on the ranking's word)
+        if not news or not olds or (not backs and len(readings(olds)[0]) < 5):
             return None
         b = news[0] if len(news) == 1 else self._pooled(news)
         a1 = olds[-1]

@@ -99,6 +99,27 @@ def test_a_switch_that_lost_progress_is_rolled_back_and_teaches_the_bias():
     assert m.bias == pytest.approx(100, rel=0.05) and m.calibrated
 
 
+def test_a_switch_after_one_interval_on_the_old_strategy_is_judged():
+    """The ranking may move after a single interval on a strategy (the grid's traced worst
+    case: 32 -> 128 after one interval on 32, on a bias one comparison had pinned 5x too
+    high). Its readings are enough to extrapolate the old rate (a cubic needs five), so the
+    move is judged like any other, not taken on the ranking's word: the same lost switch as
+    above, with one interval before it, is rolled back. Four readings are too few: no
+    verdict."""
+    old, new = P("dp4tp1pp1mb4gb64"), P("dp4tp1pp1mb1gb16")
+    e = (300 + 64) / (300 + 16)
+    m = ProgressMonitor()
+    _feed(m, old, lambda t: 0.01, 0, 100, 1.0)
+    _feed(m, new, lambda t: 0.01 * 0.5 * e, 100, 200, 2.0)
+    v = m.judge(old, new, probe_phi=3.0)
+    assert v is not None and v.rollback
+    assert v.observed == pytest.approx(0.5 * e, rel=1e-6)
+    m = ProgressMonitor()
+    _feed(m, old, lambda t: 0.01, 0, 100, 1.0, n=4)
+    _feed(m, new, lambda t: 0.01 * 0.5 * e, 100, 200, 2.0)
+    assert m.judge(old, new, probe_phi=3.0) is None
+
+
 def test_a_switch_as_predicted_is_kept_and_leaves_the_bias_near_one():
     """Batch 64 -> 128 at 1.6x the throughput per sample with the probe's phi = 50 right:
     progress x 1.6 (50+64)/(50+128) = 1.02, read through noisy losses."""
