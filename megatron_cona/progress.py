@@ -354,10 +354,10 @@ class ProgressMonitor:
         end = len(self.rates) - len(backs)
         news = self._run_before(end, new, limit=intervals)
         olds = self._run_before(end - len(news), old)
-        # an extrapolated old side needs a bend to extrapolate: a cubic's five readings, from
-        # one interval or several (a move made after one interval on the old strategy is
-        # judged too, not taken on the ranking's word)
-        if not news or not olds or (not backs and len(readings(olds)[0]) < 5):
+        # one interval on the old strategy is enough where its readings are (rate_at_loss's
+        # cubic needs five; it says None with fewer): a move made after one interval is
+        # judged too, not taken on the ranking's word
+        if not news or not olds:
             return None
         b = news[0] if len(news) == 1 else self._pooled(news)
         a1 = olds[-1]
