@@ -296,22 +296,31 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     (``ProcessGroupNCCL`` creates the communicator on first use), so a group is priced where
     a rank uses it. Every framework: ``dp`` (the gradients' all-reduce or reduce-scatter),
     ``tp`` (the layers' all-reduces), ``pp`` (the activations' send/recv between stages).
-    Megatron (Megatron-Core 0.16) also: the optimizer's gradient statistics (the gradient
-    norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are all-reduced over
-    ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel group of tp x pp
-    ranks (``mp``) without the distributed optimizer, with it the intra-distributed-optimizer
-    instance group of every rank (``dist_opt``: ``optimizer/__init__.py`` sets
-    ``grad_stats_parallel_group`` to ``intra_dist_opt_group``, one instance by default, built
-    over all 'tp-ep-pp' groups of the data-parallel ranks); and, on an ``embedding_stage``
-    (the first or last pipeline stage of a model with tied word embeddings), the embedding
-    group of the first and last stage (``embd``: ``LanguageModule.
+    Megatron (Megatron-LM with Megatron-Core 0.16) also: the world group of every rank
+    (``world``: torch's default process group, not one of Megatron-Core's groups: Megatron-LM's
+    ``megatron/training/initialize.py``, ``_compile_dependencies``, ends with a
+    ``torch.distributed.barrier()`` on it, and ``training.py``'s ``pretrain`` all-reduces the
+    start time over it; ``init_process_group`` is given no ``device_id``, so its communicator
+    too is created at that first collective); the optimizer's gradient statistics (the
+    gradient norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are
+    all-reduced over ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel
+    group of tp x pp ranks (``mp``) without the distributed optimizer, with it the
+    intra-distributed-optimizer instance group of every rank (``dist_opt``:
+    ``optimizer/__init__.py`` sets ``grad_stats_parallel_group`` to ``intra_dist_opt_group``,
+    one instance by default, built over all 'tp-ep-pp' groups of the data-parallel ranks); and,
+    on an ``embedding_stage`` (the first or last pipeline stage of a model with tied word
+    embeddings), the embedding group of the first and last stage (``embd``: ``LanguageModule.
     setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
     ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    Groups of the same ranks are distinct communicators (each ``new_group`` its own
+    ``ProcessGroupNCCL``): at tp = pp = 1 the world, data-parallel and distributed-optimizer
+    groups hold the same ranks and are three.
     The one implementation of the traced paths (:class:`Sharding`) and a preset's analytical
     model (``api.predict_peak_memory``)."""
     s = strategy
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
     if options.framework == "megatron":
+        sizes["world"] = s.world_size
         if options.distributed_optimizer:
             sizes["dist_opt"] = s.world_size
         else:

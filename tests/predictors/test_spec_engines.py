@@ -705,7 +705,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
         if options.zero_stage and strategy.dp == 1:
             continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
         if options.framework == "megatron":  # its distributed optimizer's gradient statistics
-            groups = groups | {"dist_opt"}  # (the next test; LLaMA's embeddings are untied)
+            groups = groups | {"dist_opt", "world"}  # and the world group (the next tests;
+            # LLaMA's embeddings are untied)
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -743,29 +744,67 @@ def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators
         return {k.removeprefix("nccl_") for k in p.nccl}
 
     # Qwen2-1.5B ties its embeddings: the stage predicted (first or last) holds the group
-    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd"}
-    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd"}
-    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp"}  # untied
-    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp"}
-    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {"dp", "dist_opt"}
+    # (and the world group of every rank: the test after next)
+    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd",
+                                                          "world"}
+    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd",
+                                                      "world"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "world"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp",
+                                                                                   "world"}
+    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {
+        "dp", "dist_opt", "world"}
     # torch DDP and DeepSpeed run none of Megatron's groups
     assert groups("qwen2-1.5b-like", TrainingOptions(framework="pytorch")) == {"dp", "tp", "pp"}
     # a middle stage holds no copy of the embeddings: no embedding communicator
     pp4 = ParallelStrategy(1, 1, 4, global_batch=4)
-    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp"}
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp",
+                                                             "nccl_world"}
     assert set(nccl_communicators(pp4, DEFAULT_OPTIONS, embedding_stage=True)) == {
-        "nccl_pp", "nccl_mp", "nccl_embd"}
+        "nccl_pp", "nccl_mp", "nccl_embd", "nccl_world"}
     # the traced path (data parallelism only): the distributed optimizer's group over dp
     mlp = MlpSpec(64, (32,), 10)
     traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
                                    options=replace(distributed, framework="megatron"))
-    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {"nccl_dp",
-                                                                           "nccl_dist_opt"}
+    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {
+        "nccl_dp", "nccl_dist_opt", "nccl_world"}
+
+
+def test_memory_prices_megatrons_world_group_communicator():
+    """Megatron-LM runs collectives on torch's default (world) process group besides
+    Megatron-Core's groups: initialize.py's _compile_dependencies ends with a
+    torch.distributed.barrier() on it and training.py's pretrain all-reduces the start time
+    over it, so every rank holds its NCCL communicator (288 MiB at the default 16 channels),
+    which was missing from Megatron's device total. It is a communicator of its own even where
+    another group holds the same ranks (tp = pp = 1: dp, world and the distributed optimizer's
+    group are three); at one rank there is none. Megatron's only: torch DDP's data-parallel
+    group is the default one, DeepSpeed's is priced as nccl_dp."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+    from predictors.spec import DEFAULT_OPTIONS
+
+    s = ParallelStrategy(2, 2, 2, global_batch=4)
+    assert nccl_communicators(s, DEFAULT_OPTIONS)["nccl_world"] == nccl_bytes(8)
+    assert "nccl_world" not in nccl_communicators(ParallelStrategy(1, 1, 1), DEFAULT_OPTIONS)
+    for framework in ("pytorch", "deepspeed"):
+        assert "nccl_world" not in nccl_communicators(s, TrainingOptions(framework=framework))
+    p = predict_peak_memory("llama-7b-like", s, DEFAULT_OPTIONS, "bf16-mixed")
+    assert p.nccl["nccl_world"] == nccl_bytes(8)
+    assert "NCCL world communicator" in p.format()
+    # the traced path: data parallelism only, the world group beside the data-parallel one
+    mlp = MlpSpec(64, (32,), 10)
+    traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
+                                   options=TrainingOptions(framework="megatron"))
+    assert traced.outside_allocator["nccl_world"] == traced.outside_allocator["nccl_dp"] \
+        == nccl_bytes(8)
 
 
 def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
     """The traced paths price the data-parallel communicator of every framework they model
-    (by the same rule as the analytical path), named nccl_dp and counted once."""
+    (by the same rule as the analytical path), named nccl_dp and counted once (Megatron's
+    world group beside it is a communicator of its own: the test above)."""
     from predictors.memory.device import nccl_bytes
     from predictors.memory.module import predict_module_memory
     from predictors.memory.simple import MlpSpec
@@ -776,10 +815,12 @@ def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_frame
                     TrainingOptions.for_zero_stage(2, framework="deepspeed")):
         p = predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8, options=options)
         outside = p.outside_allocator
+        world = {"nccl_world": nccl_bytes(8)} if options.framework == "megatron" else {}
         assert {k: v for k, v in outside.items() if k.startswith("nccl")} == {
-            "nccl_dp": nccl_bytes(8)}
-        assert p.device_used == p.max_memory_reserved + outside["cuda_context"] + nccl_bytes(8)
-        assert p.as_dict()["nccl_buffers"] == nccl_bytes(8)
+            "nccl_dp": nccl_bytes(8), **world}
+        nccl = nccl_bytes(8) * (1 + len(world))
+        assert p.device_used == p.max_memory_reserved + outside["cuda_context"] + nccl
+        assert p.as_dict()["nccl_buffers"] == nccl
     one = predict_module_memory(mlp.build, *mlp.example(4))
     assert set(one.outside_allocator) == {"cuda_context"} and one.as_dict()["nccl_buffers"] == 0
 
@@ -796,8 +837,10 @@ def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_ar
     assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
                  "--framework", "megatron", "--dp", "8", "--zero", "1"]) in (0, 2, 3)
     out = json.loads(capsys.readouterr().out)
-    # and the distributed optimizer's gradient statistics over every rank (the next test)
-    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_buffers"] / 2 == nccl_bytes(8)
+    # and the distributed optimizer's gradient statistics and the world group over every
+    # rank (the next tests)
+    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_world"] \
+        == out["nccl_buffers"] / 3 == nccl_bytes(8)
     assert out["analytical.megatron_grad_buffer"] > 0
 
 
