@@ -301,10 +301,13 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     ``megatron/training/initialize.py``, ``_compile_dependencies``, ends with a
     ``torch.distributed.barrier()`` on it, and ``training.py``'s ``pretrain`` all-reduces the
     start time over it; ``init_process_group`` is given no ``device_id``, so its communicator
-    too is created at that first collective); the optimizer's gradient statistics (the
-    gradient norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are
-    all-reduced over ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel
-    group of tp x pp ranks (``mp``) without the distributed optimizer, with it the
+    too is created at that first collective); the model-parallel group of tp x pp ranks
+    (``mp``), whatever the optimizer: ``training.py``'s ``train_step`` all-reduces the step's
+    success and gradient norm over it every step (``logical_and_across_model_parallel_group``,
+    ``reduce_max_stat_across_model_parallel_group``), and it is the optimizer's
+    gradient-statistics group without the distributed optimizer; the optimizer's gradient
+    statistics (the gradient norm, and fp16's found-inf check) are all-reduced over
+    ``MegatronOptimizer.get_grad_stats_parallel_group``, with the distributed optimizer the
     intra-distributed-optimizer instance group of every rank (``dist_opt``:
     ``optimizer/__init__.py`` sets ``grad_stats_parallel_group`` to ``intra_dist_opt_group``,
     one instance by default, built over all 'tp-ep-pp' groups of the data-parallel ranks); and,
@@ -321,10 +324,9 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
     if options.framework == "megatron":
         sizes["world"] = s.world_size
+        sizes["mp"] = s.tp * s.pp
         if options.distributed_optimizer:
             sizes["dist_opt"] = s.world_size
-        else:
-            sizes["mp"] = s.tp * s.pp
         if embedding_stage:
             sizes["embd"] = min(s.pp, 2)
     return {f"nccl_{group}": nccl_bytes(ranks, buffers)

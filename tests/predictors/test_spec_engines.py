@@ -704,9 +704,11 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
                              (ParallelStrategy(1, 1, 1), set())):
         if options.zero_stage and strategy.dp == 1:
             continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
-        if options.framework == "megatron":  # its distributed optimizer's gradient statistics
-            groups = groups | {"dist_opt", "world"}  # and the world group (the next tests;
+        if options.framework == "megatron":  # its distributed optimizer's gradient statistics,
+            # the model-parallel group of train_step and the world group (the next tests;
             # LLaMA's embeddings are untied)
+            groups = groups | {"dist_opt", "world"} | ({"mp"} if strategy.tp * strategy.pp > 1
+                                                       else set())
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -747,8 +749,10 @@ def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators
     # (and the world group of every rank: the test after next)
     assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd",
                                                           "world"}
+    # train_step all-reduces over the model-parallel group whatever the optimizer (the next
+    # test but one)
     assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd",
-                                                      "world"}
+                                                      "world", "mp"}
     assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "world"}
     assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp",
                                                                                    "world"}
@@ -768,6 +772,23 @@ def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators
                                    options=replace(distributed, framework="megatron"))
     assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {
         "nccl_dp", "nccl_dist_opt", "nccl_world"}
+
+
+def test_memory_prices_megatrons_model_parallel_communicator_with_the_distributed_optimizer():
+    """Megatron-LM's train_step all-reduces the step's success and the gradient norm over the
+    model-parallel group (tp x pp ranks) every step (training.py: logical_and_across_model_
+    parallel_group, reduce_max_stat_across_model_parallel_group), whatever the optimizer's
+    gradient-statistics group: with the distributed optimizer that group is the
+    intra-distributed-optimizer one, and the model-parallel communicator (288 MiB) was dropped
+    from the device total. Both are priced; without tp or pp there is no model-parallel
+    group."""
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+
+    distributed = TrainingOptions(distributed_optimizer=True)
+    for s in (ParallelStrategy(2, 2, 1), ParallelStrategy(2, 1, 2, global_batch=4)):
+        groups = nccl_communicators(s, distributed)
+        assert groups["nccl_mp"] == groups["nccl_dist_opt"] == nccl_bytes(2)
+    assert "nccl_mp" not in nccl_communicators(ParallelStrategy(8, 1, 1), distributed)
 
 
 def test_memory_prices_megatrons_world_group_communicator():
