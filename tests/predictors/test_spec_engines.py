@@ -723,8 +723,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
 def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators():
     """Megatron-Core 0.16 runs collectives on two more groups than dp, tp and pp, each its own
     NCCL communicator (288 MiB at the default 16 channels) that was missing from the device
-    total: the optimizer all-reduces the gradient norm (--clip-grad, on by default) and fp16's
-    found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
+    total: the optimizer all-reduces the gradient norm (every step, whatever --clip-grad) and
+    fp16's found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
     with the distributed optimizer, the intra-distributed-optimizer instance group of every
     rank ('dist_opt'); and with tied word embeddings the first and last pipeline stage
     all-reduce the shared weight over the embedding group ('embd'). Priced by one rule
