@@ -34,6 +34,7 @@ from .device import (
     grad_buffers,
     megatron_step_copy,
     nccl_communicators,
+    pipeline_buffers,
     replaces_gradients,
     unmodelled_zero,
     unpriced_framework,
@@ -287,6 +288,12 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         ddp = {k: v // tp for k, v in grads.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
+    # the 1F1B schedule's received output gradient and kept input gradient, per rank already
+    # (split by tp with sequence parallelism only), live in the forward and backward
+    if spec.text is not None:
+        p2p = pipeline_buffers(cfg, spec.text.seq_length, spec.text.hidden_size, stage, inflight)
+        comps.update(p2p)
+        reserved += sum(p2p.values())
     # DeepSpeed's buckets, fixed sizes (not split by tp): priced live at the peak whatever its
     # phase, as the traced path prices them (stage 1/2's ipg buffers live from the
     # backward's start to its end: at a forward or step peak this is an upper bound); whole

@@ -272,6 +272,40 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     return out
 
 
+def pipeline_buffers(cfg: Step, seq_length: int, hidden: int, stage: int,
+                     inflight: int) -> dict[str, int]:
+    """The p2p tensors Megatron-Core 0.16's 1F1B schedule holds on one rank of pipeline stage
+    ``stage`` (0-based) of ``cfg``'s strategy besides its ``inflight`` micro-batches'
+    activations, by name, each of the p2p shape (``pipeline_parallel/schedules.py``,
+    ``get_tensor_shapes``: ``seq_length / cp`` tokens, ``/ tp`` with sequence parallelism, x
+    the micro-batch x ``hidden``) in ``config.pipeline_dtype``, which Megatron-LM sets to the
+    weights' dtype (``arguments.py``: ``args.params_dtype``). On every stage but the last the
+    output gradient received from the next stage (``p2p_communication.py``, ``_communicate``:
+    ``torch.empty`` of ``recv_next_shape`` in ``send_forward_recv_backward`` /
+    ``recv_backward``), which the schedule's ``output_tensor_grad`` holds through that
+    micro-batch's backward and the next forward; on every stage but the first the gradient of
+    the stage's input (``backward_step`` returns ``input_tensor.grad``), which the schedule's
+    ``input_tensor_grad`` holds after it is sent, through the next forward and backward, until
+    the next ``backward_step`` returns: live at the most-in-flight backward where the stage
+    runs more micro-batches than it holds in flight (``forward_backward_pipelining_without_
+    interleaving``: from the second 1F1B iteration on). The forward receive is the first
+    layer's input, already the walk's activations; the sent outputs are freed
+    (``deallocate_pipeline_outputs``, on in Megatron-LM). Live in the forward and backward, so
+    priced at the peak whatever its phase (at an optimizer peak, after the schedule returns,
+    an upper bound). None at pp = 1."""
+    s = cfg.strategy
+    if s.pp == 1:
+        return {}
+    tokens = seq_length // s.cp // (s.tp if cfg.options.sequence_parallel else 1)
+    size = tokens * cfg.batch * hidden * cfg.precision.param_dtype.itemsize
+    out = {}
+    if stage < s.pp - 1:
+        out["pp_output_grad_recv"] = size
+    if stage > 0 and s.num_microbatches > inflight:
+        out["pp_input_grad"] = size
+    return out
+
+
 def nccl_bytes(ranks: int, buffers: CommBuffers | None = None) -> int:
     """NCCL's buffers for one communicator over ``ranks`` ranks (outside the caching
     allocator: NCCL allocates them with ``cudaMalloc``): each channel keeps a send and a receive

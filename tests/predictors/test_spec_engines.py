@@ -898,3 +898,42 @@ def test_memory_cli_judges_a_preset_on_the_card_it_names(capsys):
     assert a100["capacity"] == h100["capacity"] == 80 * GiB
     assert a100["cuda_context"] != h100["cuda_context"]
     assert run("--device", "a100-40gb", "--capacity-gib", "24")["capacity"] == 24 * GiB
+
+
+def test_memory_prices_the_pipeline_schedules_gradient_tensors():
+    """Megatron-Core 0.16's 1F1B schedule holds, besides the in-flight activations (whose
+    first layer's input is the forward receive), the output gradient it receives from the next
+    stage on every stage but the last (p2p_communication._communicate's torch.empty, held by
+    the schedule's output_tensor_grad through the backward) and, on every stage but the first,
+    the previous backward's input gradient (held by input_tensor_grad until the next
+    backward_step returns) wherever the stage runs more micro-batches than in flight; each
+    (seq / cp [/ tp with sequence parallelism], micro-batch, hidden) in the weights' dtype
+    (pipeline_dtype). Neither was priced at pp > 1."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import Step
+    from predictors.memory.device import pipeline_buffers
+    from predictors.spec import DEFAULT_OPTIONS
+
+    s = ParallelStrategy(1, 2, 4, micro_batch=2, global_batch=16)  # 8 micro-batches
+    cfg = Step(s, DEFAULT_OPTIONS, "bf16-mixed")
+    size = 2048 * 2 * 4096 * 2
+    both = {"pp_output_grad_recv": size, "pp_input_grad": size}
+    assert pipeline_buffers(cfg, 2048, 4096, 0, 4) == {"pp_output_grad_recv": size}
+    assert pipeline_buffers(cfg, 2048, 4096, 1, 3) == both
+    assert pipeline_buffers(cfg, 2048, 4096, 3, 1) == {"pp_input_grad": size}
+    # no more micro-batches than in flight: the stage's peak backward is its first
+    few = Step(replace(s, global_batch=4), DEFAULT_OPTIONS, "bf16-mixed")
+    assert pipeline_buffers(few, 2048, 4096, 1, 2) == {"pp_output_grad_recv": size}
+    sp = Step(s, replace(DEFAULT_OPTIONS, sequence_parallel=True), "bf16-mixed")
+    assert pipeline_buffers(sp, 2048, 4096, 1, 3) == {k: v // 2 for k, v in both.items()}
+    fp32 = Step(s, DEFAULT_OPTIONS, "fp32")  # pipeline_dtype: the weights' dtype
+    assert pipeline_buffers(fp32, 2048, 4096, 1, 3) == {k: v * 2 for k, v in both.items()}
+    assert pipeline_buffers(Step(ParallelStrategy(1, 2, 1), DEFAULT_OPTIONS, "bf16-mixed"),
+                            2048, 4096, 0, 1) == {}
+    # the API holds them at the predicted stage's peak
+    p = predict_peak_memory("llama-7b-like", s, DEFAULT_OPTIONS, "bf16-mixed")
+    t = p.model.text
+    p2p = pipeline_buffers(p.step, t.seq_length, t.hidden_size, p.stage,
+                           p.inflight_microbatches)
+    assert p2p and {k: p.components[k] for k in p2p} == p2p
+    assert p.peak_allocated_analytical == sum(p.components.values())
