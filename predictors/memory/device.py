@@ -11,6 +11,7 @@ buffers of distributed training (data parallelism, ZeRO, Megatron's distributed 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -244,13 +245,50 @@ def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Pr
     return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
+# The elements of the flat buckets DeepSpeed's engine all-reduces a ZeRO-0 step's gradients in:
+# engine.backward calls allreduce_gradients() with its default bucket_size,
+# MEMORY_OPT_ALLREDUCE_SIZE (deepspeed/runtime/engine.py, v0.9.5 and v0.12.6 alike; no config
+# key sets it)
+ALLREDUCE_BUCKET = 500_000_000
+
+
+def allreduce_bucket(grad_tensors: Sequence[int], bucket: int = ALLREDUCE_BUCKET) -> int:
+    """Elements of the largest flat tensor DeepSpeed's ZeRO-0 all-reduce allocates for
+    gradients of ``grad_tensors`` elements each, in parameter order: ``allreduce_no_retain``
+    takes them in order until their elements exceed ``bucket`` (so a bucket can pass it by
+    one tensor), flattens them into a new tensor (``_flatten_dense_tensors``), all-reduces it
+    and copies it back, then starts the next."""
+    largest = run = 0
+    for n in grad_tensors:
+        run += n
+        if run > bucket:
+            largest, run = max(largest, run), 0
+    return max(largest, run)
+
+
+def runs_deepspeed_engine(view: StrategyView) -> bool:
+    """Whether ``view``'s step runs DeepSpeed's engine, whose buckets
+    (:func:`deepspeed_buckets`) it allocates at every ZeRO stage, one rank included: the one
+    condition of :func:`deepspeed_buckets` and :attr:`Sharding.changes_step`."""
+    return view.options.framework == "deepspeed"
+
+
 def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Precision,
-                      buffers: CommBuffers | None = None) -> dict[str, int]:
-    """The bucket buffers DeepSpeed's ZeRO optimizer allocates inside the caching allocator on
-    one rank of ``view`` (framework ``deepspeed`` at ZeRO >= 1; none otherwise), by name, at
-    ``buffers``' sizes in the weights' dtype at ``precision`` (the optimizer's ``self.dtype``);
-    ``param_bytes``: the rank's parameter bytes (what the all-gather bucket is capped at).
-    Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
+                      buffers: CommBuffers | None = None,
+                      grad_tensors: Sequence[int] = ()) -> dict[str, int]:
+    """The bucket buffers DeepSpeed's engine and ZeRO optimizer allocate inside the caching
+    allocator on one rank of ``view`` (framework ``deepspeed``, :func:`runs_deepspeed_engine`;
+    none otherwise), by name, at ``buffers``' sizes in the weights' dtype at ``precision`` (the
+    optimizer's ``self.dtype``); ``param_bytes``: the rank's parameter bytes (what the
+    all-gather bucket is capped at); ``grad_tensors``: the elements of each trainable
+    gradient, in parameter order (what ZeRO 0 buckets). ZeRO 0 is DeepSpeed's own data
+    parallelism: the engine's ``allreduce_gradients`` runs ``buffered_allreduce_fallback``
+    after every backward at a gradient-accumulation boundary, at any ``dp``, which flattens
+    the gradients (``param.grad``, in the weights' dtype, all-reduced in it:
+    ``communication_data_type`` defaults to it) into buckets of :data:`ALLREDUCE_BUCKET`
+    elements one after another (:func:`allreduce_bucket`: the largest is priced,
+    ``ds_allreduce_bucket``, live after the backward beside every gradient; it was priced as a
+    plain step, no bucket). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
     the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
     size, a second one with ``overlap_comm``, at each backward's start wherever
     ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
@@ -260,10 +298,12 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
     (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
     (``api.predict_peak_memory``), which price them live in every phase of the step."""
-    if view.options.framework != "deepspeed" or view.zero == 0:
+    if not runs_deepspeed_engine(view):
         return {}
-    b = buffers or CommBuffers()
     elem = get_precision(precision).param_dtype.itemsize
+    if view.zero == 0:
+        return {"ds_allreduce_bucket": allreduce_bucket(grad_tensors) * elem}
+    b = buffers or CommBuffers()
     overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
     n = 2 if overlap and view.zero < 3 else 1
     out = {"ds_reduce_bucket": int(n * b.reduce_bucket * elem)}
@@ -422,11 +462,11 @@ class Sharding(StrategyView):
     def changes_step(self) -> bool:
         """Whether the framework changes what the traced single-GPU step holds: beyond one
         rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
-        and DeepSpeed's ZeRO (its buckets, :func:`deepspeed_buckets`)."""
-        return (self.dp > 1 or replaces_gradients(self.framework)
-                or (self.framework == "deepspeed" and self.zero >= 1))
+        and DeepSpeed (its buckets, :func:`deepspeed_buckets`)."""
+        return self.dp > 1 or replaces_gradients(self.framework) or runs_deepspeed_engine(self)
 
-    def sharding_adjustment(self, live: dict[str, int], grad_params: int, opt: OptimizerSpec,
+    def sharding_adjustment(self, live: dict[str, int], grad_tensors: Sequence[int],
+                            opt: OptimizerSpec,
                             precision: str, peak_phase: str = "",
                             module_tensors: list[list[int]] | None = None, *,
                             peak_allocated: int, peaks_without_gradients: dict[str, int]
@@ -434,8 +474,9 @@ class Sharding(StrategyView):
         """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
         peak breakdown ``live`` (labels of :mod:`tracker`; ``peak_allocated`` its total).
         Returns ``({"delta": bytes, "buffers": {name: bytes}}, notes)``; sharding is applied
-        to the traced breakdown, it is not itself traced. ``grad_params``: the trainable
-        elements (what the framework's gradient buffers hold, :func:`grad_buffers`);
+        to the traced breakdown, it is not itself traced. ``grad_tensors``: the elements of
+        each trainable parameter, in order (what the framework's gradient buffers hold,
+        :func:`grad_buffers`, and DeepSpeed's ZeRO-0 buckets, :func:`deepspeed_buckets`);
         ``module_tensors``: per module, its parameter tensors' bytes (ZeRO-3 gathers one
         module at a time; :mod:`zero`); ``peaks_without_gradients``: per phase, the trace's
         most bytes live at once outside its gradients (``.grad`` and fp32 master gradients),
@@ -444,6 +485,7 @@ class Sharding(StrategyView):
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
+        grad_params = sum(grad_tensors)
         buffers = grad_buffers(self, grad_params, precision)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
@@ -462,7 +504,7 @@ class Sharding(StrategyView):
                 delta -= int(live.get("temporary", 0) * (1 - keep))
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
-        buffers.update(deepspeed_buckets(self, params, precision, self.buffers))
+        buffers.update(deepspeed_buckets(self, params, precision, self.buffers, grad_tensors))
         if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent

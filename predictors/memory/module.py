@@ -241,10 +241,10 @@ def predict_module_memory(
         outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
     m = (Margin.fixed(margin) if margin is not None
          else margin_for("conv" if meas.convolutions else "dense"))
-    module_tensors, grad_params = (_parameter_bytes(build, precision) if dist.changes_step
-                                   else ([], 0))
+    module_tensors, grad_tensors = (_parameter_bytes(build, precision) if dist.changes_step
+                                    else ([], []))
     extra, notes = dist.sharding_adjustment(
-        meas.breakdown, grad_params, opt, precision, meas.peak_phase, module_tensors,
+        meas.breakdown, grad_tensors, opt, precision, meas.peak_phase, module_tensors,
         peak_allocated=meas.peak_allocated,
         peaks_without_gradients=meas.phase_peaks_without_gradients)
     pred = DeviceMemoryPrediction(
@@ -276,10 +276,11 @@ def predict_module_memory(
 
 
 def _parameter_bytes(build: Callable[[], nn.Module], precision: str
-                     ) -> tuple[list[list[int]], int]:  # fmt: skip
+                     ) -> tuple[list[list[int]], list[int]]:  # fmt: skip
     """Per module with parameters of its own, their bytes at the precision's weight dtype
-    (what ZeRO-3 gathers one module at a time), and the trainable elements (what a
-    framework's gradient buffers hold, device.grad_buffers)."""
+    (what ZeRO-3 gathers one module at a time), and the elements of each trainable parameter
+    in ``named_parameters`` order (what a framework's gradient buffers hold,
+    device.grad_buffers, and DeepSpeed's ZeRO-0 all-reduce buckets, device.deepspeed_buckets)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     elem = get_precision(precision).param_dtype.itemsize
@@ -287,7 +288,7 @@ def _parameter_bytes(build: Callable[[], nn.Module], precision: str
         model = build()
         return ([[q.numel() * elem for q in m.parameters(recurse=False)]
                  for m in model.modules() if any(True for _ in m.parameters(recurse=False))],
-                sum(q.numel() for q in model.parameters() if q.requires_grad))
+                [q.numel() for q in model.parameters() if q.requires_grad])
 
 
 def predict_spec_memory(model: str | ModelSpec | TransformerSpec,
