@@ -87,6 +87,11 @@ class DeviceMemoryPrediction:
         return self.max_memory_reserved + sum(self.outside_allocator.values())
 
     @property
+    def nccl_bytes(self) -> int:
+        """NCCL's buffers: the communicators' entries of ``outside_allocator``."""
+        return sum(v for k, v in self.outside_allocator.items() if k.startswith("nccl_"))
+
+    @property
     def judgement(self) -> Judgement:
         return judge(self.max_memory_reserved, sum(self.outside_allocator.values()),
                      self.capacity, self.margin, self.out_of_memory)
@@ -105,7 +110,7 @@ class DeviceMemoryPrediction:
                 "max_memory_reserved": self.max_memory_reserved,
                 **{f"allocator.{k}": v for k, v in self.inside_allocator.items()},
                 **self.outside_allocator,
-                "nccl_buffers": sum(self.sharding.nccl().values()),
+                "nccl_buffers": self.nccl_bytes,
                 "device_used": self.device_used,
                 "capacity": self.capacity, **self.judgement.as_dict()}
 

@@ -844,6 +844,9 @@ def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_frame
         assert p.as_dict()["nccl_buffers"] == nccl
     one = predict_module_memory(mlp.build, *mlp.example(4))
     assert set(one.outside_allocator) == {"cuda_context"} and one.as_dict()["nccl_buffers"] == 0
+    # the sum is of the communicators the prediction holds, not a second pricing of them
+    p.outside_allocator["nccl_dp"] += 1
+    assert p.as_dict()["nccl_buffers"] == p.nccl_bytes == nccl_bytes(8) + 1
 
 
 def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_are(capsys):
