@@ -34,6 +34,7 @@ from .device import (
     grad_buffers,
     megatron_step_copy,
     nccl_communicators,
+    pipeline_buffers,
     replaces_gradients,
     unmodelled_zero,
     unpriced_framework,
@@ -41,7 +42,7 @@ from .device import (
 from .factorize import factorize
 from .model import MemoryModel, margin_family
 from .overheads import CARDS, HOPPER, PRE_HOPPER, CudaOverheads
-from .phases import trainable_params, walk_phases
+from .phases import trainable_params, trainable_tensors, walk_phases
 from .presets import as_memory_model
 from .verdict import Judgement, Margin, Verdict, judge, margin_for
 from .zero import PREFETCH_BUCKET
@@ -287,11 +288,18 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
         ddp = {k: v // tp for k, v in grads.items()}
         comps.update(ddp)
         reserved += sum(ddp.values())
-    # DeepSpeed's buckets, fixed sizes (not split by tp): priced live at the peak whatever its
-    # phase, as the traced path prices them (stage 1/2's ipg buffers live from the
-    # backward's start to its end: at a forward or step peak this is an upper bound); whole
-    # segments of their own
-    ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers)
+    # the 1F1B schedule's received output gradient and kept input gradient, per rank already
+    # (split by tp with sequence parallelism only), live in the forward and backward
+    if spec.text is not None:
+        p2p = pipeline_buffers(cfg, spec.text.seq_length, spec.text.hidden_size, stage, inflight)
+        comps.update(p2p)
+        reserved += sum(p2p.values())
+    # DeepSpeed's buckets, fixed sizes (not split by tp; ZeRO 0's flattens the rank's 1/tp of
+    # each gradient): priced live at the peak whatever its phase, as the traced path prices
+    # them (stage 1/2's ipg buffers live from the backward's start to its end, ZeRO 0's after
+    # it: at another peak this is an upper bound); whole segments of their own
+    ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers,
+                           [n // tp for n in trainable_tensors(fz)])
     comps.update(ds)
     reserved += sum(ds.values())
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,

@@ -11,6 +11,7 @@ buffers of distributed training (data parallelism, ZeRO, Megatron's distributed 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -244,13 +245,50 @@ def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Pr
     return grad_params * 4 // (view.dp if view.zero >= 1 else 1)
 
 
+# The elements of the flat buckets DeepSpeed's engine all-reduces a ZeRO-0 step's gradients in:
+# engine.backward calls allreduce_gradients() with its default bucket_size,
+# MEMORY_OPT_ALLREDUCE_SIZE (deepspeed/runtime/engine.py, v0.9.5 and v0.12.6 alike; no config
+# key sets it)
+ALLREDUCE_BUCKET = 500_000_000
+
+
+def allreduce_bucket(grad_tensors: Sequence[int], bucket: int = ALLREDUCE_BUCKET) -> int:
+    """Elements of the largest flat tensor DeepSpeed's ZeRO-0 all-reduce allocates for
+    gradients of ``grad_tensors`` elements each, in parameter order: ``allreduce_no_retain``
+    takes them in order until their elements exceed ``bucket`` (so a bucket can pass it by
+    one tensor), flattens them into a new tensor (``_flatten_dense_tensors``), all-reduces it
+    and copies it back, then starts the next."""
+    largest = run = 0
+    for n in grad_tensors:
+        run += n
+        if run > bucket:
+            largest, run = max(largest, run), 0
+    return max(largest, run)
+
+
+def runs_deepspeed_engine(view: StrategyView) -> bool:
+    """Whether ``view``'s step runs DeepSpeed's engine, whose buckets
+    (:func:`deepspeed_buckets`) it allocates at every ZeRO stage, one rank included: the one
+    condition of :func:`deepspeed_buckets` and :attr:`Sharding.changes_step`."""
+    return view.options.framework == "deepspeed"
+
+
 def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Precision,
-                      buffers: CommBuffers | None = None) -> dict[str, int]:
-    """The bucket buffers DeepSpeed's ZeRO optimizer allocates inside the caching allocator on
-    one rank of ``view`` (framework ``deepspeed`` at ZeRO >= 1; none otherwise), by name, at
-    ``buffers``' sizes in the weights' dtype at ``precision`` (the optimizer's ``self.dtype``);
-    ``param_bytes``: the rank's parameter bytes (what the all-gather bucket is capped at).
-    Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
+                      buffers: CommBuffers | None = None,
+                      grad_tensors: Sequence[int] = ()) -> dict[str, int]:
+    """The bucket buffers DeepSpeed's engine and ZeRO optimizer allocate inside the caching
+    allocator on one rank of ``view`` (framework ``deepspeed``, :func:`runs_deepspeed_engine`;
+    none otherwise), by name, at ``buffers``' sizes in the weights' dtype at ``precision`` (the
+    optimizer's ``self.dtype``); ``param_bytes``: the rank's parameter bytes (what the
+    all-gather bucket is capped at); ``grad_tensors``: the elements of each trainable
+    gradient, in parameter order (what ZeRO 0 buckets). ZeRO 0 is DeepSpeed's own data
+    parallelism: the engine's ``allreduce_gradients`` runs ``buffered_allreduce_fallback``
+    after every backward at a gradient-accumulation boundary, at any ``dp``, which flattens
+    the gradients (``param.grad``, in the weights' dtype, all-reduced in it:
+    ``communication_data_type`` defaults to it) into buckets of :data:`ALLREDUCE_BUCKET`
+    elements one after another (:func:`allreduce_bucket`: the largest is priced,
+    ``ds_allreduce_bucket``, live after the backward beside every gradient; it was priced as a
+    plain step, no bucket). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
     the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
     size, a second one with ``overlap_comm``, at each backward's start wherever
     ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
@@ -260,15 +298,51 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
     (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
     (``api.predict_peak_memory``), which price them live in every phase of the step."""
-    if view.options.framework != "deepspeed" or view.zero == 0:
+    if not runs_deepspeed_engine(view):
         return {}
-    b = buffers or CommBuffers()
     elem = get_precision(precision).param_dtype.itemsize
+    if view.zero == 0:
+        return {"ds_allreduce_bucket": allreduce_bucket(grad_tensors) * elem}
+    b = buffers or CommBuffers()
     overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
     n = 2 if overlap and view.zero < 3 else 1
     out = {"ds_reduce_bucket": int(n * b.reduce_bucket * elem)}
     if view.zero == 1:
         out["ds_allgather_bucket"] = int(min(b.allgather_bucket * elem, max(param_bytes, elem)))
+    return out
+
+
+def pipeline_buffers(cfg: Step, seq_length: int, hidden: int, stage: int,
+                     inflight: int) -> dict[str, int]:
+    """The p2p tensors Megatron-Core 0.16's 1F1B schedule holds on one rank of pipeline stage
+    ``stage`` (0-based) of ``cfg``'s strategy besides its ``inflight`` micro-batches'
+    activations, by name, each of the p2p shape (``pipeline_parallel/schedules.py``,
+    ``get_tensor_shapes``: ``seq_length / cp`` tokens, ``/ tp`` with sequence parallelism, x
+    the micro-batch x ``hidden``) in ``config.pipeline_dtype``, which Megatron-LM sets to the
+    weights' dtype (``arguments.py``: ``args.params_dtype``). On every stage but the last the
+    output gradient received from the next stage (``p2p_communication.py``, ``_communicate``:
+    ``torch.empty`` of ``recv_next_shape`` in ``send_forward_recv_backward`` /
+    ``recv_backward``), which the schedule's ``output_tensor_grad`` holds through that
+    micro-batch's backward and the next forward; on every stage but the first the gradient of
+    the stage's input (``backward_step`` returns ``input_tensor.grad``), which the schedule's
+    ``input_tensor_grad`` holds after it is sent, through the next forward and backward, until
+    the next ``backward_step`` returns: live at the most-in-flight backward where the stage
+    runs more micro-batches than it holds in flight (``forward_backward_pipelining_without_
+    interleaving``: from the second 1F1B iteration on). The forward receive is the first
+    layer's input, already the walk's activations; the sent outputs are freed
+    (``deallocate_pipeline_outputs``, on in Megatron-LM). Live in the forward and backward, so
+    priced at the peak whatever its phase (at an optimizer peak, after the schedule returns,
+    an upper bound). None at pp = 1."""
+    s = cfg.strategy
+    if s.pp == 1:
+        return {}
+    tokens = seq_length // s.cp // (s.tp if cfg.options.sequence_parallel else 1)
+    size = tokens * cfg.batch * hidden * cfg.precision.param_dtype.itemsize
+    out = {}
+    if stage < s.pp - 1:
+        out["pp_output_grad_recv"] = size
+    if stage > 0 and s.num_microbatches > inflight:
+        out["pp_input_grad"] = size
     return out
 
 
@@ -296,26 +370,37 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     (``ProcessGroupNCCL`` creates the communicator on first use), so a group is priced where
     a rank uses it. Every framework: ``dp`` (the gradients' all-reduce or reduce-scatter),
     ``tp`` (the layers' all-reduces), ``pp`` (the activations' send/recv between stages).
-    Megatron (Megatron-Core 0.16) also: the optimizer's gradient statistics (the gradient
-    norm of ``--clip-grad``, 1.0 by default, and fp16's found-inf check) are all-reduced over
-    ``MegatronOptimizer.get_grad_stats_parallel_group``: the model-parallel group of tp x pp
-    ranks (``mp``) without the distributed optimizer, with it the intra-distributed-optimizer
-    instance group of every rank (``dist_opt``: ``optimizer/__init__.py`` sets
-    ``grad_stats_parallel_group`` to ``intra_dist_opt_group``, one instance by default, built
-    over all 'tp-ep-pp' groups of the data-parallel ranks); and, on an ``embedding_stage``
-    (the first or last pipeline stage of a model with tied word embeddings), the embedding
-    group of the first and last stage (``embd``: ``LanguageModule.
+    Megatron (Megatron-LM with Megatron-Core 0.16) also: the world group of every rank
+    (``world``: torch's default process group, not one of Megatron-Core's groups: Megatron-LM's
+    ``megatron/training/initialize.py``, ``_compile_dependencies``, ends with a
+    ``torch.distributed.barrier()`` on it, and ``training.py``'s ``pretrain`` all-reduces the
+    start time over it; ``init_process_group`` is given no ``device_id``, so its communicator
+    too is created at that first collective); the model-parallel group of tp x pp ranks
+    (``mp``), whatever the optimizer: ``training.py``'s ``train_step`` all-reduces the step's
+    success and gradient norm over it every step (``logical_and_across_model_parallel_group``,
+    ``reduce_max_stat_across_model_parallel_group``), and it is the optimizer's
+    gradient-statistics group without the distributed optimizer; the optimizer's gradient
+    statistics (the gradient norm, and fp16's found-inf check) are all-reduced over
+    ``MegatronOptimizer.get_grad_stats_parallel_group``, with the distributed optimizer the
+    intra-distributed-optimizer instance group of every rank (``dist_opt``:
+    ``optimizer/__init__.py`` sets ``grad_stats_parallel_group`` to ``intra_dist_opt_group``,
+    one instance by default, built over all 'tp-ep-pp' groups of the data-parallel ranks); and,
+    on an ``embedding_stage`` (the first or last pipeline stage of a model with tied word
+    embeddings), the embedding group of the first and last stage (``embd``: ``LanguageModule.
     setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
     ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    Groups of the same ranks are distinct communicators (each ``new_group`` its own
+    ``ProcessGroupNCCL``): at tp = pp = 1 the world, data-parallel and distributed-optimizer
+    groups hold the same ranks and are three.
     The one implementation of the traced paths (:class:`Sharding`) and a preset's analytical
     model (``api.predict_peak_memory``)."""
     s = strategy
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
     if options.framework == "megatron":
+        sizes["world"] = s.world_size
+        sizes["mp"] = s.tp * s.pp
         if options.distributed_optimizer:
             sizes["dist_opt"] = s.world_size
-        else:
-            sizes["mp"] = s.tp * s.pp
         if embedding_stage:
             sizes["embd"] = min(s.pp, 2)
     return {f"nccl_{group}": nccl_bytes(ranks, buffers)
@@ -377,11 +462,11 @@ class Sharding(StrategyView):
     def changes_step(self) -> bool:
         """Whether the framework changes what the traced single-GPU step holds: beyond one
         rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
-        and DeepSpeed's ZeRO (its buckets, :func:`deepspeed_buckets`)."""
-        return (self.dp > 1 or replaces_gradients(self.framework)
-                or (self.framework == "deepspeed" and self.zero >= 1))
+        and DeepSpeed (its buckets, :func:`deepspeed_buckets`)."""
+        return self.dp > 1 or replaces_gradients(self.framework) or runs_deepspeed_engine(self)
 
-    def sharding_adjustment(self, live: dict[str, int], grad_params: int, opt: OptimizerSpec,
+    def sharding_adjustment(self, live: dict[str, int], grad_tensors: Sequence[int],
+                            opt: OptimizerSpec,
                             precision: str, peak_phase: str = "",
                             module_tensors: list[list[int]] | None = None, *,
                             peak_allocated: int, peaks_without_gradients: dict[str, int]
@@ -389,8 +474,9 @@ class Sharding(StrategyView):
         """Bytes ZeRO removes from (and bucket buffers add to) one rank's traced single-GPU
         peak breakdown ``live`` (labels of :mod:`tracker`; ``peak_allocated`` its total).
         Returns ``({"delta": bytes, "buffers": {name: bytes}}, notes)``; sharding is applied
-        to the traced breakdown, it is not itself traced. ``grad_params``: the trainable
-        elements (what the framework's gradient buffers hold, :func:`grad_buffers`);
+        to the traced breakdown, it is not itself traced. ``grad_tensors``: the elements of
+        each trainable parameter, in order (what the framework's gradient buffers hold,
+        :func:`grad_buffers`, and DeepSpeed's ZeRO-0 buckets, :func:`deepspeed_buckets`);
         ``module_tensors``: per module, its parameter tensors' bytes (ZeRO-3 gathers one
         module at a time; :mod:`zero`); ``peaks_without_gradients``: per phase, the trace's
         most bytes live at once outside its gradients (``.grad`` and fp32 master gradients),
@@ -399,6 +485,7 @@ class Sharding(StrategyView):
             return {"delta": 0, "buffers": {}}, []
         d = self.dp
         keep = 1 / d
+        grad_params = sum(grad_tensors)
         buffers = grad_buffers(self, grad_params, precision)
         params = live.get("parameter", 0)
         grads = live.get("gradient", 0)
@@ -417,7 +504,7 @@ class Sharding(StrategyView):
                 delta -= int(live.get("temporary", 0) * (1 - keep))
         if self.framework == "deepspeed" and self.zero >= 2:
             delta -= int(grads * (1 - keep))
-        buffers.update(deepspeed_buckets(self, params, precision, self.buffers))
+        buffers.update(deepspeed_buckets(self, params, precision, self.buffers, grad_tensors))
         if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)
             z3 = zero3_params(module_tensors or [[params]], d, elem, self.buffers.prefetch_bucket)
             delta -= params - z3.shard - z3.persistent

@@ -87,6 +87,11 @@ class DeviceMemoryPrediction:
         return self.max_memory_reserved + sum(self.outside_allocator.values())
 
     @property
+    def nccl_bytes(self) -> int:
+        """NCCL's buffers: the communicators' entries of ``outside_allocator``."""
+        return sum(v for k, v in self.outside_allocator.items() if k.startswith("nccl_"))
+
+    @property
     def judgement(self) -> Judgement:
         return judge(self.max_memory_reserved, sum(self.outside_allocator.values()),
                      self.capacity, self.margin, self.out_of_memory)
@@ -105,7 +110,7 @@ class DeviceMemoryPrediction:
                 "max_memory_reserved": self.max_memory_reserved,
                 **{f"allocator.{k}": v for k, v in self.inside_allocator.items()},
                 **self.outside_allocator,
-                "nccl_buffers": sum(self.sharding.nccl().values()),
+                "nccl_buffers": self.nccl_bytes,
                 "device_used": self.device_used,
                 "capacity": self.capacity, **self.judgement.as_dict()}
 
@@ -241,10 +246,10 @@ def predict_module_memory(
         outside = {**outside, "cudnn": prof.overheads.cudnn_context_bytes}
     m = (Margin.fixed(margin) if margin is not None
          else margin_for("conv" if meas.convolutions else "dense"))
-    module_tensors, grad_params = (_parameter_bytes(build, precision) if dist.changes_step
-                                   else ([], 0))
+    module_tensors, grad_tensors = (_parameter_bytes(build, precision) if dist.changes_step
+                                    else ([], []))
     extra, notes = dist.sharding_adjustment(
-        meas.breakdown, grad_params, opt, precision, meas.peak_phase, module_tensors,
+        meas.breakdown, grad_tensors, opt, precision, meas.peak_phase, module_tensors,
         peak_allocated=meas.peak_allocated,
         peaks_without_gradients=meas.phase_peaks_without_gradients)
     pred = DeviceMemoryPrediction(
@@ -276,10 +281,11 @@ def predict_module_memory(
 
 
 def _parameter_bytes(build: Callable[[], nn.Module], precision: str
-                     ) -> tuple[list[list[int]], int]:  # fmt: skip
+                     ) -> tuple[list[list[int]], list[int]]:  # fmt: skip
     """Per module with parameters of its own, their bytes at the precision's weight dtype
-    (what ZeRO-3 gathers one module at a time), and the trainable elements (what a
-    framework's gradient buffers hold, device.grad_buffers)."""
+    (what ZeRO-3 gathers one module at a time), and the elements of each trainable parameter
+    in ``named_parameters`` order (what a framework's gradient buffers hold,
+    device.grad_buffers, and DeepSpeed's ZeRO-0 all-reduce buckets, device.deepspeed_buckets)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     elem = get_precision(precision).param_dtype.itemsize
@@ -287,7 +293,7 @@ def _parameter_bytes(build: Callable[[], nn.Module], precision: str
         model = build()
         return ([[q.numel() * elem for q in m.parameters(recurse=False)]
                  for m in model.modules() if any(True for _ in m.parameters(recurse=False))],
-                sum(q.numel() for q in model.parameters() if q.requires_grad))
+                [q.numel() for q in model.parameters() if q.requires_grad])
 
 
 def predict_spec_memory(model: str | ModelSpec | TransformerSpec,

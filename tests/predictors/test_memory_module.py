@@ -148,6 +148,27 @@ def test_deepspeed_zero_1_holds_its_contiguous_gradient_buffer_as_zero_2_does():
     assert overlap.inside_allocator["ds_reduce_bucket"] == 2 * 5e8 * 4
 
 
+def test_deepspeed_zero_0_holds_its_engines_allreduce_bucket():
+    """At ZeRO 0 DeepSpeed's engine is the data parallelism: engine.backward's
+    allreduce_gradients runs buffered_allreduce_fallback at any dp, which flattens the
+    gradients, in parameter order, into new tensors of up to MEMORY_OPT_ALLREDUCE_SIZE (5e8)
+    elements (a bucket passes it by one tensor: allreduce_no_retain) and all-reduces each. It was
+    priced as a plain step, no bucket: here the whole model's gradients, one flat copy."""
+    grads = [q.numel() for q in WIDE.build().parameters()]
+    plain = _predict(optimizer="adam:fused")
+    for dp in (1, 8):
+        z0 = _predict(strategy=ParallelStrategy(dp, 1, 1), options=TrainingOptions(
+            framework="deepspeed"))
+        assert z0.inside_allocator["ds_allreduce_bucket"] == sum(grads) * 4  # fp32 gradients
+        assert z0.max_memory_allocated == plain.max_memory_allocated + sum(grads) * 4
+    # 5e8 elements a bucket, passed by the tensor that crosses it
+    from predictors.memory.device import allreduce_bucket
+
+    assert allreduce_bucket([3e8, 3e8, 1e8]) == 6e8
+    assert allreduce_bucket([1e8] * 4) == 4e8
+    assert allreduce_bucket([4e8, 2e8, 6e8, 1e8]) == 6e8
+
+
 def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
     """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
     priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a

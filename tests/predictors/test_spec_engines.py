@@ -704,8 +704,11 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
                              (ParallelStrategy(1, 1, 1), set())):
         if options.zero_stage and strategy.dp == 1:
             continue  # nothing to shard (and DeepSpeed's walk wants dp ranks)
-        if options.framework == "megatron":  # its distributed optimizer's gradient statistics
-            groups = groups | {"dist_opt"}  # (the next test; LLaMA's embeddings are untied)
+        if options.framework == "megatron":  # its distributed optimizer's gradient statistics,
+            # the model-parallel group of train_step and the world group (the next tests;
+            # LLaMA's embeddings are untied)
+            groups = groups | {"dist_opt", "world"} | ({"mp"} if strategy.tp * strategy.pp > 1
+                                                       else set())
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -720,8 +723,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
 def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators():
     """Megatron-Core 0.16 runs collectives on two more groups than dp, tp and pp, each its own
     NCCL communicator (288 MiB at the default 16 channels) that was missing from the device
-    total: the optimizer all-reduces the gradient norm (--clip-grad, on by default) and fp16's
-    found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
+    total: the optimizer all-reduces the gradient norm (every step, whatever --clip-grad) and
+    fp16's found-inf over its grad-stats group, the model-parallel group of tp x pp ranks ('mp') or,
     with the distributed optimizer, the intra-distributed-optimizer instance group of every
     rank ('dist_opt'); and with tied word embeddings the first and last pipeline stage
     all-reduce the shared weight over the embedding group ('embd'). Priced by one rule
@@ -743,29 +746,86 @@ def test_memory_prices_megatrons_gradient_statistics_and_embedding_communicators
         return {k.removeprefix("nccl_") for k in p.nccl}
 
     # Qwen2-1.5B ties its embeddings: the stage predicted (first or last) holds the group
-    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd"}
-    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd"}
-    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp"}  # untied
-    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp"}
-    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {"dp", "dist_opt"}
+    # (and the world group of every rank: the test after next)
+    assert groups("qwen2-1.5b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "embd",
+                                                          "world"}
+    # train_step all-reduces over the model-parallel group whatever the optimizer (the next
+    # test but one)
+    assert groups("qwen2-1.5b-like", distributed) == {"dp", "tp", "pp", "dist_opt", "embd",
+                                                      "world", "mp"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS) == {"dp", "tp", "pp", "mp", "world"}
+    assert groups("llama-7b-like", DEFAULT_OPTIONS, ParallelStrategy(8, 1, 1)) == {"dp",
+                                                                                   "world"}
+    assert groups("llama-7b-like", distributed, ParallelStrategy(8, 1, 1)) == {
+        "dp", "dist_opt", "world"}
     # torch DDP and DeepSpeed run none of Megatron's groups
     assert groups("qwen2-1.5b-like", TrainingOptions(framework="pytorch")) == {"dp", "tp", "pp"}
     # a middle stage holds no copy of the embeddings: no embedding communicator
     pp4 = ParallelStrategy(1, 1, 4, global_batch=4)
-    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp"}
+    assert set(nccl_communicators(pp4, DEFAULT_OPTIONS)) == {"nccl_pp", "nccl_mp",
+                                                             "nccl_world"}
     assert set(nccl_communicators(pp4, DEFAULT_OPTIONS, embedding_stage=True)) == {
-        "nccl_pp", "nccl_mp", "nccl_embd"}
+        "nccl_pp", "nccl_mp", "nccl_embd", "nccl_world"}
     # the traced path (data parallelism only): the distributed optimizer's group over dp
     mlp = MlpSpec(64, (32,), 10)
     traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
                                    options=replace(distributed, framework="megatron"))
-    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {"nccl_dp",
-                                                                           "nccl_dist_opt"}
+    assert {k for k in traced.outside_allocator if k.startswith("nccl")} == {
+        "nccl_dp", "nccl_dist_opt", "nccl_world"}
+
+
+def test_memory_prices_megatrons_model_parallel_communicator_with_the_distributed_optimizer():
+    """Megatron-LM's train_step all-reduces the step's success and the gradient norm over the
+    model-parallel group (tp x pp ranks) every step (training.py: logical_and_across_model_
+    parallel_group, reduce_max_stat_across_model_parallel_group), whatever the optimizer's
+    gradient-statistics group: with the distributed optimizer that group is the
+    intra-distributed-optimizer one, and the model-parallel communicator (288 MiB) was dropped
+    from the device total. Both are priced; without tp or pp there is no model-parallel
+    group."""
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+
+    distributed = TrainingOptions(distributed_optimizer=True)
+    for s in (ParallelStrategy(2, 2, 1), ParallelStrategy(2, 1, 2, global_batch=4)):
+        groups = nccl_communicators(s, distributed)
+        assert groups["nccl_mp"] == groups["nccl_dist_opt"] == nccl_bytes(2)
+    assert "nccl_mp" not in nccl_communicators(ParallelStrategy(8, 1, 1), distributed)
+
+
+def test_memory_prices_megatrons_world_group_communicator():
+    """Megatron-LM runs collectives on torch's default (world) process group besides
+    Megatron-Core's groups: initialize.py's _compile_dependencies ends with a
+    torch.distributed.barrier() on it and training.py's pretrain all-reduces the start time
+    over it, so every rank holds its NCCL communicator (288 MiB at the default 16 channels),
+    which was missing from Megatron's device total. It is a communicator of its own even where
+    another group holds the same ranks (tp = pp = 1: dp, world and the distributed optimizer's
+    group are three); at one rank there is none. Megatron's only: torch DDP's data-parallel
+    group is the default one, DeepSpeed's is priced as nccl_dp."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+    from predictors.spec import DEFAULT_OPTIONS
+
+    s = ParallelStrategy(2, 2, 2, global_batch=4)
+    assert nccl_communicators(s, DEFAULT_OPTIONS)["nccl_world"] == nccl_bytes(8)
+    assert "nccl_world" not in nccl_communicators(ParallelStrategy(1, 1, 1), DEFAULT_OPTIONS)
+    for framework in ("pytorch", "deepspeed"):
+        assert "nccl_world" not in nccl_communicators(s, TrainingOptions(framework=framework))
+    p = predict_peak_memory("llama-7b-like", s, DEFAULT_OPTIONS, "bf16-mixed")
+    assert p.nccl["nccl_world"] == nccl_bytes(8)
+    assert "NCCL world communicator" in p.format()
+    # the traced path: data parallelism only, the world group beside the data-parallel one
+    mlp = MlpSpec(64, (32,), 10)
+    traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=ParallelStrategy(8, 1, 1),
+                                   options=TrainingOptions(framework="megatron"))
+    assert traced.outside_allocator["nccl_world"] == traced.outside_allocator["nccl_dp"] \
+        == nccl_bytes(8)
 
 
 def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
     """The traced paths price the data-parallel communicator of every framework they model
-    (by the same rule as the analytical path), named nccl_dp and counted once."""
+    (by the same rule as the analytical path), named nccl_dp and counted once (Megatron's
+    world group beside it is a communicator of its own: the test above)."""
     from predictors.memory.device import nccl_bytes
     from predictors.memory.module import predict_module_memory
     from predictors.memory.simple import MlpSpec
@@ -776,12 +836,17 @@ def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_frame
                     TrainingOptions.for_zero_stage(2, framework="deepspeed")):
         p = predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8, options=options)
         outside = p.outside_allocator
+        world = {"nccl_world": nccl_bytes(8)} if options.framework == "megatron" else {}
         assert {k: v for k, v in outside.items() if k.startswith("nccl")} == {
-            "nccl_dp": nccl_bytes(8)}
-        assert p.device_used == p.max_memory_reserved + outside["cuda_context"] + nccl_bytes(8)
-        assert p.as_dict()["nccl_buffers"] == nccl_bytes(8)
+            "nccl_dp": nccl_bytes(8), **world}
+        nccl = nccl_bytes(8) * (1 + len(world))
+        assert p.device_used == p.max_memory_reserved + outside["cuda_context"] + nccl
+        assert p.as_dict()["nccl_buffers"] == nccl
     one = predict_module_memory(mlp.build, *mlp.example(4))
     assert set(one.outside_allocator) == {"cuda_context"} and one.as_dict()["nccl_buffers"] == 0
+    # the sum is of the communicators the prediction holds, not a second pricing of them
+    p.outside_allocator["nccl_dp"] += 1
+    assert p.as_dict()["nccl_buffers"] == p.nccl_bytes == nccl_bytes(8) + 1
 
 
 def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_are(capsys):
@@ -796,8 +861,10 @@ def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_ar
     assert main(["memory", "--model", "vit-b-like", "--image-res", "32", "--json",
                  "--framework", "megatron", "--dp", "8", "--zero", "1"]) in (0, 2, 3)
     out = json.loads(capsys.readouterr().out)
-    # and the distributed optimizer's gradient statistics over every rank (the next test)
-    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_buffers"] / 2 == nccl_bytes(8)
+    # and the distributed optimizer's gradient statistics and the world group over every
+    # rank (the next tests)
+    assert out["nccl_dp"] == out["nccl_dist_opt"] == out["nccl_world"] \
+        == out["nccl_buffers"] / 3 == nccl_bytes(8)
     assert out["analytical.megatron_grad_buffer"] > 0
 
 
@@ -834,3 +901,42 @@ def test_memory_cli_judges_a_preset_on_the_card_it_names(capsys):
     assert a100["capacity"] == h100["capacity"] == 80 * GiB
     assert a100["cuda_context"] != h100["cuda_context"]
     assert run("--device", "a100-40gb", "--capacity-gib", "24")["capacity"] == 24 * GiB
+
+
+def test_memory_prices_the_pipeline_schedules_gradient_tensors():
+    """Megatron-Core 0.16's 1F1B schedule holds, besides the in-flight activations (whose
+    first layer's input is the forward receive), the output gradient it receives from the next
+    stage on every stage but the last (p2p_communication._communicate's torch.empty, held by
+    the schedule's output_tensor_grad through the backward) and, on every stage but the first,
+    the previous backward's input gradient (held by input_tensor_grad until the next
+    backward_step returns) wherever the stage runs more micro-batches than in flight; each
+    (seq / cp [/ tp with sequence parallelism], micro-batch, hidden) in the weights' dtype
+    (pipeline_dtype). Neither was priced at pp > 1."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import Step
+    from predictors.memory.device import pipeline_buffers
+    from predictors.spec import DEFAULT_OPTIONS
+
+    s = ParallelStrategy(1, 2, 4, micro_batch=2, global_batch=16)  # 8 micro-batches
+    cfg = Step(s, DEFAULT_OPTIONS, "bf16-mixed")
+    size = 2048 * 2 * 4096 * 2
+    both = {"pp_output_grad_recv": size, "pp_input_grad": size}
+    assert pipeline_buffers(cfg, 2048, 4096, 0, 4) == {"pp_output_grad_recv": size}
+    assert pipeline_buffers(cfg, 2048, 4096, 1, 3) == both
+    assert pipeline_buffers(cfg, 2048, 4096, 3, 1) == {"pp_input_grad": size}
+    # no more micro-batches than in flight: the stage's peak backward is its first
+    few = Step(replace(s, global_batch=4), DEFAULT_OPTIONS, "bf16-mixed")
+    assert pipeline_buffers(few, 2048, 4096, 1, 2) == {"pp_output_grad_recv": size}
+    sp = Step(s, replace(DEFAULT_OPTIONS, sequence_parallel=True), "bf16-mixed")
+    assert pipeline_buffers(sp, 2048, 4096, 1, 3) == {k: v // 2 for k, v in both.items()}
+    fp32 = Step(s, DEFAULT_OPTIONS, "fp32")  # pipeline_dtype: the weights' dtype
+    assert pipeline_buffers(fp32, 2048, 4096, 1, 3) == {k: v * 2 for k, v in both.items()}
+    assert pipeline_buffers(Step(ParallelStrategy(1, 2, 1), DEFAULT_OPTIONS, "bf16-mixed"),
+                            2048, 4096, 0, 1) == {}
+    # the API holds them at the predicted stage's peak
+    p = predict_peak_memory("llama-7b-like", s, DEFAULT_OPTIONS, "bf16-mixed")
+    t = p.model.text
+    p2p = pipeline_buffers(p.step, t.seq_length, t.hidden_size, p.stage,
+                           p.inflight_microbatches)
+    assert p2p and {k: p.components[k] for k in p2p} == p2p
+    assert p.peak_allocated_analytical == sum(p.components.values())
