@@ -234,14 +234,16 @@ def _memory_reason(
 class PredictorMemory:
     """Peak memory of one rank from the multimodal memory predictor of ``predictors.memory``.
 
-    Per rank, in Megatron-Core's layout (``predict_peak_memory(strategy=)``): the first
-    pipeline stage's ``num_layers / pp`` layers (a GELU tower as the SwiGLU layer with its
-    MLP's parameter count), weights/gradients/states split ``tp`` ways, activations per Megatron's
-    TP split and held for ``min(pp, micro-batches)`` micro-batches in flight (1F1B), the
+    Per rank, in Megatron-Core's layout (``predict_peak_memory(strategy=)``): the pipeline
+    stage with the largest device total, each stage its own layers (a GELU tower as the
+    SwiGLU layer with its MLP's parameter count), weights/gradients/states split ``tp`` ways,
+    activations per Megatron's TP split and held for ``min(pp - stage, micro-batches)``
+    micro-batches in flight (1F1B) beside the schedule's received and kept gradients, the
     micro-batch as the batch; the CUDA context is per process, not divided by ``tp``, and
-    NCCL's buffers are one communicator's per parallel group of more than one rank (dp, tp,
-    pp, Megatron's gradient-statistics group and, on the first and last stage, its embedding
-    group; ``predictors.memory.device.nccl_communicators``). Under Megatron's options (the
+    NCCL's buffers are one communicator's per group of more than one rank a rank uses (dp,
+    tp, pp, and Megatron-LM's world, model-parallel, distributed-optimizer and, on the first
+    and last stage, embedding groups; ``predictors.memory.device.nccl_communicators``).
+    Under Megatron's options (the
     default) Megatron-Core's gradient buffer is held, full size, in every phase (fp32 at bf16
     weights; ``predictors.memory.device.grad_buffers``).
     """
