@@ -422,6 +422,17 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     embeddings), the embedding group of the first and last stage (``embd``: ``LanguageModule.
     setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
     ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    DeepSpeed also holds the world group's: without an ``mpu`` its data-parallel group is a
+    clone of the world group (``deepspeed/utils/groups.py``, ``_get_data_parallel_group`` ->
+    ``_clone_world_group``: ``dist.new_group`` of every rank, since ``dist.get_global_rank``
+    does not work on ``group.WORLD``), over which the engine broadcasts the model and reduces
+    the gradients (``nccl_dp``), while torch's default group runs ZeRO-3's parameter
+    all-gathers every step (``zero/partition_parameters.py``, ``Init``: ``ds_process_group =
+    dist.get_world_group()`` without a ``data_parallel_group``, as the HF integration's
+    ``zero.Init`` and the engine's ``_convert_to_zero_parameters`` without an ``mpu`` call
+    it) and, at every stage, ``engine.save_checkpoint``'s ``dist.barrier()`` and the
+    checkpoint tag's all-reduce (``_checkpoint_tag_validation``, on by default): v0.9.5,
+    v0.12.6 and v0.16 alike (``world``).
     Groups of the same ranks are distinct communicators (each ``new_group`` its own
     ``ProcessGroupNCCL``): at tp = pp = 1 the world, data-parallel and distributed-optimizer
     groups hold the same ranks and are three.
@@ -429,8 +440,9 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     model (``api.predict_peak_memory``)."""
     s = strategy
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
-    if options.framework == "megatron":
+    if options.framework in ("megatron", "deepspeed"):
         sizes["world"] = s.world_size
+    if options.framework == "megatron":
         sizes["mp"] = s.tp * s.pp
         if options.distributed_optimizer:
             sizes["dist_opt"] = s.world_size
@@ -487,8 +499,8 @@ class Sharding(StrategyView):
 
     def nccl(self) -> dict[str, int]:
         """NCCL's buffers by communicator (:func:`nccl_communicators`: tp = pp = 1 here, so the
-        data-parallel one and Megatron's distributed optimizer's), with this framework's
-        buffer sizes."""
+        data-parallel one, Megatron's and DeepSpeed's world group's and Megatron's distributed
+        optimizer's), with this framework's buffer sizes."""
         return nccl_communicators(self.strategy, self.options, self.buffers)
 
     @property
