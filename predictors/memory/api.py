@@ -32,10 +32,10 @@ from .device import (
     CommBuffers,
     deepspeed_buckets,
     grad_buffers,
-    megatron_step_copy,
     nccl_communicators,
     pipeline_buffers,
     replaces_gradients,
+    step_copy,
     unmodelled_zero,
     unpriced_framework,
 )
@@ -266,15 +266,16 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
     grads = grad_buffers(cfg, grad_params, cfg.precision)
-    if replaces_gradients(options.framework) and grads:
-        # Megatron's buffer holds every gradient from wrap time, one rank included: the walk
-        # holds it, full size, in every phase instead of the per-layer gradients of the plain
-        # PyTorch step the residual model was trained on (which appear in the backward, so
-        # none at a forward or loss peak); priced beyond the residual by the walks' difference
-        megatron = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
-                               step_copy=megatron_step_copy(cfg, grad_params, cfg.precision))
-        reserved += megatron.peak_allocated - est.peak_allocated
-        est = megatron
+    if replaces_gradients(cfg, cfg.precision) and grads:
+        # Megatron's buffer (DeepSpeed's BF16_Optimizer's fp32 buffer and kept bf16 .grad)
+        # holds every gradient from wrap time, one rank included: the walk holds it, full
+        # size, in every phase instead of the per-layer gradients of the plain PyTorch step
+        # the residual model was trained on (which appear in the backward, so none at a
+        # forward or loss peak); priced beyond the residual by the walks' difference
+        held = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
+                           step_copy=step_copy(cfg, trainable_tensors(fz), cfg.precision))
+        reserved += held.peak_allocated - est.peak_allocated
+        est = held
     comps = dict(est.components)
     if tp > 1 or inflight > 1:
         comps = per_rank_components(comps, tp, inflight, _activation_tp_share(
@@ -318,7 +319,7 @@ def _embedding_stage(spec: ModelSpec) -> bool:
 
 
 SHARDED_BY_TP = ("parameters", "gradients", "optimizer_states", "transient",
-                 "megatron_grad_buffer")
+                 "megatron_grad_buffer", "ds_fp32_grad_buffer", "ds_bf16_grads")
 
 
 def per_rank_components(components: dict[str, int], tp: int, inflight: int,

@@ -24,7 +24,7 @@ from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, Step, StrategyView
 from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
-from .phases import deepspeed_zero
+from .phases import bf16_optimizer, deepspeed_zero
 from .zero import zero3_params
 
 
@@ -194,15 +194,18 @@ def megatron_grad_dtype(precision: str | Precision, options: TrainingOptions) ->
     return torch.float16 if fp16 else torch.float32
 
 
-def replaces_gradients(framework: str) -> bool:
-    """Whether ``framework``'s gradient buffer (:func:`grad_buffers`) holds the gradients IN
-    PLACE of ``param.grad``: Megatron-Core's backward hook adds each ``param.grad`` into
+def replaces_gradients(view: StrategyView, precision: str | Precision) -> bool:
+    """Whether ``view``'s framework holds the gradients in buffers of its own
+    (:func:`grad_buffers`) IN PLACE of the per-layer ``.grad`` a plain step frees at its end,
+    live full size in every phase. Megatron-Core's backward hook adds each ``param.grad`` into
     ``param.main_grad`` (a view of the buffer) and drops it
     (``DistributedDataParallel._make_backward_post_hook``; with gradient-accumulation fusion
     the weight gradient is written into ``main_grad`` directly), and its optimizer steps
     ``main_grad`` (``optimizer.py`` / ``distrib_optimizer.py``,
-    ``_copy_model_grads_to_main_grads``). torch DDP's buckets are a copy beside ``.grad``."""
-    return framework == "megatron"
+    ``_copy_model_grads_to_main_grads``). DeepSpeed's ``BF16_Optimizer``
+    (:func:`phases.bf16_optimizer`) steps its fp32 buffer and keeps the bf16 ``.grad`` from
+    one backward to the next. torch DDP's buckets are a copy beside ``.grad``."""
+    return view.options.framework == "megatron" or bf16_optimizer(view, precision)
 
 
 def grad_buffers(view: StrategyView, grad_params: int,
@@ -220,15 +223,45 @@ def grad_buffers(view: StrategyView, grad_params: int,
     reduce-scatter writes each rank's shard into a view of the same buffer); the distributed
     optimizer's ``param_data`` buffer takes the parameters' own storage (each ``param.data`` is
     moved into it), so it adds nothing. Both at ZeRO 0/1: their ZeRO 2/3 is refused
-    (:func:`unmodelled_zero`). The one implementation for the traced paths (:class:`Sharding`)
-    and a preset's analytical model (``api.predict_peak_memory``: :class:`config.Step`)."""
+    (:func:`unmodelled_zero`). DeepSpeed's ``BF16_Optimizer`` at ZeRO 0 with bf16 weights
+    (:func:`phases.bf16_optimizer`; ``deepspeed/runtime/bf16_optimizer.py``,
+    ``_setup_for_real_optimizer``, v0.9.5, v0.12.6 and v0.16 alike) at any ``dp``, one rank
+    included: an fp32 gradient-accumulation buffer of every trainable element, full size
+    whatever ``dp`` (``fp32_groups_gradients_flat``, ``torch.zeros_like`` of the flat bf16
+    group, allocated at init; only the fp32 masters and the optimizer's states are the
+    rank's 1/``dp`` partition, ``fp32_groups_flat_partition``), ``ds_fp32_grad_buffer``; and
+    the bf16 ``.grad`` tensors, ``ds_bf16_grads``: ``backward`` adds them into the buffer
+    (``update_hp_grads``) but frees them only at the next backward's start
+    (``clear_lp_grads``; v0.12.6 zeroes and keeps them) and the engine's
+    ``_take_model_step`` leaves them (``pass`` for bf16 without ZeRO), so under DeepSpeed's
+    own loop every one is live in every phase of the steady state, the forward included (a
+    loop that sets them to None after the step, as the HF Trainer's ``model.zero_grad()``
+    does, holds them from the backward on: an upper bound there). The one implementation for
+    the traced paths (:class:`Sharding`) and a preset's analytical model
+    (``api.predict_peak_memory``: :class:`config.Step`)."""
     framework = view.options.framework
+    if bf16_optimizer(view, precision):
+        return {"ds_fp32_grad_buffer": grad_params * 4,
+                "ds_bf16_grads": grad_params * get_precision(precision).param_dtype.itemsize}
     if framework == "pytorch" and view.dp > 1:
         return {"ddp_grad_buckets": grad_params * get_precision(precision).param_dtype.itemsize}
     if framework == "megatron":
         dtype = megatron_grad_dtype(precision, view.options)
         return {"megatron_grad_buffer": grad_params * dtype.itemsize}
     return {}
+
+
+def step_copy(view: StrategyView, grad_tensors: Sequence[int],
+              precision: str | Precision) -> int:
+    """The fp32 gradient bytes the framework casts from its gradient buffers
+    (:func:`replaces_gradients`) for the step, live beside them at its end (priced in the
+    optimizer phase), for trainable tensors of ``grad_tensors`` elements: Megatron's
+    (:func:`megatron_step_copy`); DeepSpeed's ``BF16_Optimizer`` casts one bf16 gradient at a
+    time after the backward (``update_hp_grads``: ``lp.grad.data.to(hp_grad.dtype)`` added
+    into the buffer), the largest tensor's, and steps the buffer itself."""
+    if bf16_optimizer(view, precision):
+        return max(grad_tensors, default=0) * 4
+    return megatron_step_copy(view, sum(grad_tensors), precision)
 
 
 def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Precision) -> int:
@@ -389,6 +422,17 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     embeddings), the embedding group of the first and last stage (``embd``: ``LanguageModule.
     setup_embeddings_and_output_layer`` all-reduces the shared weight over it at init,
     ``finalize_model_grads`` its gradient every step; ``default_embedding_ranks``), at pp > 1.
+    DeepSpeed also holds the world group's: without an ``mpu`` its data-parallel group is a
+    clone of the world group (``deepspeed/utils/groups.py``, ``_get_data_parallel_group`` ->
+    ``_clone_world_group``: ``dist.new_group`` of every rank, since ``dist.get_global_rank``
+    does not work on ``group.WORLD``), over which the engine broadcasts the model and reduces
+    the gradients (``nccl_dp``), while torch's default group runs ZeRO-3's parameter
+    all-gathers every step (``zero/partition_parameters.py``, ``Init``: ``ds_process_group =
+    dist.get_world_group()`` without a ``data_parallel_group``, as the HF integration's
+    ``zero.Init`` and the engine's ``_convert_to_zero_parameters`` without an ``mpu`` call
+    it) and, at every stage, ``engine.save_checkpoint``'s ``dist.barrier()`` and the
+    checkpoint tag's all-reduce (``_checkpoint_tag_validation``, on by default): v0.9.5,
+    v0.12.6 and v0.16 alike (``world``).
     Groups of the same ranks are distinct communicators (each ``new_group`` its own
     ``ProcessGroupNCCL``): at tp = pp = 1 the world, data-parallel and distributed-optimizer
     groups hold the same ranks and are three.
@@ -396,8 +440,9 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     model (``api.predict_peak_memory``)."""
     s = strategy
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
-    if options.framework == "megatron":
+    if options.framework in ("megatron", "deepspeed"):
         sizes["world"] = s.world_size
+    if options.framework == "megatron":
         sizes["mp"] = s.tp * s.pp
         if options.distributed_optimizer:
             sizes["dist_opt"] = s.world_size
@@ -454,8 +499,8 @@ class Sharding(StrategyView):
 
     def nccl(self) -> dict[str, int]:
         """NCCL's buffers by communicator (:func:`nccl_communicators`: tp = pp = 1 here, so the
-        data-parallel one and Megatron's distributed optimizer's), with this framework's
-        buffer sizes."""
+        data-parallel one, Megatron's and DeepSpeed's world group's and Megatron's distributed
+        optimizer's), with this framework's buffer sizes."""
         return nccl_communicators(self.strategy, self.options, self.buffers)
 
     @property
@@ -463,7 +508,7 @@ class Sharding(StrategyView):
         """Whether the framework changes what the traced single-GPU step holds: beyond one
         rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
         and DeepSpeed (its buckets, :func:`deepspeed_buckets`)."""
-        return self.dp > 1 or replaces_gradients(self.framework) or runs_deepspeed_engine(self)
+        return self.dp > 1 or self.framework == "megatron" or runs_deepspeed_engine(self)
 
     def sharding_adjustment(self, live: dict[str, int], grad_tensors: Sequence[int],
                             opt: OptimizerSpec,
@@ -491,14 +536,17 @@ class Sharding(StrategyView):
         grads = live.get("gradient", 0)
         delta = 0
         elem = get_precision(precision).param_dtype.itemsize
-        if replaces_gradients(self.framework):  # zero <= 1 (__post_init__)
-            # the buffer, live from wrap time, holds the gradients: none of the traced ones
-            # is held, so the step peaks at its highest moment without them (not necessarily
-            # the traced peak's), plus the optimizer's fp32 cast of the buffer while it steps
-            cast = megatron_step_copy(self, grad_params, precision)
+        replaced = replaces_gradients(self, precision)
+        if replaced:  # Megatron at zero <= 1 (__post_init__), DeepSpeed's BF16_Optimizer
+            # the buffers, live from wrap time, hold the gradients: none of the traced ones
+            # (.grad, fp32 master gradients) is held, so the step peaks at its highest moment
+            # without them (not necessarily the traced peak's), plus the optimizer's fp32
+            # cast of the buffer while it steps
+            cast = step_copy(self, grad_tensors, precision)
             delta += max(v + (cast if phase == "optimizer" else 0)
                          for phase, v in peaks_without_gradients.items()) - peak_allocated
-        if self.zero >= 1:
+        if self.zero >= 1 or bf16_optimizer(self, precision):
+            # BF16_Optimizer keeps the masters and states of its 1/dp partition (grad_buffers)
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only
                 delta -= int(live.get("temporary", 0) * (1 - keep))
@@ -514,8 +562,8 @@ class Sharding(StrategyView):
         notes = [f"{self.framework} ZeRO-{self.zero} over dp={d} applied to the traced "
                  "single-GPU breakdown (bucket sizes from the framework's documented "
                  "defaults; sharding is modelled, not traced)"]
-        if replaces_gradients(self.framework):
-            notes.append("Megatron's gradient buffer holds the gradients: the traced .grad "
-                         "tensors are not held (the breakdown is the traced peak's)")
+        if replaced:
+            notes.append(f"{self.framework}'s gradient buffers hold the gradients: the traced "
+                         ".grad tensors are not held (the breakdown is the traced peak's)")
         return {"delta": delta, "buffers": buffers}, notes
 

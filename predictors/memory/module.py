@@ -256,9 +256,10 @@ def predict_module_memory(
         prof.name, precision, opt, dist,
         max_memory_allocated=meas.peak_allocated + extra["delta"],
         max_memory_reserved=meas.peak_reserved + extra["delta"],
-        # Megatron's buffer holds the gradients: the traced ones are not held
+        # Megatron's buffer (DeepSpeed's BF16_Optimizer's) holds the gradients: the traced
+        # ones are not held
         inside_allocator={**meas.breakdown, **({"gradient": 0} if replaces_gradients(
-            dist.framework) else {}), **extra["buffers"]},
+            dist, precision) else {}), **extra["buffers"]},
         outside_allocator=outside, capacity=capacity, margin=m, notes=notes)
     if pred.fits:
         return pred

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from ..spec.model import ModelSpec
-from .config import ShardingError, Step
+from ..spec.precision import Precision, get_precision
+from .config import ShardingError, Step, StrategyView
 from .factorize import F32, Factorization, factorize
 from .overheads import CudaOverheads
 from .zero import deepspeed_step, zero3_params
@@ -29,11 +32,25 @@ ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parame
 
 def deepspeed_zero(cfg: Step) -> bool:
     """DeepSpeed's ZeRO 2/3 with fp32 masters (one rank included): its optimizer step is
-    :func:`deepspeed_step`'s. The one place the walk (and the replay) read
-    ``options.framework``: elsewhere it prices the generic sharded step, with no framework's
-    data-parallel buffers."""
+    :func:`deepspeed_step`'s. With :func:`bf16_optimizer` the places the walk reads
+    ``options.framework`` (the replay: here only): elsewhere it prices the generic sharded
+    step, with no framework's data-parallel buffers."""
     return (cfg.options.framework == "deepspeed" and cfg.zero >= 2
             and cfg.precision.master_weights_fp32)
+
+
+def bf16_optimizer(view: StrategyView, precision: str | Precision) -> bool:
+    """Whether DeepSpeed wraps ``view``'s optimizer in its ``BF16_Optimizer``: ZeRO 0 with
+    bf16 weights and fp32 masters (DeepSpeed's ``"bf16"`` config). ``engine.py``'s
+    ``get_data_types`` makes the gradient-accumulation dtype fp32 for bf16 weights without
+    ZeRO (the ``data_types.grad_accum_dtype`` default), and ``_do_optimizer_sanity_check``
+    then returns ``BFLOAT16``, so ``_configure_optimizer`` builds
+    ``runtime/bf16_optimizer.py``'s ``BF16_Optimizer`` (v0.9.5, v0.12.6 and v0.16 alike). Its
+    gradients and sharded states are :func:`device.grad_buffers`'; the walk shards the fp32
+    masters and states over ``dp`` here too."""
+    p = get_precision(precision)
+    return (view.options.framework == "deepspeed" and view.zero == 0
+            and p.param_dtype == torch.bfloat16 and p.master_weights_fp32)
 
 
 def adam_impl(cfg: Step) -> str:
@@ -66,19 +83,21 @@ class PeakEstimate:
 def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
                 fz: Factorization | None = None, *, grad_buffer: dict[str, int] | None = None,
                 step_copy: int = 0) -> PeakEstimate:
-    """The step's phases over ``fz`` and their peak. ``grad_buffer``: a framework's buffer
-    that holds every gradient in place of the per-layer ones (Megatron's, by
-    :func:`device.grad_buffers`; :func:`device.replaces_gradients`): allocated when the
-    framework wraps the model, so live, full size, in every phase (its own components), and no
-    per-layer gradient appears in the backward; ``step_copy``: the fp32 gradient bytes the
-    framework's optimizer casts from it while it steps (:func:`device.megatron_step_copy`).
+    """The step's phases over ``fz`` and their peak. ``grad_buffer``: a framework's buffers
+    that hold every gradient in place of the per-layer ones (Megatron's, DeepSpeed's
+    ``BF16_Optimizer``'s, by :func:`device.grad_buffers`; :func:`device.replaces_gradients`):
+    live, full size, in every phase (their own components), and no per-layer gradient appears
+    in the backward; ``step_copy``: the fp32 gradient bytes the framework's optimizer casts
+    from them while it steps (:func:`device.step_copy`).
     Without it the walk prices the plain PyTorch step the residual model was trained on."""
     fz = fz or factorize(spec, cfg)
     held = dict(grad_buffer or {})  # in every phase
     p = cfg.precision
     w = fz.layers[0].param_bytes // max(fz.layers[0].params, 1) if fz.layers else F32
     dp = cfg.dp
-    shard_opt = dp if cfg.zero >= 1 else 1
+    # DeepSpeed's BF16_Optimizer keeps the fp32 masters (and so the states) of its 1/dp
+    # partition only, as ZeRO 1 does
+    shard_opt = dp if cfg.zero >= 1 or bf16_optimizer(cfg, p) else 1
     shard_grad = dp if cfg.zero >= 2 else 1
     shard_param = dp if cfg.zero >= 3 else 1
     trainable = trainable_params(fz)

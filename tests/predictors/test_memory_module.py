@@ -169,6 +169,48 @@ def test_deepspeed_zero_0_holds_its_engines_allreduce_bucket():
     assert allreduce_bucket([4e8, 2e8, 6e8, 1e8]) == 6e8
 
 
+def test_deepspeed_zero_0_with_bf16_weights_holds_its_bf16_optimizers_buffers():
+    """DeepSpeed at ZeRO 0 with bf16 weights wraps the optimizer in its BF16_Optimizer
+    (engine.py get_data_types: fp32 gradient accumulation without ZeRO;
+    _do_optimizer_sanity_check -> BFLOAT16), which allocates an fp32 gradient buffer of every
+    trainable element at init, full size at any dp, keeps the bf16 .grad until the next
+    backward (clear_lp_grads; the engine's step leaves them) and holds the fp32 masters and
+    the optimizer's states of its 1/dp partition only (bf16_optimizer.py,
+    _setup_for_real_optimizer). It was priced as a plain step: no fp32 buffer, masters and
+    states whole over 8 ranks. Both paths price it by one rule (device.grad_buffers)."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.factorize import factorize
+    from predictors.memory.phases import trainable_params
+
+    n = sum(q.numel() for q in WIDE.build().parameters())
+    ds0 = TrainingOptions(framework="deepspeed")
+    z = {dp: _predict(strategy=ParallelStrategy(dp, 1, 1), options=ds0, precision="bf16-mixed")
+         for dp in (1, 8)}
+    for p in z.values():
+        assert p.inside_allocator["ds_fp32_grad_buffer"] == 4 * n
+        assert p.inside_allocator["ds_bf16_grads"] == 2 * n
+        assert p.inside_allocator["gradient"] == 0  # the traced .grad are the buffers
+    # the fp32 masters and Adam states (the trace's optimizer_state) shard over dp, as at
+    # ZeRO 1 (the traced peak is the step's: its temporaries cover the shard only)
+    live = z[1].inside_allocator
+    assert z[1].max_memory_allocated - z[8].max_memory_allocated == (
+        int(live["optimizer_state"] * 7 / 8) + int(live["temporary"] * 7 / 8))
+    # fp16 weights are not BF16_Optimizer's (FP16_Optimizer's): no such buffers
+    fp16 = _predict(options=ds0, precision="fp16-mixed")
+    assert "ds_fp32_grad_buffer" not in fp16.inside_allocator
+    # the analytical path (ZeRO 0 at one rank): both live at the backward peak, where the
+    # plain step holds no gradient yet
+    one = ParallelStrategy(1, 1, 1)
+    ds = predict_peak_memory("qwen2-1.5b-like", one, ds0, "bf16-mixed")
+    plain = predict_peak_memory("qwen2-1.5b-like", one, TrainingOptions(framework="pytorch"),
+                                "bf16-mixed")
+    t = trainable_params(factorize(ds.model, ds.step))
+    assert ds.components["ds_fp32_grad_buffer"] == 4 * t
+    assert ds.components["ds_bf16_grads"] == 2 * t
+    assert ds.peak_phase == plain.peak_phase == "backward"
+    assert ds.peak_reserved == plain.peak_reserved + 6 * t + ds.components["ds_allreduce_bucket"]
+
+
 def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
     """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
     priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a

@@ -709,6 +709,8 @@ def test_memory_prices_one_nccl_communicator_per_parallel_group_of_every_framewo
             # LLaMA's embeddings are untied)
             groups = groups | {"dist_opt", "world"} | ({"mp"} if strategy.tp * strategy.pp > 1
                                                        else set())
+        elif options.framework == "deepspeed":  # the world group beside its cloned dp group
+            groups = groups | {"world"}
         p = predict_peak_memory("llama-7b-like", strategy, options, "bf16-mixed")
         assert p.nccl == {f"nccl_{g}": each for g in groups}
         assert p.device_used == p.peak_reserved + p.context_bytes + each * len(groups)
@@ -798,8 +800,8 @@ def test_memory_prices_megatrons_world_group_communicator():
     over it, so every rank holds its NCCL communicator (288 MiB at the default 16 channels),
     which was missing from Megatron's device total. It is a communicator of its own even where
     another group holds the same ranks (tp = pp = 1: dp, world and the distributed optimizer's
-    group are three); at one rank there is none. Megatron's only: torch DDP's data-parallel
-    group is the default one, DeepSpeed's is priced as nccl_dp."""
+    group are three); at one rank there is none. Not torch DDP's: its data-parallel group is
+    the default one (DeepSpeed's: the next test but one)."""
     from predictors.memory.api import predict_peak_memory
     from predictors.memory.device import nccl_bytes, nccl_communicators
     from predictors.memory.module import predict_module_memory
@@ -809,8 +811,7 @@ def test_memory_prices_megatrons_world_group_communicator():
     s = ParallelStrategy(2, 2, 2, global_batch=4)
     assert nccl_communicators(s, DEFAULT_OPTIONS)["nccl_world"] == nccl_bytes(8)
     assert "nccl_world" not in nccl_communicators(ParallelStrategy(1, 1, 1), DEFAULT_OPTIONS)
-    for framework in ("pytorch", "deepspeed"):
-        assert "nccl_world" not in nccl_communicators(s, TrainingOptions(framework=framework))
+    assert "nccl_world" not in nccl_communicators(s, TrainingOptions(framework="pytorch"))
     p = predict_peak_memory("llama-7b-like", s, DEFAULT_OPTIONS, "bf16-mixed")
     assert p.nccl["nccl_world"] == nccl_bytes(8)
     assert "NCCL world communicator" in p.format()
@@ -824,8 +825,8 @@ def test_memory_prices_megatrons_world_group_communicator():
 
 def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_framework():
     """The traced paths price the data-parallel communicator of every framework they model
-    (by the same rule as the analytical path), named nccl_dp and counted once (Megatron's
-    world group beside it is a communicator of its own: the test above)."""
+    (by the same rule as the analytical path), named nccl_dp and counted once (Megatron's and
+    DeepSpeed's world group beside it is a communicator of its own: the tests around it)."""
     from predictors.memory.device import nccl_bytes
     from predictors.memory.module import predict_module_memory
     from predictors.memory.simple import MlpSpec
@@ -836,7 +837,7 @@ def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_frame
                     TrainingOptions.for_zero_stage(2, framework="deepspeed")):
         p = predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8, options=options)
         outside = p.outside_allocator
-        world = {"nccl_world": nccl_bytes(8)} if options.framework == "megatron" else {}
+        world = {"nccl_world": nccl_bytes(8)} if options.framework != "pytorch" else {}
         assert {k: v for k, v in outside.items() if k.startswith("nccl")} == {
             "nccl_dp": nccl_bytes(8), **world}
         nccl = nccl_bytes(8) * (1 + len(world))
@@ -846,7 +847,39 @@ def test_memory_traced_path_prices_the_data_parallel_communicator_once_per_frame
     assert set(one.outside_allocator) == {"cuda_context"} and one.as_dict()["nccl_buffers"] == 0
     # the sum is of the communicators the prediction holds, not a second pricing of them
     p.outside_allocator["nccl_dp"] += 1
-    assert p.as_dict()["nccl_buffers"] == p.nccl_bytes == nccl_bytes(8) + 1
+    assert p.as_dict()["nccl_buffers"] == p.nccl_bytes == nccl + 1
+
+
+def test_memory_prices_deepspeeds_world_group_beside_its_cloned_data_parallel_group():
+    """Without an mpu DeepSpeed's data-parallel group is a clone of the world group
+    (deepspeed/utils/groups.py, _get_data_parallel_group -> _clone_world_group: a new_group
+    of every rank, its own ProcessGroupNCCL), over which the engine broadcasts the model and
+    reduces the gradients (nccl_dp), while torch's default group runs ZeRO-3's parameter
+    all-gathers every step (partition_parameters.py Init: ds_process_group =
+    dist.get_world_group() without a data_parallel_group) and, at every stage,
+    save_checkpoint's barrier and the checkpoint tag's all-reduce: two communicators over the
+    same ranks (v0.9.5, v0.12.6, v0.16). The world one was missing, 288 MiB on every DeepSpeed
+    job beyond one rank; both paths price it by Megatron's rule (device.nccl_communicators)."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.device import nccl_bytes, nccl_communicators
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    dp8 = ParallelStrategy(8, 1, 1)
+    for zero in (0, 1, 2, 3):
+        options = TrainingOptions.for_zero_stage(zero, framework="deepspeed")
+        assert nccl_communicators(dp8, options) == {"nccl_dp": nccl_bytes(8),
+                                                    "nccl_world": nccl_bytes(8)}
+        assert nccl_communicators(ParallelStrategy(1, 1, 1), options) == {}
+    p = predict_peak_memory("llama-7b-like", dp8,
+                            TrainingOptions.for_zero_stage(3, framework="deepspeed"), "bf16-mixed")
+    assert p.nccl == {"nccl_dp": nccl_bytes(8), "nccl_world": nccl_bytes(8)}
+    assert "NCCL world communicator" in p.format()
+    mlp = MlpSpec(64, (32,), 10)
+    traced = predict_module_memory(mlp.build, *mlp.example(4), strategy=dp8,
+                                   options=TrainingOptions(framework="deepspeed"))
+    assert traced.outside_allocator["nccl_world"] == traced.outside_allocator["nccl_dp"] \
+        == nccl_bytes(8)
 
 
 def test_memory_cli_prices_megatron_beyond_one_rank_now_that_its_nccl_buffers_are(capsys):
