@@ -266,16 +266,18 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
     grads = grad_buffers(cfg, grad_params, cfg.precision)
-    if replaces_gradients(cfg, cfg.precision) and grads:
+    held = grads if replaces_gradients(cfg, cfg.precision) else {}
+    cast = step_copy(cfg, trainable_tensors(fz), cfg.precision)
+    if held or cast:
         # Megatron's buffer (DeepSpeed's BF16_Optimizer's fp32 buffer and kept bf16 .grad)
         # holds every gradient from wrap time, one rank included: the walk holds it, full
         # size, in every phase instead of the per-layer gradients of the plain PyTorch step
         # the residual model was trained on (which appear in the backward, so none at a
-        # forward or loss peak); priced beyond the residual by the walks' difference
-        held = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
-                           step_copy=step_copy(cfg, trainable_tensors(fz), cfg.precision))
-        reserved += held.peak_allocated - est.peak_allocated
-        est = held
+        # forward or loss peak); DeepSpeed's FP16_Optimizer keeps those and adds its fp32
+        # copies at the step. Priced beyond the residual by the walks' difference
+        framework = walk_phases(spec, cfg, overheads, fz, grad_buffer=held, step_copy=cast)
+        reserved += framework.peak_allocated - est.peak_allocated
+        est = framework
     comps = dict(est.components)
     if tp > 1 or inflight > 1:
         comps = per_rank_components(comps, tp, inflight, _activation_tp_share(

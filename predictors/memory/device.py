@@ -251,17 +251,50 @@ def grad_buffers(view: StrategyView, grad_params: int,
     return {}
 
 
+def fp16_optimizer(view: StrategyView, precision: str | Precision,
+                   optimizer: str = "adamw") -> bool:
+    """Whether DeepSpeed wraps ``view``'s optimizer in ``runtime/fp16/fused_optimizer.py``'s
+    ``FP16_Optimizer``: ZeRO 0 with fp16 weights and fp32 masters (DeepSpeed's ``"fp16"``
+    config: ``fp16-mixed``; the ``fp16`` precision is fp32 weights under autocast, which that
+    config does not run) stepping its ``FusedAdam`` (``optimizer``, a name of
+    :data:`optimizers.OPTIMIZERS`: Adam or AdamW, :data:`FRAMEWORK_FUSED`; the analytical path
+    prices Adam(W)). ``engine.py``'s ``get_data_types`` leaves the gradient-accumulation dtype
+    fp16 for fp16 weights, ``_do_optimizer_sanity_check`` then returns ``FP16`` without ZeRO,
+    and ``_configure_fp16_optimizer`` builds ``FP16_Optimizer`` for a ``FusedAdam`` (another
+    optimizer gets ``FP16_UnfusedOptimizer``), v0.9.5 and v0.12.6 alike. It keeps flat fp32
+    masters and its optimizer's states of every trainable element (not partitioned), as the
+    plain mixed step does; its step is :func:`step_copy`'s."""
+    p = get_precision(precision)
+    return (view.options.framework == "deepspeed" and view.zero == 0
+            and p.param_dtype == torch.float16 and p.master_weights_fp32
+            and optimizer in FRAMEWORK_FUSED["deepspeed"])
+
+
 def step_copy(view: StrategyView, grad_tensors: Sequence[int],
-              precision: str | Precision) -> int:
-    """The fp32 gradient bytes the framework casts from its gradient buffers
-    (:func:`replaces_gradients`) for the step, live beside them at its end (priced in the
-    optimizer phase), for trainable tensors of ``grad_tensors`` elements: Megatron's
+              precision: str | Precision, optimizer: str = "adamw") -> int:
+    """The fp32 gradient bytes the framework casts for the step beside the gradients it
+    holds, live together at the step's highest moment (priced in the optimizer phase), for
+    trainable tensors of ``grad_tensors`` elements stepped by ``optimizer`` (a name of
+    :data:`optimizers.OPTIMIZERS`); none where the framework steps as the plain PyTorch step
+    does. Beside its gradient buffers (:func:`replaces_gradients`): Megatron's
     (:func:`megatron_step_copy`); DeepSpeed's ``BF16_Optimizer`` casts one bf16 gradient at a
     time after the backward (``update_hp_grads``: ``lp.grad.data.to(hp_grad.dtype)`` added
-    into the buffer), the largest tensor's, and steps the buffer itself."""
+    into the buffer), the largest tensor's, and steps the buffer itself. Beside every
+    per-layer fp16 ``.grad``: DeepSpeed's ``FP16_Optimizer`` (:func:`fp16_optimizer`;
+    ``runtime/fp16/fused_optimizer.py``, ``step``, v0.9.5 and v0.12.6 alike) casts every fp16
+    ``.grad`` of an optimizer group to fp32 in one list (``p.grad.to(data_type)``) and
+    concatenates the list into a new flat fp32 tensor (``_flatten_dense_tensors``) before it
+    frees the fp16 ones (``p.grad = None``): both, 8 B per trainable element, beside the fp16
+    ``.grad``'s 2 (one optimizer group, as a config's ``"optimizer"`` section builds it from
+    the trainable parameters: several hold less, the earlier groups' fp16 gradients freed);
+    the flat tensor is what its ``FusedAdam`` steps, in place."""
     if bf16_optimizer(view, precision):
         return max(grad_tensors, default=0) * 4
-    return megatron_step_copy(view, sum(grad_tensors), precision)
+    if fp16_optimizer(view, precision, optimizer):
+        return 2 * sum(grad_tensors) * 4
+    if view.options.framework == "megatron":
+        return megatron_step_copy(view, sum(grad_tensors), precision)
+    return 0
 
 
 def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Precision) -> int:
@@ -537,14 +570,20 @@ class Sharding(StrategyView):
         delta = 0
         elem = get_precision(precision).param_dtype.itemsize
         replaced = replaces_gradients(self, precision)
+        cast = step_copy(self, grad_tensors, precision, opt.name)
         if replaced:  # Megatron at zero <= 1 (__post_init__), DeepSpeed's BF16_Optimizer
             # the buffers, live from wrap time, hold the gradients: none of the traced ones
             # (.grad, fp32 master gradients) is held, so the step peaks at its highest moment
             # without them (not necessarily the traced peak's), plus the optimizer's fp32
             # cast of the buffer while it steps
-            cast = step_copy(self, grad_tensors, precision)
             delta += max(v + (cast if phase == "optimizer" else 0)
                          for phase, v in peaks_without_gradients.items()) - peak_allocated
+        elif cast:  # DeepSpeed's FP16_Optimizer
+            # its step holds every fp16 .grad beside its fp32 copies, where the traced step
+            # casts and frees them one at a time: beside the step's highest moment without
+            # the traced gradients (the other phases as traced)
+            step = peaks_without_gradients.get("optimizer", 0) + grad_params * elem + cast
+            delta += max(step - peak_allocated, 0)
         if self.zero >= 1 or bf16_optimizer(self, precision):
             # BF16_Optimizer keeps the masters and states of its 1/dp partition (grad_buffers)
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
@@ -565,5 +604,9 @@ class Sharding(StrategyView):
         if replaced:
             notes.append(f"{self.framework}'s gradient buffers hold the gradients: the traced "
                          ".grad tensors are not held (the breakdown is the traced peak's)")
+        elif cast:
+            notes.append("DeepSpeed's FP16_Optimizer steps a flat fp32 copy of the gradients, "
+                         "cast in one list beside every fp16 .grad (the breakdown is the "
+                         "traced peak's)")
         return {"delta": delta, "buffers": buffers}, notes
 
