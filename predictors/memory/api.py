@@ -38,6 +38,7 @@ from .device import (
     step_copy,
     unmodelled_zero,
     unpriced_framework,
+    unrun_precision,
 )
 from .factorize import factorize
 from .model import MemoryModel, margin_family
@@ -154,7 +155,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
     :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
     priced: torchtitan's and LLM Foundry's FSDP, DeepSpeed but at its ZeRO 2/3 step with fp32
-    masters, :func:`device.unpriced_framework`), ``recompute`` (none or full), sequence
+    masters, :func:`device.unpriced_framework`, and a precision DeepSpeed does not run at the
+    stage, a ``*-pure`` one at ZeRO 1-3, :func:`device.unrun_precision`), ``recompute`` (none or full), sequence
     parallelism and the framework, whose gradient buffers are priced by the traced paths' one
     implementation (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's:
     Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every
@@ -177,7 +179,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
-    if problem := unmodelled_zero(options) or unpriced_framework(cfg):
+    if problem := (unmodelled_zero(options) or unrun_precision(options, precision)
+                   or unpriced_framework(cfg)):
         raise ShardingError(problem)
     buffers = buffers or CommBuffers()
     if buffers.prefetch_bucket != PREFETCH_BUCKET:

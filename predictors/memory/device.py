@@ -146,6 +146,44 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
     return None
 
 
+def deepspeed_comm_dtype(precision: str | Precision) -> torch.dtype:
+    """The dtype DeepSpeed's engine reduces ZeRO 0's gradients in at ``precision`` (its
+    ``communication_data_type`` without a config key: ``engine.py``, v0.9.5 and v0.12.6): the
+    ``"fp16"`` or ``"bf16"`` config section's dtype, which ``fp16-mixed`` and ``bf16-mixed``
+    (and fp8) are, else fp32. Without either section the engine leaves the weights as given
+    (``_configure_distributed_model``'s ``__check_params`` returns at once) and steps them
+    with no wrapper (``get_data_types`` -> fp32, ``_do_optimizer_sanity_check`` -> None): the
+    one DeepSpeed job of a ``*-pure`` precision, at ZeRO 0 only (:func:`unrun_precision`),
+    whose gradients are then cast to fp32 for the reduce."""
+    p = get_precision(precision)
+    return p.param_dtype if p.master_weights_fp32 else torch.float32
+
+
+def unrun_precision(options: TrainingOptions, precision: str | Precision) -> str | None:
+    """Why no DeepSpeed job runs ``precision`` at ``options``' ZeRO stage, naming the fields
+    and ``predict memory``'s flags, or None. DeepSpeed's ZeRO optimizer copies low-precision
+    weights to fp32 masters whatever its config: ``stage_1_and_2.py`` (stages 1 and 2:
+    ``single_partition_of_fp32_groups``, ``.clone().float()`` of the rank's partition) and
+    ``stage3.py`` (``_create_fp32_partitions``: ``fp32_partitioned_groups_flat``), v0.9.5 and
+    v0.12.6 alike; ``fp16_master_weights_and_gradients`` keeps fp16 masters only with
+    ZeRO-Offload and ``DeepSpeedCPUAdam`` (asserted there), which neither path models. So a
+    ``*-pure`` precision (no fp32 masters) at ZeRO 1-3 was priced as a step DeepSpeed never
+    runs, its masters missing; at ZeRO 0 it is a real job (:func:`deepspeed_comm_dtype`). The
+    one rule of the traced paths (``module.predict_module_memory``), a preset's analytical
+    model (``api.predict_peak_memory``) and ``predict memory``'s refusal."""
+    p, zero = get_precision(precision), options.zero_stage
+    if (options.framework != "deepspeed" or zero == 0 or p.param_dtype == torch.float32
+            or p.master_weights_fp32):
+        return None
+    mixed = "bf16-mixed" if p.param_dtype == torch.bfloat16 else "fp16-mixed"
+    return (f"precision={p.name!r} with framework='deepspeed' at zero={zero} (--precision "
+            f"{p.name} --framework deepspeed --zero {zero}): DeepSpeed's ZeRO optimizer keeps "
+            f"fp32 masters of {p.name.split('-')[0]} weights whatever its config (fp16 masters "
+            "only with ZeRO-Offload, not modelled), so no DeepSpeed job steps without them; "
+            f"choose {mixed}, or zero 0 (a model cast to {p.name.split('-')[0]} without a "
+            "\"bf16\"/\"fp16\" config section, stepped as it is)")
+
+
 # What neither path models of a framework's sharded data parallelism beyond one rank, in
 # words (unpriced_framework): torchtitan shards with FSDP2 (torch's fully_shard: per-layer
 # all-gather output and reduce-scatter input buffers, the next layer's prefetched), LLM
@@ -350,11 +388,12 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     gradient, in parameter order (what ZeRO 0 buckets). ZeRO 0 is DeepSpeed's own data
     parallelism: the engine's ``allreduce_gradients`` runs ``buffered_allreduce_fallback``
     after every backward at a gradient-accumulation boundary, at any ``dp``, which flattens
-    the gradients (``param.grad``, in the weights' dtype, all-reduced in it:
-    ``communication_data_type`` defaults to it) into buckets of :data:`ALLREDUCE_BUCKET`
-    elements one after another (:func:`allreduce_bucket`: the largest is priced,
-    ``ds_allreduce_bucket``, live after the backward beside every gradient; it was priced as a
-    plain step, no bucket). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
+    the gradients (``param.grad``, in the weights' dtype) into buckets of
+    :data:`ALLREDUCE_BUCKET` elements one after another (:func:`allreduce_bucket`: the largest
+    is priced, ``ds_allreduce_bucket``, live after the backward beside every gradient; it was
+    priced as a plain step, no bucket), each all-reduced in :func:`deepspeed_comm_dtype`: the
+    weights' dtype but for a ``*-pure`` precision, whose bucket is cast to an fp32 copy
+    beside it (``ds_allreduce_cast``). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
     the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
     size, a second one with ``overlap_comm``, at each backward's start wherever
     ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
@@ -368,7 +407,12 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
         return {}
     elem = get_precision(precision).param_dtype.itemsize
     if view.zero == 0:
-        return {"ds_allreduce_bucket": allreduce_bucket(grad_tensors) * elem}
+        bucket = allreduce_bucket(grad_tensors)
+        out = {"ds_allreduce_bucket": bucket * elem}
+        comm = deepspeed_comm_dtype(precision).itemsize
+        if comm != elem:  # allreduce_bucket: tensor.to(communication_data_type), reduced
+            out["ds_allreduce_cast"] = bucket * comm  # beside the flat bucket, copied back
+        return out
     b = buffers or CommBuffers()
     overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
     n = 2 if overlap and view.zero < 3 else 1
