@@ -156,12 +156,13 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
     priced: torchtitan's and LLM Foundry's FSDP, DeepSpeed but at its ZeRO 2/3 step with fp32
     masters, :func:`device.unpriced_framework`, and a precision DeepSpeed does not run at the
-    stage, a ``*-pure`` one at ZeRO 1-3, :func:`device.unrun_precision`), ``recompute`` (none or full), sequence
-    parallelism and the framework, whose gradient buffers are priced by the traced paths' one
-    implementation (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's:
-    Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every
-    phase in place of the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's
-    gradient buckets beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
+    stage, a ``*-pure`` one at ZeRO 1-3, :func:`device.unrun_precision`), ``recompute``
+    (none or full), sequence parallelism and the framework, whose gradient buffers are priced
+    by the traced paths' one implementation (:func:`device.grad_buffers`) for ``megatron``
+    (the default, CONA's: Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank
+    included, full size in every phase in place of the per-layer gradients) and ``pytorch``
+    (beyond one rank torch DDP's gradient buckets beside them); DeepSpeed's ZeRO buckets by
+    the traced paths' one rule
     (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
     buffers of each communicator the rank runs a collective on, one per parallel group of more
     than one rank (dp, tp, pp, and Megatron's gradient-statistics and embedding groups:

@@ -393,10 +393,11 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     is priced, ``ds_allreduce_bucket``, live after the backward beside every gradient; it was
     priced as a plain step, no bucket), each all-reduced in :func:`deepspeed_comm_dtype`: the
     weights' dtype but for a ``*-pure`` precision, whose bucket is cast to an fp32 copy
-    beside it (``ds_allreduce_cast``). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
-    the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
-    size, a second one with ``overlap_comm``, at each backward's start wherever
-    ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
+    beside it (``ds_allreduce_cast``). Stages 1 and 2 (one optimizer class,
+    ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate the contiguous-gradient (ipg) buffer
+    at the full ``reduce_bucket_size`` whatever the model size, a second one with
+    ``overlap_comm``, at each backward's start wherever ``contiguous_gradients`` (on by
+    default) holds, stage 1 too (``backward`` in v0.9.5 and
     v0.12.6, ``setup_buckets`` since); stage 3 one flat ipg buffer of it (``stage3.py``,
     allocated at init); stage 1's all-gather of the updated parameters works in
     ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
