@@ -38,6 +38,7 @@ from .device import (
     step_copy,
     unmodelled_zero,
     unpriced_framework,
+    unrun_precision,
 )
 from .factorize import factorize
 from .model import MemoryModel, margin_family
@@ -154,12 +155,14 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``shard_gradients``: 2, FSDP: 3; one the framework is not modelled at is refused,
     :func:`device.unmodelled_zero`, as is a framework beyond one rank whose buffers are not
     priced: torchtitan's and LLM Foundry's FSDP, DeepSpeed but at its ZeRO 2/3 step with fp32
-    masters, :func:`device.unpriced_framework`), ``recompute`` (none or full), sequence
-    parallelism and the framework, whose gradient buffers are priced by the traced paths' one
-    implementation (:func:`device.grad_buffers`) for ``megatron`` (the default, CONA's:
-    Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank included, full size in every
-    phase in place of the per-layer gradients) and ``pytorch`` (beyond one rank torch DDP's
-    gradient buckets beside them); DeepSpeed's ZeRO buckets by the traced paths' one rule
+    masters, :func:`device.unpriced_framework`, and a precision DeepSpeed does not run at the
+    stage, a ``*-pure`` one at ZeRO 1-3, :func:`device.unrun_precision`), ``recompute``
+    (none or full), sequence parallelism and the framework, whose gradient buffers are priced
+    by the traced paths' one implementation (:func:`device.grad_buffers`) for ``megatron``
+    (the default, CONA's: Megatron-Core's ``main_grad`` buffer at ZeRO 0/1, one rank
+    included, full size in every phase in place of the per-layer gradients) and ``pytorch``
+    (beyond one rank torch DDP's gradient buckets beside them); DeepSpeed's ZeRO buckets by
+    the traced paths' one rule
     (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
     buffers of each communicator the rank runs a collective on, one per parallel group of more
     than one rank (dp, tp, pp, and Megatron's gradient-statistics and embedding groups:
@@ -177,7 +180,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     ``predictors/models/memory_margins.json``). The verdict (:mod:`verdict`) is the
     prediction's ``judgement``."""
     cfg = Step(strategy, options, precision)
-    if problem := unmodelled_zero(options) or unpriced_framework(cfg):
+    if problem := (unmodelled_zero(options) or unrun_precision(options, precision)
+                   or unpriced_framework(cfg)):
         raise ShardingError(problem)
     buffers = buffers or CommBuffers()
     if buffers.prefetch_bucket != PREFETCH_BUCKET:
@@ -266,16 +270,18 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
     grads = grad_buffers(cfg, grad_params, cfg.precision)
-    if replaces_gradients(cfg, cfg.precision) and grads:
+    held = grads if replaces_gradients(cfg, cfg.precision) else {}
+    cast = step_copy(cfg, trainable_tensors(fz), cfg.precision)
+    if held or cast:
         # Megatron's buffer (DeepSpeed's BF16_Optimizer's fp32 buffer and kept bf16 .grad)
         # holds every gradient from wrap time, one rank included: the walk holds it, full
         # size, in every phase instead of the per-layer gradients of the plain PyTorch step
         # the residual model was trained on (which appear in the backward, so none at a
-        # forward or loss peak); priced beyond the residual by the walks' difference
-        held = walk_phases(spec, cfg, overheads, fz, grad_buffer=grads,
-                           step_copy=step_copy(cfg, trainable_tensors(fz), cfg.precision))
-        reserved += held.peak_allocated - est.peak_allocated
-        est = held
+        # forward or loss peak); DeepSpeed's FP16_Optimizer keeps those and adds its fp32
+        # copies at the step. Priced beyond the residual by the walks' difference
+        framework = walk_phases(spec, cfg, overheads, fz, grad_buffer=held, step_copy=cast)
+        reserved += framework.peak_allocated - est.peak_allocated
+        est = framework
     comps = dict(est.components)
     if tp > 1 or inflight > 1:
         comps = per_rank_components(comps, tp, inflight, _activation_tp_share(

@@ -245,7 +245,7 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
     without a word) or fails on in torch (a message naming no flag): one message each, naming
     the flags. ``args`` has its defaults; ``towers`` the preset's (``ModelSpec.towers``);
     ``given`` the flags of _model_flags given."""
-    from .device import unmodelled_zero
+    from .device import unmodelled_zero, unrun_precision
 
     problems = []
     # the bits of the LLM's weights under LoRA adapters: without them they stay in --precision
@@ -261,6 +261,9 @@ def _unread_with(args, kinds: set[str], towers: tuple[str, ...], given: set[str]
                         "--trace reads it); add --trace or drop --context-mib")
     # a ZeRO stage neither path models under the framework: the API's own refusal
     if problem := unmodelled_zero(_strategy_options(args)[1]):
+        problems.append(problem)
+    # a precision the framework runs no job of at the stage: the API's own refusal
+    if problem := unrun_precision(_strategy_options(args)[1], args.precision):
         problems.append(problem)
     if "preset" in kinds and not args.trace:
         problems += _unpriced_analytical(args)

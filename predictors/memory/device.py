@@ -146,6 +146,44 @@ def unmodelled_zero(options: TrainingOptions) -> str | None:
     return None
 
 
+def deepspeed_comm_dtype(precision: str | Precision) -> torch.dtype:
+    """The dtype DeepSpeed's engine reduces ZeRO 0's gradients in at ``precision`` (its
+    ``communication_data_type`` without a config key: ``engine.py``, v0.9.5 and v0.12.6): the
+    ``"fp16"`` or ``"bf16"`` config section's dtype, which ``fp16-mixed`` and ``bf16-mixed``
+    (and fp8) are, else fp32. Without either section the engine leaves the weights as given
+    (``_configure_distributed_model``'s ``__check_params`` returns at once) and steps them
+    with no wrapper (``get_data_types`` -> fp32, ``_do_optimizer_sanity_check`` -> None): the
+    one DeepSpeed job of a ``*-pure`` precision, at ZeRO 0 only (:func:`unrun_precision`),
+    whose gradients are then cast to fp32 for the reduce."""
+    p = get_precision(precision)
+    return p.param_dtype if p.master_weights_fp32 else torch.float32
+
+
+def unrun_precision(options: TrainingOptions, precision: str | Precision) -> str | None:
+    """Why no DeepSpeed job runs ``precision`` at ``options``' ZeRO stage, naming the fields
+    and ``predict memory``'s flags, or None. DeepSpeed's ZeRO optimizer copies low-precision
+    weights to fp32 masters whatever its config: ``stage_1_and_2.py`` (stages 1 and 2:
+    ``single_partition_of_fp32_groups``, ``.clone().float()`` of the rank's partition) and
+    ``stage3.py`` (``_create_fp32_partitions``: ``fp32_partitioned_groups_flat``), v0.9.5 and
+    v0.12.6 alike; ``fp16_master_weights_and_gradients`` keeps fp16 masters only with
+    ZeRO-Offload and ``DeepSpeedCPUAdam`` (asserted there), which neither path models. So a
+    ``*-pure`` precision (no fp32 masters) at ZeRO 1-3 was priced as a step DeepSpeed never
+    runs, its masters missing; at ZeRO 0 it is a real job (:func:`deepspeed_comm_dtype`). The
+    one rule of the traced paths (``module.predict_module_memory``), a preset's analytical
+    model (``api.predict_peak_memory``) and ``predict memory``'s refusal."""
+    p, zero = get_precision(precision), options.zero_stage
+    if (options.framework != "deepspeed" or zero == 0 or p.param_dtype == torch.float32
+            or p.master_weights_fp32):
+        return None
+    mixed = "bf16-mixed" if p.param_dtype == torch.bfloat16 else "fp16-mixed"
+    return (f"precision={p.name!r} with framework='deepspeed' at zero={zero} (--precision "
+            f"{p.name} --framework deepspeed --zero {zero}): DeepSpeed's ZeRO optimizer keeps "
+            f"fp32 masters of {p.name.split('-')[0]} weights whatever its config (fp16 masters "
+            "only with ZeRO-Offload, not modelled), so no DeepSpeed job steps without them; "
+            f"choose {mixed}, or zero 0 (a model cast to {p.name.split('-')[0]} without a "
+            "\"bf16\"/\"fp16\" config section, stepped as it is)")
+
+
 # What neither path models of a framework's sharded data parallelism beyond one rank, in
 # words (unpriced_framework): torchtitan shards with FSDP2 (torch's fully_shard: per-layer
 # all-gather output and reduce-scatter input buffers, the next layer's prefetched), LLM
@@ -251,17 +289,50 @@ def grad_buffers(view: StrategyView, grad_params: int,
     return {}
 
 
+def fp16_optimizer(view: StrategyView, precision: str | Precision,
+                   optimizer: str = "adamw") -> bool:
+    """Whether DeepSpeed wraps ``view``'s optimizer in ``runtime/fp16/fused_optimizer.py``'s
+    ``FP16_Optimizer``: ZeRO 0 with fp16 weights and fp32 masters (DeepSpeed's ``"fp16"``
+    config: ``fp16-mixed``; the ``fp16`` precision is fp32 weights under autocast, which that
+    config does not run) stepping its ``FusedAdam`` (``optimizer``, a name of
+    :data:`optimizers.OPTIMIZERS`: Adam or AdamW, :data:`FRAMEWORK_FUSED`; the analytical path
+    prices Adam(W)). ``engine.py``'s ``get_data_types`` leaves the gradient-accumulation dtype
+    fp16 for fp16 weights, ``_do_optimizer_sanity_check`` then returns ``FP16`` without ZeRO,
+    and ``_configure_fp16_optimizer`` builds ``FP16_Optimizer`` for a ``FusedAdam`` (another
+    optimizer gets ``FP16_UnfusedOptimizer``), v0.9.5 and v0.12.6 alike. It keeps flat fp32
+    masters and its optimizer's states of every trainable element (not partitioned), as the
+    plain mixed step does; its step is :func:`step_copy`'s."""
+    p = get_precision(precision)
+    return (view.options.framework == "deepspeed" and view.zero == 0
+            and p.param_dtype == torch.float16 and p.master_weights_fp32
+            and optimizer in FRAMEWORK_FUSED["deepspeed"])
+
+
 def step_copy(view: StrategyView, grad_tensors: Sequence[int],
-              precision: str | Precision) -> int:
-    """The fp32 gradient bytes the framework casts from its gradient buffers
-    (:func:`replaces_gradients`) for the step, live beside them at its end (priced in the
-    optimizer phase), for trainable tensors of ``grad_tensors`` elements: Megatron's
+              precision: str | Precision, optimizer: str = "adamw") -> int:
+    """The fp32 gradient bytes the framework casts for the step beside the gradients it
+    holds, live together at the step's highest moment (priced in the optimizer phase), for
+    trainable tensors of ``grad_tensors`` elements stepped by ``optimizer`` (a name of
+    :data:`optimizers.OPTIMIZERS`); none where the framework steps as the plain PyTorch step
+    does. Beside its gradient buffers (:func:`replaces_gradients`): Megatron's
     (:func:`megatron_step_copy`); DeepSpeed's ``BF16_Optimizer`` casts one bf16 gradient at a
     time after the backward (``update_hp_grads``: ``lp.grad.data.to(hp_grad.dtype)`` added
-    into the buffer), the largest tensor's, and steps the buffer itself."""
+    into the buffer), the largest tensor's, and steps the buffer itself. Beside every
+    per-layer fp16 ``.grad``: DeepSpeed's ``FP16_Optimizer`` (:func:`fp16_optimizer`;
+    ``runtime/fp16/fused_optimizer.py``, ``step``, v0.9.5 and v0.12.6 alike) casts every fp16
+    ``.grad`` of an optimizer group to fp32 in one list (``p.grad.to(data_type)``) and
+    concatenates the list into a new flat fp32 tensor (``_flatten_dense_tensors``) before it
+    frees the fp16 ones (``p.grad = None``): both, 8 B per trainable element, beside the fp16
+    ``.grad``'s 2 (one optimizer group, as a config's ``"optimizer"`` section builds it from
+    the trainable parameters: several hold less, the earlier groups' fp16 gradients freed);
+    the flat tensor is what its ``FusedAdam`` steps, in place."""
     if bf16_optimizer(view, precision):
         return max(grad_tensors, default=0) * 4
-    return megatron_step_copy(view, sum(grad_tensors), precision)
+    if fp16_optimizer(view, precision, optimizer):
+        return 2 * sum(grad_tensors) * 4
+    if view.options.framework == "megatron":
+        return megatron_step_copy(view, sum(grad_tensors), precision)
+    return 0
 
 
 def megatron_step_copy(view: StrategyView, grad_params: int, precision: str | Precision) -> int:
@@ -317,14 +388,16 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     gradient, in parameter order (what ZeRO 0 buckets). ZeRO 0 is DeepSpeed's own data
     parallelism: the engine's ``allreduce_gradients`` runs ``buffered_allreduce_fallback``
     after every backward at a gradient-accumulation boundary, at any ``dp``, which flattens
-    the gradients (``param.grad``, in the weights' dtype, all-reduced in it:
-    ``communication_data_type`` defaults to it) into buckets of :data:`ALLREDUCE_BUCKET`
-    elements one after another (:func:`allreduce_bucket`: the largest is priced,
-    ``ds_allreduce_bucket``, live after the backward beside every gradient; it was priced as a
-    plain step, no bucket). Stages 1 and 2 (one optimizer class, ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate
-    the contiguous-gradient (ipg) buffer at the full ``reduce_bucket_size`` whatever the model
-    size, a second one with ``overlap_comm``, at each backward's start wherever
-    ``contiguous_gradients`` (on by default) holds, stage 1 too (``backward`` in v0.9.5 and
+    the gradients (``param.grad``, in the weights' dtype) into buckets of
+    :data:`ALLREDUCE_BUCKET` elements one after another (:func:`allreduce_bucket`: the largest
+    is priced, ``ds_allreduce_bucket``, live after the backward beside every gradient; it was
+    priced as a plain step, no bucket), each all-reduced in :func:`deepspeed_comm_dtype`: the
+    weights' dtype but for a ``*-pure`` precision, whose bucket is cast to an fp32 copy
+    beside it (``ds_allreduce_cast``). Stages 1 and 2 (one optimizer class,
+    ``deepspeed/runtime/zero/stage_1_and_2.py``) allocate the contiguous-gradient (ipg) buffer
+    at the full ``reduce_bucket_size`` whatever the model size, a second one with
+    ``overlap_comm``, at each backward's start wherever ``contiguous_gradients`` (on by
+    default) holds, stage 1 too (``backward`` in v0.9.5 and
     v0.12.6, ``setup_buckets`` since); stage 3 one flat ipg buffer of it (``stage3.py``,
     allocated at init); stage 1's all-gather of the updated parameters works in
     ``allgather_bucket_size`` pieces. DeepSpeed's ZeRO optimizer
@@ -335,7 +408,12 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
         return {}
     elem = get_precision(precision).param_dtype.itemsize
     if view.zero == 0:
-        return {"ds_allreduce_bucket": allreduce_bucket(grad_tensors) * elem}
+        bucket = allreduce_bucket(grad_tensors)
+        out = {"ds_allreduce_bucket": bucket * elem}
+        comm = deepspeed_comm_dtype(precision).itemsize
+        if comm != elem:  # allreduce_bucket: tensor.to(communication_data_type), reduced
+            out["ds_allreduce_cast"] = bucket * comm  # beside the flat bucket, copied back
+        return out
     b = buffers or CommBuffers()
     overlap = b.overlap_comm if b.overlap_comm is not None else view.zero == 3
     n = 2 if overlap and view.zero < 3 else 1
@@ -537,14 +615,20 @@ class Sharding(StrategyView):
         delta = 0
         elem = get_precision(precision).param_dtype.itemsize
         replaced = replaces_gradients(self, precision)
+        cast = step_copy(self, grad_tensors, precision, opt.name)
         if replaced:  # Megatron at zero <= 1 (__post_init__), DeepSpeed's BF16_Optimizer
             # the buffers, live from wrap time, hold the gradients: none of the traced ones
             # (.grad, fp32 master gradients) is held, so the step peaks at its highest moment
             # without them (not necessarily the traced peak's), plus the optimizer's fp32
             # cast of the buffer while it steps
-            cast = step_copy(self, grad_tensors, precision)
             delta += max(v + (cast if phase == "optimizer" else 0)
                          for phase, v in peaks_without_gradients.items()) - peak_allocated
+        elif cast:  # DeepSpeed's FP16_Optimizer
+            # its step holds every fp16 .grad beside its fp32 copies, where the traced step
+            # casts and frees them one at a time: beside the step's highest moment without
+            # the traced gradients (the other phases as traced)
+            step = peaks_without_gradients.get("optimizer", 0) + grad_params * elem + cast
+            delta += max(step - peak_allocated, 0)
         if self.zero >= 1 or bf16_optimizer(self, precision):
             # BF16_Optimizer keeps the masters and states of its 1/dp partition (grad_buffers)
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
@@ -565,5 +649,9 @@ class Sharding(StrategyView):
         if replaced:
             notes.append(f"{self.framework}'s gradient buffers hold the gradients: the traced "
                          ".grad tensors are not held (the breakdown is the traced peak's)")
+        elif cast:
+            notes.append("DeepSpeed's FP16_Optimizer steps a flat fp32 copy of the gradients, "
+                         "cast in one list beside every fp16 .grad (the breakdown is the "
+                         "traced peak's)")
         return {"delta": delta, "buffers": buffers}, notes
 

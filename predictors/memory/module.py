@@ -30,7 +30,7 @@ from ..spec.strategy import ParallelStrategy
 from ..step import Batch, LossFn, default_loss
 from .allocator import GiB, MiB, SimulatedOutOfMemoryError
 from .build import make_inputs
-from .config import SINGLE_GPU, Step, resolve_shapes
+from .config import SINGLE_GPU, ShardingError, Step, resolve_shapes
 from .device import (
     DEVICES,
     TORCH_OPTIONS,
@@ -39,6 +39,7 @@ from .device import (
     Sharding,
     get_device,
     replaces_gradients,
+    unrun_precision,
 )
 from .optimizers import OptimizerSpec
 from .presets import as_memory_model
@@ -192,7 +193,9 @@ def predict_module_memory(
     named, the implementation is torch's default or the framework's own kernel where it runs
     one (DeepSpeed's and Megatron's fused Adam(W), Megatron's fused SGD), and another one named
     for such a framework is refused (:func:`device.unrun_impl`, the CLI's rule too);
-    ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS`; ``strategy``: its
+    ``precision``: a name of :data:`predictors.spec.precision.PRECISIONS` (one the framework
+    runs no job of at the ZeRO stage is refused, :func:`device.unrun_precision`, the CLI's rule
+    too); ``strategy``: its
     ``dp`` is the data-parallel degree (tp = pp = cp = 1: only data parallelism is applied; the
     batch is the inputs'); ``options``: the ZeRO stage (:attr:`TrainingOptions.zero_stage`) and
     framework (``pytorch``: torch DDP, ``deepspeed``, ``megatron``: distributed optimizer);
@@ -212,6 +215,8 @@ def predict_module_memory(
     opt = OptimizerSpec.parse(optimizer) if isinstance(optimizer, str) else optimizer
     get_precision(precision)
     dist = Sharding(strategy, options, buffers or CommBuffers())
+    if problem := unrun_precision(options, precision):
+        raise ShardingError(problem)
     prof = get_device(device) if isinstance(device, str) else device
     if context_mib is not None:
         if context_mib < 0:

@@ -88,8 +88,9 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
     ``BF16_Optimizer``'s, by :func:`device.grad_buffers`; :func:`device.replaces_gradients`):
     live, full size, in every phase (their own components), and no per-layer gradient appears
     in the backward; ``step_copy``: the fp32 gradient bytes the framework's optimizer casts
-    from them while it steps (:func:`device.step_copy`).
-    Without it the walk prices the plain PyTorch step the residual model was trained on."""
+    for its step (:func:`device.step_copy`), beside those buffers or, without them, beside
+    every per-layer gradient (DeepSpeed's ``FP16_Optimizer`` frees them after its copy).
+    Without them the walk prices the plain PyTorch step the residual model was trained on."""
     fz = fz or factorize(spec, cfg)
     held = dict(grad_buffer or {})  # in every phase
     p = cfg.precision
@@ -146,6 +147,8 @@ def walk_phases(spec: ModelSpec, cfg: Step, overheads: CudaOverheads,
         remaining -= acts[i]
     if held:  # the optimizer steps the buffer (or its fp32 cast)
         opt_grads = step_copy
+    elif step_copy:  # the framework's fp32 copies beside every gradient of the backward
+        opt_grads = live_grad + step_copy
     elif deepspeed_zero(cfg):  # its flat buffer + one sub-group's step
         opt_grads = deepspeed_step(trainable_tensors(fz), dp, cfg.zero, w,
                                    cfg.options.foreach_temporaries).peak(w)

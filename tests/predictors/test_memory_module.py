@@ -211,6 +211,46 @@ def test_deepspeed_zero_0_with_bf16_weights_holds_its_bf16_optimizers_buffers():
     assert ds.peak_reserved == plain.peak_reserved + 6 * t + ds.components["ds_allreduce_bucket"]
 
 
+def test_deepspeed_zero_0_with_fp16_weights_steps_fp16_optimizers_flat_fp32_copy():
+    """DeepSpeed at ZeRO 0 with fp16 weights and its FusedAdam (the fp16-mixed precision:
+    DeepSpeed's "fp16" config) wraps it in FP16_Optimizer (engine.py
+    _do_optimizer_sanity_check -> FP16, _configure_fp16_optimizer), whose step casts every
+    fp16 .grad to fp32 in one list and concatenates it into a new flat fp32 tensor before it
+    frees the fp16 ones (runtime/fp16/fused_optimizer.py, step; v0.9.5 and v0.12.6): 10 B per
+    trainable element at once, where the plain step casts and frees one tensor at a time
+    (about 4). Its fp32 masters and Adam states stay whole at any dp. Both paths price it by
+    one rule (device.step_copy)."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.factorize import factorize
+    from predictors.memory.phases import trainable_params
+
+    n = sum(q.numel() for q in WIDE.build().parameters())
+    ds0 = TrainingOptions(framework="deepspeed")
+    z = {dp: _predict(strategy=ParallelStrategy(dp, 1, 1), options=ds0, precision="fp16-mixed")
+         for dp in (1, 8)}
+    live = z[1].inside_allocator
+    # the step's highest moment: the weights, masters, states and cuBLAS workspace, every
+    # fp16 .grad (2 B), the fp32 list and the flat fp32 tensor (4 + 4 B); the engine's bucket
+    assert z[1].max_memory_allocated - live["ds_allreduce_bucket"] == pytest.approx(
+        live["parameter"] + live["optimizer_state"] + live["workspace"] + 10 * n, rel=0.005)
+    assert z[8].max_memory_allocated == z[1].max_memory_allocated  # nothing is partitioned
+    # BF16_Optimizer's step is another (its fp32 buffer), checked above
+    assert z[1].max_memory_allocated > _predict(options=ds0, precision="bf16-mixed"
+                                                ).max_memory_allocated
+    # the analytical path (one rank): the step is now the peak, not the backward
+    one = ParallelStrategy(1, 1, 1)
+    ds = predict_peak_memory("qwen2-1.5b-like", one, ds0, "fp16-mixed")
+    plain = predict_peak_memory("qwen2-1.5b-like", one, TrainingOptions(framework="pytorch"),
+                                "fp16-mixed")
+    t = trainable_params(factorize(ds.model, ds.step))
+    assert (ds.peak_phase, plain.peak_phase) == ("optimizer", "backward")
+    assert ds.components["gradients"] == 10 * t
+    assert ds.components["optimizer_states"] == plain.components["optimizer_states"]
+    bucket = ds.components["ds_allreduce_bucket"]
+    assert ds.peak_reserved - bucket - plain.peak_reserved == (
+        ds.peak_allocated_analytical - bucket - plain.peak_allocated_analytical)
+
+
 def test_an_implementation_the_framework_does_not_run_is_refused_by_the_api_as_by_the_cli():
     """DeepSpeed and Megatron step Adam(W) with their own fused kernel: predict_module_memory
     priced an explicit ``adam:foreach`` (or an OptimizerSpec naming it) as fused without a

@@ -199,6 +199,68 @@ def test_memory_api_refuses_megatron_beyond_zero_1_as_the_cli_does(options, caps
     assert capsys.readouterr().err == f"error: ModelSpecError: {message}\n"
 
 
+@pytest.mark.parametrize("precision, zero", [("bf16-pure", 1), ("fp16-pure", 2),
+                                             ("bf16-pure", 3)])
+def test_deepspeed_zero_with_a_pure_precision_is_refused_on_every_path(precision, zero, capsys):
+    """DeepSpeed's ZeRO optimizer copies bf16/fp16 weights to fp32 masters whatever its config
+    (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat;
+    fp16 masters only with ZeRO-Offload): a *-pure precision at ZeRO 1-3 was priced as a step
+    DeepSpeed never runs, without the masters (at dp 1 the analytical path priced it; the
+    traced path did everywhere). The API, the traced path and the CLI refuse it with one
+    message (device.unrun_precision)."""
+    from predictors.cli import main
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.config import ShardingError
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    weights = precision.split("-")[0]
+    mixed = f"{weights}-mixed"
+    message = (f"precision={precision!r} with framework='deepspeed' at zero={zero} (--precision "
+               f"{precision} --framework deepspeed --zero {zero}): DeepSpeed's ZeRO optimizer "
+               f"keeps fp32 masters of {weights} weights whatever its config (fp16 masters only "
+               "with ZeRO-Offload, not modelled), so no DeepSpeed job steps without them; "
+               f"choose {mixed}, or zero 0 (a model cast to {weights} without a \"bf16\"/"
+               "\"fp16\" config section, stepped as it is)")
+    options = TrainingOptions.for_zero_stage(zero, framework="deepspeed")
+    with pytest.raises(ShardingError) as refused:
+        predict_peak_memory("qwen2-1.5b-like", options=options, precision=precision)
+    assert str(refused.value) == message
+    mlp = MlpSpec(64, (64,), 10)
+    with pytest.raises(ShardingError) as refused:
+        predict_module_memory(mlp.build(), *mlp.example(4), options=options, precision=precision)
+    assert str(refused.value) == message
+    for model in ("qwen2-1.5b-like", "mlp"):
+        assert main(["memory", "--model", model, "--framework", "deepspeed", "--zero",
+                     str(zero), "--precision", precision]) == 1
+        assert capsys.readouterr().err == f"error: ModelSpecError: {message}\n"
+    # the mixed precision is DeepSpeed's config of those weights, and is priced
+    assert predict_peak_memory("qwen2-1.5b-like", options=options, precision=mixed).fits
+
+
+def test_deepspeed_zero_0_with_a_pure_precision_reduces_an_fp32_cast_of_its_bucket():
+    """A *-pure precision is a real DeepSpeed job at ZeRO 0: a model cast to bf16/fp16 with no
+    "bf16"/"fp16" config section, which the engine steps as it is (engine.py: __check_params
+    returns at once, get_data_types -> fp32, no optimizer wrapper). Its
+    communication_data_type is then fp32, so allreduce_bucket casts each flat bucket to an
+    fp32 copy (tensor.to(...)) beside it, which was not priced (v0.9.5, v0.12.6)."""
+    from predictors.memory.api import predict_peak_memory
+    from predictors.memory.module import predict_module_memory
+    from predictors.memory.simple import MlpSpec
+
+    ds0 = TrainingOptions(framework="deepspeed")
+    for precision in ("bf16-pure", "fp16-pure"):
+        pure = predict_peak_memory("qwen2-1.5b-like", options=ds0, precision=precision)
+        assert pure.components["ds_allreduce_cast"] == 2 * pure.components["ds_allreduce_bucket"]
+    mixed = predict_peak_memory("qwen2-1.5b-like", options=ds0, precision="bf16-mixed")
+    assert "ds_allreduce_cast" not in mixed.components  # reduced in bf16, its config's dtype
+    mlp = MlpSpec(64, (64,), 10)
+    n = sum(q.numel() for q in mlp.build().parameters())
+    traced = predict_module_memory(mlp.build(), *mlp.example(4), options=ds0,
+                                   precision="bf16-pure").inside_allocator
+    assert (traced["ds_allreduce_bucket"], traced["ds_allreduce_cast"]) == (2 * n, 4 * n)
+
+
 def test_megatron_uneven_pipeline_flags_round_trip():
     """Megatron's uneven split (--decoder-first/last-pipeline-num-layers) survives flags and
     back, and the split is the one Megatron builds: the stages between share the rest."""
