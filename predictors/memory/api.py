@@ -165,7 +165,8 @@ def predict_peak_memory(model: str | ModelSpec | TransformerSpec,
     the traced paths' one rule
     (:func:`device.deepspeed_buckets`, one rank included); whatever the framework, NCCL's
     buffers of each communicator the rank runs a collective on, one per parallel group of more
-    than one rank (dp, tp, pp, and Megatron's gradient-statistics and embedding groups:
+    than one rank (dp, tp, pp, the world group under Megatron-LM and DeepSpeed, and Megatron's
+    model-parallel, gradient-statistics and embedding groups:
     :func:`device.nccl_communicators`, the traced paths' one implementation), outside the
     caching allocator. ``buffers``: the framework's bucket and NCCL buffer sizes (default: the
     documented defaults, :class:`device.CommBuffers`); ZeRO-3's prefetch bucket is DeepSpeed's
@@ -269,9 +270,10 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     reserved, est = _shipped_model().predict(spec, cfg, overheads)
     fz = factorize(spec, cfg)
     grad_params = trainable_params(fz)
+    tensors = trainable_tensors(fz)
     grads = grad_buffers(cfg, grad_params, cfg.precision)
     held = grads if replaces_gradients(cfg, cfg.precision) else {}
-    cast = step_copy(cfg, trainable_tensors(fz), cfg.precision)
+    cast = step_copy(cfg, tensors, cfg.precision)
     if held or cast:
         # Megatron's buffer (DeepSpeed's BF16_Optimizer's fp32 buffer and kept bf16 .grad)
         # holds every gradient from wrap time, one rank included: the walk holds it, full
@@ -306,7 +308,7 @@ def _predict_stage(spec: ModelSpec, cfg: Step, overheads: CudaOverheads, capacit
     # them (stage 1/2's ipg buffers live from the backward's start to its end, ZeRO 0's after
     # it: at another peak this is an upper bound); whole segments of their own
     ds = deepspeed_buckets(cfg, comps["parameters"], cfg.precision, buffers,
-                           [n // tp for n in trainable_tensors(fz)])
+                           [n // tp for n in tensors])
     comps.update(ds)
     reserved += sum(ds.values())
     return MemoryPrediction(spec, cfg, reserved, sum(comps.values()), est.peak_phase,

@@ -32,9 +32,9 @@ ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parame
 
 def deepspeed_zero(cfg: Step) -> bool:
     """DeepSpeed's ZeRO 2/3 with fp32 masters (one rank included): its optimizer step is
-    :func:`deepspeed_step`'s. With :func:`bf16_optimizer` the places the walk reads
-    ``options.framework`` (the replay: here only): elsewhere it prices the generic sharded
-    step, with no framework's data-parallel buffers."""
+    :func:`deepspeed_step`'s. With :func:`bf16_optimizer`, the only places the walk reads
+    ``options.framework`` (the replay reads it here only): elsewhere it prices the generic
+    sharded step, with no framework's data-parallel buffers."""
     return (cfg.options.framework == "deepspeed" and cfg.zero >= 2
             and cfg.precision.master_weights_fp32)
 
