@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_cona.lr_scaling import BaseLR, apply_lr_scale
+from megatron_cona.lr_scaling import BaseLR, apply_lr_scale, schedule_factor
 from predictors.spec import ParallelStrategy
 
 
@@ -51,6 +51,10 @@ class Executor(Protocol):
     def set_lr_scale(self, scale: float) -> None:
         """Scale the base peak/floor learning rate by ``scale``."""
 
+    def lr_factor(self) -> float:
+        """The LR schedule's share of the peak now (warmup and decay; 1 without a schedule),
+        the same whatever the batch rule scaled: what the progress check divides a rate by."""
+
 
 class SingleProcessExecutor:
     """Base of the executors of a simulated cluster: one process decides, and each switch is
@@ -69,6 +73,9 @@ class SingleProcessExecutor:
 
     def agree(self, strategy: ParallelStrategy) -> ParallelStrategy:
         return strategy  # one process decides
+
+    def lr_factor(self) -> float:
+        return 1.0  # a simulated job's LR follows no schedule (the laws assume it tuned)
 
 
 class ExecutorBase:
@@ -92,3 +99,6 @@ class ExecutorBase:
 
     def set_lr_scale(self, scale: float) -> None:
         apply_lr_scale(self.scheduler, self.base_lr, scale)
+
+    def lr_factor(self) -> float:
+        return schedule_factor(self.scheduler)

@@ -14,10 +14,12 @@ progress beyond the readings' noise so that the session rolls it back and rememb
 Assumptions (docs/cona.md): progress rates on one strategy change smoothly, so the rate the old
 strategy would have had after the switch is read from its intervals around the switch: for an
 experiment bracketed by intervals on the old strategy before and after it (the session's
-``bracket``), interpolated between the two sides (linear in the loss), nothing
+``bracket``), interpolated between the two sides (along a power law of the loss), nothing
 extrapolated; for an ordinary switch extrapolated from its last intervals' readings (one fit
 over one interval or several, at least five readings, ln rate linear in the loss); loss
-readings are unbiased with independent noise.
+readings are unbiased with independent noise. Time is the training time weighted by the LR
+schedule's factor (the session's): to first order the loss falls in proportion to the LR, so
+that a decay across a comparison is not read as the strategy's doing.
 """
 
 from __future__ import annotations
@@ -163,14 +165,28 @@ def rate_at_loss(times: list[float], losses: list[float], loss: float
     return math.exp(value), math.sqrt(max(float(grad @ cov @ grad), 0.0))
 
 
+# A bracket interpolates the old strategy's rate along a power law of the loss: the loss falls
+# as a power of the steps (Kaplan et al. 2020, arXiv 2001.08361, Eq 1.6 / Table 5:
+# L(S) ~ S^-alpha_S, alpha_S = 0.76), so its rate is the power 1 + 1/alpha_S of the excess loss
+# and the rate to this power is linear in the loss. A chord of the rates themselves lies above
+# that curve: on it an equal trial read x0.55-0.94 (docs/cona.md, the twenty-sixth session).
+RATE_POWER = 0.76 / 1.76
+
+
 def _between(before: Rate, after: Rate, w: float) -> tuple[float, float]:
-    """The rate ``w`` of the way from ``before`` to ``after`` (linear: over the few
-    intervals a bracket spans the rate's bend is second order) and its standard error
-    (absolute). Callers take it relative to one rate for both sides, never to each side's
-    own: a side read high by chance would otherwise state its own error small and make a
-    comparison on noisy readings look precise."""
-    return ((1 - w) * before.value + w * after.value,
-            math.hypot((1 - w) * before.stderr, w * after.stderr))
+    """The rate ``w`` of the way (in the loss) from ``before`` to ``after``, ``r^q`` linear
+    in the loss (``q`` = :data:`RATE_POWER`; linear in the rate itself where a side is not
+    positive), and its standard error (absolute). Callers take it relative to one rate for both
+    sides, never to each side's own: a side read high by chance would otherwise state its own
+    error small and make a comparison on noisy readings look precise."""
+    if not (before.value > 0 and after.value > 0):
+        return ((1 - w) * before.value + w * after.value,
+                math.hypot((1 - w) * before.stderr, w * after.stderr))
+    q = RATE_POWER
+    rate = ((1 - w) * before.value ** q + w * after.value ** q) ** (1 / q)
+    # d rate / d side = its weight x (rate / side)^(1 - q)
+    return rate, math.hypot((1 - w) * (rate / before.value) ** (1 - q) * before.stderr,
+                            w * (rate / after.value) ** (1 - q) * after.stderr)
 
 
 def implied_noise_scale(efficiency_ratio: float, batch_old: float, batch_new: float) -> float:
@@ -213,8 +229,9 @@ class ProgressMonitor:
         self._update_posterior()
 
     def observe(self, elapsed: float, loss: float, seconds: float, samples: float) -> None:
-        """A loss reading at ``elapsed`` training seconds; ``seconds`` and ``samples`` the
-        training time and samples the reading stands for."""
+        """A loss reading at ``elapsed`` training seconds (weighted by the LR schedule's
+        factor: the session's); ``seconds`` and ``samples`` the training time (unweighted: the
+        throughput side) and samples the reading stands for."""
         if math.isfinite(loss):
             self._times.append(elapsed)
             self._losses.append(loss)
@@ -396,8 +413,8 @@ class ProgressMonitor:
     def _interpolated(self, olds: list[Rate], backs: list[Rate], loss: float
                       ) -> tuple[float, float] | None:
         """The old strategy's rate at ``loss`` between its side before a trial (its last two
-        intervals pooled) and after it (``backs`` pooled), linear in the loss (:func:`_between`),
-        and its relative error; None unless it is positive and the loss fell from one side
+        intervals pooled) and after it (``backs`` pooled), along a power law of the loss
+        (:func:`_between`), and its relative error; None unless it is positive and the loss fell from one side
         to the other. Interpolated, not extrapolated: an extrapolated old side is biased where
         the curve bends (experiments read 16-19% too pessimistic that way, docs/cona.md)."""
         before = olds[-1] if len(olds) == 1 else self._pooled(olds[-2:])

@@ -159,6 +159,7 @@ class ConaSession:
         self._blind_rankings = 0  # rankings made in a row on a layout blind to the noise scale
         self.progress = ProgressMonitor(prior_bias=config.probe_bias_prior)
         self._elapsed = 0.0  # training seconds observed
+        self._lr_elapsed = 0.0  # the same, each weighted by the LR schedule's factor
         # the batch switch being judged: (old, new, experiment, intervals on new so far)
         self._judging: tuple[ParallelStrategy, ParallelStrategy, bool, int] | None = None
         # an experiment back on the strategy it left: (old, trial, intervals the trial ran,
@@ -187,10 +188,15 @@ class ConaSession:
         self.times.record(strategy, seconds)
         span = seconds * iterations
         self._interval_time += span
+        # progress is read against training time weighted by the LR schedule's factor: to
+        # first order the loss falls in proportion to the LR, and a decay between two sides
+        # of a comparison would otherwise read as a worse strategy
+        lr_span = span * self.executor.lr_factor()
         if loss is not None:
-            self.progress.observe(self._elapsed + span / 2, loss, span,
+            self.progress.observe(self._lr_elapsed + lr_span / 2, loss, span,
                                   iterations * strategy.global_batch_size)
         self._elapsed += span
+        self._lr_elapsed += lr_span
         sample = stats.sample() if stats is not None else None
         if sample is not None:
             self.gns.observe(sample)

@@ -201,6 +201,9 @@ class _BatchExecutor:
     def set_lr_scale(self, scale):
         self.lr_scales.append(scale)
 
+    def lr_factor(self):
+        return 1.0
+
 
 def _start_session(start: str, current: str, names: list[str]):
     from megatron_cona.gns import GradientNoiseScale
