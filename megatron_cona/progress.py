@@ -203,7 +203,7 @@ class ProgressMonitor:
     """Per-interval progress rates; a verdict on each batch switch; the probe's bias."""
 
     z: float = 2.0  # standard errors a rollback needs (and a calibration must be within)
-    max_relative_error: float = 0.25  # comparisons noisier than this teach nothing
+    max_relative_error: float = 0.25  # comparisons noisier than this are not acted on
     # prior on the probe's bias k (phi_true = k phi_probe): log-normal around ``prior_bias``
     # with ``prior_sd`` of ln k. Published ratios of the critical batch to the simple noise
     # scale span ~1 (McCandlish et al. 2018, arXiv 1812.06162: B_simple tracks B_crit) to
@@ -401,11 +401,19 @@ class ProgressMonitor:
         phi = implied_noise_scale(efficiency, old.global_batch_size, new.global_batch_size)
         confident = consistent and rel <= self.max_relative_error
         paid = observed >= 1.0 - self.z * stderr
+        # a noiseless comparison (a test's) still gets a finite likelihood
+        new_error = max(b.stderr / expected, 1e-3 * observed)
+        # testimony about the bias only where some bias explains the reading within z of its
+        # noise taken at the prediction, as the likelihood takes it: an old rate extrapolated
+        # to nearly 0 read x359 +- 3628, consistent by its own huge error yet far beyond
+        # z of every bias's prediction, and how far out it lay still moved the bias 90x
+        lo, hi = sorted((throughput, throughput * ratio))
+        nearest = min(max(observed, lo), hi)
+        explained = abs(observed - nearest) <= self.z * math.hypot(new_error, nearest * old_rel)
         evidence = Evidence(
             throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
-            # a noiseless comparison (a test's) still gets a finite likelihood
-            new_error=max(b.stderr / expected, 1e-3 * observed),
-            old_relative_error=old_rel) if consistent and probe_phi > 0 else None
+            new_error, old_relative_error=old_rel) \
+            if consistent and explained and probe_phi > 0 else None
         return Verdict(old, new, observed, stderr, efficiency, phi, paid,
                        rollback=confident and not paid, confident=confident,
                        consistent=consistent, evidence=evidence)

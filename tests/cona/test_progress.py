@@ -585,6 +585,37 @@ def test_the_session_reads_progress_against_time_weighted_by_the_lr_factor():
     assert rate.seconds_per_sample == pytest.approx(1.0 / 16)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_reading_no_bias_explains_teaches_nothing_about_the_bias(seed):
+    """The old run's loss falls 0.001 a second read through 0.01 of noise, so its rate is
+    known only roughly (even extrapolated to nearly 0); the new run's readings are exact.
+    Where the new strategy makes 0.8x the old one's progress, every reading lies within its
+    noise of what some bias predicts (throughput x (k phi + 16)/(k phi + 32), between 0.5 and
+    1 here) and teaches about the bias. Where it makes 50x (no change of batch can), the
+    comparison passes the consistency check on its own huge error (up to x10^12 +- 10^14),
+    but its noise taken at the prediction puts it far outside: it counts no evidence and the
+    posterior stays as it was (in the simulator such a reading, x359 +- 3628, moved the bias
+    90x and held a batch 8x too small for the rest of the run)."""
+    old, new = P("dp4tp1pp1mb4gb16"), P("dp4tp1pp1mb8gb32")
+    for speed, teaches in ((0.0008, True), (0.05, False)):
+        rng = np.random.default_rng(seed)
+        m, t, loss = ProgressMonitor(), 0.0, 5.0
+        for strategy, rate, noise in ((old, 0.001, 0.01), (old, 0.001, 0.01), (new, speed, 0.0)):
+            for _ in range(8):
+                t += 2.5
+                loss -= rate * 2.5
+                m.observe(t - 1.25, loss + noise * rng.normal(), 2.5, 2.5)
+            m.close_interval(strategy)
+        v = m.judge(old, new, 10.0, 1)
+        if not v.consistent:  # seed 0's fast run: refused by the consistency check already
+            assert not teaches and seed == 0
+            continue
+        before = (m.bias, m.bias_sd)
+        m.learn(v)
+        assert (v.evidence is not None) == teaches
+        assert ((m.bias, m.bias_sd) != before) == teaches
+
+
 def test_a_bracketed_trial_that_read_slower_is_left_and_one_that_lost_is_remembered():
     """Batch 32 is truly worse than 16 here (phi = 4: the efficiency falls with the batch
     faster than the throughput per sample rises). The ranking keeps 16, but the probe's bias
