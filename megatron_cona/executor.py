@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_cona.lr_scaling import BaseLR, apply_lr_scale, schedule_factor
+from megatron_cona.lr_scaling import BaseLR, apply_lr_scale
 from predictors.spec import ParallelStrategy
 
 
@@ -76,6 +76,17 @@ class SingleProcessExecutor:
 
     def lr_factor(self) -> float:
         return 1.0  # a simulated job's LR follows no schedule (the laws assume it tuned)
+
+
+def schedule_factor(scheduler) -> float:
+    """A megatron ``OptimizerParamScheduler``'s LR now over its peak (warmup and decay), read
+    from its first param group: the same for every group and whatever scale
+    :func:`~megatron_cona.lr_scaling.apply_lr_scale` set, which scales peak and floor
+    together. Read here, not in ``lr_scaling``: that module shapes the law check's committed
+    curves (``benchmarks/cona_curves.py``'s code hash), and reading the LR changes none."""
+    group = scheduler.optimizer.param_groups[0]
+    peak = group.get("max_lr") or scheduler.max_lr
+    return scheduler.get_lr(group) / peak if peak > 0 else 1.0
 
 
 class ExecutorBase:

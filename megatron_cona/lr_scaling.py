@@ -145,12 +145,3 @@ def apply_lr_scale(scheduler, base: BaseLR, scale: float) -> None:
         if min_lr is not None:
             group["min_lr"] = min_lr * scale
     scheduler.step(increment=0)
-
-
-def schedule_factor(scheduler) -> float:
-    """A megatron ``OptimizerParamScheduler``'s LR now over its peak (warmup and decay, the
-    same for every param group and whatever scale :func:`apply_lr_scale` set: it scales the
-    peak and the floor together), read from its first param group."""
-    group = scheduler.optimizer.param_groups[0]
-    peak = group.get("max_lr") or scheduler.max_lr
-    return scheduler.get_lr(group) / peak if peak > 0 else 1.0

@@ -43,7 +43,8 @@ def test_the_schedule_factor_is_megatron_cores_decay_whatever_the_batch_rule_sca
     torch = pytest.importorskip("torch")
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_cona.lr_scaling import BaseLR, apply_lr_scale, schedule_factor
+    from megatron_cona.executor import schedule_factor
+    from megatron_cona.lr_scaling import BaseLR, apply_lr_scale
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
