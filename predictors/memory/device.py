@@ -24,7 +24,7 @@ from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, Step, StrategyView
 from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
-from .phases import bf16_optimizer, deepspeed_zero
+from .phases import bf16_optimizer, deepspeed_zero, runs_deepspeed_engine
 from .zero import zero3_params
 
 
@@ -172,7 +172,7 @@ def unrun_precision(options: TrainingOptions, precision: str | Precision) -> str
     one rule of the traced paths (``module.predict_module_memory``), a preset's analytical
     model (``api.predict_peak_memory``) and ``predict memory``'s refusal."""
     p, zero = get_precision(precision), options.zero_stage
-    if (options.framework != "deepspeed" or zero == 0 or p.param_dtype == torch.float32
+    if (not runs_deepspeed_engine(options) or zero == 0 or p.param_dtype == torch.float32
             or p.master_weights_fp32):
         return None
     mixed = "bf16-mixed" if p.param_dtype == torch.bfloat16 else "fp16-mixed"
@@ -303,7 +303,7 @@ def fp16_optimizer(view: StrategyView, precision: str | Precision,
     masters and its optimizer's states of every trainable element (not partitioned), as the
     plain mixed step does; its step is :func:`step_copy`'s."""
     p = get_precision(precision)
-    return (view.options.framework == "deepspeed" and view.zero == 0
+    return (runs_deepspeed_engine(view.options) and view.zero == 0
             and p.param_dtype == torch.float16 and p.master_weights_fp32
             and optimizer in FRAMEWORK_FUSED["deepspeed"])
 
@@ -370,13 +370,6 @@ def allreduce_bucket(grad_tensors: Sequence[int], bucket: int = ALLREDUCE_BUCKET
     return max(largest, run)
 
 
-def runs_deepspeed_engine(view: StrategyView) -> bool:
-    """Whether ``view``'s step runs DeepSpeed's engine, whose buckets
-    (:func:`deepspeed_buckets`) it allocates at every ZeRO stage, one rank included: the one
-    condition of :func:`deepspeed_buckets` and :attr:`Sharding.changes_step`."""
-    return view.options.framework == "deepspeed"
-
-
 def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Precision,
                       buffers: CommBuffers | None = None,
                       grad_tensors: Sequence[int] = ()) -> dict[str, int]:
@@ -404,7 +397,7 @@ def deepspeed_buckets(view: StrategyView, param_bytes: int, precision: str | Pre
     runs at one rank too, so these are priced at any ``dp``. The one rule of the traced paths
     (:meth:`Sharding.sharding_adjustment`) and a preset's analytical model
     (``api.predict_peak_memory``), which price them live in every phase of the step."""
-    if not runs_deepspeed_engine(view):
+    if not runs_deepspeed_engine(view.options):
         return {}
     elem = get_precision(precision).param_dtype.itemsize
     if view.zero == 0:
@@ -518,7 +511,7 @@ def nccl_communicators(strategy: ParallelStrategy, options: TrainingOptions,
     model (``api.predict_peak_memory``)."""
     s = strategy
     sizes = {"dp": s.dp, "tp": s.tp, "pp": s.pp}
-    if options.framework in ("megatron", "deepspeed"):
+    if options.framework == "megatron" or runs_deepspeed_engine(options):
         sizes["world"] = s.world_size
     if options.framework == "megatron":
         sizes["mp"] = s.tp * s.pp
@@ -586,7 +579,7 @@ class Sharding(StrategyView):
         """Whether the framework changes what the traced single-GPU step holds: beyond one
         rank, and at one rank too under Megatron (its gradient buffer, :func:`grad_buffers`)
         and DeepSpeed (its buckets, :func:`deepspeed_buckets`)."""
-        return self.dp > 1 or self.framework == "megatron" or runs_deepspeed_engine(self)
+        return self.dp > 1 or self.framework == "megatron" or runs_deepspeed_engine(self.options)
 
     def sharding_adjustment(self, live: dict[str, int], grad_tensors: Sequence[int],
                             opt: OptimizerSpec,
@@ -634,7 +627,7 @@ class Sharding(StrategyView):
             delta -= int(live.get("optimizer_state", 0) * (1 - keep))
             if peak_phase == "optimizer":  # foreach temporaries cover the shard only
                 delta -= int(live.get("temporary", 0) * (1 - keep))
-        if self.framework == "deepspeed" and self.zero >= 2:
+        if runs_deepspeed_engine(self.options) and self.zero >= 2:
             delta -= int(grads * (1 - keep))
         buffers.update(deepspeed_buckets(self, params, precision, self.buffers, grad_tensors))
         if self.zero == 3:  # DeepSpeed's: the others' are refused (unmodelled_zero)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..spec.model import ModelSpec
+from ..spec.options import TrainingOptions
 from ..spec.precision import Precision, get_precision
 from .config import ShardingError, Step, StrategyView
 from .factorize import F32, Factorization, factorize
@@ -30,12 +31,21 @@ from .zero import deepspeed_step, zero3_params
 ADAM_STEP_BLOCK = 512  # fused AdamW keeps a 0-d fp32 ``step`` tensor per parameter (one block)
 
 
+def runs_deepspeed_engine(options: TrainingOptions) -> bool:
+    """Whether a step under ``options`` runs DeepSpeed's engine (framework ``deepspeed``), at
+    every ZeRO stage, one rank included: the one test of the memory predictor for DeepSpeed
+    (its ZeRO step, :func:`deepspeed_zero`; its ``BF16_Optimizer``, :func:`bf16_optimizer`;
+    its buckets, :func:`device.deepspeed_buckets`; ...). On the options, which every view
+    (:class:`config.StrategyView`) carries and the refusals take alone."""
+    return options.framework == "deepspeed"
+
+
 def deepspeed_zero(cfg: Step) -> bool:
     """DeepSpeed's ZeRO 2/3 with fp32 masters (one rank included): its optimizer step is
     :func:`deepspeed_step`'s. With :func:`bf16_optimizer`, the only places the walk reads
-    ``options.framework`` (the replay reads it here only): elsewhere it prices the generic
-    sharded step, with no framework's data-parallel buffers."""
-    return (cfg.options.framework == "deepspeed" and cfg.zero >= 2
+    the framework (:func:`runs_deepspeed_engine`; the replay reads it here only): elsewhere it
+    prices the generic sharded step, with no framework's data-parallel buffers."""
+    return (runs_deepspeed_engine(cfg.options) and cfg.zero >= 2
             and cfg.precision.master_weights_fp32)
 
 
@@ -49,7 +59,7 @@ def bf16_optimizer(view: StrategyView, precision: str | Precision) -> bool:
     gradients and sharded states are :func:`device.grad_buffers`'; the walk shards the fp32
     masters and states over ``dp`` here too."""
     p = get_precision(precision)
-    return (view.options.framework == "deepspeed" and view.zero == 0
+    return (runs_deepspeed_engine(view.options) and view.zero == 0
             and p.param_dtype == torch.bfloat16 and p.master_weights_fp32)
 
 
