@@ -24,7 +24,7 @@ from .allocator import MiB
 from .config import SINGLE_GPU, ShardingError, Step, StrategyView
 from .optimizers import TORCH_IMPL, OptimizerSpec
 from .overheads import CONTEXTS, HOPPER, PRE_HOPPER, CudaOverheads
-from .phases import bf16_optimizer, deepspeed_zero, runs_deepspeed_engine
+from .phases import bf16_optimizer, deepspeed_zero, runs_deepspeed_engine, zero0_wrapper_dtype
 from .zero import zero3_params
 
 
@@ -302,9 +302,7 @@ def fp16_optimizer(view: StrategyView, precision: str | Precision,
     optimizer gets ``FP16_UnfusedOptimizer``), v0.9.5 and v0.12.6 alike. It keeps flat fp32
     masters and its optimizer's states of every trainable element (not partitioned), as the
     plain mixed step does; its step is :func:`step_copy`'s."""
-    p = get_precision(precision)
-    return (runs_deepspeed_engine(view.options) and view.zero == 0
-            and p.param_dtype == torch.float16 and p.master_weights_fp32
+    return (zero0_wrapper_dtype(view, precision) == torch.float16
             and optimizer in FRAMEWORK_FUSED["deepspeed"])
 
 

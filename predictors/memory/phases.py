@@ -49,6 +49,21 @@ def deepspeed_zero(cfg: Step) -> bool:
             and cfg.precision.master_weights_fp32)
 
 
+def zero0_wrapper_dtype(view: StrategyView, precision: str | Precision) -> torch.dtype | None:
+    """The weights' dtype DeepSpeed's engine wraps ``view``'s optimizer for without ZeRO, or
+    None where it wraps none: ZeRO 0 with low-precision weights and fp32 masters, DeepSpeed's
+    ``"bf16"`` or ``"fp16"`` config (the ``*-mixed`` and fp8 precisions; a ``*-pure`` one
+    has neither section, :func:`device.deepspeed_comm_dtype`), for which ``engine.py``'s
+    ``_do_optimizer_sanity_check`` returns ``BFLOAT16`` or ``FP16``. The one condition of
+    :func:`bf16_optimizer` (``BF16_Optimizer``) and :func:`device.fp16_optimizer`
+    (``FP16_Optimizer``), which differ in that dtype and in the optimizer the latter needs
+    (their docstrings cite the DeepSpeed sources and versions)."""
+    p = get_precision(precision)
+    if runs_deepspeed_engine(view.options) and view.zero == 0 and p.master_weights_fp32:
+        return p.param_dtype
+    return None
+
+
 def bf16_optimizer(view: StrategyView, precision: str | Precision) -> bool:
     """Whether DeepSpeed wraps ``view``'s optimizer in its ``BF16_Optimizer``: ZeRO 0 with
     bf16 weights and fp32 masters (DeepSpeed's ``"bf16"`` config). ``engine.py``'s
@@ -58,9 +73,7 @@ def bf16_optimizer(view: StrategyView, precision: str | Precision) -> bool:
     ``runtime/bf16_optimizer.py``'s ``BF16_Optimizer`` (v0.9.5, v0.12.6 and v0.16 alike). Its
     gradients and sharded states are :func:`device.grad_buffers`'; the walk shards the fp32
     masters and states over ``dp`` here too."""
-    p = get_precision(precision)
-    return (runs_deepspeed_engine(view.options) and view.zero == 0
-            and p.param_dtype == torch.bfloat16 and p.master_weights_fp32)
+    return zero0_wrapper_dtype(view, precision) == torch.bfloat16
 
 
 def adam_impl(cfg: Step) -> str:
