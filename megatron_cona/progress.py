@@ -422,9 +422,10 @@ class ProgressMonitor:
                       ) -> tuple[float, float] | None:
         """The old strategy's rate at ``loss`` between its side before a trial (its last two
         intervals pooled) and after it (``backs`` pooled), along a power law of the loss
-        (:func:`_between`), and its relative error; None unless it is positive and the loss fell from one side
-        to the other. Interpolated, not extrapolated: an extrapolated old side is biased where
-        the curve bends (experiments read 16-19% too pessimistic that way, docs/cona.md)."""
+        (:func:`_between`), and its relative error; None unless it is positive and the loss
+        fell from one side to the other. Interpolated, not extrapolated: an extrapolated old
+        side is biased where the curve bends (experiments read 16-19% too pessimistic that way,
+        docs/cona.md)."""
         before = olds[-1] if len(olds) == 1 else self._pooled(olds[-2:])
         after = backs[0] if len(backs) == 1 else self._pooled(backs)
         if before is None or after is None or not before.mid_loss > after.mid_loss:
