@@ -395,9 +395,9 @@ class ProgressMonitor:
         efficiency = observed / throughput
         # the efficiency ratio a change of batch can give lies between 1 and B_old / B_new;
         # a reading outside (beyond its noise) says the comparison itself failed: no verdict
-        ratio = old.global_batch_size / new.global_batch_size
+        lo, hi = sorted((1.0, old.global_batch_size / new.global_batch_size))
         slack = self.z * efficiency * rel
-        consistent = min(1.0, ratio) - slack <= efficiency <= max(1.0, ratio) + slack
+        consistent = lo - slack <= efficiency <= hi + slack
         phi = implied_noise_scale(efficiency, old.global_batch_size, new.global_batch_size)
         confident = consistent and rel <= self.max_relative_error
         paid = observed >= 1.0 - self.z * stderr
@@ -407,8 +407,7 @@ class ProgressMonitor:
         # noise taken at the prediction, as the likelihood takes it: an old rate extrapolated
         # to nearly 0 read x359 +- 3628, consistent by its own huge error yet far beyond
         # z of every bias's prediction, and how far out it lay still moved the bias 90x
-        lo, hi = sorted((throughput, throughput * ratio))
-        nearest = min(max(observed, lo), hi)
+        nearest = min(max(observed, throughput * lo), throughput * hi)
         explained = abs(observed - nearest) <= self.z * math.hypot(new_error, nearest * old_rel)
         evidence = Evidence(
             throughput, old.global_batch_size, new.global_batch_size, probe_phi, observed,
